@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+STORE ?= ./rlvr-store
+
+.PHONY: demo test venv bench clean
+
+venv: $(STAMP)
+
+# torch first, pinned: a bare `torch` (or a range admitting newer releases) would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rlvr run --store $(STORE)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/step_overhead.py
+	$(BIN)/python benchmarks/query_speed.py
+
+clean:
+	rm -rf $(VENV) $(STORE) .pytest_cache

@@ -1,0 +1,1 @@
+"""Prefect flows (the RL run) and the `rlvr` command line."""

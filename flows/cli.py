@@ -1,0 +1,207 @@
+"""The `rlvr` command line (ARCHITECTURE §8). Expected failures print one line and exit non-zero."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from storage.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="rlvr: RL with verifiable rewards, every artifact Parquet, every question a DuckDB query.")
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+DEFAULT_STORE = "./rlvr-store"
+StoreOption = typer.Option(None, "--store", help="store root: a path or fsspec URL (default $RLVR_STORE or ./rlvr-store)")
+
+
+def store_root(store: Optional[str]) -> str:
+    return store or os.environ.get("RLVR_STORE") or DEFAULT_STORE
+
+
+def open_existing(store: Optional[str]):
+    from storage.store import Store
+
+    return Store.open(store_root(store))
+
+
+@app.command()
+def run(
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML file with config sections"),
+    store: Optional[str] = StoreOption,
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="name the run (default: a new timestamped id)"),
+    set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set train.steps=200"),
+) -> None:
+    """Run the RL pipeline end to end: synthesize, warm start, difficulty, RL steps, evaluate, checkpoint."""
+    from flows.prefect_env import configure_prefect
+    from storage.store import Store
+
+    root = store_root(store)
+    configure_prefect(Store(root))
+    from flows.config import load_config
+    from flows.runner import execute, new_run_id
+
+    cfg = load_config(config, [*set_, *([f"run_id={run_id}"] if run_id else [])])
+    if cfg.run_id is None:
+        cfg = cfg.model_copy(update={"run_id": new_run_id()})
+    if Store(root).read_run(cfg.run_id) is not None:
+        raise UserError(f"run {cfg.run_id!r} already exists in {root}; continue it with `rlvr resume {cfg.run_id}`")
+    _run_with_progress(lambda: execute(root, cfg), cfg)
+
+
+@app.command()
+def resume(run_id: str = typer.Argument(..., help="the run to finish"), store: Optional[str] = StoreOption) -> None:
+    """Finish a failed or killed run from its last committed work (same results as an uninterrupted run)."""
+    from flows.prefect_env import configure_prefect
+
+    found = open_existing(store)
+    configure_prefect(found)
+    from flows.config import config_from_json
+    from flows.runner import resumable_run
+    from flows.runner import resume as resume_run
+
+    cfg = config_from_json(resumable_run(found, run_id)["config_json"])
+    _run_with_progress(lambda: resume_run(store_root(store), run_id), cfg)
+
+
+def _run_with_progress(start, cfg) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from flows import progress
+
+    steps = cfg.train.steps if cfg is not None else 0
+    state: dict[str, Any] = {"reward": float("nan"), "accuracy": float("nan")}
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("reward {task.fields[reward]:.2f}  held-out acc {task.fields[accuracy]:.2f}"),
+                   TimeElapsedColumn(), console=err, transient=False)
+    task_id = bar.add_task("starting", total=steps, reward=state["reward"], accuracy=state["accuracy"])
+
+    def listener(event: str, fields: dict[str, Any]) -> None:
+        if event == "stage":
+            bar.update(task_id, description=fields["name"])
+        elif event == "step":
+            bar.update(task_id, completed=fields["step"], reward=fields["reward"], description="rl step")
+        elif event == "eval":
+            bar.update(task_id, accuracy=fields["accuracy"])
+
+    progress.listen(listener)
+    try:
+        with bar:
+            summary = start()
+    finally:
+        progress.stop_listening(listener)
+    _print_summary(summary)
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    run_id, root = s["run_id"], s["store"]
+    out.print(f"\n[bold]run {run_id} completed[/bold] in {s['seconds']:.0f} s")
+    out.print(f"held-out greedy accuracy (test split): before {_fmt(s['accuracy_init'])}"
+              f" -> after warm start {_fmt(s['accuracy_warmstart'])} -> after RL {_fmt(s['accuracy_final'])}")
+    out.print(f"run id: {run_id}\nstore:  {root}")
+    out.print("query it, e.g.:")
+    out.print(f"  rlvr query \"SELECT step, phase, accuracy FROM evals WHERE run_id = '{run_id}' ORDER BY step\""
+              f" --store {root}")
+    out.print(f"  rlvr lineage {s['policy_id']} --up --store {root}")
+
+
+@app.command()
+def runs(store: Optional[str] = StoreOption) -> None:
+    """List the runs in the store with their status (running, failed, completed)."""
+    from flows.runner import describe_run
+
+    found = open_existing(store)
+    rows = [describe_run(r) for r in sorted(found.list_runs(), key=lambda r: r.get("created_at", ""))]
+    _print_rows(rows, ["run_id", "status", "steps", "created_at", "updated_at"], "table")
+
+
+@app.command()
+def query(
+    sql: str = typer.Argument(..., help="SQL over the views: artifacts, lineage, runs, problems, rollouts, ..."),
+    store: Optional[str] = StoreOption,
+    format: str = typer.Option("table", "--format", help="table, csv or json"),
+) -> None:
+    """Run a DuckDB query over the store's committed artifacts."""
+    import duckdb
+
+    from storage.views import connect
+
+    if format not in ("table", "csv", "json"):
+        raise UserError(f"unknown format {format!r}; use table, csv or json")
+    con = connect(open_existing(store))
+    try:
+        result = con.execute(sql)
+        columns = [d[0] for d in result.description] if result.description else []
+        rows = [dict(zip(columns, r)) for r in result.fetchall()]
+    except duckdb.Error as exc:
+        raise UserError(f"query failed: {str(exc).splitlines()[0]}") from None
+    _print_rows(rows, columns, format)
+
+
+@app.command()
+def lineage(
+    artifact_or_row_id: str = typer.Argument(..., help="an artifact id, or a problem/rollout id"),
+    store: Optional[str] = StoreOption,
+    up: bool = typer.Option(False, "--up", help="everything it came from (default)"),
+    down: bool = typer.Option(False, "--down", help="everything made from it"),
+    format: str = typer.Option("table", "--format", help="table, csv or json"),
+) -> None:
+    """Walk the lineage of an artifact (or of the artifact holding a row id)."""
+    from storage.lineage import ancestors, descendants, resolve_id
+
+    if up and down:
+        raise UserError("choose one of --up or --down")
+    found = open_existing(store)
+    aid = resolve_id(found, artifact_or_row_id)
+    manifests = descendants(found, aid) if down else ancestors(found, aid)
+    rows = [{"artifact_id": m.artifact_id, "kind": m.kind, "stage": m.stage, "step": m.step, "rows": m.rows,
+             "run_id": m.run_id} for m in manifests]
+    if format == "table":
+        out.print(f"{'descendants' if down else 'ancestors'} of {aid}: {len(rows)} artifacts")
+    _print_rows(rows, ["artifact_id", "kind", "stage", "step", "rows", "run_id"], format)
+
+
+def _print_rows(rows: list[dict[str, Any]], columns: list[str], format: str) -> None:
+    if format == "json":
+        for row in rows:
+            print(json.dumps(row, default=str))
+        return
+    if format == "csv":
+        import csv
+
+        writer = csv.DictWriter(sys.stdout, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+        return
+    table = Table(*columns)
+    for row in rows:
+        table.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
+    out.print(table)
+
+
+def main() -> None:
+    """Entry point: a UserError becomes one line on stderr and exit status 2; bugs keep their traceback."""
+    try:
+        app()
+    except UserError as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err.print("interrupted; finish the run with `rlvr resume RUN_ID`", markup=False)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""The artifact store: Parquet artifacts with an atomic commit protocol, the catalog, lineage and DuckDB views.
+
+Stages meet only here: each reads its inputs and commits its outputs through a `Store`, and every
+question about a run is a query over `connect(store)`.
+"""
+
+from storage.ids import artifact_id, derive_seed, row_id
+from storage.lineage import ancestors, descendants, resolve_id
+from storage.store import Manifest, Store, run_status
+from storage.views import connect, query
+
+__all__ = [
+    "Manifest",
+    "Store",
+    "ancestors",
+    "artifact_id",
+    "connect",
+    "derive_seed",
+    "descendants",
+    "query",
+    "resolve_id",
+    "row_id",
+    "run_status",
+]

@@ -1,0 +1,17 @@
+"""Expected failures. The CLI prints a `UserError` as one line and exits non-zero; anything else is a bug."""
+
+
+class UserError(Exception):
+    """A failure caused by input or environment that the user can fix (message says how)."""
+
+
+class StoreNotFound(UserError):
+    """No store exists at the given root."""
+
+
+class ArtifactNotFound(UserError):
+    """No committed artifact (manifest) has this id."""
+
+
+class ConfigError(UserError):
+    """The run configuration is malformed (unknown key, wrong type, bad value)."""

@@ -1,0 +1,157 @@
+"""The columns of every artifact kind: the contract between stages and the shape of each DuckDB view.
+
+Writers are checked against these schemas, and a view over a kind with no committed artifact yet is
+an empty table with these columns, so a query never fails only because a stage has not run.
+Kinds not listed here are allowed (extensions add their own) and are typed by their data.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+_s = pa.string()
+_i = pa.int64()
+_f = pa.float64()
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "config": pa.schema([("run_id", _s), ("seed", _i), ("config_json", _s)]),
+    "problems": pa.schema(
+        [
+            ("problem_id", _s),
+            ("run_id", _s),
+            ("split", _s),
+            ("domain", _s),
+            ("category", _s),
+            ("prompt", _s),
+            ("answer", _s),
+            ("generator", _s),
+            ("generator_version", _s),
+            ("params", _s),
+            ("seed", _i),
+            ("source_index", _i),
+            ("parent_problem_id", _s),
+            ("derivation", _s),
+        ]
+    ),
+    "quarantine": pa.schema(
+        [("run_id", _s), ("stage", _s), ("source_index", _i), ("reason", _s), ("row_json", _s)]
+    ),
+    "warmstart": pa.schema(
+        [("run_id", _s), ("step", _i), ("loss", _f), ("examples", _i), ("lr", _f)]
+    ),
+    "difficulty": pa.schema(
+        [
+            ("run_id", _s),
+            ("problem_id", _s),
+            ("policy_id", _s),
+            ("k", _i),
+            ("successes", _i),
+            ("pass_rate", _f),
+            ("beta_alpha", _f),
+            ("beta_beta", _f),
+            ("posterior_mean", _f),
+            ("bin", _i),
+        ]
+    ),
+    "selections": pa.schema(
+        [
+            ("run_id", _s),
+            ("step", _i),
+            ("slot", _i),
+            ("problem_id", _s),
+            ("probability", _f),
+            ("policy", _s),
+        ]
+    ),
+    "allocations": pa.schema(
+        [
+            ("run_id", _s),
+            ("step", _i),
+            ("slot", _i),
+            ("problem_id", _s),
+            ("n_rollouts", _i),
+            ("p_hat", _f),
+            ("policy", _s),
+        ]
+    ),
+    "rollouts": pa.schema(
+        [
+            ("rollout_id", _s),
+            ("run_id", _s),
+            ("step", _i),
+            ("slot", _i),
+            ("problem_id", _s),
+            ("sample_index", _i),
+            ("prompt", _s),
+            ("response", _s),
+            ("completion_ids", pa.list_(_i)),
+            ("n_tokens", _i),
+            ("finish_reason", _s),
+            ("policy_id", _s),
+        ]
+    ),
+    "rewards": pa.schema(
+        [
+            ("rollout_id", _s),
+            ("run_id", _s),
+            ("step", _i),
+            ("problem_id", _s),
+            ("verifier", _s),
+            ("verifier_version", _s),
+            ("score", _f),
+            ("status", _s),
+            ("extracted", _s),
+            ("reason", _s),
+            ("components", _s),
+        ]
+    ),
+    "train_steps": pa.schema(
+        [
+            ("run_id", _s),
+            ("step", _i),
+            ("policy_id", _s),
+            ("loss", _f),
+            ("mean_reward", _f),
+            ("reward_std", _f),
+            ("effective_ratio", _f),
+            ("groups", _i),
+            ("rollouts", _i),
+            ("clip_fraction", _f),
+            ("kl", _f),
+            ("grad_norm", _f),
+            ("lr", _f),
+            ("updates", _i),
+            ("compute_seconds", _f),
+        ]
+    ),
+    "train_state": pa.schema(
+        [("run_id", _s), ("step", _i), ("optimizer_steps", _i), ("n_params", _i)]
+    ),
+    "evals": pa.schema(
+        [
+            ("run_id", _s),
+            ("step", _i),
+            ("phase", _s),
+            ("split", _s),
+            ("policy_id", _s),
+            ("accuracy", _f),
+            ("correct", _i),
+            ("n", _i),
+        ]
+    ),
+    "checkpoints": pa.schema(
+        [
+            ("run_id", _s),
+            ("step", _i),
+            ("artifact_id", _s),
+            ("stage", _s),
+            ("policy_id", _s),
+            ("n_params", _i),
+        ]
+    ),
+}
+
+
+def schema_for(kind: str) -> pa.Schema | None:
+    """The declared schema of `kind`, or None for kinds that declare none."""
+    return SCHEMAS.get(kind)

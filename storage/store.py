@@ -1,0 +1,657 @@
+"""The artifact store: a directory (local or any fsspec URL) of immutable Parquet artifacts and run records.
+
+The commit protocol is what makes resume safe: data files are written first, and an artifact exists
+only once its manifest has been written, last and atomically. Sharded artifacts commit each shard with
+its own marker, so a crash loses at most the shard in flight. Layout under the root:
+
+    STORE                                              {"format": 1}: a store exists here
+    manifests/<artifact_id>.json                       commit marker + catalog row
+    artifacts/<kind>/<artifact_id>/part-00000.parquet  data (one or more parts)
+    artifacts/<kind>/<artifact_id>/_shards/part-00003.json   shard commit marker (sharded writes)
+    artifacts/<kind>/<artifact_id>/files/<name>        binary files (model weights, ...)
+    runs/<run_id>.json                                 run record (mutable, replaced atomically)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+
+from storage.errors import ArtifactNotFound, StoreNotFound, UserError
+from storage.ids import canonical_json
+from storage.schemas import schema_for
+
+STORE_FORMAT = 1
+RUN_STATUSES = ("running", "failed", "completed")
+# These names are catalog views in DuckDB, so no artifact kind may take them.
+RESERVED_KINDS = frozenset({"artifacts", "lineage", "runs"})
+
+_KIND_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_SHARD_MARKER_RE = re.compile(r"^part-(\d{5})\.json$")
+_TMP_MARK = ".tmp-"
+_HASH_CHUNK = 1 << 20
+_MAX_SHARD_INDEX = 99_999
+
+
+def utc_now() -> str:
+    """Timestamps are ISO UTC strings with a fixed width, so sorting the strings sorts the times."""
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+
+
+def part_name(index: int) -> str:
+    """The file name of data part `index`; the zero padding keeps name order equal to index order."""
+    return f"part-{index:05d}.parquet"
+
+
+def _basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The commit record of one artifact and its row in the catalog; immutable once written."""
+
+    artifact_id: str
+    kind: str
+    run_id: str
+    stage: str
+    step: int | None
+    rows: int
+    schema: str
+    files: list[dict[str, Any]]
+    parents: list[str]
+    code_version: str
+    config: dict[str, Any]
+    created_at: str
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """Indented so a person can read a manifest with `cat`."""
+        return json.dumps(asdict(self), sort_keys=True, indent=2, ensure_ascii=False, default=str)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        """Parse a manifest written by `to_json`."""
+        return cls(**json.loads(text))
+
+    @property
+    def table_files(self) -> list[dict[str, Any]]:
+        """The Parquet parts, in order (binary files have rows=None)."""
+        return [entry for entry in self.files if entry["rows"] is not None]
+
+    @property
+    def binary_files(self) -> list[dict[str, Any]]:
+        """The binary files (model weights, ...) that live beside the Parquet parts."""
+        return [entry for entry in self.files if entry["rows"] is None]
+
+
+def conform_to_schema(kind: str, table: pa.Table) -> pa.Table:
+    """Cast `table` to the declared schema of `kind`, so every artifact of a kind has the same columns.
+
+    Kinds without a declared schema keep their own columns (extensions add kinds freely).
+    """
+    schema = schema_for(kind)
+    if schema is None:
+        return table.replace_schema_metadata(None)
+    expected = schema.names
+    actual = table.column_names
+    missing = [name for name in expected if name not in actual]
+    extra = [name for name in actual if name not in expected]
+    duplicated = sorted({name for name in actual if actual.count(name) > 1})
+    if missing or extra or duplicated:
+        raise ValueError(
+            f"{kind} table does not match its declared schema (storage/schemas.py): "
+            f"missing columns {missing}, extra columns {extra}, duplicated columns {duplicated}; "
+            f"expected exactly {expected}"
+        )
+    try:
+        return table.select(expected).cast(schema)
+    except pa.ArrowException as exc:
+        raise ValueError(f"{kind} table has a column that cannot be cast to its declared type: {exc}") from exc
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    """Serialize in memory so the checksum is computed over exactly the bytes that are written."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def _check_kind(kind: str) -> None:
+    if not _KIND_RE.match(kind) or kind in RESERVED_KINDS:
+        raise ValueError(
+            f"bad artifact kind {kind!r}: kinds are view names, lower_snake_case, "
+            f"and not one of {sorted(RESERVED_KINDS)}"
+        )
+
+
+def _check_name(what: str, name: str) -> None:
+    if not _NAME_RE.match(name):
+        raise ValueError(f"bad {what} {name!r}: use letters, digits, '_', '.', '-' (it becomes a file name)")
+
+
+class Store:
+    """A store rooted at a local path or any fsspec URL; every method works the same on both."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.fs, root_path = fsspec.core.url_to_fs(root)
+        self._root_path = root_path.rstrip("/")
+        self._manifest_cache: dict[str, Manifest] = {}
+
+    @classmethod
+    def open(cls, root: str, create: bool = False) -> Store:
+        """Open an existing store; only `create=True` makes a new one, so a typo never starts an empty store."""
+        store = cls(root)
+        marker = store.path("STORE")
+        if not store.fs.exists(marker):
+            if not create:
+                raise StoreNotFound(
+                    f"no store at {root}; create one with `rlvr run --store {root}` "
+                    f"or `rlvr data --store {root}`, or pass the right --store / RLVR_STORE"
+                )
+            store._write_atomic(marker, canonical_json({"format": STORE_FORMAT}).encode())
+            return store
+        found = json.loads(store.fs.cat_file(marker)).get("format")
+        if found != STORE_FORMAT:
+            raise UserError(f"store at {root} has format {found}; this version reads format {STORE_FORMAT}")
+        return store
+
+    # ----- paths -----------------------------------------------------------------------------------
+
+    def path(self, *parts: str) -> str:
+        """A path on `self.fs` under the root."""
+        return "/".join([self._root_path, *parts])
+
+    @property
+    def is_local(self) -> bool:
+        """Local stores are read by DuckDB directly; others go through the fsspec filesystem."""
+        return isinstance(self.fs, LocalFileSystem)
+
+    @property
+    def local_root(self) -> str | None:
+        """The root as an OS path, or None when the store is not on the local disk."""
+        return self._root_path if self.is_local else None
+
+    def artifact_dir(self, kind: str, artifact_id: str) -> str:
+        """The directory holding an artifact's parts, shard markers and files."""
+        return self.path("artifacts", kind, artifact_id)
+
+    def manifest_path(self, artifact_id: str) -> str:
+        """Where the manifest (the commit marker) of `artifact_id` lives."""
+        return self.path("manifests", f"{artifact_id}.json")
+
+    # ----- low-level writes ------------------------------------------------------------------------
+
+    def _write_atomic(self, path: str, data: bytes) -> None:
+        """Readers see the old file or the new one, never half of one.
+
+        Locally: a temp file beside the target, fsync, rename. On object stores a single put of
+        the final object is already atomic.
+        """
+        if not self.is_local:
+            self.fs.pipe_file(path, data)
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+    def _write_part(self, kind: str, artifact_id: str, index: int, table: pa.Table) -> dict[str, Any]:
+        data = parquet_bytes(table)
+        name = part_name(index)
+        self._write_atomic(f"{self.artifact_dir(kind, artifact_id)}/{name}", data)
+        return {"path": name, "rows": table.num_rows, "bytes": len(data), "sha256": _sha256(data)}
+
+    def _write_binary(self, kind: str, artifact_id: str, name: str, data: bytes) -> dict[str, Any]:
+        _check_name("file name", name)
+        relative = f"files/{name}"
+        self._write_atomic(f"{self.artifact_dir(kind, artifact_id)}/{relative}", data)
+        return {"path": relative, "rows": None, "bytes": len(data), "sha256": _sha256(data)}
+
+    def _commit_manifest(self, manifest: Manifest) -> None:
+        self._write_atomic(self.manifest_path(manifest.artifact_id), manifest.to_json().encode("utf-8"))
+        self._manifest_cache[manifest.artifact_id] = manifest
+
+    # ----- writing artifacts -----------------------------------------------------------------------
+
+    def write_artifact(
+        self,
+        kind: str,
+        artifact_id: str,
+        table: pa.Table,
+        *,
+        run_id: str,
+        stage: str,
+        parents: Sequence[str],
+        code_version: str,
+        config: Mapping[str, Any],
+        step: int | None = None,
+        files: Mapping[str, bytes] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> Manifest:
+        """Write a single-part artifact and commit it; a second write of the same id is a no-op.
+
+        Ids are content-addressed, so an existing manifest already holds what this call would write.
+        """
+        started = time.monotonic()
+        _check_kind(kind)
+        _check_name("artifact id", artifact_id)
+        table = conform_to_schema(kind, table)
+        if self.exists(artifact_id):
+            return self.manifest(artifact_id)
+        entries = [self._write_part(kind, artifact_id, 0, table)]
+        for name in sorted(files or {}):
+            entries.append(self._write_binary(kind, artifact_id, name, (files or {})[name]))
+        manifest = Manifest(
+            artifact_id=artifact_id,
+            kind=kind,
+            run_id=run_id,
+            stage=stage,
+            step=step,
+            rows=table.num_rows,
+            schema=str(table.schema),
+            files=entries,
+            parents=list(parents),
+            code_version=code_version,
+            config=dict(config),
+            created_at=utc_now(),
+            seconds=time.monotonic() - started,
+            extra=dict(extra or {}),
+        )
+        self._commit_manifest(manifest)
+        return manifest
+
+    def writer(
+        self,
+        kind: str,
+        artifact_id: str,
+        *,
+        run_id: str,
+        stage: str,
+        parents: Sequence[str],
+        code_version: str,
+        config: Mapping[str, Any],
+        step: int | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> ArtifactWriter:
+        """A writer for an artifact written in shards, each committed on its own (resume skips them)."""
+        _check_kind(kind)
+        _check_name("artifact id", artifact_id)
+        return ArtifactWriter(
+            self,
+            kind,
+            artifact_id,
+            run_id=run_id,
+            stage=stage,
+            parents=list(parents),
+            code_version=code_version,
+            config=dict(config),
+            step=step,
+            extra=dict(extra or {}),
+        )
+
+    # ----- reading artifacts -----------------------------------------------------------------------
+
+    def exists(self, artifact_id: str) -> bool:
+        """True once the artifact is committed (its manifest exists); files alone do not count."""
+        return bool(_NAME_RE.match(artifact_id)) and self.fs.exists(self.manifest_path(artifact_id))
+
+    def manifest(self, artifact_id: str) -> Manifest:
+        """The manifest of a committed artifact (cached: manifests never change)."""
+        cached = self._manifest_cache.get(artifact_id)
+        if cached is not None:
+            return cached
+        try:
+            if not _NAME_RE.match(artifact_id):
+                raise FileNotFoundError(artifact_id)
+            text = self.fs.cat_file(self.manifest_path(artifact_id))
+        except FileNotFoundError:
+            raise ArtifactNotFound(
+                f"no artifact {artifact_id} in store {self.root}; "
+                f"list them with `rlvr query \"select * from artifacts\"`"
+            ) from None
+        manifest = Manifest.from_json(text)
+        self._manifest_cache[artifact_id] = manifest
+        return manifest
+
+    def manifests(self, kind: str | None = None, run_id: str | None = None) -> list[Manifest]:
+        """Every committed artifact (optionally of one kind / run), oldest first.
+
+        The manifests directory is listed once per call; only manifests not seen before are read.
+        """
+        found: list[Manifest] = []
+        for artifact_id in self._committed_ids():
+            try:
+                manifest = self.manifest(artifact_id)
+            except ArtifactNotFound:  # deleted between the listing and the read
+                continue
+            if (kind is None or manifest.kind == kind) and (run_id is None or manifest.run_id == run_id):
+                found.append(manifest)
+        return sorted(found, key=lambda m: (m.created_at, m.artifact_id))
+
+    def _committed_ids(self) -> list[str]:
+        directory = self.path("manifests")
+        self.fs.invalidate_cache(directory)
+        if not self.fs.exists(directory):
+            return []
+        names = [_basename(p) for p in self.fs.ls(directory, detail=False)]
+        return [name[: -len(".json")] for name in names if name.endswith(".json")]
+
+    def read_table(self, artifact_id: str, columns: Sequence[str] | None = None) -> pa.Table:
+        """All rows of a committed artifact, parts concatenated in order."""
+        manifest = self.manifest(artifact_id)
+        directory = self.artifact_dir(manifest.kind, artifact_id)
+        wanted = list(columns) if columns is not None else None
+        tables = [self._read_part(f"{directory}/{entry['path']}", wanted) for entry in manifest.table_files]
+        if tables:
+            return pa.concat_tables(tables, promote_options="default")
+        declared = schema_for(manifest.kind)
+        empty = declared.empty_table() if declared is not None else pa.table({})
+        return empty.select(wanted) if wanted is not None and declared is not None else empty
+
+    def _read_part(self, path: str, columns: list[str] | None) -> pa.Table:
+        if self.is_local:
+            return pq.ParquetFile(path).read(columns=columns)
+        with self.fs.open(path, "rb") as handle:
+            return pq.ParquetFile(handle).read(columns=columns)
+
+    def file_path(self, artifact_id: str, name: str) -> str:
+        """The fs path of a binary file of a committed artifact (e.g. to hand to a model loader)."""
+        manifest = self.manifest(artifact_id)
+        relative = f"files/{name}"
+        listed = [entry["path"] for entry in manifest.binary_files]
+        if relative not in listed:
+            raise ArtifactNotFound(f"artifact {artifact_id} has no file {name!r}; it has {listed}")
+        return f"{self.artifact_dir(manifest.kind, artifact_id)}/{relative}"
+
+    def local_file_path(self, artifact_id: str, name: str) -> str | None:
+        """An OS path to the file when the store is local, else None (read it with read_file)."""
+        path = self.file_path(artifact_id, name)
+        return path if self.is_local else None
+
+    def read_file(self, artifact_id: str, name: str) -> bytes:
+        """The bytes of a binary file of a committed artifact."""
+        return self.fs.cat_file(self.file_path(artifact_id, name))
+
+    # ----- removing ------------------------------------------------------------------------------
+
+    def delete_artifact(self, artifact_id: str) -> None:
+        """Remove an artifact: manifest first, so a crash midway leaves only invisible files.
+
+        Shard markers go next, so leftovers are not mistaken for committed shards by cleanup.
+        """
+        manifest = self.manifest(artifact_id)
+        self.fs.rm(self.manifest_path(artifact_id))
+        self._manifest_cache.pop(artifact_id, None)
+        directory = self.artifact_dir(manifest.kind, artifact_id)
+        if self.fs.exists(f"{directory}/_shards"):
+            self.fs.rm(f"{directory}/_shards", recursive=True)
+        if self.fs.exists(directory):
+            self.fs.rm(directory, recursive=True)
+
+    def cleanup_uncommitted(self) -> list[str]:
+        """Remove what crashed writers left behind; returns the removed paths.
+
+        Keeps committed shards of unfinished sharded artifacts: they are finished work that resume
+        skips. Safe whenever no writer is active (it never touches a committed artifact).
+        """
+        removed = self._remove_temp_files(self.path("manifests")) + self._remove_temp_files(self.path("runs"))
+        root = self.path("artifacts")
+        if not self.fs.exists(root):
+            return removed
+        committed = set(self._committed_ids())
+        for kind_dir in sorted(self.fs.ls(root, detail=False)):
+            if not self.fs.isdir(kind_dir):
+                continue
+            for artifact_dir in sorted(self.fs.ls(kind_dir, detail=False)):
+                if self.fs.isdir(artifact_dir) and _basename(artifact_dir) not in committed:
+                    removed.extend(self._cleanup_artifact_dir(artifact_dir))
+        return removed
+
+    def _remove_temp_files(self, directory: str) -> list[str]:
+        if not self.fs.exists(directory):
+            return []
+        temps = [p for p in self.fs.ls(directory, detail=False) if _TMP_MARK in _basename(p)]
+        for path in temps:
+            self.fs.rm(path)
+        return temps
+
+    def _cleanup_artifact_dir(self, directory: str) -> list[str]:
+        valid = valid_shards(self.fs, directory)
+        if not valid:
+            self.fs.rm(directory, recursive=True)
+            return [directory]
+        keep = {("_shards", f"part-{index:05d}.json") for index in valid}
+        keep |= {(_basename(directory), marker["path"]) for marker in valid.values()}
+        removed = []
+        for path in sorted(self.fs.find(directory)):
+            parts = path.rstrip("/").split("/")
+            if (parts[-2], parts[-1]) not in keep:
+                self.fs.rm(path)
+                removed.append(path)
+        files_dir = f"{directory}/files"
+        if self.fs.exists(files_dir):
+            self.fs.rm(files_dir, recursive=True)
+        return removed
+
+    # ----- runs ----------------------------------------------------------------------------------
+
+    def write_run(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        """Replace a run's record atomically and return what was written.
+
+        `updated_at` is set to now; created_at, pid and host default to now and this process.
+        """
+        run_id = str(record.get("run_id", ""))
+        _check_name("run id", run_id)
+        if record.get("status") not in RUN_STATUSES:
+            raise ValueError(f"run status must be one of {RUN_STATUSES}, got {record.get('status')!r}")
+        now = utc_now()
+        written = {"created_at": now, "pid": os.getpid(), "host": socket.gethostname(), **record}
+        written["updated_at"] = now
+        self._write_atomic(self.path("runs", f"{run_id}.json"), canonical_json(written).encode("utf-8"))
+        return written
+
+    def read_run(self, run_id: str) -> dict[str, Any] | None:
+        """The run's record, or None if there is no such run."""
+        if not _NAME_RE.match(run_id):
+            return None
+        try:
+            return json.loads(self.fs.cat_file(self.path("runs", f"{run_id}.json")))
+        except FileNotFoundError:
+            return None
+
+    def list_runs(self) -> list[dict[str, Any]]:
+        """Every run record, oldest first."""
+        directory = self.path("runs")
+        self.fs.invalidate_cache(directory)
+        if not self.fs.exists(directory):
+            return []
+        records = []
+        for path in self.fs.ls(directory, detail=False):
+            if _basename(path).endswith(".json"):
+                try:
+                    records.append(json.loads(self.fs.cat_file(path)))
+                except FileNotFoundError:
+                    continue
+        return sorted(records, key=lambda r: (str(r.get("created_at", "")), str(r.get("run_id", ""))))
+
+
+class ArtifactWriter:
+    """Writes one artifact shard by shard; each shard commits on its own, the manifest commits them all.
+
+    Resume: ask `committed_shards()`, write only the missing ones, then `commit()`. A shard file
+    without its marker (or with a wrong checksum) is not committed and is simply written again.
+    Once the artifact is committed it is immutable: further writes are no-ops, commit returns it.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        kind: str,
+        artifact_id: str,
+        *,
+        run_id: str,
+        stage: str,
+        parents: list[str],
+        code_version: str,
+        config: dict[str, Any],
+        step: int | None,
+        extra: dict[str, Any],
+    ) -> None:
+        self.store = store
+        self.kind = kind
+        self.artifact_id = artifact_id
+        self.run_id = run_id
+        self.stage = stage
+        self.parents = parents
+        self.code_version = code_version
+        self.config = config
+        self.step = step
+        self.extra = extra
+        self._started = time.monotonic()
+        self._files: dict[str, dict[str, Any]] = {}
+
+    @property
+    def directory(self) -> str:
+        """The artifact's directory in the store."""
+        return self.store.artifact_dir(self.kind, self.artifact_id)
+
+    def _marker_path(self, index: int) -> str:
+        return f"{self.directory}/_shards/part-{index:05d}.json"
+
+    def committed_shards(self) -> set[int]:
+        """Indices of shards whose marker exists and whose file matches the marker's checksum."""
+        return set(valid_shards(self.store.fs, self.directory))
+
+    def write_shard(self, index: int, table: pa.Table) -> None:
+        """Write shard `index` (data first, then its marker); rewriting an uncommitted shard is fine."""
+        if not 0 <= index <= _MAX_SHARD_INDEX:
+            raise ValueError(f"shard index must be in 0..{_MAX_SHARD_INDEX}, got {index}")
+        table = conform_to_schema(self.kind, table)
+        if self.store.exists(self.artifact_id):
+            return
+        marker_path = self._marker_path(index)
+        if self.store.fs.exists(marker_path):
+            self.store.fs.rm(marker_path)
+        entry = self.store._write_part(self.kind, self.artifact_id, index, table)
+        marker = {**entry, "index": index, "schema": str(table.schema)}
+        self.store._write_atomic(marker_path, canonical_json(marker).encode("utf-8"))
+
+    def add_file(self, name: str, data: bytes) -> None:
+        """Attach a binary file (listed in the manifest with its checksum at commit)."""
+        if self.store.exists(self.artifact_id):
+            return
+        self._files[name] = self.store._write_binary(self.kind, self.artifact_id, name, data)
+
+    def commit(self) -> Manifest:
+        """Write the manifest listing every committed shard in index order: the artifact now exists."""
+        if self.store.exists(self.artifact_id):
+            return self.store.manifest(self.artifact_id)
+        shards = valid_shards(self.store.fs, self.directory)
+        ordered = [shards[index] for index in sorted(shards)]
+        entries = [{key: marker[key] for key in ("path", "rows", "bytes", "sha256")} for marker in ordered]
+        entries += [self._files[name] for name in sorted(self._files)]
+        declared = schema_for(self.kind)
+        if declared is not None:
+            schema = str(declared)
+        else:
+            schema = ordered[0]["schema"] if ordered else str(pa.schema([]))
+        manifest = Manifest(
+            artifact_id=self.artifact_id,
+            kind=self.kind,
+            run_id=self.run_id,
+            stage=self.stage,
+            step=self.step,
+            rows=sum(marker["rows"] for marker in ordered),
+            schema=schema,
+            files=entries,
+            parents=self.parents,
+            code_version=self.code_version,
+            config=self.config,
+            created_at=utc_now(),
+            seconds=time.monotonic() - self._started,
+            extra=self.extra,
+        )
+        self.store._commit_manifest(manifest)
+        return manifest
+
+
+def _file_checksum(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    with fs.open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def valid_shards(fs: fsspec.AbstractFileSystem, artifact_dir: str) -> dict[int, dict[str, Any]]:
+    """The shard markers of an artifact directory whose data file exists and matches, by index."""
+    markers_dir = f"{artifact_dir}/_shards"
+    if not fs.exists(markers_dir):
+        return {}
+    valid: dict[int, dict[str, Any]] = {}
+    for marker_path in sorted(fs.ls(markers_dir, detail=False)):
+        match = _SHARD_MARKER_RE.match(_basename(marker_path))
+        if match is None:
+            continue
+        try:
+            marker = json.loads(fs.cat_file(marker_path))
+            data_path = f"{artifact_dir}/{marker['path']}"
+            if fs.size(data_path) != marker["bytes"]:
+                continue
+            if _file_checksum(fs, data_path) == (marker["bytes"], marker["sha256"]):
+                valid[int(match.group(1))] = marker
+        except (FileNotFoundError, KeyError, ValueError):
+            continue
+    return valid
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return True  # unknown pid: trust the recorded status
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. PermissionError: the process exists but belongs to someone else
+        return True
+    return True
+
+
+def run_status(record: Mapping[str, Any]) -> str:
+    """The run's real status: a "running" run whose process on this host is gone has failed."""
+    status = str(record.get("status"))
+    if status == "running" and record.get("host") == socket.gethostname() and not _pid_alive(record.get("pid")):
+        return "failed"
+    return status

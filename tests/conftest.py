@@ -1,0 +1,45 @@
+"""Test session set-up: Prefect and Hugging Face point at temp dirs before anything imports them."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+_HOME = tempfile.mkdtemp(prefix="rlvr-tests-")
+os.environ["PREFECT_HOME"] = os.path.join(_HOME, "prefect")
+os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = os.path.join(_HOME, "prefect", "results")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_SERVER_UI_ENABLED"] = "false"
+os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
+os.environ["HF_HOME"] = os.path.join(_HOME, "hf")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.pop("RLVR_STORE", None)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> str:
+    """One real Prefect server for the whole session; yields its API URL (subprocesses can share it)."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield PREFECT_API_URL.value()
+
+
+@pytest.fixture
+def tiny_config():
+    """A run small enough for the suite: every stage runs for real, in seconds."""
+    from flows.config import load_config
+
+    def make(run_id: str, *extra: str):
+        overrides = [
+            f"run_id={run_id}", "train.steps=6", "select.batch_size=4", "allocate.n=4",
+            "warmstart.steps=10", "difficulty.k=2", "difficulty.shard_size=16", "evaluate.every=3",
+            "checkpoint.every=3", "flow.steps_per_subflow=3",
+        ] + list(extra)
+        return load_config(None, overrides)
+
+    return make

@@ -1,0 +1,66 @@
+"""The run config: defaults, YAML, --set overrides, and one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.config import RunConfig, load_config, parse_override
+from storage.errors import ConfigError
+
+
+def test_defaults_are_the_embedded_default():
+    cfg = load_config()
+    assert cfg.policy.model == "tiny"
+    assert cfg.synthesize.generator == "arithmetic"
+    assert cfg.select.policy == "uniform" and cfg.allocate.policy == "uniform"
+    assert cfg.label.verifier == "arithmetic"
+    assert cfg.run_id is None
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("seed: 7\ntrain:\n  steps: 12\n  grpo:\n    lr: 0.002\n")
+    cfg = load_config(path, ["train.steps=30", "select.splits=[train]", "run_id=abc"])
+    assert (cfg.seed, cfg.train.steps, cfg.train.grpo.lr) == (7, 30, 0.002)
+    assert cfg.select.splits == ["train"]
+    assert cfg.run_id == "abc"
+
+
+def test_override_values_get_yaml_types():
+    assert parse_override("a.b=3") == ("a.b", 3)
+    assert parse_override("a.b=0.5") == ("a.b", 0.5)
+    assert parse_override("a=true") == ("a", True)
+    assert parse_override("a=x y") == ("a", "x y")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lrr=1", "unknown config key 'train.lrr'"),
+        ("trian.steps=1", "unknown config key 'trian'"),
+        ("train.steps=many", "config key 'train.steps': Input should be a valid integer"),
+        ("select.batch_size=0", "config key 'select.batch_size': Input should be greater than or equal to 1"),
+        ("novalue", "bad --set 'novalue'"),
+        ("run_id=has space", "config key 'run_id'"),
+    ],
+)
+def test_bad_config_is_one_clear_line(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    text = str(info.value)
+    assert message in text
+    assert "\n" not in text
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(bad)
+
+
+def test_config_round_trips_through_json():
+    cfg = load_config(None, ["seed=3", "train.steps=5"])
+    assert RunConfig.model_validate_json(cfg.model_dump_json()) == cfg

@@ -1,0 +1,104 @@
+"""Fault injection: SIGKILL a real run at several moments, resume it, and get the uninterrupted result.
+
+The killed run and a reference run share seed, config and run id but live in different stores. After
+five kills (one inside the difficulty stage, between two of its shards, four spread over the RL
+steps) and the resumes that follow them, both stores hold exactly the same artifact ids and the
+final checkpoints have byte-identical weights.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from storage.store import Store
+from tests.cli_helpers import REPO, cli_env, rlvr_command
+
+pytestmark = pytest.mark.slow
+
+RUN_ID = "killme"
+OVERRIDES = [
+    "train.steps=12", "select.batch_size=4", "allocate.n=4", "warmstart.steps=20", "difficulty.k=4",
+    "difficulty.shard_size=4", "evaluate.every=4", "checkpoint.every=4", "flow.steps_per_subflow=4",
+]
+
+
+def start(command: str, store: Path, env: dict[str, str]) -> subprocess.Popen:
+    args = ["run", "--store", str(store), "--run-id", RUN_ID] if command == "run" else ["resume", RUN_ID, "--store", str(store)]
+    if command == "run":
+        for o in OVERRIDES:
+            args += ["--set", o]
+    return subprocess.Popen(rlvr_command(*args), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def manifest_count(store: Path) -> int:
+    try:
+        return sum(1 for name in os.listdir(store / "manifests") if name.endswith(".json"))
+    except FileNotFoundError:
+        return 0
+
+
+def between_difficulty_shards(store: Path) -> bool:
+    """True while the difficulty stage has committed some shards but not the artifact."""
+    for shards in (store / "artifacts" / "difficulty").glob("*/_shards"):
+        aid = shards.parent.name
+        if any(shards.iterdir()) and not (store / "manifests" / f"{aid}.json").exists():
+            return True
+    return False
+
+
+def kill_when(proc: subprocess.Popen, condition: Callable[[], bool], timeout: float = 240) -> bool:
+    """SIGKILL `proc` as soon as `condition` holds; False if the process ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.002)
+    proc.kill()
+    raise AssertionError("condition never held")
+
+
+def final_weights(store: Path) -> bytes:
+    s = Store.open(str(store))
+    final = max((m for m in s.manifests(kind="checkpoints")), key=lambda m: m.step)
+    return s.read_file(final.artifact_id, "model.safetensors")
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api):
+    env = cli_env(PREFECT_API_URL=prefect_api)
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+
+    ref = start("run", reference, env)
+    assert ref.wait(timeout=600) == 0, ref.stderr.read()
+    total = manifest_count(reference)
+    assert total > 40
+
+    moments: list[Callable[[], bool]] = [lambda: between_difficulty_shards(killed)]
+    moments += [lambda f=f: manifest_count(killed) >= int(total * f) for f in (0.35, 0.55, 0.75, 0.9)]
+    kills = 0
+    proc = start("run", killed, env)
+    for moment in moments:
+        if kill_when(proc, moment):
+            kills += 1
+            if kills == 1:  # the first kill landed inside the sharded stage: shards on disk, no manifest
+                assert not Store.open(str(killed)).manifests(kind="difficulty")
+        proc = start("resume", killed, env)
+    assert proc.wait(timeout=600) == 0, proc.stderr.read()
+    assert kills == len(moments)
+
+    ids = lambda root: sorted(m.artifact_id for m in Store.open(str(root)).manifests())  # noqa: E731
+    assert ids(killed) == ids(reference)
+    assert final_weights(killed) == final_weights(reference)
+    runs = Store.open(str(killed)).read_run(RUN_ID)
+    assert runs["status"] == "completed"

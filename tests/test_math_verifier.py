@@ -1,0 +1,159 @@
+"""The math verifier: our own (reference, response, expected) cases, run through the pool, plus
+extraction rules, the numeric traps, the size caps and thread use, each with exact expected values."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from verifiers.math import MathVerifier, extract_answer, normalize_answer, simple_rational
+from verifiers.pool import VerifierPool
+
+CASES_FILE = Path(__file__).parent / "data" / "math_cases.jsonl"
+CASES = [json.loads(line) for line in CASES_FILE.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def case_scores():
+    with VerifierPool("math", workers=2, timeout_s=10.0) as pool:
+        return pool.score_many([(case["response"], case["reference"]) for case in CASES])
+
+
+def test_case_file_covers_every_class():
+    assert len(CASES) >= 150
+    classes = Counter(case["class"] for case in CASES)
+    for name in (
+        "extract-boxed", "extract-answer-is", "extract-hashes", "extract-bold", "extract-last-number",
+        "fraction", "decimal", "percent", "thousands", "set", "tuple", "interval", "expression",
+        "units", "latex", "trap", "unparseable",
+    ):
+        assert classes[name] >= 3, name
+    expected = Counter(case["expected"] for case in CASES)
+    assert expected["wrong"] >= 40 and expected["unparseable"] >= 5
+
+
+@pytest.mark.parametrize("number", range(len(CASES)), ids=[f"{i + 1}-{c['class']}" for i, c in enumerate(CASES)])
+def test_case(number, case_scores):
+    case = CASES[number]
+    score = case_scores[number]
+    assert score.status == case["expected"], (case, score)
+    assert score.value == (1.0 if case["expected"] == "ok" else 0.0)
+    assert score.components == {"correct": score.value}
+
+
+@pytest.mark.parametrize(
+    "response, extracted, rule",
+    [
+        ("so \\boxed{\\frac{1}{\\sqrt{2}}} and \\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{\\sqrt{2}}{2}", "boxed"),
+        ("\\boxed{\\{1, \\{2\\}\\}}", "\\{1, \\{2\\}\\}", "boxed"),
+        ("The final answer is: $x = 3$. Then more text 7", "x = 3", "answer is"),
+        ("The answer is **12**.", "12", "answer is"),
+        ("The answer is 5, because 2+3", "5", "answer is"),
+        ("step 1\n#### 1,250\n", "1,250", "####"),
+        ("**Step 2** gives **-4**", "-4", "bold"),
+        ("it is **C**", "C", "bold"),
+        ("from 3 to 1,234.5 units", "1,234.5", "last number"),
+        ("so it is \\frac{3}{8}", "\\frac{3}{8}", "last number"),
+        ("x \u2212 7 is -7", "-7", "last number"),
+        ("no numbers at all", None, None),
+    ],
+)
+def test_extraction_rules(response, extracted, rule):
+    assert extract_answer(response) == (extracted, rule)
+
+
+@pytest.mark.parametrize(
+    "raw, normalised",
+    [
+        ("$1,234,567$", "1234567"),
+        ("1{,}000.", "1000"),
+        ("12 dollars", "12"),
+        ("5x", "5x"),
+        ("3 pi", "3 pi".replace("pi", "\\pi")),
+        ("2.5e-3", "2.5\\times 10^{-3}"),
+        ("x**2", "x^2"),
+        ("\\text{Monday}", "Monday"),
+        ("\\$45", "45"),
+    ],
+)
+def test_normalize_answer(raw, normalised):
+    assert normalize_answer(raw) == normalised
+
+
+def test_simple_rational_only_takes_plain_literals():
+    assert simple_rational("-\\dfrac{6}{8}") == simple_rational("-3/4")
+    assert simple_rational("1 2") is None
+    assert simple_rational("1/0") is None
+    assert simple_rational("0.5") is None
+
+
+def test_factorial_trap_is_wrong_and_the_true_identity_is_ok():
+    verifier = MathVerifier()
+    assert verifier.score("\\boxed{\\frac{1}{2006!}}", "\\frac{1}{2004!}").status == "wrong"
+    assert verifier.score("\\boxed{\\frac{1}{2005 \\cdot 2004!}}", "\\frac{1}{2005!}").status == "ok"
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        "\\boxed{9^{9^{9^{9}}}}",
+        "\\boxed{2^{2^{2^{2^{2^{2}}}}}}",
+        "\\boxed{(10^{9})!}",
+        "\\boxed{10^{100000}}",
+        "\\boxed{\\binom{10^{9}}{10^{8}}}",
+    ],
+)
+def test_huge_numbers_are_refused_quickly(response):
+    start = time.monotonic()
+    score = MathVerifier().score(response, "4")
+    assert score.status == "error"
+    assert "digits" in score.reason
+    assert time.monotonic() - start < 2.0
+
+
+@pytest.mark.parametrize(
+    "response, status",
+    [
+        ("\\boxed{4\x00}", "ok"),
+        ("\\boxed{4}\ud800", "ok"),
+        ("\\boxed{" + "{" * 100 + "4" + "}" * 100 + "}", "unparseable"),
+        ("1 " * 2_000_000 + "4", "ok"),
+        ("\\boxed{" * 200_000, "unparseable"),
+    ],
+)
+def test_hostile_text_gets_a_status_fast(response, status):
+    start = time.monotonic()
+    assert MathVerifier().score(response, "4").status == status
+    assert time.monotonic() - start < 5.0
+
+
+@pytest.mark.parametrize(
+    "reference, reason_start",
+    [(None, "math reference must be"), ({"a": 1}, "math reference must be"), ("\\frac{", "reference")],
+)
+def test_bad_reference_is_an_error(reference, reason_start):
+    score = MathVerifier().score("\\boxed{4}", reference)
+    assert score.status == "error"
+    assert score.reason.startswith(reason_start)
+
+
+def test_numeric_references_are_accepted():
+    verifier = MathVerifier()
+    assert verifier.score("#### 72", 72).status == "ok"
+    assert verifier.score("\\boxed{0.25}", 0.25).status == "ok"
+    assert verifier.score("\\boxed{1/4}", 0.25).status == "ok"
+
+
+def test_scores_in_a_non_main_thread():
+    results = []
+    thread = threading.Thread(
+        target=lambda: results.append(MathVerifier().score("\\boxed{(x+1)^2}", "x^2+2x+1"))
+    )
+    thread.start()
+    thread.join(30)
+    assert [score.status for score in results] == ["ok"]

@@ -1,0 +1,89 @@
+"""The RL run end to end on a tiny config: real Prefect, real Parquet, real DuckDB, the real tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.runner import execute
+from storage.lineage import ancestors
+from storage.store import Store
+from storage.views import query
+
+pytestmark = pytest.mark.slow
+
+
+def scalar(store: Store, sql: str):
+    return query(store, sql).to_pylist()[0]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, prefect_api, request):
+    from flows.config import load_config
+
+    root = str(tmp_path_factory.mktemp("store"))
+    cfg = load_config(None, [
+        "run_id=tiny", "train.steps=6", "select.batch_size=4", "allocate.n=4", "warmstart.steps=10",
+        "difficulty.k=2", "difficulty.shard_size=16", "evaluate.every=3", "checkpoint.every=3",
+        "flow.steps_per_subflow=3",
+    ])
+    summary = execute(root, cfg)
+    return Store.open(root), cfg, summary
+
+
+def test_counts_match_the_run(finished_run):
+    store, cfg, _ = finished_run
+    per_step = cfg.select.batch_size * cfg.allocate.n
+    assert scalar(store, "SELECT count(*) AS n FROM rollouts")["n"] == cfg.train.steps * per_step
+    joined = scalar(store, """
+        SELECT count(*) AS n, count(DISTINCT p.problem_id) AS problems, sum(w.score) AS reward
+        FROM rewards w JOIN rollouts r USING (rollout_id) JOIN problems p ON p.problem_id = r.problem_id
+    """)
+    assert joined["n"] == cfg.train.steps * per_step
+    direct = scalar(store, "SELECT sum(score) AS reward FROM rewards")
+    assert joined["reward"] == direct["reward"]
+    mean_by_step = query(store, "SELECT step, avg(score) AS r FROM rewards GROUP BY step ORDER BY step").to_pylist()
+    train_rows = query(store, "SELECT step, mean_reward FROM train_steps ORDER BY step").to_pylist()
+    assert [round(r["r"], 9) for r in mean_by_step] == [round(t["mean_reward"], 9) for t in train_rows]
+    assert [t["step"] for t in train_rows] == list(range(1, cfg.train.steps + 1))
+
+
+def test_rows_in_equal_accepted_plus_quarantined(finished_run):
+    store, _, _ = finished_run
+    accepted = scalar(store, "SELECT count(*) AS n FROM problems")["n"]
+    quarantined = scalar(store, "SELECT count(*) AS n FROM quarantine")["n"]
+    rows_in = store.manifests(kind="problems")[0].extra["rows_in"]
+    assert accepted + quarantined == rows_in == 100
+    counts = query(store, "SELECT split, count(*) AS n FROM problems GROUP BY split").to_pylist()
+    splits = {r["split"]: r["n"] for r in counts}
+    assert splits == {"test": 20, "warmup": 30, "train": 50}
+
+
+def test_evals_checkpoints_runs(finished_run):
+    store, cfg, summary = finished_run
+    evals = query(store, "SELECT step, phase FROM evals ORDER BY step, phase").to_pylist()
+    assert [(e["step"], e["phase"]) for e in evals] == [(0, "init"), (0, "warmstart"), (3, "rl"), (6, "rl")]
+    ckpts = query(store, "SELECT step, stage FROM checkpoints ORDER BY step, stage").to_pylist()
+    assert [(c["step"], c["stage"]) for c in ckpts] == [
+        (0, "initialize"), (0, "warmstart"), (3, "checkpoint"), (6, "checkpoint")]
+    assert scalar(store, "SELECT status FROM runs WHERE run_id = 'tiny'")["status"] == "completed"
+    # only the newest train_state survives; train_steps are all kept
+    assert scalar(store, "SELECT count(*) AS n FROM artifacts WHERE kind = 'train_state'")["n"] == 1
+    assert summary["accuracy_init"] is not None and summary["accuracy_final"] is not None
+
+
+def test_lineage_of_final_checkpoint(finished_run):
+    store, cfg, _ = finished_run
+    final = scalar(store, f"SELECT artifact_id FROM checkpoints WHERE step = {cfg.train.steps}")["artifact_id"]
+    kinds = {m.kind for m in ancestors(store, final)}
+    assert {"config", "problems", "rollouts", "rewards", "selections", "allocations", "train_steps",
+            "difficulty", "checkpoints", "warmstart"} <= kinds
+    rollouts_up = [m for m in ancestors(store, final) if m.kind == "rollouts"]
+    assert len(rollouts_up) == cfg.train.steps
+
+
+def test_second_execution_skips_everything(finished_run):
+    store, cfg, _ = finished_run
+    before = {m.artifact_id: m.created_at for m in store.manifests()}
+    execute(store.root, cfg)
+    after = {m.artifact_id: m.created_at for m in Store.open(store.root).manifests()}
+    assert after == before

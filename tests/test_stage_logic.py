@@ -1,0 +1,106 @@
+"""The plain functions behind the stages: generator, verifier, validation, splits, selection, budgets."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from curricula.budgets import allocate_uniform
+from curricula.uniform import select_uniform
+from tasks.synthesize import assign_splits, validate_rows
+from tasks.train import rollout_batch
+from verifiers.arithmetic import ArithmeticSpec, ArithmeticVerifier, generate, space_size
+
+
+def test_generator_enumerates_small_spaces_once():
+    problems = generate(ArithmeticSpec(digits=1, terms=2, count=100), seed=0)
+    assert len(problems) == 100 == space_size(ArithmeticSpec())
+    assert len({p["prompt"] for p in problems}) == 100
+    for p in problems:
+        a, b = p["prompt"].rstrip("=").split("+")
+        assert int(p["answer"]) == int(a) + int(b)
+
+
+def test_generator_is_seeded_and_respects_precedence():
+    spec = ArithmeticSpec(digits=2, terms=3, ops="+-*", count=50)
+    assert generate(spec, 1) == generate(spec, 1)
+    assert generate(spec, 1) != generate(spec, 2)
+    for p in generate(spec, 1):
+        assert int(p["answer"]) == eval(p["prompt"].rstrip("="))  # noqa: S307 - digits and + - * only
+
+
+def test_verifier_compares_whole_numbers_exactly():
+    v = ArithmeticVerifier()
+    assert v.score("12", "12").status == "ok"
+    assert v.score("12.0", "12").status == "ok"
+    assert v.score("+12", "12").value == 1.0
+    assert v.score("13", "12").status == "wrong"
+    assert v.score("2", "12").status == "wrong"  # the last digit is not the answer
+    assert v.score("121", "12").status == "wrong"
+    assert v.score("", "12").status == "unparseable"
+    assert v.score("1+1", "12").status == "unparseable"
+    assert v.score("12", "x").status == "error"
+
+
+def test_validation_accounts_for_every_row():
+    rows = [
+        {"prompt": "1+1=", "answer": "2", "source_index": 0},
+        {"prompt": "1+1=", "answer": "2", "source_index": 1},
+        {"prompt": "", "answer": "2", "source_index": 2},
+        {"prompt": "9" * 60, "answer": "9", "source_index": 3},
+        {"prompt": "2+2=", "answer": "four", "source_index": 4},
+        {"prompt": "2+3=", "answer": "5", "source_index": 5},
+    ]
+    accepted, rejected = validate_rows(rows, "arithmetic", max_prompt_chars=48)
+    assert [r["source_index"] for r in accepted] == [0, 5]
+    assert [r["reason"] for r in rejected] == [
+        "duplicate prompt",
+        "empty prompt",
+        "prompt longer than 48 characters",
+        "reference 'four' does not verify against itself with arithmetic",
+    ]
+    assert len(accepted) + len(rejected) == len(rows)
+
+
+def test_splits_have_exact_sizes():
+    labels = assign_splits(100, 0.2, 0.3, seed=0)
+    assert Counter(labels) == {"test": 20, "warmup": 30, "train": 50}
+    assert labels == assign_splits(100, 0.2, 0.3, seed=0)
+    assert labels != assign_splits(100, 0.2, 0.3, seed=1)
+    with pytest.raises(ValueError):
+        assign_splits(10, 0.6, 0.6, seed=0)
+
+
+def test_uniform_selection():
+    pool = [f"p{i}" for i in range(10)]
+    picks = select_uniform(pool, 4, seed=3)
+    assert len(picks) == 4 and len({p for p, _ in picks}) == 4
+    assert all(prob == pytest.approx(0.4) for _, prob in picks)
+    assert picks == select_uniform(list(reversed(pool)), 4, seed=3)  # order of the pool does not matter
+    with_replacement = select_uniform(pool[:2], 5, seed=0)
+    assert len(with_replacement) == 5 and all(prob == 0.5 for _, prob in with_replacement)
+    with pytest.raises(ValueError, match="empty problem pool"):
+        select_uniform([], 1, seed=0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 200), st.integers(1, 64))
+def test_uniform_budget_sums(n_prompts, n):
+    budget = allocate_uniform(n_prompts, n)
+    assert len(budget) == n_prompts and sum(budget) == n_prompts * n
+
+
+def test_rollout_batch_groups_by_slot():
+    rows = [
+        {"rollout_id": f"r{s}{i}", "slot": s, "sample_index": i, "prompt": f"{s}+0=", "completion_ids": [4 + s, 2],
+         "response": str(s), "n_tokens": 2, "finish_reason": "stop"}
+        for s in (1, 0) for i in (1, 0)
+    ]
+    scores = {r["rollout_id"]: float(r["slot"]) for r in rows}
+    batch = rollout_batch(rows, scores)
+    assert batch.prompts == ["0+0=", "1+0="]
+    assert [(s.prompt_index, s.sample_index) for s in batch.samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert batch.rewards == [0.0, 0.0, 1.0, 1.0]

@@ -1,0 +1,115 @@
+"""Rollouts with transformers `generate`: seeded sampling of ragged groups, and greedy decoding for evals.
+
+A sample keeps its token ids (what the loss trains on), its decoded text (what verifiers score) and
+why it ended, so that rewards, length statistics and the loss all see the same completion.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from trainer.policy import Policy
+
+
+@dataclass
+class Sample:
+    """One completion of one prompt.
+
+    `completion_ids` are the generated tokens up to and including the first eos (nothing after it);
+    `text` is their decoding without special tokens; `n_tokens` = len(completion_ids);
+    `finish_reason` is "stop" when an eos was generated, "length" when max_new_tokens ran out.
+    """
+
+    prompt_index: int
+    sample_index: int
+    completion_ids: list[int]
+    text: str
+    n_tokens: int
+    finish_reason: Literal["stop", "length"]
+
+
+def _eos_ids(policy: Policy) -> set[int]:
+    eos = policy.model.generation_config.eos_token_id
+    if eos is None:
+        eos = policy.tokenizer.eos_token_id
+    return set(eos) if isinstance(eos, list) else {eos}
+
+
+def _generate(policy: Policy, prompts: list[str], max_new_tokens: int, **sampling) -> list[list[int]]:
+    """New tokens per prompt row, cut after the first eos (the eos is kept)."""
+    if not prompts:
+        return []
+    encoded = policy.tokenizer(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        output = policy.model.generate(
+            **encoded,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=policy.tokenizer.pad_token_id,
+            eos_token_id=sorted(_eos_ids(policy)),
+            **sampling,
+        )
+    new_tokens = output[:, encoded["input_ids"].shape[1] :].tolist()
+    eos = _eos_ids(policy)
+    completions = []
+    for row in new_tokens:
+        end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
+        completions.append(row[:end])
+    return completions
+
+
+def _decode(policy: Policy, ids: list[int]) -> str:
+    return policy.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def sample(
+    policy: Policy,
+    prompts: list[str],
+    counts: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+) -> list[Sample]:
+    """`counts[i]` samples of `prompts[i]` (ragged, zero allowed), grouped by prompt in order.
+
+    All rows are generated in one batch; torch's RNG is seeded inside `fork_rng`, so the same call
+    gives the same samples in any process and the caller's RNG state is untouched.
+    """
+    if len(prompts) != len(counts):
+        raise ValueError(f"{len(prompts)} prompts but {len(counts)} counts")
+    if any(count < 0 for count in counts):
+        raise ValueError(f"counts must be >= 0, got {counts}")
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 for sampling; use greedy() for deterministic decoding")
+    rows = [(prompt_index, sample_index) for prompt_index, count in enumerate(counts) for sample_index in range(count)]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        completions = _generate(
+            policy,
+            [prompts[prompt_index] for prompt_index, _ in rows],
+            max_new_tokens,
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=0,
+        )
+    eos = _eos_ids(policy)
+    return [
+        Sample(
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            completion_ids=ids,
+            text=_decode(policy, ids),
+            n_tokens=len(ids),
+            finish_reason="stop" if ids and ids[-1] in eos else "length",
+        )
+        for (prompt_index, sample_index), ids in zip(rows, completions)
+    ]
+
+
+def greedy(policy: Policy, prompts: list[str], *, max_new_tokens: int) -> list[str]:
+    """Greedy completions, decoded and cut at eos: the deterministic answer used for accuracy evals."""
+    completions = _generate(policy, prompts, max_new_tokens, do_sample=False)
+    return [_decode(policy, ids) for ids in completions]

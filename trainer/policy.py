@@ -1,0 +1,143 @@
+"""The policy being trained: model + tokenizer, how it is created, and how it becomes bytes and back.
+
+Checkpoints are plain Hugging Face model directories (as a dict of file name -> bytes), so any stage,
+vLLM or a user can load them with `from_pretrained`; the optimizer state travels as separate bytes.
+"""
+
+import io
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from storage.errors import UserError
+from trainer.tiny_model import TinyModelConfig, build_tiny_model, build_tiny_tokenizer
+
+
+class PolicyConfig(BaseModel):
+    """Which model to start from and how many CPU threads torch may use.
+
+    `model`: "tiny" (built in, no download), a local Hugging Face model directory, or a hub id that is
+    already in the local Hugging Face cache (nothing is downloaded). `threads` is fixed, not "all
+    cores", because CPU matmul results depend on the thread count: a fixed count keeps runs
+    bit-identical across machines and processes.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "tiny"
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    threads: int = Field(default=1, ge=1)
+
+
+@dataclass
+class Policy:
+    """A causal LM, its tokenizer (left padding, pad token set) and where it came from."""
+
+    model: PreTrainedModel
+    tokenizer: object
+    source: str
+
+
+def set_threads(threads: int) -> None:
+    """Fix torch's intra-op threads (see PolicyConfig.threads for why)."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def _prepare(model: PreTrainedModel, tokenizer, source: str) -> Policy:
+    """Left padding and a pad token are what batched generation and the loss expect; dropout stays off
+    so that the logprobs of the sampler and of the trainer agree."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.to(torch.float32)
+    model.eval()
+    return Policy(model=model, tokenizer=tokenizer, source=source)
+
+
+def _load_directory(path: str, source: str, local_files_only: bool) -> Policy:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=local_files_only)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only)
+    return _prepare(model, tokenizer, source)
+
+
+def _looks_like_path(name: str) -> bool:
+    """A hub id is `name` or `org/name`; anything else (./x, /x, ~/x, a/b/c) is meant as a directory."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def init_policy(cfg: PolicyConfig, seed: int) -> Policy:
+    """The starting policy of a run. `seed` only matters for the tiny model (its random init)."""
+    set_threads(cfg.threads)
+    if cfg.model == "tiny":
+        return _prepare(build_tiny_model(cfg.tiny, seed), build_tiny_tokenizer(), "tiny")
+    path = Path(cfg.model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"model directory '{cfg.model}' has no config.json; point policy.model at a Hugging Face model directory")
+        return _load_directory(str(path), str(path.resolve()), local_files_only=True)
+    if path.exists():
+        raise UserError(f"policy.model '{cfg.model}' is a file, not a model directory; point it at a Hugging Face model directory")
+    if _looks_like_path(cfg.model):
+        raise UserError(f"model directory '{cfg.model}' does not exist; set policy.model to 'tiny' or to an existing Hugging Face model directory")
+    try:
+        return _load_directory(cfg.model, cfg.model, local_files_only=True)
+    except OSError:
+        raise UserError(
+            f"model '{cfg.model}' is neither a local directory nor in the local Hugging Face cache, and this machine cannot "
+            "download from the hub; download it elsewhere and set policy.model to its directory, or use 'tiny'"
+        ) from None
+
+
+def policy_files(policy: Policy) -> dict[str, bytes]:
+    """The files of a `from_pretrained`-loadable directory (config, safetensors weights, tokenizer,
+    generation config). Tied embeddings are stored once, as `save_pretrained` does."""
+    with tempfile.TemporaryDirectory() as tmp:
+        policy.model.save_pretrained(tmp)
+        policy.tokenizer.save_pretrained(tmp)
+        files = {}
+        for path in sorted(Path(tmp).rglob("*")):
+            if path.is_file():
+                files[path.relative_to(tmp).as_posix()] = path.read_bytes()
+    return files
+
+
+def policy_from_files(files: dict[str, bytes], *, source: str = "files", threads: int = 1) -> Policy:
+    """Inverse of `policy_files`: the same weights bit for bit, ties restored by `from_pretrained`.
+
+    `threads` is set as in `init_policy`, since a stage that resumes from a checkpoint never calls it.
+    """
+    set_threads(threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in files.items():
+            target = Path(tmp) / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        return _load_directory(tmp, source, local_files_only=True)
+
+
+def make_optimizer(policy: Policy, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over the model's parameters (a tied embedding is one parameter, updated once)."""
+    return torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=weight_decay)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> bytes:
+    """The optimizer's state_dict (moments, step counts, hyperparameters) as bytes.
+
+    Only tensors, numbers, tuples and dicts go in, so it loads with `weights_only=True` (no pickled code).
+    """
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    return buffer.getvalue()
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, data: bytes) -> None:
+    """Restore what `optimizer_state_bytes` saved into an optimizer built over the same parameters."""
+    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(state)

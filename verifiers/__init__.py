@@ -1,0 +1,1 @@
+"""Reward functions: the verifier contract, one module per domain, and the registry."""

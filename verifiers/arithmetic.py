@@ -1,0 +1,124 @@
+"""Exact-answer verifier for the built-in arithmetic generator: the whole answer, compared as a number.
+
+The response is what the policy wrote after the prompt (cut at end-of-sequence by the rollout engine).
+It must be a plain number (optional sign, digits, optional decimal part); anything else is
+`unparseable`, a different number is `wrong`. Numbers are compared exactly with `Fraction`, so
+"12", "12.0" and "+12" all equal 12 and no tolerance can let a near miss through.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+from fractions import Fraction
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from verifiers.base import Score, Verifier
+
+_NUMBER = re.compile(r"[+-]?\d+(\.\d+)?")
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The exact value of `text` if it is one plain number, else None."""
+    text = text.strip()
+    if not _NUMBER.fullmatch(text):
+        return None
+    return Fraction(text)
+
+
+class ArithmeticVerifier(Verifier):
+    name = "arithmetic"
+    domain = "arithmetic"
+    version = "1"
+
+    def score(self, response: str, reference: Any) -> Score:
+        expected = parse_number(str(reference))
+        if expected is None:
+            return Score(0.0, "error", reason=f"reference {str(reference)[:40]!r} is not a number")
+        got = parse_number(response) if isinstance(response, str) else None
+        if got is None:
+            return Score(0.0, "unparseable", extracted=None, reason="response is not a plain number")
+        extracted = str(got)
+        if got == expected:
+            return Score(1.0, "ok", extracted=extracted)
+        return Score(0.0, "wrong", extracted=extracted)
+
+
+# --- the generator that goes with this verifier ----------------------------------------------
+
+
+class ArithmeticSpec(BaseModel):
+    """Difficulty knobs of the procedural generator: operand digits, number of terms, operators."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    digits: int = Field(1, ge=1, le=6)
+    terms: int = Field(2, ge=2, le=6)
+    ops: str = Field("+", pattern=r"^[+\-*]+$")
+    count: int = Field(100, ge=1)
+
+
+GENERATOR_VERSION = "1"
+
+
+def space_size(spec: ArithmeticSpec) -> int:
+    """How many distinct problems the spec can produce."""
+    return (10**spec.digits) ** spec.terms * len(set(spec.ops)) ** (spec.terms - 1)
+
+
+def _render(operands: list[int], operators: list[str]) -> str:
+    text = str(operands[0])
+    for op, value in zip(operators, operands[1:]):
+        text += f"{op}{value}"
+    return text
+
+
+def generate(spec: ArithmeticSpec, seed: int) -> list[dict[str, Any]]:
+    """Distinct problems `{"prompt": "3+4=", "answer": "7", "source_index": i}`, seeded.
+
+    When the spec's space is no larger than `count`, every problem is produced once, in a seeded
+    order; otherwise distinct problems are drawn at random until `count` are found.
+    """
+    rng = random.Random(seed)
+    ops = sorted(set(spec.ops))
+    top = 10**spec.digits
+    size = space_size(spec)
+    if size <= spec.count:
+        combos = [
+            (list(operands), list(operators))
+            for operands in itertools.product(range(top), repeat=spec.terms)
+            for operators in itertools.product(ops, repeat=spec.terms - 1)
+        ]
+        rng.shuffle(combos)
+    else:
+        seen: set[str] = set()
+        combos = []
+        while len(combos) < spec.count:
+            operands = [rng.randrange(top) for _ in range(spec.terms)]
+            operators = [rng.choice(ops) for _ in range(spec.terms - 1)]
+            expression = _render(operands, operators)
+            if expression not in seen:
+                seen.add(expression)
+                combos.append((operands, operators))
+    problems = []
+    for index, (operands, operators) in enumerate(combos):
+        expression = _render(operands, operators)
+        answer = _evaluate(operands, operators)
+        problems.append({"prompt": f"{expression}=", "answer": str(answer), "source_index": index})
+    return problems
+
+
+def _evaluate(operands: list[int], operators: list[str]) -> int:
+    """Value with * binding tighter than + and -, left to right otherwise."""
+    terms: list[int] = [operands[0]]
+    signs: list[int] = [1]
+    for op, value in zip(operators, operands[1:]):
+        if op == "*":
+            terms[-1] *= value
+        else:
+            terms.append(value)
+            signs.append(1 if op == "+" else -1)
+    return sum(sign * term for sign, term in zip(signs, terms))

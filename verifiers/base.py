@@ -1,0 +1,41 @@
+"""The verifier contract (ARCHITECTURE §5): a verifier scores one response against one reference.
+
+A verifier never raises for bad input and never returns a silent zero: every outcome is a `Score`
+whose `status` says what happened (ok, wrong, unparseable, timeout, error).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+Status = Literal["ok", "wrong", "unparseable", "timeout", "error"]
+STATUSES: tuple[str, ...] = ("ok", "wrong", "unparseable", "timeout", "error")
+
+
+@dataclass(frozen=True)
+class Score:
+    """One verdict. `value` is the reward; `components` keeps partial-credit parts separately."""
+
+    value: float
+    status: Status
+    components: dict[str, float] = field(default_factory=dict)
+    extracted: str | None = None
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"unknown score status {self.status!r}; expected one of {STATUSES}")
+
+
+class Verifier(ABC):
+    """Base class of every verifier. Subclasses set the class attributes and implement `score`."""
+
+    name: ClassVar[str]
+    domain: ClassVar[str]
+    version: ClassVar[str]
+
+    @abstractmethod
+    def score(self, response: str, reference: Any) -> Score:
+        """Score `response` against `reference`; never raise for bad input."""

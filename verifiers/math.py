@@ -1,0 +1,528 @@
+"""Math verifier: finds the final answer in a response and decides whether it equals the reference.
+
+Extraction, first rule that finds something wins:
+  1. the last `\\boxed{...}` (nested braces allowed; `\\fbox{...}` too),
+  2. the text after the last "answer is" / "answer:" (e.g. "The final answer is $\\frac12$."),
+  3. the rest of the line after the last "####" (GSM8K style),
+  4. the last **bold** span that holds a digit, a LaTeX command or a single letter,
+  5. the last number (thousands separators, decimals, fractions a/b or \\frac{a}{b}, percent).
+The extracted text is normalised (thousands separators, trailing units, scientific notation,
+Python-style `**`), then parsed and compared by math-verify on sympy.
+
+math-verify alone accepts some unequal answers: its numeric path compares `evalf(chop=True)` to 15
+digits, so 1/2004! "equals" 1/2006!, and it rounds floats to 6 decimal places, so 1e-7 "equals"
+2e-7. Every `True` from math-verify is therefore confirmed here: exact numbers must be exactly equal
+(rationals by `==`, irrationals to 50 significant digits), and a decimal answer must agree to a
+relative 1e-5. Elements of tuples, sets and interval ends are confirmed the same way.
+
+Statuses: `unparseable` when no answer can be extracted or the extracted answer cannot be parsed;
+`wrong` when it parses and differs; `error` when the reference cannot be used or an answer is too
+large to evaluate safely (power towers, huge factorials: refused up front by a digit bound);
+`timeout` when math-verify's own alarm fires (main thread only; elsewhere the pool's hard timeout
+applies, see verifiers/pool.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+from fractions import Fraction
+from functools import lru_cache
+from typing import Any
+
+import sympy
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+from math_verify.errors import TimeoutException
+
+from verifiers.base import Score, Verifier
+
+# We report timeouts and failures as statuses; math-verify's log lines would only repeat them.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+MAX_ANSWER_CHARS = 1000  # an extracted answer longer than this is not a final answer
+MAX_BRACE_DEPTH = 40  # deeper LaTeX nesting is refused before the LaTeX parser recurses on it
+MAX_DIGITS = 20_000  # numbers that would evaluate to more digits are refused (2006! has 5,700)
+BOXED_SCAN_CHARS = 10_000  # how far a \boxed{ is followed looking for its closing brace
+BOXED_TRIES = 5  # how many \boxed occurrences, from the last, are tried
+DECIMAL_REL_TOL = 1e-5  # relative agreement required when either side is a decimal
+EXACT_DIGITS = 60  # precision of the confirmation of exact irrational values
+EXACT_REL_TOL = 1e-50
+STEP_TIMEOUT_S = 3  # math-verify's alarm per parse / compare, in whole seconds (main thread only)
+
+_LATEX_AND_EXPR = (LatexExtractionConfig(), ExprExtractionConfig())
+
+# ---------------------------------------------------------------------------------------------
+# Extraction
+
+
+TAIL_WINDOWS = (4_000, 256_000)  # last-match searches look at the response's tail first
+
+
+def _last_match(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
+    """The last match of `pattern` in `text`, searching growing tails so 10 MB responses stay cheap.
+
+    A match that starts near the cut of a tail may be a truncated piece of a longer match (or miss
+    a look-behind), so it only counts if it starts well inside the tail; otherwise the tail grows.
+    """
+    for window in TAIL_WINDOWS:
+        if window >= len(text):
+            break
+        start = len(text) - window
+        last = None
+        for last in pattern.finditer(text, start):
+            pass
+        if last is not None and last.start() > start + 300:
+            return last
+    last = None
+    for last in pattern.finditer(text):
+        pass
+    return last
+
+
+def _braced_content(text: str, start: int) -> str | None:
+    """The content of the `{...}` group at or after `start` (spaces skipped), or a bare token."""
+    pos = start
+    while pos < len(text) and text[pos] == " ":
+        pos += 1
+    if pos >= len(text):
+        return None
+    if text[pos] != "{":
+        token = re.match(r"[^\s$]+", text[pos:pos + MAX_ANSWER_CHARS])
+        return token.group(0) if token else None
+    depth = 0
+    end = min(len(text), pos + BOXED_SCAN_CHARS)
+    for i in range(pos, end):
+        char = text[i]
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return text[pos + 1:i]
+    return None
+
+
+def _last_boxed(text: str) -> str | None:
+    candidates: list[tuple[int, int]] = []
+    for command in ("\\boxed", "\\fbox"):
+        idx = len(text)
+        for _ in range(BOXED_TRIES):
+            idx = text.rfind(command, 0, idx)
+            if idx == -1:
+                break
+            candidates.append((idx, idx + len(command)))
+    for _, content_start in sorted(candidates, reverse=True)[:BOXED_TRIES]:
+        content = _braced_content(text, content_start)
+        if content is not None and content.strip():
+            return content
+    return None
+
+
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:|=)\s*:?", re.IGNORECASE)
+_SENTENCE_END = re.compile(
+    r"\n|\.(?:\s|$)|;\s|,?\s+(?:which|because|since|so|and|as|for|that|when|where|if)\b",
+    re.IGNORECASE,
+)
+
+
+def _after_answer_is(text: str) -> str | None:
+    last = _last_match(_ANSWER_IS, text)
+    if last is None:
+        return None
+    tail = text[last.end():last.end() + MAX_ANSWER_CHARS + 200].lstrip(" :\t")
+    while tail.startswith("**"):  # "answer is **5**", or the end of a bold label: "**Answer:** 5"
+        end = tail.find("**", 2)
+        if end != -1 and not tail[2:3].isspace() and "\n" not in tail[2:end] and tail[2:end].strip():
+            return tail[2:end]
+        tail = tail[2:].lstrip(" :\t")
+    for opener, closer in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if tail.startswith(opener):
+            end = tail.find(closer, len(opener))
+            if end != -1:
+                return tail[len(opener):end]
+    if tail.lstrip().startswith(("\\boxed", "\\fbox")):
+        return _last_boxed(tail)
+    cut = _SENTENCE_END.search(tail)
+    answer = tail[:cut.start()] if cut else tail
+    return answer if answer.strip() else None
+
+
+def _after_hashes(text: str) -> str | None:
+    idx = text.rfind("####")
+    if idx == -1:
+        return None
+    line = text[idx + 4:idx + 4 + MAX_ANSWER_CHARS + 200].split("\n", 1)[0]
+    return line if line.strip() else None
+
+
+_ANSWER_LIKE_BOLD = re.compile(r"\*\*((?=[^*\n]*[\d\\])[^*\n]{1,200}?|\s*\(?[A-Za-z]\)?\s*)\*\*")
+
+
+def _last_bold(text: str) -> str | None:
+    """The last bold span that can be an answer: it holds a digit or a LaTeX command, or is one letter."""
+    found = _last_match(_ANSWER_LIKE_BOLD, text)
+    return found.group(1).strip() if found else None
+
+
+_NUMBER = re.compile(
+    r"-?\\[dt]?frac(?:\{\d+\}\{\d+\}|\d\d)"  # \frac{3}{8}, \dfrac{1}{2}, \frac12
+    r"|(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?%?"
+)
+
+
+def _last_number(text: str) -> str | None:
+    found = _last_match(_NUMBER, text)
+    return found.group(0) if found else None
+
+
+EXTRACTION_RULES = (
+    ("boxed", _last_boxed),
+    ("answer is", _after_answer_is),
+    ("####", _after_hashes),
+    ("bold", _last_bold),
+    ("last number", _last_number),
+)
+
+
+def extract_answer(response: str) -> tuple[str | None, str | None]:
+    """(answer text, rule that found it), or (None, None) when no rule finds anything."""
+    text = response.replace("\u2212", "-")
+    for rule, find in EXTRACTION_RULES:
+        answer = find(text)
+        if answer is not None and answer.strip():
+            return answer.strip(), rule
+    return None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation of an answer string (response or reference)
+
+_WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"), ("**", "**"))
+_TEXT_COMMAND = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:(?:,|\{,\}|\\,| )\d{3})+(?:\.\d+)?%?")
+_SCIENTIFIC = re.compile(r"([-+]?\d+(?:\.\d+)?)[eE]([-+]?\d+)")
+_MATH_WORDS = {"pi", "e", "i", "sqrt", "infty", "inf", "infinity", "ln", "log", "sin", "cos", "tan"}
+_NUMBER_WITH_UNIT = re.compile(
+    r"(?P<number>[-+]?\d+(?:\.\d+)?(?:/\d+)?%?)(?P<space>\s*)"
+    r"(?P<unit>[A-Za-z]+\.?(?:\^?[23])?(?:\s*(?:/|per)\s*[A-Za-z]+(?:\^?[23])?)?(?:\s+[A-Za-z]+)?)"
+)
+
+
+def normalize_answer(answer: str) -> str:
+    """Rewrite surface forms math-verify does not read into ones it does; the value is unchanged."""
+    text = answer.strip().replace("\u2212", "-").replace("\\!", "")
+    changed = True
+    while changed:
+        changed = False
+        for opener, closer in _WRAPPERS:
+            if len(text) >= len(opener) + len(closer) and text.startswith(opener) and text.endswith(closer):
+                text = text[len(opener):len(text) - len(closer)].strip()
+                changed = True
+        if text.endswith("."):
+            text = text[:-1].rstrip()
+            changed = True
+        text_command = _TEXT_COMMAND.fullmatch(text)
+        if text_command:
+            text = text_command.group(1).strip()
+            changed = True
+    if text.count("$") == 1 and text.startswith(("$", "\\$")):
+        text = text.lstrip("\\$").strip()  # a currency sign, not a math delimiter
+    text = text.replace("\u00b0", "")
+    if _THOUSANDS.fullmatch(text):
+        text = re.sub(r",|\{,\}|\\,| ", "", text)
+    scientific = _SCIENTIFIC.fullmatch(text)
+    if scientific:
+        text = f"{scientific.group(1)}\\times 10^{{{scientific.group(2)}}}"
+    with_unit = _NUMBER_WITH_UNIT.fullmatch(text)
+    if with_unit:
+        unit = with_unit.group("unit")
+        single_letter_glued = len(unit) == 1 and not with_unit.group("space")
+        if unit.lower() not in _MATH_WORDS and not single_letter_glued:
+            text = with_unit.group("number")
+    if "\\" not in text:
+        text = text.replace("**", "^")
+        text = re.sub(r"(?<![A-Za-z\\])pi(?![A-Za-z])", r"\\pi", text)
+        text = re.sub(r"(?<![A-Za-z])(?:infinity|inf)(?![A-Za-z])", r"\\infty", text)
+    return text
+
+
+def _brace_depth(text: str) -> int:
+    depth = deepest = 0
+    for char in text:
+        if char in "{([":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "})]":
+            depth -= 1
+    return deepest
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing and size caps
+
+
+class TooLarge(ValueError):
+    """The answer would evaluate to a number too large to compare safely."""
+
+
+def _step_timeout() -> int | None:
+    """math-verify's alarm works only in the main thread; elsewhere the caller's timeout applies."""
+    return STEP_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+@lru_cache(maxsize=4096)
+def _parse_cached(text: str, timeout: int | None) -> sympy.Basic | None:
+    for candidate in (f"${text}$", text):
+        parsed = parse(candidate, extraction_config=_LATEX_AND_EXPR, parsing_timeout=timeout, raise_on_error=True)
+        for item in parsed:
+            if isinstance(item, sympy.Basic):
+                return item
+    return None
+
+
+def parse_answer(text: str) -> sympy.Basic | None:
+    """The sympy value of a normalised answer, or None when math-verify finds nothing in it."""
+    return _parse_cached(text, _step_timeout())
+
+
+def _int_value_bound(expr: sympy.Basic) -> float:
+    """Upper bound on |expr| for a small numeric expr (used for exponents and factorial arguments)."""
+    if _digit_bound(expr) > 7:
+        return math.inf
+    try:
+        return abs(complex(expr.evalf(15)))
+    except (TypeError, ValueError):
+        return 0.0  # symbolic: evaluation cannot blow up on a value it does not have
+
+
+def _digit_bound(expr: sympy.Basic) -> float:
+    """Upper bound on the decimal digits of any number in `expr` once evaluated (inf if unbounded)."""
+    if isinstance(expr, sympy.Integer):
+        return int(expr).bit_length() * 0.302 + 1
+    if isinstance(expr, sympy.Rational):
+        return max(int(expr.p).bit_length(), int(expr.q).bit_length()) * 0.302 + 1
+    if isinstance(expr, sympy.Float):
+        return abs(int(expr._mpf_[2])) * 0.302 + 20
+    if isinstance(expr, sympy.Pow):
+        base, exponent = expr.args
+        base_digits = max(_digit_bound(base), 1.0)
+        if not exponent.free_symbols:
+            return _int_value_bound(exponent) * base_digits
+        return base_digits
+    if isinstance(expr, (sympy.factorial, sympy.gamma)):
+        n = _int_value_bound(expr.args[0])
+        return n * math.log10(n + 1) + 1
+    if isinstance(expr, sympy.factorial2):
+        n = _int_value_bound(expr.args[0])
+        return n * math.log10(n + 1) / 2 + 1
+    if isinstance(expr, sympy.binomial):
+        n = _int_value_bound(expr.args[0])
+        return n * 0.302 + 1
+    child_bounds = [_digit_bound(arg) for arg in expr.args if isinstance(arg, sympy.Basic)]
+    if not child_bounds:
+        return 1.0
+    if isinstance(expr, sympy.Add):
+        return max(child_bounds) + 1
+    return sum(child_bounds)
+
+
+def check_size(expr: sympy.Basic, what: str) -> None:
+    bound = _digit_bound(expr)
+    if bound > MAX_DIGITS:
+        size = "an unbounded number of" if math.isinf(bound) else f"about {bound:.0f}"
+        raise TooLarge(f"{what} would evaluate to {size} digits (limit {MAX_DIGITS})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Confirmation of math-verify's verdict
+
+
+def _is_scalar_number(expr: Any) -> bool:
+    return (
+        isinstance(expr, sympy.Expr)
+        and not isinstance(expr, (sympy.MatrixBase, sympy.MatrixExpr))
+        and not expr.free_symbols
+        and bool(expr.is_number)
+    )
+
+
+def _percent_value(expr: sympy.Expr) -> sympy.Expr | None:
+    """X for an answer written "X%" (latex2sympy keeps it as X * UnevaluatedExpr(1/100))."""
+    marker = sympy.UnevaluatedExpr(sympy.Rational(1, 100))
+    if isinstance(expr, sympy.Mul) and len(expr.args) == 2 and expr.args[1] == marker:
+        return expr.args[0]
+    return None
+
+
+def _readings(expr: sympy.Expr) -> list[sympy.Expr]:
+    """The values an answer may mean: "50%" is 1/2 or, as graders of percent questions accept, 50."""
+    percent = _percent_value(expr)
+    if percent is None:
+        return [expr.doit()]
+    return [percent / 100, percent]
+
+
+def _numbers_equal(a: sympy.Expr, b: sympy.Expr) -> bool:
+    if a.has(sympy.Float) or b.has(sympy.Float):
+        va = complex(a.evalf(30))
+        vb = complex(b.evalf(30))
+        scale = max(abs(va), abs(vb))
+        return scale == 0 or abs(va - vb) <= DECIMAL_REL_TOL * scale
+    if a.is_infinite or b.is_infinite or a.is_infinite is None or b.is_infinite is None:
+        return a == b
+    if isinstance(a, sympy.Rational) and isinstance(b, sympy.Rational):
+        return a == b
+    difference = a - b
+    if difference == 0:
+        return True
+    value = abs(difference.evalf(EXACT_DIGITS))
+    scale = max(abs(a.evalf(EXACT_DIGITS)), abs(b.evalf(EXACT_DIGITS)))
+    if scale == 0:
+        return value == 0
+    return bool(value <= EXACT_REL_TOL * scale)
+
+
+def _equation_side(expr: sympy.Basic) -> sympy.Basic:
+    """`x = 5` compared with `5`: math-verify compares the right-hand side; so do we."""
+    while isinstance(expr, sympy.Eq):
+        expr = expr.rhs
+    return expr
+
+
+def confirm_equal(gold: sympy.Basic, pred: sympy.Basic) -> bool:
+    """Re-check a `True` from math-verify where its numeric comparison can be fooled."""
+    if isinstance(gold, sympy.Eq) != isinstance(pred, sympy.Eq):
+        gold, pred = _equation_side(gold), _equation_side(pred)
+    if isinstance(gold, sympy.Tuple) and isinstance(pred, sympy.Tuple) and len(gold) == len(pred):
+        return all(confirm_equal(g, p) for g, p in zip(gold, pred))
+    if isinstance(gold, (sympy.FiniteSet, sympy.Tuple)) and isinstance(pred, (sympy.FiniteSet, sympy.Tuple)):
+        gold_items, pred_items = list(gold.args), list(pred.args)
+        return all(any(confirm_equal(g, p) for g in gold_items) for p in pred_items) and all(
+            any(confirm_equal(g, p) for p in pred_items) for g in gold_items
+        )
+    if isinstance(gold, sympy.Interval) and isinstance(pred, sympy.Interval):
+        return (
+            gold.left_open == pred.left_open
+            and gold.right_open == pred.right_open
+            and confirm_equal(gold.start, pred.start)
+            and confirm_equal(gold.end, pred.end)
+        )
+    if _is_scalar_number(gold) and _is_scalar_number(pred):
+        try:
+            return any(_numbers_equal(g, p) for g in _readings(gold) for p in _readings(pred))
+        except (TypeError, ValueError, ArithmeticError):
+            return gold == pred  # values evalf cannot take (e.g. complex infinity): only identity counts
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# The verifier
+
+_SIMPLE_RATIONAL = re.compile(
+    r"(?P<sign>[-+]?)(?:(?P<p>\d{1,1000})(?:/(?P<q>\d{1,1000}))?"
+    r"|\\[dt]?frac(?:\{(?P<fp>\d{1,1000})\}\{(?P<fq>\d{1,1000})\}|(?P<dp>\d)(?P<dq>\d)))"
+)
+
+
+def simple_rational(text: str) -> Fraction | None:
+    """The value of an integer or fraction literal ("-12", "3/4", "\\frac{3}{4}"), else None.
+
+    Two such answers are equal exactly when their values are: the same verdict math-verify and
+    `confirm_equal` reach, without the parser. Decimals are left to math-verify (it rounds them).
+    """
+    match = _SIMPLE_RATIONAL.fullmatch(text)
+    if match is None:
+        return None
+    numerator = match.group("p") or match.group("fp") or match.group("dp")
+    denominator = match.group("q") or match.group("fq") or match.group("dq") or "1"
+    if int(denominator) == 0:
+        return None
+    value = Fraction(int(numerator), int(denominator))
+    return -value if match.group("sign") == "-" else value
+
+
+def _reference_text(reference: Any) -> str | None:
+    if isinstance(reference, bool) or reference is None:
+        return None
+    if isinstance(reference, (int, float)):
+        return repr(reference) if isinstance(reference, float) else str(reference)
+    if isinstance(reference, str) and reference.strip():
+        return reference
+    return None
+
+
+def _same_text(a: str, b: str) -> bool:
+    return re.sub(r"\s+", "", a) == re.sub(r"\s+", "", b)
+
+
+class MathVerifier(Verifier):
+    name = "math"
+    domain = "math"
+    version = "1"
+
+    def score(self, response: str, reference: Any) -> Score:
+        reference_text = _reference_text(reference)
+        if reference_text is None:
+            return Score(0.0, "error", reason=f"math reference must be a non-empty string or a number, got {type(reference).__name__}")
+        if not isinstance(response, str):
+            return Score(0.0, "error", reason=f"response must be a string, got {type(response).__name__}")
+        boxed_reference = _last_boxed(reference_text)
+        gold_text = normalize_answer(boxed_reference if boxed_reference is not None else reference_text)
+
+        extracted, rule = extract_answer(response)
+        if extracted is None:
+            return Score(0.0, "unparseable", {"correct": 0.0}, reason="no answer found (no \\boxed, 'answer is', '####', bold or number)")
+        answer = normalize_answer(extracted)
+        if len(answer) > MAX_ANSWER_CHARS:
+            return Score(0.0, "unparseable", {"correct": 0.0}, extracted[:200], f"{rule}: answer longer than {MAX_ANSWER_CHARS} characters")
+        if _brace_depth(answer) > MAX_BRACE_DEPTH:
+            return Score(0.0, "unparseable", {"correct": 0.0}, extracted[:200], f"{rule}: answer nested deeper than {MAX_BRACE_DEPTH} brackets")
+
+        if _same_text(answer, gold_text):
+            return self._verdict(True, extracted, rule)
+        answer_value, gold_value = simple_rational(answer), simple_rational(gold_text)
+        if answer_value is not None and gold_value is not None:
+            return self._verdict(answer_value == gold_value, extracted, rule)
+        if len(gold_text) > MAX_ANSWER_CHARS or _brace_depth(gold_text) > MAX_BRACE_DEPTH:
+            return Score(0.0, "error", {"correct": 0.0}, extracted, "reference is too long or too deeply nested to parse")
+
+        try:
+            gold = parse_answer(gold_text)
+        except TimeoutException:
+            return Score(0.0, "timeout", {"correct": 0.0}, extracted, "parsing the reference timed out")
+        except Exception as exc:
+            return Score(0.0, "error", {"correct": 0.0}, extracted, f"reference could not be parsed: {type(exc).__name__}: {exc}"[:300])
+        if gold is None:
+            return Score(0.0, "error", {"correct": 0.0}, extracted, f"reference {gold_text[:60]!r} could not be parsed")
+        try:
+            pred = parse_answer(answer)
+        except TimeoutException:
+            return Score(0.0, "timeout", {"correct": 0.0}, extracted, f"{rule}: parsing the answer timed out")
+        except Exception as exc:
+            return Score(0.0, "unparseable", {"correct": 0.0}, extracted, f"{rule}: answer could not be parsed: {type(exc).__name__}")
+        if pred is None:
+            return Score(0.0, "unparseable", {"correct": 0.0}, extracted, f"{rule}: answer {extracted[:60]!r} could not be parsed")
+
+        try:
+            check_size(gold, "reference")
+            check_size(pred, "answer")
+        except TooLarge as exc:
+            return Score(0.0, "error", {"correct": 0.0}, extracted, f"{rule}: {exc}")
+
+        try:
+            equal = verify(gold, pred, timeout_seconds=_step_timeout(), raise_on_error=True)
+        except TimeoutException:
+            return Score(0.0, "timeout", {"correct": 0.0}, extracted, f"{rule}: comparison timed out")
+        except Exception as exc:
+            return Score(0.0, "wrong", {"correct": 0.0}, extracted, f"{rule}: not comparable with the reference ({type(exc).__name__})")
+        if equal:
+            equal = confirm_equal(gold, pred)
+        return self._verdict(equal, extracted, rule)
+
+    @staticmethod
+    def _verdict(equal: bool, extracted: str, rule: str | None) -> Score:
+        if equal:
+            return Score(1.0, "ok", {"correct": 1.0}, extracted, f"{rule}: equivalent to the reference")
+        return Score(0.0, "wrong", {"correct": 0.0}, extracted, f"{rule}: not equivalent to the reference")

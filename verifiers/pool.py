@@ -1,0 +1,254 @@
+"""Runs a verifier in worker processes with a hard per-call timeout; owns `score_safely`.
+
+Each worker (forkserver context, so a replacement starts from a process that already imported
+sympy and math-verify) loads the verifier once, caps its address space with RLIMIT_AS, then loops:
+receive (index, response, reference), score, send (index, Score). The parent gives each worker one
+call at a time and watches three things: the answer, the worker's death, and the deadline. A call
+still running `timeout_s` after it was sent is ended by SIGKILL of its worker, which is replaced;
+a worker that dies (segfault, os._exit, the kernel's OOM killer) costs only the call it was running.
+So `score_many` always returns one Score per input, in input order, whatever a single call does.
+
+Inside a worker, exceptions raised by the verifier become status "error" with the exception type and
+message as reason (`score_safely`); the adapters use the same function when scoring in-process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from verifiers.base import Score, Verifier
+from verifiers.registry import get_verifier, verifier_spec
+
+START_TIMEOUT_S = 60.0  # a worker that has not loaded its verifier by then is killed
+MAX_FAILED_STARTS = 3  # consecutive start failures after which the remaining calls are failed
+STOP_WAIT_S = 2.0  # how long close() waits for a worker to exit before killing it
+REASON_CHARS = 500
+
+_context = multiprocessing.get_context("forkserver")
+_context.set_forkserver_preload(["verifiers.registry"])
+
+
+def score_safely(verifier: Verifier, response: Any, reference: Any) -> Score:
+    """`verifier.score`, with any exception or non-Score result turned into status "error"."""
+    try:
+        result = verifier.score(response, reference)
+    except Exception as exc:
+        try:
+            message = f"{type(exc).__name__}: {exc}"
+        except Exception:
+            message = type(exc).__name__
+        return Score(0.0, "error", reason=message[:REASON_CHARS])
+    if not isinstance(result, Score):
+        return Score(0.0, "error", reason=f"verifier returned {type(result).__name__}, not a Score")
+    return result
+
+
+def _worker_main(conn: Connection, spec: str, memory_mb: int) -> None:
+    """Worker loop: ('ready', load_error) once, then (index, Score) per request until None or EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    limit = memory_mb * 1024 * 1024
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    verifier: Verifier | None = None
+    load_error: str | None = None
+    try:
+        verifier = get_verifier(spec)
+    except Exception as exc:
+        load_error = f"verifier {spec!r} failed to load in the worker: {type(exc).__name__}: {exc}"[:REASON_CHARS]
+    conn.send(("ready", load_error))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        index, response, reference = message
+        if verifier is None:
+            score = Score(0.0, "error", reason=load_error)
+        else:
+            score = score_safely(verifier, response, reference)
+        try:
+            conn.send((index, score))
+        except Exception as exc:  # e.g. components that cannot be pickled
+            conn.send((index, Score(0.0, "error", reason=f"result could not be sent back: {type(exc).__name__}: {exc}"[:REASON_CHARS])))
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: Connection
+    started_at: float
+    ready: bool = False
+    index: int | None = None  # the call it is running
+    deadline: float = 0.0
+
+
+class VerifierPool:
+    """Worker processes scoring (response, reference) pairs; use as a context manager."""
+
+    def __init__(
+        self,
+        verifier_name: str | type[Verifier],
+        workers: int = 2,
+        timeout_s: float = 5.0,
+        memory_mb: int = 2048,
+    ) -> None:
+        if workers < 1:
+            raise ValueError("a pool needs at least one worker")
+        self.spec = verifier_spec(verifier_name)
+        self.workers = workers
+        self.timeout_s = timeout_s
+        self.memory_mb = memory_mb
+        self._slots: list[_Worker] = []
+        self._failed_starts = 0
+        self._start_failure = ""
+
+    def __enter__(self) -> VerifierPool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        while len(self._slots) < self.workers:
+            self._slots.append(self._start_worker())
+
+    def worker_pids(self) -> list[int]:
+        return [slot.process.pid for slot in self._slots]
+
+    def _start_worker(self) -> _Worker:
+        parent_end, child_end = _context.Pipe(duplex=True)
+        process = _context.Process(
+            target=_worker_main, args=(child_end, self.spec, self.memory_mb), daemon=True, name=f"verifier-{self.spec}"
+        )
+        process.start()
+        child_end.close()
+        return _Worker(process=process, conn=parent_end, started_at=time.monotonic())
+
+    def _stop_worker(self, worker: _Worker) -> None:
+        if worker.process.is_alive():
+            worker.process.kill()
+        worker.process.join(STOP_WAIT_S)
+        worker.conn.close()
+
+    def _replace(self, slot: int) -> None:
+        self._stop_worker(self._slots[slot])
+        self._slots[slot] = self._start_worker()
+
+    @staticmethod
+    def _death_reason(worker: _Worker) -> str:
+        worker.process.join(STOP_WAIT_S)
+        code = worker.process.exitcode
+        if code is not None and code < 0:
+            try:
+                return f"worker died: killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"worker died: killed by signal {-code}"
+        return f"worker died: exit code {code}"
+
+    def score_many(self, pairs: list[tuple[str, object]]) -> list[Score]:
+        """One Score per (response, reference) pair, in the same order, whatever the calls do."""
+        if not self._slots:
+            self.start()
+        results: list[Score | None] = [None] * len(pairs)
+        pending: deque[int] = deque(range(len(pairs)))
+
+        while pending or any(worker.index is not None for worker in self._slots):
+            if self._failed_starts >= MAX_FAILED_STARTS:
+                for index in pending:
+                    results[index] = Score(0.0, "error", reason=f"no verifier worker could start: {self._start_failure}")
+                pending.clear()
+                if all(worker.index is None for worker in self._slots):
+                    break
+
+            for worker in self._slots:
+                if worker.ready and worker.index is None and pending:
+                    index = pending.popleft()
+                    response, reference = pairs[index]
+                    try:
+                        worker.conn.send((index, response, reference))
+                    except (BrokenPipeError, EOFError, OSError):
+                        pending.appendleft(index)  # the worker died idle; the call never started
+                        worker.ready = False
+                        continue
+                    worker.index = index
+                    worker.deadline = time.monotonic() + self.timeout_s
+
+            now = time.monotonic()
+            deadlines = [w.deadline for w in self._slots if w.index is not None]
+            deadlines += [w.started_at + START_TIMEOUT_S for w in self._slots if not w.ready]
+            wait_s = max(0.0, min(deadlines) - now) if deadlines else 0.0
+            watched: list[Any] = []
+            for worker in self._slots:
+                watched += [worker.conn, worker.process.sentinel]
+            wait(watched, timeout=wait_s)
+
+            for slot, worker in enumerate(self._slots):
+                self._collect(slot, worker, results)
+        return [score if score is not None else Score(0.0, "error", reason="no result") for score in results]
+
+    def _collect(self, slot: int, worker: _Worker, results: list[Score | None]) -> None:
+        """Take whatever this worker has to say: readiness, a result, its death, or its deadline."""
+        message = None
+        try:
+            if worker.conn.poll():
+                message = worker.conn.recv()
+        except (EOFError, OSError):
+            message = None
+        if message is not None:
+            if message[0] == "ready":
+                worker.ready = True
+                self._failed_starts = 0
+            else:
+                index, score = message
+                if index == worker.index:
+                    results[index] = score
+                    worker.index = None
+            return
+        if not worker.process.is_alive():
+            reason = self._death_reason(worker)
+            if worker.index is not None:
+                results[worker.index] = Score(0.0, "error", reason=reason)
+            elif not worker.ready:
+                self._failed_starts += 1
+                self._start_failure = reason
+            self._replace(slot)
+            return
+        now = time.monotonic()
+        if worker.index is not None and now >= worker.deadline:
+            results[worker.index] = Score(
+                0.0, "timeout", reason=f"call exceeded {self.timeout_s:g} s; worker killed and replaced"
+            )
+            self._replace(slot)
+        elif not worker.ready and now >= worker.started_at + START_TIMEOUT_S:
+            self._failed_starts += 1
+            self._start_failure = f"worker did not load the verifier within {START_TIMEOUT_S:g} s"
+            self._replace(slot)
+
+    def close(self) -> None:
+        """Stop every worker: ask politely, then SIGKILL whatever is still running."""
+        for worker in self._slots:
+            if worker.index is not None:
+                worker.process.kill()  # still running a call (the caller was interrupted)
+                continue
+            try:
+                worker.conn.send(None)
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+        give_up_at = time.monotonic() + STOP_WAIT_S
+        for worker in self._slots:
+            worker.process.join(max(0.0, give_up_at - time.monotonic()))
+            self._stop_worker(worker)
+        self._slots = []
