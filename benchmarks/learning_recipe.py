@@ -48,6 +48,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per RL step (B)")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt (n)")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--clip-low", type=float, default=0.2)
     parser.add_argument("--clip-high", type=float, default=0.2)
     parser.add_argument("--minibatches", type=int, default=1)
@@ -100,6 +101,7 @@ def main() -> None:
 
     cfg = GRPOConfig(
         lr=args.lr,
+        weight_decay=args.weight_decay,
         clip_low=args.clip_low,
         clip_high=args.clip_high,
         minibatches=args.minibatches,

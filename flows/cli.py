@@ -173,6 +173,37 @@ def lineage(
     _print_rows(rows, ["artifact_id", "kind", "stage", "step", "rows", "run_id"], format)
 
 
+@app.command()
+def verifiers() -> None:
+    """List the registered verifiers (built-in and `rlvr.verifiers` plugins) with their versions."""
+    from verifiers.registry import plugin_errors, registered
+
+    rows = [{"name": name, "domain": cls.domain, "version": cls.version, "class": f"{cls.__module__}.{cls.__qualname__}"}
+            for name, cls in registered().items()]
+    _print_rows(rows, ["name", "domain", "version", "class"], "table")
+    for problem in plugin_errors():
+        err.print(f"warning: {problem}", markup=False)
+
+
+@app.command()
+def verify(
+    verifier: str = typer.Option(..., "--verifier", help="a registered verifier name (see `rlvr verifiers`)"),
+    input: Path = typer.Option(..., "--input", help='JSONL file, one {"response": ..., "reference": ...} per line'),
+    workers: int = typer.Option(2, "--workers", min=1, help="verifier worker processes"),
+    timeout: float = typer.Option(5.0, "--timeout", help="hard wall-clock limit per answer, seconds"),
+) -> None:
+    """Score each input line; print one JSON line per input line, in order (score, status, ...)."""
+    from verifiers.registry import verifier_class
+    from verifiers.verify_jsonl import verify_lines
+
+    verifier_class(verifier)  # an unknown name fails here, as one line
+    if not input.is_file():
+        raise UserError(f"input file {str(input)!r} does not exist")
+    with input.open(encoding="utf-8", errors="surrogateescape") as lines:
+        for row in verify_lines(verifier, lines, workers=workers, timeout_s=timeout):
+            print(json.dumps(row, default=str), flush=True)
+
+
 def _print_rows(rows: list[dict[str, Any]], columns: list[str], format: str) -> None:
     if format == "json":
         for row in rows:

@@ -227,8 +227,11 @@ def normalize_answer(answer: str) -> str:
         if text_command:
             text = text_command.group(1).strip()
             changed = True
-    if text.count("$") == 1 and text.startswith(("$", "\\$")):
-        text = text.lstrip("\\$").strip()  # a currency sign, not a math delimiter
+    if text.count("$") == 1:  # a currency sign, not a math delimiter
+        for currency in ("\\$", "$"):
+            if text.startswith(currency):
+                text = text[len(currency):].strip()
+                break
     text = text.replace("\u00b0", "")
     if _THOUSANDS.fullmatch(text):
         text = re.sub(r",|\{,\}|\\,| ", "", text)

@@ -2,10 +2,13 @@
 
 Each worker (forkserver context, so a replacement starts from a process that already imported
 sympy and math-verify) loads the verifier once, caps its address space with RLIMIT_AS, then loops:
-receive (index, response, reference), score, send (index, Score). The parent gives each worker one
-call at a time and watches three things: the answer, the worker's death, and the deadline. A call
-still running `timeout_s` after it was sent is ended by SIGKILL of its worker, which is replaced;
-a worker that dies (segfault, os._exit, the kernel's OOM killer) costs only the call it was running.
+receive (index, response, reference), score, send (index, Score). The parent keeps up to
+`PIPELINE_DEPTH` calls queued per worker (so a worker never idles while its next call is in transit)
+and watches three things: the answers, the worker's death, and the deadline of the call the worker is
+running (the oldest one queued; its clock starts when it was sent or when the previous answer came
+back, whichever is later). A call still running `timeout_s` after that is ended by SIGKILL of its
+worker, which is replaced; a worker that dies (segfault, os._exit, the kernel's OOM killer) costs
+only the call it was running. Calls queued behind a killed call go back to the front of the queue.
 So `score_many` always returns one Score per input, in input order, whatever a single call does.
 
 Inside a worker, exceptions raised by the verifier become status "error" with the exception type and
@@ -15,12 +18,11 @@ message as reason (`score_safely`); the adapters use the same function when scor
 from __future__ import annotations
 
 import multiprocessing
-import os
 import resource
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -31,6 +33,7 @@ START_TIMEOUT_S = 60.0  # a worker that has not loaded its verifier by then is k
 MAX_FAILED_STARTS = 3  # consecutive start failures after which the remaining calls are failed
 STOP_WAIT_S = 2.0  # how long close() waits for a worker to exit before killing it
 REASON_CHARS = 500
+PIPELINE_DEPTH = 2  # calls queued per worker; the deadline applies to the one it is running
 
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(["verifiers.registry"])
@@ -90,8 +93,8 @@ class _Worker:
     conn: Connection
     started_at: float
     ready: bool = False
-    index: int | None = None  # the call it is running
-    deadline: float = 0.0
+    queued: deque[int] = field(default_factory=deque)  # calls sent, oldest (the running one) first
+    deadline: float = 0.0  # for queued[0]
 
 
 class VerifierPool:
@@ -143,8 +146,12 @@ class VerifierPool:
         worker.process.join(STOP_WAIT_S)
         worker.conn.close()
 
-    def _replace(self, slot: int) -> None:
-        self._stop_worker(self._slots[slot])
+    def _replace(self, slot: int, pending: deque[int]) -> None:
+        """Kill and restart the worker in `slot`; calls it had queued go back to the front of `pending`."""
+        worker = self._slots[slot]
+        pending.extendleft(reversed(worker.queued))
+        worker.queued.clear()
+        self._stop_worker(worker)
         self._slots[slot] = self._start_worker()
 
     @staticmethod
@@ -165,29 +172,29 @@ class VerifierPool:
         results: list[Score | None] = [None] * len(pairs)
         pending: deque[int] = deque(range(len(pairs)))
 
-        while pending or any(worker.index is not None for worker in self._slots):
+        while pending or any(worker.queued for worker in self._slots):
             if self._failed_starts >= MAX_FAILED_STARTS:
                 for index in pending:
                     results[index] = Score(0.0, "error", reason=f"no verifier worker could start: {self._start_failure}")
                 pending.clear()
-                if all(worker.index is None for worker in self._slots):
+                if not any(worker.queued for worker in self._slots):
                     break
 
-            for worker in self._slots:
-                if worker.ready and worker.index is None and pending:
+            for slot, worker in enumerate(self._slots):
+                while worker.ready and len(worker.queued) < PIPELINE_DEPTH and pending:
                     index = pending.popleft()
                     response, reference = pairs[index]
                     try:
                         worker.conn.send((index, response, reference))
                     except (BrokenPipeError, EOFError, OSError):
-                        pending.appendleft(index)  # the worker died idle; the call never started
-                        worker.ready = False
-                        continue
-                    worker.index = index
-                    worker.deadline = time.monotonic() + self.timeout_s
+                        pending.appendleft(index)  # the worker is gone; this call never reached it
+                        break
+                    worker.queued.append(index)
+                    if len(worker.queued) == 1:
+                        worker.deadline = time.monotonic() + self.timeout_s
 
             now = time.monotonic()
-            deadlines = [w.deadline for w in self._slots if w.index is not None]
+            deadlines = [w.deadline for w in self._slots if w.queued]
             deadlines += [w.started_at + START_TIMEOUT_S for w in self._slots if not w.ready]
             wait_s = max(0.0, min(deadlines) - now) if deadlines else 0.0
             watched: list[Any] = []
@@ -195,52 +202,55 @@ class VerifierPool:
                 watched += [worker.conn, worker.process.sentinel]
             wait(watched, timeout=wait_s)
 
-            for slot, worker in enumerate(self._slots):
-                self._collect(slot, worker, results)
+            for slot in range(len(self._slots)):
+                self._collect(slot, results, pending)
         return [score if score is not None else Score(0.0, "error", reason="no result") for score in results]
 
-    def _collect(self, slot: int, worker: _Worker, results: list[Score | None]) -> None:
-        """Take whatever this worker has to say: readiness, a result, its death, or its deadline."""
-        message = None
+    def _receive(self, worker: _Worker, results: list[Score | None]) -> None:
+        """Read every message the worker has sent: its readiness, then answers in call order."""
         try:
-            if worker.conn.poll():
+            while worker.conn.poll():
                 message = worker.conn.recv()
-        except (EOFError, OSError):
-            message = None
-        if message is not None:
-            if message[0] == "ready":
-                worker.ready = True
-                self._failed_starts = 0
-            else:
+                if message[0] == "ready":
+                    worker.ready = True
+                    self._failed_starts = 0
+                    continue
                 index, score = message
-                if index == worker.index:
+                if worker.queued and index == worker.queued[0]:
                     results[index] = score
-                    worker.index = None
-            return
+                    worker.queued.popleft()
+                    worker.deadline = time.monotonic() + self.timeout_s
+        except (EOFError, OSError):
+            pass  # the worker is gone; its death is handled by the caller
+
+    def _collect(self, slot: int, results: list[Score | None], pending: deque[int]) -> None:
+        """Take whatever this worker has to say: readiness, answers, its death, or its deadline."""
+        worker = self._slots[slot]
+        self._receive(worker, results)
         if not worker.process.is_alive():
             reason = self._death_reason(worker)
-            if worker.index is not None:
-                results[worker.index] = Score(0.0, "error", reason=reason)
+            if worker.queued:
+                results[worker.queued.popleft()] = Score(0.0, "error", reason=reason)
             elif not worker.ready:
                 self._failed_starts += 1
                 self._start_failure = reason
-            self._replace(slot)
+            self._replace(slot, pending)
             return
         now = time.monotonic()
-        if worker.index is not None and now >= worker.deadline:
-            results[worker.index] = Score(
+        if worker.queued and now >= worker.deadline:
+            results[worker.queued.popleft()] = Score(
                 0.0, "timeout", reason=f"call exceeded {self.timeout_s:g} s; worker killed and replaced"
             )
-            self._replace(slot)
+            self._replace(slot, pending)
         elif not worker.ready and now >= worker.started_at + START_TIMEOUT_S:
             self._failed_starts += 1
             self._start_failure = f"worker did not load the verifier within {START_TIMEOUT_S:g} s"
-            self._replace(slot)
+            self._replace(slot, pending)
 
     def close(self) -> None:
         """Stop every worker: ask politely, then SIGKILL whatever is still running."""
         for worker in self._slots:
-            if worker.index is not None:
+            if worker.queued:
                 worker.process.kill()  # still running a call (the caller was interrupted)
                 continue
             try:
