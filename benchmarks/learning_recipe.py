@@ -56,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--advantage-scale", choices=["std", "none"], default="std")
     parser.add_argument("--aggregation", choices=["seq-mean-token-mean", "token-mean"], default="seq-mean-token-mean")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--loss-temperature", action="store_true", help="compute GRPO logprobs at the sampling temperature")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--max-new-tokens", type=int, default=3)
     parser.add_argument("--eval-every", type=int, default=50)
@@ -108,6 +109,7 @@ def main() -> None:
         max_grad_norm=args.max_grad_norm,
         advantage_scale=args.advantage_scale,
         aggregation=args.aggregation,
+        temperature=args.temperature if args.loss_temperature else 1.0,
     )
     optimizer = make_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay)
     prompt_generator = torch.Generator().manual_seed(args.seed + 1_000_003)

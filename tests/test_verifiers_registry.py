@@ -13,7 +13,7 @@ from verifiers.adapters import compute_score, trl_reward_func
 from verifiers.arithmetic import ArithmeticVerifier
 from verifiers.math import MathVerifier
 from verifiers.pool import VerifierPool
-from verifiers.registry import get_verifier, plugin_errors, registered, verifier_class
+from verifiers.registry import BUILTIN, get_verifier, plugin_errors, registered, verifier_class
 from verifiers.verify_jsonl import verify_lines
 
 # ----------------------------------------------------------------------------------------------
@@ -33,7 +33,7 @@ def test_unknown_verifier_names_the_registered_ones():
     with pytest.raises(UserError) as raised:
         get_verifier("maths")
     assert str(raised.value) == "unknown verifier 'maths'; registered: " + ", ".join(registered())
-    assert str(raised.value).startswith("unknown verifier 'maths'; registered: arithmetic, math")
+    assert {"arithmetic", "math"} <= set(registered())
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def plugin_dir(tmp_path, monkeypatch):
 
 def test_entry_point_plugin_is_registered_and_bad_ones_are_reported(plugin_dir):
     names = registered()
-    assert list(names) == ["arithmetic", "echo", "math"]
+    assert list(names) == sorted([*BUILTIN, "echo"])
     assert names["echo"].version == "3"
     assert names["math"] is MathVerifier  # a plugin cannot shadow a built-in
     assert get_verifier("echo").score(" 7 ", 7).status == "ok"
@@ -219,5 +219,5 @@ def test_verl_compute_score(data_source, solution_str, ground_truth, expected):
 
 
 def test_verl_unknown_data_source_is_a_user_error():
-    with pytest.raises(UserError, match="no verifier for verl data source 'codecontests'; known: arithmetic, math, openai/gsm8k"):
+    with pytest.raises(UserError, match="no verifier for verl data source 'codecontests'; known: arithmetic, "):
         compute_score("codecontests", "print(1)", "1")

@@ -61,6 +61,7 @@ def completion_logprobs(
     completion_ids: Tensor,
     pad_id: int,
     completion_mask: Tensor | None = None,
+    temperature: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """log π(completion token | prompt, earlier tokens) per position, and which positions are real.
 
@@ -78,7 +79,7 @@ def completion_logprobs(
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids).logits
     prompt_length, completion_length = prompt_ids.shape[1], completion_ids.shape[1]
-    next_token_logits = logits[:, prompt_length - 1 : prompt_length - 1 + completion_length].float()
+    next_token_logits = logits[:, prompt_length - 1 : prompt_length - 1 + completion_length].float() / temperature
     logp = torch.log_softmax(next_token_logits, dim=-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
     return logp, completion_mask.to(logp.dtype)
 
@@ -139,6 +140,7 @@ class GRPOConfig(BaseModel):
     max_grad_norm: float = Field(default=1.0, gt=0)
     advantage_scale: Literal["std", "none"] = "std"
     aggregation: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean"
+    temperature: float = Field(default=1.0, gt=0)
 
 
 @dataclass
@@ -200,13 +202,15 @@ def grpo_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: RolloutBa
     row_groups = group_index[rows]
 
     with torch.no_grad():
-        old_logp, _ = completion_logprobs(model, prompt_ids, completion_ids, pad_id, mask)
+        old_logp, _ = completion_logprobs(model, prompt_ids, completion_ids, pad_id, mask, cfg.temperature)
 
     slices = torch.tensor_split(active_groups, min(cfg.minibatches, active_groups.numel()))
     totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0}
     for groups in slices:
         selected = torch.isin(row_groups, groups)
-        logp, token_mask = completion_logprobs(model, prompt_ids[selected], completion_ids[selected], pad_id, mask[selected])
+        logp, token_mask = completion_logprobs(
+            model, prompt_ids[selected], completion_ids[selected], pad_id, mask[selected], cfg.temperature
+        )
         loss, loss_stats = clipped_surrogate_loss(
             logp,
             old_logp[selected],

@@ -28,6 +28,13 @@ ENTRY_POINT_GROUP = "rlvr.verifiers"
 BUILTIN: dict[str, type[Verifier]] = {
     ArithmeticVerifier.name: ArithmeticVerifier,
     MathVerifier.name: MathVerifier,
+    "sql": importlib.import_module("verifiers.sql").SqlVerifier,
+    "tool_call": importlib.import_module("verifiers.tool_call").ToolCallVerifier,
+    "reasoning_gym": importlib.import_module("verifiers.reasoning_gym").ReasoningGymVerifier,
+    "format": importlib.import_module("verifiers.format").FormatVerifier,
+    "text": importlib.import_module("verifiers.text").TextVerifier,
+    "math_format": importlib.import_module("verifiers.composite").MathFormatVerifier,
+    "code": importlib.import_module("verifiers.code").CodeVerifier,
 }
 
 
