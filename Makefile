@@ -11,6 +11,9 @@ venv: $(STAMP)
 
 # torch first, pinned: a bare `torch` (or a range admitting newer releases) would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		(apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) || \
+		echo "note: bubblewrap not installed; the code verifier will run with rlimits only"; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e ".[test]"

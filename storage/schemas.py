@@ -103,6 +103,33 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("extracted", _s),
             ("reason", _s),
             ("components", _s),
+            ("cache_hit", pa.bool_()),
+        ]
+    ),
+    "reward_cache": pa.schema(
+        [
+            ("verifier", _s),
+            ("verifier_version", _s),
+            ("response_hash", _s),
+            ("reference_hash", _s),
+            ("score", _f),
+            ("status", _s),
+            ("extracted", _s),
+            ("reason", _s),
+            ("components", _s),
+        ]
+    ),
+    "relabel_flips": pa.schema(
+        [
+            ("rollout_id", _s),
+            ("run_id", _s),
+            ("step", _i),
+            ("old_verifier_version", _s),
+            ("new_verifier_version", _s),
+            ("old_score", _f),
+            ("new_score", _f),
+            ("old_status", _s),
+            ("new_status", _s),
         ]
     ),
     "train_steps": pa.schema(

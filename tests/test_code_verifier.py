@@ -62,13 +62,12 @@ def _assert_none_left(marker: str) -> None:
     assert survivors == []
 
 
-def _sleeper(marker: str, detach: bool) -> str:
-    """Program text: a child that (optionally) leaves the process group and sleeps, marked in its argv."""
-    setsid = "os.setsid()" if detach else "pass"
+def _detached_sleeper(marker: str) -> str:
+    """Program text: a child that leaves the process group (setsid) and sleeps, marked in its argv."""
     return (
         "import os, sys, time\n"
         "if os.fork() == 0:\n"
-        f"    {setsid}\n"
+        "    os.setsid()\n"
         f"    os.execv(sys.executable, [sys.executable, '-S', '-c', 'import time; time.sleep(30)', '{marker}'])\n"
         "time.sleep(60)\n"
     )
@@ -208,7 +207,7 @@ def test_sleeping_past_the_timeout_kills_the_group_and_detached_children(isolati
     if isolation == "rlimits" and not IS_ROOT:
         pytest.skip("without bubblewrap and without root, a child that calls setsid() escapes the group kill")
     marker = f"rlvr-sleep-{uuid.uuid4().hex}"
-    score, seconds = _timed_score(_program(_sleeper(marker, detach=True)), {"asserts": ["assert True"], "timeout_s": LIMIT_S})
+    score, seconds = _timed_score(_program(_detached_sleeper(marker)), {"asserts": ["assert True"], "timeout_s": LIMIT_S})
     assert score.status == "timeout"
     assert seconds < LIMIT_S + SLACK_S
     _assert_none_left(marker)
@@ -283,7 +282,7 @@ def test_pool_killing_a_worker_mid_run_leaves_no_process(tmp_path):
         pytest.skip("without bubblewrap, grandchildren of a killed worker live until their uid is next used")
     marker = f"rlvr-pool-kill-{uuid.uuid4().hex}"
     with VerifierPool("code", workers=1, timeout_s=1.0) as pool:
-        [score] = pool.score_many([(_program(_sleeper(marker, detach=True)), {"asserts": ["assert True"], "timeout_s": 5})])
+        [score] = pool.score_many([(_program(_detached_sleeper(marker)), {"asserts": ["assert True"], "timeout_s": 5})])
     assert score.status == "timeout" and "worker killed" in score.reason
     _assert_none_left(marker)
 
@@ -301,6 +300,33 @@ def test_without_bubblewrap_rlimits_still_apply_and_it_warns_once(monkeypatch, c
     assert all(result.returncode != 0 and "MemoryError" in result.stderr for result in results)
     warnings = [record.getMessage() for record in caplog.records if record.name == "verifiers.sandbox"]
     assert warnings == [sandbox.UNAVAILABLE_WARNING]
+
+
+LIMITS_PROGRAM = """import os, resource
+print(os.getresuid(), os.getgroups())
+for name in ("RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_FSIZE", "RLIMIT_NPROC", "RLIMIT_NOFILE", "RLIMIT_CORE"):
+    print(name, resource.getrlimit(getattr(resource, name)))
+print(open("/proc/self/status").read().split("CapEff:")[1].split()[0])
+"""
+
+
+@pytest.mark.parametrize("launcher", ["util-linux", "preexec"])
+def test_limits_and_uid_as_the_program_sees_them(isolation, launcher, monkeypatch):
+    if launcher == "util-linux" and sandbox._util_linux_launcher() is None:
+        pytest.skip("prlimit or a setpriv with --pdeathsig is missing")
+    if launcher == "preexec":
+        monkeypatch.setattr(sandbox, "_util_linux_launcher", lambda: None)
+    result = _run(LIMITS_PROGRAM, timeout_s=1.5, memory_mb=200)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1:4] == ["RLIMIT_CPU (3, 3)", f"RLIMIT_AS ({200 * 2 ** 20}, {200 * 2 ** 20})", f"RLIMIT_FSIZE ({2 ** 24}, {2 ** 24})"]
+    assert lines[5:7] == ["RLIMIT_NOFILE (64, 64)", "RLIMIT_CORE (0, 0)"]
+    assert lines[7] == "0000000000000000"  # no capabilities
+    if IS_ROOT:
+        real, effective, saved = eval(lines[0].split(")")[0] + ")")
+        assert real == effective == saved >= sandbox.UID_BASE  # no way back to root
+        assert lines[4] == f"RLIMIT_NPROC ({sandbox.MAX_PROCESSES}, {sandbox.MAX_PROCESSES})"
+        assert lines[0].endswith("[]")
 
 
 def test_probe_reports_unavailable_without_bwrap(monkeypatch):

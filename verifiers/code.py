@@ -2,8 +2,7 @@
 
 Response: the program is the last fenced block tagged python, py or python3, or untagged; a block
 left open at the end of the text (a truncated generation) counts; a block indented as a whole (inside
-a list item) is dedented. Without such a block the whole
-text is the program.
+a list item) is dedented. Without such a block the whole text is the program.
 
 Reference (a dict or its JSON text), at least one check in all:
     {"tests": [{"input": STDIN, "output": EXPECTED_STDOUT}, ...],
@@ -30,7 +29,7 @@ from __future__ import annotations
 import json
 import textwrap
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from verifiers.base import Score, Verifier
 from verifiers.sandbox import ProgramResult, SandboxError, run_program
@@ -123,6 +122,23 @@ def parse_reference(reference: Any) -> CodeReference:
     return CodeReference(parsed_tests, list(asserts), float(timeout_s), memory_mb)
 
 
+class Check(NamedTuple):
+    """One sandboxed run: a stdin/stdout test (expected is the stdout) or an assert (expected None)."""
+
+    label: str
+    source: str
+    stdin: str
+    expected: str | None
+    files: dict[str, str]
+
+
+def checks_for(program: str, spec: CodeReference) -> list[Check]:
+    checks = [Check(f"test {i}", program, stdin, expected, {}) for i, (stdin, expected) in enumerate(spec.tests, 1)]
+    for i, statement in enumerate(spec.asserts, 1):
+        checks.append(Check(f"assert {i}", ASSERT_RUNNER, "", None, {CANDIDATE_FILE: program, CHECK_FILE: statement}))
+    return checks
+
+
 def normalize_output(text: str) -> list[str]:
     """Lines without trailing whitespace, trailing empty lines dropped."""
     lines = [line.rstrip() for line in text.splitlines()]
@@ -140,15 +156,23 @@ def _last_error_line(stderr: str) -> str:
     return _short(lines[-1].strip()) if lines else "no stderr"
 
 
-def _failure(result: ProgramResult, timeout_s: float) -> tuple[str, bool] | None:
-    """(why the run failed, whether that was a timeout), or None when it ran cleanly."""
+def _failure(check: Check, result: ProgramResult, timeout_s: float) -> tuple[str, bool] | None:
+    """(why the check failed, whether that was a timeout), or None when it passed."""
     if result.timed_out:
         return f"timed out after {timeout_s:g} s", True
     if result.output_truncated:
         return "output exceeded the limit", False
     if result.returncode != 0:
         return f"exit code {result.returncode}: {_last_error_line(result.stderr)}", False
+    if check.expected is not None and normalize_output(result.stdout) != normalize_output(check.expected):
+        return f"wrong output: expected {_short(check.expected)}, got {_short(result.stdout)}", False
     return None
+
+
+def _output_cap(check: Check) -> int:
+    if check.expected is None:
+        return MAX_OUTPUT_BYTES
+    return max(MAX_OUTPUT_BYTES, 4 * len(check.expected.encode("utf-8", "surrogatepass")))
 
 
 class CodeVerifier(Verifier):
@@ -168,32 +192,28 @@ class CodeVerifier(Verifier):
             return Score(0.0, "unparseable", {"pass_fraction": 0.0, "all_passed": 0.0}, reason="no program text")
         extracted = program[:EXTRACTED_CHARS]
 
-        checks = [(f"test {i}", program, stdin, expected, {}) for i, (stdin, expected) in enumerate(spec.tests, 1)]
-        checks += [
-            (f"assert {i}", ASSERT_RUNNER, "", None, {CANDIDATE_FILE: program, CHECK_FILE: statement})
-            for i, statement in enumerate(spec.asserts, 1)
-        ]
-        passed = 0
-        timeouts = 0
-        skipped = 0
+        checks = checks_for(program, spec)
+        passed = timeouts = skipped = 0
         first_failure: str | None = None
-        for position, (label, source, stdin, expected, files) in enumerate(checks):
-            cap = MAX_OUTPUT_BYTES if expected is None else max(MAX_OUTPUT_BYTES, 4 * len(expected.encode("utf-8", "surrogatepass")))
+        for position, check in enumerate(checks):
             try:
                 result = run_program(
-                    source, stdin, timeout_s=spec.timeout_s, memory_mb=spec.memory_mb, max_output_bytes=cap, extra_files=files
+                    check.source,
+                    check.stdin,
+                    timeout_s=spec.timeout_s,
+                    memory_mb=spec.memory_mb,
+                    max_output_bytes=_output_cap(check),
+                    extra_files=check.files,
                 )
             except SandboxError as exc:
-                return Score(0.0, "error", extracted=extracted, reason=f"{label}: sandbox failed: {exc}")
-            failure = _failure(result, spec.timeout_s)
-            if failure is None and expected is not None and normalize_output(result.stdout) != normalize_output(expected):
-                failure = (f"wrong output: expected {_short(expected)}, got {_short(result.stdout)}", False)
+                return Score(0.0, "error", extracted=extracted, reason=f"{check.label}: sandbox failed: {exc}")
+            failure = _failure(check, result, spec.timeout_s)
             if failure is None:
                 passed += 1
                 continue
             why, timed_out = failure
             if first_failure is None:
-                first_failure = f"{label}: {why}"
+                first_failure = f"{check.label}: {why}"
             if timed_out:
                 skipped = len(checks) - position - 1
                 timeouts += 1 + skipped  # a check not run after a timeout counts as timed out

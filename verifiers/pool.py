@@ -17,6 +17,7 @@ message as reason (`score_safely`); the adapters use the same function when scor
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import resource
 import signal
@@ -262,3 +263,27 @@ class VerifierPool:
             worker.process.join(max(0.0, give_up_at - time.monotonic()))
             self._stop_worker(worker)
         self._slots = []
+
+
+_shared: dict[tuple[str, int, float, int], VerifierPool] = {}
+
+
+def shared_pool(verifier_name: str, workers: int = 2, timeout_s: float = 5.0, memory_mb: int = 2048) -> VerifierPool:
+    """One long-lived pool per (verifier, settings) and process, closed at exit.
+
+    Stages that label every RL step reuse it instead of starting workers each step.
+    """
+    key = (verifier_spec(verifier_name), workers, timeout_s, memory_mb)
+    if key not in _shared:
+        pool = VerifierPool(verifier_name, workers=workers, timeout_s=timeout_s, memory_mb=memory_mb)
+        pool.start()
+        _shared[key] = pool
+        if len(_shared) == 1:
+            atexit.register(close_shared_pools)
+    return _shared[key]
+
+
+def close_shared_pools() -> None:
+    for pool in _shared.values():
+        pool.close()
+    _shared.clear()

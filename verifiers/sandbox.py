@@ -16,9 +16,11 @@ Layers, from always-on to best-effort:
    which costs a full fork of the calling process instead of a vfork.
 2. When we run as root, the program runs as its own unprivileged uid (one of `UID_SLOTS` uids from
    `UID_BASE`, held by a file lock for the length of the run, so concurrent runs in other workers
-   never share one; successive runs take successive uids). That is what makes RLIMIT_NPROC real (the
-   kernel never enforces it for root) and scoped to this run alone; it also means the program cannot write to root-owned paths (the
-   repository, the store), cannot read other processes' /proc/PID/environ, and cannot signal them.
+   never share one; successive runs take successive uids). A uid of its own rather than `nobody`:
+   RLIMIT_NPROC counts per uid, and the kernel never enforces it for root, so only this makes the
+   process cap real and scoped to this one run. It also means the program cannot write to
+   root-owned paths (the repository, the store), cannot read other processes' /proc/PID/environ,
+   and cannot signal them.
    After the run every process still owned by that uid is killed (`kill(-1)` from a helper running
    as that uid), whatever session or process group it moved itself into. A run that was itself killed
    mid-way (the pool SIGKILLs a worker past its deadline) may leave processes under its uid; the next
@@ -39,7 +41,7 @@ run is killed and the result marked `output_truncated`.
 What is guaranteed where (tests/test_code_verifier.py checks each):
 - everywhere: CPU, address-space, file-size and open-file limits; wall-clock timeout; output cap; no
   inherited environment variables; a private working directory, deleted afterwards.
-- as root (here): also a per-run uid, so a real process cap, no process left behind, no writes to
+- as root (the project's containers): also a per-run uid, so a real process cap, no process left behind, no writes to
   root-owned directories, no reading other processes' environment.
 - with bubblewrap: also no network (a fresh network namespace), writes outside the working directory
   land in a private tmpfs that vanishes, the host's processes are invisible (PID namespace).
@@ -314,7 +316,7 @@ def _child_setup(rlimits: list[tuple[str, int, int]]):
 
 
 def _bwrap_argv(python: str, work_dir: str) -> list[str]:
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr"]
+    argv = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr"]
     for path in SYSTEM_DIRS:
         if os.path.islink(path):
             argv += ["--symlink", os.readlink(path), path]
@@ -331,6 +333,12 @@ def _bwrap_argv(python: str, work_dir: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 # Running
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether the child has exited, without reaping it: while it is unreaped its pid cannot be
+    reused, so the process-group kill that follows cannot hit a stranger."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
 def _read_output(process: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]:
@@ -358,7 +366,7 @@ def _read_output(process: subprocess.Popen, deadline: float, cap: int) -> tuple[
                     truncated = True
             if truncated:
                 break
-            if not events and process.poll() is not None:
+            if not events and _has_exited(process.pid):
                 break  # exited; whatever still holds the pipes (a leftover child) is killed next
     return bytes(buffers[process.stdout.fileno()]), bytes(buffers[process.stderr.fileno()]), timed_out, truncated
 
