@@ -36,7 +36,7 @@ def rl_steps(
     store: str, cfg: RunConfig, first: int, last: int, problems: str, stats: str, policy: str
 ) -> str:
     """RL steps first..last; returns the policy reference after the last one."""
-    run, seed, verifier = cfg.run_id, cfg.seed, cfg.label.verifier
+    run, seed, scorer = cfg.run_id, cfg.seed, cfg.label
     for step in range(first, last + 1):
         selections = select(store, run, seed, step, cfg.select, problems, stats)
         allocations = allocate(store, run, step, cfg.allocate, selections, stats)
@@ -47,7 +47,7 @@ def rl_steps(
         report("step", step=step, reward=metrics["mean_reward"])
         final = step == cfg.train.steps
         if step % cfg.evaluate.every == 0 or final:
-            accuracy = evaluate(store, run, step, "rl", cfg.evaluate, verifier, problems, policy)
+            accuracy = evaluate(store, run, step, "rl", cfg.evaluate, scorer, problems, policy)
             report("eval", step=step, accuracy=accuracy)
         if step % cfg.checkpoint.every == 0 or final:
             checkpoint(store, run, step, policy)
@@ -57,19 +57,19 @@ def rl_steps(
 @flow(name="rl-run", validate_parameters=False)
 def rl_run(store: str, cfg: RunConfig) -> dict[str, Any]:
     """The whole run; returns the ids a summary needs."""
-    run, seed, verifier = cfg.run_id, cfg.seed, cfg.label.verifier
+    run, seed, scorer = cfg.run_id, cfg.seed, cfg.label
     config_id = commit_config(open_store(store), cfg)
     report("stage", name="synthesize")
     problems = synthesize(store, run, seed, cfg.synthesize, config_id)
     initial = initialize(store, run, seed, cfg.policy, config_id)
     report("eval", step=0, phase="init",
-           accuracy=evaluate(store, run, 0, "init", cfg.evaluate, verifier, problems, initial))
+           accuracy=evaluate(store, run, 0, "init", cfg.evaluate, scorer, problems, initial))
     report("stage", name="warmstart")
     policy = warmstart(store, run, seed, cfg.warmstart, problems, initial)
     report("eval", step=0, phase="warmstart",
-           accuracy=evaluate(store, run, 0, "warmstart", cfg.evaluate, verifier, problems, policy))
+           accuracy=evaluate(store, run, 0, "warmstart", cfg.evaluate, scorer, problems, policy))
     report("stage", name="difficulty")
-    stats = difficulty(store, run, seed, cfg.difficulty, verifier, problems, policy)
+    stats = difficulty(store, run, seed, cfg.difficulty, scorer, problems, policy)
     report("stage", name="rl")
     size = cfg.flow.steps_per_subflow
     for first in range(1, cfg.train.steps + 1, size):

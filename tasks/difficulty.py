@@ -14,7 +14,7 @@ from storage.ids import derive_seed
 from storage.stage import StageOutput, open_store, rows_to_table
 from trainer.checkpoints import load_policy
 from trainer.generation import sample
-from verifiers.registry import get_verifier
+from verifiers.cache import VerifierConfig, score_cached
 
 CODE_VERSION = "1"
 
@@ -41,13 +41,13 @@ def difficulty_row(run_id: str, problem_id: str, policy_id: str, k: int, success
 
 @task(name="difficulty", cache_policy=NONE)
 def difficulty(
-    store_root: str, run_id: str, seed: int, cfg: DifficultyConfig, verifier_name: str,
+    store_root: str, run_id: str, seed: int, cfg: DifficultyConfig, label: VerifierConfig,
     problems_id: str, policy_ref: str,
 ) -> str:
     """Commit the `difficulty` artifact (one row per pool problem), shard by shard."""
     store = open_store(store_root)
     out = StageOutput("difficulty", "difficulty", CODE_VERSION, run_id, (problems_id, policy_ref),
-                      {**cfg.model_dump(), "verifier": verifier_name})
+                      {**cfg.model_dump(), "verifier": label.verifier})
     if store.exists(out.artifact_id):
         return out.artifact_id
     problems = [p for p in store.read_table(problems_id, columns=["problem_id", "split", "prompt", "answer"])
@@ -57,7 +57,6 @@ def difficulty(
                           parents=list(out.parents), code_version=CODE_VERSION, config=dict(out.config))
     done = writer.committed_shards()
     policy = load_policy(store, policy_ref)
-    verifier = get_verifier(verifier_name)
     for index, start in enumerate(range(0, len(problems), cfg.shard_size)):
         if index in done:
             continue
@@ -65,10 +64,10 @@ def difficulty(
         samples = sample(policy, [p["prompt"] for p in shard], [cfg.k] * len(shard),
                          max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=1.0,
                          seed=derive_seed(seed, "difficulty", index))
+        scores, _, _ = score_cached(store, label, [(s.text, shard[s.prompt_index]["answer"]) for s in samples])
         successes = [0] * len(shard)
-        for s in samples:
-            if verifier.score(s.text, shard[s.prompt_index]["answer"]).status == "ok":
-                successes[s.prompt_index] += 1
+        for s, score in zip(samples, scores):
+            successes[s.prompt_index] += score.status == "ok"
         rows = [difficulty_row(run_id, p["problem_id"], policy_ref, cfg.k, n, cfg.bins)
                 for p, n in zip(shard, successes)]
         writer.write_shard(index, rows_to_table("difficulty", rows))

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
 from trainer.checkpoints import load_policy
 from trainer.generation import greedy
-from verifiers.registry import get_verifier
+from verifiers.cache import VerifierConfig, score_cached
 
 CODE_VERSION = "1"
 
@@ -24,12 +24,12 @@ class EvaluateConfig(BaseModel):
 
 @task(name="evaluate", cache_policy=NONE)
 def evaluate(
-    store_root: str, run_id: str, step: int, phase: str, cfg: EvaluateConfig, verifier_name: str,
+    store_root: str, run_id: str, step: int, phase: str, cfg: EvaluateConfig, label: VerifierConfig,
     problems_id: str, policy_ref: str,
 ) -> float:
     """Commit an `evals` row for `policy_ref` on the held-out split; return the accuracy."""
     store = open_store(store_root)
-    settings = {"split": cfg.split, "max_new_tokens": cfg.max_new_tokens, "verifier": verifier_name,
+    settings = {"split": cfg.split, "max_new_tokens": cfg.max_new_tokens, "verifier": label.verifier,
                 "phase": phase}
     out = StageOutput("evals", "evaluate", CODE_VERSION, run_id, (policy_ref, problems_id), settings, step=step)
 
@@ -38,10 +38,10 @@ def evaluate(
                     if p["split"] == cfg.split]
         if not problems:
             raise ValueError(f"evaluation split {cfg.split!r} has no problems")
-        verifier = get_verifier(verifier_name)
         answers = greedy(load_policy(store, policy_ref), [p["prompt"] for p in problems],
                          max_new_tokens=cfg.max_new_tokens)
-        correct = sum(verifier.score(a, p["answer"]).status == "ok" for a, p in zip(answers, problems))
+        scores, _, _ = score_cached(store, label, [(a, p["answer"]) for a, p in zip(answers, problems)])
+        correct = sum(s.status == "ok" for s in scores)
         row = {"run_id": run_id, "step": step, "phase": phase, "split": cfg.split, "policy_id": policy_ref,
                "accuracy": correct / len(problems), "correct": correct, "n": len(problems)}
         return Built(rows_to_table("evals", [row]))

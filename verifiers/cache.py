@@ -1,0 +1,138 @@
+"""The reward cache: verdicts kept in the store, keyed by (verifier, version, response hash, reference hash).
+
+Labelling the same answer to the same problem again (common in RL: a policy repeats itself) is a
+lookup, not a verifier call; after a verifier upgrade the version changes, so only the new version's
+verdicts are computed. Cache entries are `reward_cache` artifacts written by the stages that label;
+the in-memory index of a process loads each committed cache artifact once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from storage.ids import canonical_json
+from storage.store import Store
+from verifiers.base import Score
+
+CacheKey = tuple[str, str, str, str]
+
+
+def text_hash(text: Any) -> str:
+    """Hash of a response (any value; strings hashed as UTF-8, lone surrogates escaped)."""
+    raw = text if isinstance(text, str) else canonical_json(text)
+    return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def reference_hash(reference: Any) -> str:
+    """Hash of a reference; dicts hash the same whatever their key order."""
+    return text_hash(reference if isinstance(reference, str) else canonical_json(reference))
+
+
+def score_to_entry(key: CacheKey, score: Score) -> dict[str, Any]:
+    verifier, version, response_h, reference_h = key
+    return {"verifier": verifier, "verifier_version": version, "response_hash": response_h,
+            "reference_hash": reference_h, "score": score.value, "status": score.status,
+            "extracted": score.extracted, "reason": score.reason,
+            "components": json.dumps(score.components, sort_keys=True)}
+
+
+def entry_to_score(entry: dict[str, Any]) -> Score:
+    return Score(entry["score"], entry["status"], json.loads(entry["components"] or "{}"),
+                 entry["extracted"], entry["reason"])
+
+
+class RewardCache:
+    """Verdicts of one store, indexed in memory by CacheKey."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._index: dict[CacheKey, Score] = {}
+        self._loaded: set[str] = set()
+
+    def refresh(self) -> None:
+        """Index the cache artifacts committed since the last refresh."""
+        for manifest in self.store.manifests(kind="reward_cache"):
+            if manifest.artifact_id in self._loaded:
+                continue
+            for entry in self.store.read_table(manifest.artifact_id).to_pylist():
+                key = (entry["verifier"], entry["verifier_version"], entry["response_hash"], entry["reference_hash"])
+                self._index[key] = entry_to_score(entry)
+            self._loaded.add(manifest.artifact_id)
+
+    def lookup(self, keys: Sequence[CacheKey]) -> list[Score | None]:
+        self.refresh()
+        return [self._index.get(key) for key in keys]
+
+    def remember(self, key: CacheKey, score: Score) -> None:
+        """Index a verdict computed by this process (it reaches the store with the stage's artifact)."""
+        self._index[key] = score
+
+
+def cache_key(verifier: str, version: str, response: Any, reference: Any) -> CacheKey:
+    return (verifier, version, text_hash(response), reference_hash(reference))
+
+
+_caches: dict[str, RewardCache] = {}
+
+
+def reward_cache(store: Store) -> RewardCache:
+    """One cache index per store root and process."""
+    if store.root not in _caches:
+        _caches[store.root] = RewardCache(store)
+    return _caches[store.root]
+
+
+# Statuses that depend only on (response, reference, version); timeouts and worker deaths may not
+# repeat, so they are never cached.
+CACHEABLE = frozenset({"ok", "wrong", "unparseable"})
+
+
+class VerifierConfig(BaseModel):
+    """Which verifier scores a run's answers and how it runs (the `label` section; evaluation uses it too)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    verifier: str = "arithmetic"
+    workers: int = Field(2, ge=0, description="verifier worker processes; 0 scores in-process, without a timeout")
+    timeout_s: float = Field(5.0, gt=0, description="hard wall-clock limit per verdict")
+    memory_mb: int = Field(2048, ge=64, description="address-space limit of each worker")
+
+
+def score_cached(
+    store: Store, cfg: VerifierConfig, pairs: Sequence[tuple[Any, Any]]
+) -> tuple[list[Score], list[bool], list[dict[str, Any]]]:
+    """Scores of `pairs` (cache first, then the pool), whether each was a hit, and the new cache entries.
+
+    `cfg.workers == 0` scores in this process (no timeout: only for verifiers that cannot hang).
+    """
+    from verifiers.pool import score_safely, shared_pool
+    from verifiers.registry import get_verifier, verifier_class
+
+    verifier_name, workers = cfg.verifier, cfg.workers
+    version = verifier_class(verifier_name).version
+    keys = [cache_key(verifier_name, version, response, reference) for response, reference in pairs]
+    cache = reward_cache(store)
+    scores = cache.lookup(keys)
+    hits = [score is not None for score in scores]
+    misses = [i for i, score in enumerate(scores) if score is None]
+    if misses:
+        todo = [pairs[i] for i in misses]
+        if workers == 0:
+            verifier = get_verifier(verifier_name)
+            fresh = [score_safely(verifier, response, reference) for response, reference in todo]
+        else:
+            fresh = shared_pool(verifier_name, workers, cfg.timeout_s, cfg.memory_mb).score_many(todo)
+        for i, score in zip(misses, fresh):
+            scores[i] = score
+    entries: dict[CacheKey, dict[str, Any]] = {}
+    for i in misses:
+        score = scores[i]
+        if score.status in CACHEABLE and keys[i] not in entries:
+            entries[keys[i]] = score_to_entry(keys[i], score)
+            cache.remember(keys[i], score)
+    return [s for s in scores if s is not None], hits, list(entries.values())
