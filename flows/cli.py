@@ -174,6 +174,49 @@ def lineage(
 
 
 @app.command()
+def relabel(
+    target: str = typer.Argument(..., help="a rewards artifact id, or a run id (all its rewards)"),
+    store: Optional[str] = StoreOption,
+    verifier: Optional[str] = typer.Option(None, "--verifier", help="verifier to use (default: the one that labelled)"),
+    workers: int = typer.Option(2, "--workers", min=0, help="verifier worker processes"),
+    timeout: float = typer.Option(5.0, "--timeout", help="hard wall-clock limit per answer, seconds"),
+) -> None:
+    """Re-score rewards with the current verifier versions; write new artifacts and a flip report."""
+    from flows.prefect_env import configure_prefect
+    from verifiers.registry import verifier_class
+
+    found = open_existing(store)
+    configure_prefect(found)
+    from flows.relabel import relabel_rewards
+    from verifiers.cache import VerifierConfig
+
+    if found.exists(target):
+        targets = [found.manifest(target)]
+    else:
+        targets = found.manifests(kind="rewards", run_id=target)
+        if not targets:
+            raise UserError(f"{target!r} is neither a rewards artifact nor a run with rewards in {found.root}")
+    names = {verifier} if verifier else _labelled_by(found, targets)
+    if len(names) != 1:
+        raise UserError(f"the rewards were labelled by several verifiers ({', '.join(sorted(names))}); pass --verifier")
+    name = names.pop()
+    verifier_class(name)
+    cfg = VerifierConfig(verifier=name, workers=workers, timeout_s=timeout)
+    results = relabel_rewards(found.root, [m.artifact_id for m in targets], cfg)
+    flips = [r for _, flips_id in results for r in found.read_table(flips_id).to_pylist()]
+    up = sum(r["new_score"] > r["old_score"] for r in flips)
+    down = sum(r["new_score"] < r["old_score"] for r in flips)
+    out.print(f"relabelled {len(results)} rewards artifacts with {name} v{verifier_class(name).version}: "
+              f"{len(flips)} verdicts flipped ({up} up, {down} down)")
+    _print_rows(flips[:20], ["rollout_id", "step", "old_score", "new_score", "old_status", "new_status"], "table")
+    out.print(f'flip report: rlvr query "SELECT * FROM relabel_flips ORDER BY step" --store {found.root}')
+
+
+def _labelled_by(found, manifests) -> set[str]:
+    return {r["verifier"] for m in manifests for r in found.read_table(m.artifact_id, columns=["verifier"]).to_pylist()}
+
+
+@app.command()
 def verifiers() -> None:
     """List the registered verifiers (built-in and `rlvr.verifiers` plugins) with their versions."""
     from verifiers.registry import plugin_errors, registered

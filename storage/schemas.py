@@ -178,6 +178,8 @@ SCHEMAS: dict[str, pa.Schema] = {
     ),
 }
 
+SCHEMAS["relabeled_rewards"] = SCHEMAS["rewards"]
+
 
 def schema_for(kind: str) -> pa.Schema | None:
     """The declared schema of `kind`, or None for kinds that declare none."""

@@ -87,3 +87,37 @@ def test_second_execution_skips_everything(finished_run):
     execute(store.root, cfg)
     after = {m.artifact_id: m.created_at for m in Store.open(store.root).manifests()}
     assert after == before
+
+
+def test_cached_verdicts_equal_fresh_ones(finished_run):
+    from verifiers.arithmetic import ArithmeticVerifier
+
+    store, _, _ = finished_run
+    rows = query(store, """SELECT w.score, w.status, w.cache_hit, r.response, p.answer FROM rewards w
+        JOIN rollouts r USING (rollout_id) JOIN problems p ON p.problem_id = r.problem_id""").to_pylist()
+    assert any(r["cache_hit"] for r in rows) and not all(r["cache_hit"] for r in rows)
+    verifier = ArithmeticVerifier()
+    for r in rows:
+        fresh = verifier.score(r["response"], r["answer"])
+        assert (fresh.value, fresh.status) == (r["score"], r["status"])
+
+
+def test_relabel_reports_exactly_the_flipped_verdicts(finished_run):
+    from flows.relabel import relabel_rewards
+    from verifiers.cache import VerifierConfig
+
+    store, _, _ = finished_run
+    rewards_ids = [m.artifact_id for m in store.manifests(kind="rewards")]
+    cfg = VerifierConfig(verifier="tests.plugins.lenient:LenientArithmetic", workers=1)
+    results = relabel_rewards(store.root, rewards_ids, cfg)
+    assert len(results) == len(rewards_ids)
+    expected = scalar(store, r"""SELECT count(*) AS n FROM rewards w JOIN rollouts r USING (rollout_id)
+        WHERE w.status = 'unparseable' AND regexp_matches(r.response, '^\s*[+-]?\d')""")["n"]
+    flips = query(store, "SELECT * FROM relabel_flips").to_pylist()
+    assert len(flips) == expected
+    assert all(f["old_status"] == "unparseable" and f["new_status"] in ("ok", "wrong") for f in flips)
+    assert {f["new_verifier_version"] for f in flips} <= {"2-lenient"}
+    relabelled = scalar(store, "SELECT count(*) AS n FROM relabeled_rewards")["n"]
+    assert relabelled == scalar(store, "SELECT count(*) AS n FROM rewards")["n"]
+    again = relabel_rewards(store.root, rewards_ids, cfg)  # same version: nothing new
+    assert again == results

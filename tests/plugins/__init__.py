@@ -1,0 +1,1 @@
+"""Verifiers used only by the tests (loaded by import path, e.g. `tests.plugins.lenient:LenientArithmetic`)."""
