@@ -18,7 +18,7 @@ class AllocateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: Literal["uniform"] = "uniform"
-    n: int = Field(8, ge=1, description="rollouts per prompt (the per-prompt budget)")
+    n: int = Field(16, ge=1, description="rollouts per prompt (the per-prompt budget)")
 
 
 @task(name="allocate", cache_policy=NONE)

@@ -19,7 +19,9 @@ class RolloutConfig(BaseModel):
 
     engine: str = Field("transformers", pattern="^transformers$")
     max_new_tokens: int = Field(3, ge=1)
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(
+        2.5, gt=0, description="sampling temperature; hot sampling keeps groups mixed on the tiny default"
+    )
     top_p: float = Field(1.0, gt=0, le=1)
 
 

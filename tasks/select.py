@@ -19,7 +19,7 @@ class SelectConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: Literal["uniform"] = "uniform"
-    batch_size: int = Field(16, ge=1, description="prompts per RL step")
+    batch_size: int = Field(32, ge=1, description="prompts per RL step")
     splits: list[str] = Field(default_factory=lambda: ["train", "warmup"])
 
 

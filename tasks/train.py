@@ -32,8 +32,8 @@ CODE_VERSION = "1"
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    steps: int = Field(300, ge=0, description="RL steps")
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    steps: int = Field(400, ge=0, description="RL steps")
+    grpo: GRPOConfig = Field(default_factory=lambda: GRPOConfig(minibatches=2))
 
 
 def rollout_batch(rollouts: list[dict[str, Any]], score_of: dict[str, float]) -> RolloutBatch:

@@ -23,7 +23,7 @@ CODE_VERSION = "1"
 class WarmstartConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    steps: int = Field(100, ge=0, description="0 skips the warm start (the initial policy is used as is)")
+    steps: int = Field(60, ge=0, description="0 skips the warm start (the initial policy is used as is)")
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
     split: str = "warmup"

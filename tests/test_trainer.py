@@ -223,6 +223,16 @@ def test_completion_logprobs_ignore_left_padding(policy):
     assert mask.tolist() == [[1.0, 1.0]]
 
 
+def test_completion_logprobs_divide_logits_by_temperature(policy):
+    prompt = torch.tensor([policy.tokenizer("3+4=")["input_ids"]])
+    completion = torch.tensor([[11, 2]])
+    with torch.no_grad():
+        logits = policy.model(input_ids=torch.cat([prompt, completion], dim=1)).logits[0, 4:6] / 2.0
+        expected = torch.log_softmax(logits, dim=-1)[[0, 1], [11, 2]]
+        logp, _ = completion_logprobs(policy.model, prompt, completion, 0, temperature=2.0)
+    torch.testing.assert_close(logp[0], expected, atol=1e-5, rtol=0)
+
+
 # --- training ---------------------------------------------------------------------------------------
 
 

@@ -66,7 +66,7 @@ def completion_logprobs(
     """log π(completion token | prompt, earlier tokens) per position, and which positions are real.
 
     `prompt_ids` [R, P] are left-padded with `pad_id` (as the tokenizer pads for generation) and
-    `completion_ids` [R, T] right-padded. Position ids restart at 0 on each row's first real prompt
+    `completion_ids` [R, T] right-padded. Logits are divided by `temperature` first. Position ids restart at 0 on each row's first real prompt
     token, as `generate` numbers them, so these logprobs match the sampler's. The mask defaults to
     `completion_ids != pad_id`; pass `completion_mask` when a pad id can be a real token (a model whose
     pad token is its eos, or a sampled pad), as `grpo_step` does.
@@ -128,6 +128,10 @@ class GRPOConfig(BaseModel):
     `lr` and `weight_decay` are for `make_optimizer` (grpo_step uses the optimizer it is given).
     `minibatches`: gradient updates per RL step, each on a contiguous slice of the step's groups, all
     against the same old logprobs; more than one reuses each generation for several updates.
+    `temperature`: logits are divided by it before the log-softmax of the loss. 1.0 (default) trains
+    the untempered policy even when rollouts were sampled hotter (exploration); setting it to the
+    sampling temperature makes the ratio exact against the sampled distribution (TRL/verl do this).
+    On the addition benchmark 1.0 did as well or better with rollouts at temperature 2.5.
     """
 
     model_config = ConfigDict(extra="forbid")
