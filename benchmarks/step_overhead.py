@@ -52,12 +52,17 @@ def plain_step_seconds(steps: int) -> float:
     from trainer.generation import sample
     from trainer.grpo import RolloutBatch, grpo_step
     from trainer.policy import init_policy, make_optimizer
+    from trainer.sft import sft_warmstart
     from verifiers.arithmetic import ArithmeticSpec, ArithmeticVerifier, generate
 
     cfg = load_config()
     problems = generate(ArithmeticSpec(), seed=0)
     answer = {p["prompt"]: p["answer"] for p in problems}
     policy = init_policy(cfg.policy, seed=0)
+    # the same warm start as the pipeline's, so both loops update a policy that gets some answers right
+    warm = make_optimizer(policy, lr=cfg.warmstart.lr, weight_decay=0.0)
+    sft_warmstart(policy, warm, [(p["prompt"], p["answer"]) for p in problems[:30]], steps=cfg.warmstart.steps,
+                  batch_size=cfg.warmstart.batch_size, seed=0)
     optimizer = make_optimizer(policy, lr=cfg.train.grpo.lr, weight_decay=0.0)
     verifier = ArithmeticVerifier()
     started = None
