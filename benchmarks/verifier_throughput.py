@@ -1,52 +1,85 @@
-import random, time, sys
-from math_verify import parse, verify
-from verifiers.pool import VerifierPool
-from verifiers.math import MathVerifier
+"""Math labelling throughput: our pool (2 workers), and our store-backed reward cache, vs plain math-verify.
 
-def make_inputs(n, seed=0):
+Inputs: mixed answers (`#### n`, boxed fractions, "the answer is" decimals), about 70% right.
+Peer: a single-process loop calling math-verify's parse + verify on the same inputs.
+Warm cache: the verdicts are committed to a store as a `reward_cache` artifact; a fresh cache index
+then loads them from the store and answers every input (what the label stage does on repeats).
+
+    python benchmarks/verifier_throughput.py [N] [mixed|decimal]
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def make_inputs(n: int, seed: int = 0) -> list[tuple[str, str]]:
     rng = random.Random(seed)
     pairs = []
     for i in range(n):
-        kind = i % 3
         a, b = rng.randint(1, 999), rng.randint(2, 60)
         right = rng.random() < 0.7
-        if kind == 0:
-            ans = a if right else a + 1
-            pairs.append((f"She has {a} apples and buys more.\nSo she has {a} apples.\n#### {ans}", str(a)))
-        elif kind == 1:
+        if i % 3 == 0:
+            answer = a if right else a + 1
+            pairs.append((f"She has {a} apples and buys more.\nSo she has {a} apples.\n#### {answer}", str(a)))
+        elif i % 3 == 1:
             num = a if right else a + 1
-            pairs.append((f"Dividing, the result is $\\boxed{{\\frac{{{2*num}}}{{{2*b}}}}}$.", f"\\frac{{{a}}}{{{b}}}"))
+            pairs.append((f"Dividing, the result is $\\boxed{{\\frac{{{2 * num}}}{{{2 * b}}}}}$.", f"\\frac{{{a}}}{{{b}}}"))
         else:
-            x = a / 4
-            shown = x if right else x + 0.25
+            shown = a / 4 if right else a / 4 + 0.25
             pairs.append((f"Computing carefully, the answer is {shown}.", f"\\frac{{{a}}}{{4}}"))
     return pairs
 
-def main():
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 3000
-    only = sys.argv[2] if len(sys.argv) > 2 else "mixed"
-    pairs = make_inputs(n)
-    if only == "decimal":
-        pairs = [p for i, p in enumerate(make_inputs(n * 3)) if i % 3 == 2][:n]
-    t = time.perf_counter()
-    base = [verify(parse(ref), parse(resp)) for resp, ref in pairs]
-    t_base = time.perf_counter() - t
-    t = time.perf_counter()
-    v = MathVerifier()
-    single = [v.score(resp, ref) for resp, ref in pairs]
-    t_single = time.perf_counter() - t
+
+def main() -> None:
+    from math_verify import parse, verify
+
+    from storage.stage import Built, StageOutput, commit_stage, rows_to_table
+    from storage.store import Store
+    from verifiers import cache as cache_module
+    from verifiers.cache import VerifierConfig, score_cached
+    from verifiers.pool import VerifierPool
+
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 5000
+    kind = sys.argv[2] if len(sys.argv) > 2 else "mixed"
+    pairs = make_inputs(n) if kind == "mixed" else [p for i, p in enumerate(make_inputs(n * 3)) if i % 3 == 2][:n]
+
+    started = time.perf_counter()
+    plain = [verify(parse(ref), parse(resp)) for resp, ref in pairs]
+    t_plain = time.perf_counter() - started
+
     with VerifierPool("math", workers=2, timeout_s=5) as pool:
-        pool.score_many(pairs[:10])  # warm: workers started
-        t = time.perf_counter()
-        scores = pool.score_many(pairs)
-        t_pool = time.perf_counter() - t
-    agree = sum((s.status == "ok") == b for s, b in zip(scores, base))
-    print(f"inputs {len(pairs)} ({only}); statuses: " + ", ".join(f"{k}={sum(s.status==k for s in scores)}" for k in ("ok","wrong","unparseable","timeout","error")))
-    print(f"{'math-verify parse+verify loop (1 process)':45s} {len(pairs)/t_base:9.0f} labels/s")
-    print(f"{'MathVerifier in-process loop (1 process)':45s} {len(pairs)/t_single:9.0f} labels/s")
-    print(f"{'VerifierPool(math, workers=2)':45s} {len(pairs)/t_pool:9.0f} labels/s")
-    print(f"verdict agreement with plain math-verify: {agree}/{len(pairs)}")
-    print(f"ratio pool / plain loop: {t_base/t_pool:.2f}x")
+        pool.score_many(pairs[:10])  # workers started and warm
+        started = time.perf_counter()
+        pooled = pool.score_many(pairs)
+        t_pool = time.perf_counter() - started
+
+    store = Store.open(tempfile.mkdtemp(prefix="rlvr-bench-cache-"), create=True)
+    cfg = VerifierConfig(verifier="math", workers=2)
+    _, _, entries = score_cached(store, cfg, pairs)  # cold: fills the cache
+    out = StageOutput("reward_cache", "bench", "1", "bench", ())
+    commit_stage(store, out, lambda: Built(rows_to_table("reward_cache", entries)))
+    cache_module._caches.clear()  # a fresh index: verdicts come from the store
+    started = time.perf_counter()
+    cached, hits, _ = score_cached(store, cfg, pairs)
+    t_cache = time.perf_counter() - started
+
+    agree = sum((s.status == "ok") == bool(p) for s, p in zip(pooled, plain))
+    same = sum((a.value, a.status) == (b.value, b.status) for a, b in zip(cached, pooled))
+    print(f"{len(pairs)} {kind} answers; pool verdicts agree with plain math-verify on {agree}; "
+          f"cached equal pooled on {same}; cache hits {sum(hits)}")
+    print(f"{'method':48}{'labels/s':>10}")
+    print(f"{'plain math-verify parse+verify loop (peer)':48}{len(pairs) / t_plain:>10.0f}")
+    print(f"{'VerifierPool(math, workers=2)':48}{len(pairs) / t_pool:>10.0f}")
+    print(f"{'reward cache, warm (loaded from the store)':48}{len(pairs) / t_cache:>10.0f}")
+    print(f"ratio vs plain loop: pool {t_plain / t_pool:.2f}x, warm cache {t_plain / t_cache:.1f}x")
+
 
 if __name__ == "__main__":
     main()
