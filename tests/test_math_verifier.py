@@ -157,3 +157,25 @@ def test_scores_in_a_non_main_thread():
     thread.start()
     thread.join(30)
     assert [score.status for score in results] == ["ok"]
+
+
+HOSTILE = [
+    "\\boxed{9^{9^{9^{9}}}}",  # power tower
+    "\\boxed{(10^{9})!}",  # huge factorial
+    "\\boxed{" + "\\frac{1}{" * 300 + "2" + "}" * 300 + "}",  # deeply nested LaTeX
+    "x" * 10_000_000,  # 10 MB
+    "\\boxed{\x00\x00}",  # NUL bytes
+    "\ud800\udfff\ud800",  # lone surrogates
+]
+
+
+def test_pool_survives_hostile_math_then_labels_1000_answers():
+    with VerifierPool("math", workers=2, timeout_s=3.0) as pool:
+        for response in HOSTILE:
+            start = time.monotonic()
+            [score] = pool.score_many([(response, "4")])
+            assert score.status in ("timeout", "error", "wrong", "unparseable"), (response[:40], score)
+            assert time.monotonic() - start < pool.timeout_s + 2.0
+        pairs = [(f"The answer is {n}." if n % 3 else f"\\boxed{{{n + 1}}}", str(n)) for n in range(1000)]
+        scores = pool.score_many(pairs)
+    assert [s.status for s in scores] == ["ok" if n % 3 else "wrong" for n in range(1000)]

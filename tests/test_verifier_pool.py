@@ -121,7 +121,7 @@ def test_memory_limit_is_applied_in_each_worker(pool):
 
 def test_ordinary_answers_after_the_failures_are_labelled_correctly(pool):
     pool.score_many([("exit", "1"), ("sleep", "1"), ("raise", "1")])
-    pairs, expected = _ordinary(200)
+    pairs, expected = _ordinary(1000)
     scores = pool.score_many(pairs)
     assert [s.status for s in scores] == expected
 
