@@ -3,7 +3,8 @@
 The response is what the policy wrote after the prompt (cut at end-of-sequence by the rollout engine).
 It must be a plain number (optional sign, digits, optional decimal part); anything else is
 `unparseable`, a different number is `wrong`. Numbers are compared exactly with `Fraction`, so
-"12", "12.0" and "+12" all equal 12 and no tolerance can let a near miss through.
+"12", "12.0" and "+12" all equal 12 and no tolerance can let a near miss through. This is the
+math verifier (`verifiers/math.py`) with strict extraction; the generator sits beside it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from verifiers.base import Score, Verifier
+from verifiers.base import Score
+from verifiers.math import MathVerifier
 
 _NUMBER = re.compile(r"[+-]?\d+(\.\d+)?")
 
@@ -29,22 +31,26 @@ def parse_number(text: str) -> Fraction | None:
     return Fraction(text)
 
 
-class ArithmeticVerifier(Verifier):
+class ArithmeticVerifier(MathVerifier):
+    """The math verifier with strict extraction: the whole response must be the number.
+
+    The math verifier would find "12" in "5+7 is 12"; for the arithmetic domain, where the
+    completion is the answer and nothing else, anything but a plain number is `unparseable`.
+    The comparison itself is the math verifier's (exact, no tolerance).
+    """
+
     name = "arithmetic"
     domain = "arithmetic"
-    version = "1"
+    version = "2"
 
     def score(self, response: str, reference: Any) -> Score:
         expected = parse_number(str(reference))
         if expected is None:
-            return Score(0.0, "error", reason=f"reference {str(reference)[:40]!r} is not a number")
+            return Score(0.0, "error", {"correct": 0.0}, reason=f"reference {str(reference)[:40]!r} is not a number")
         got = parse_number(response) if isinstance(response, str) else None
         if got is None:
-            return Score(0.0, "unparseable", extracted=None, reason="response is not a plain number")
-        extracted = str(got)
-        if got == expected:
-            return Score(1.0, "ok", extracted=extracted)
-        return Score(0.0, "wrong", extracted=extracted)
+            return Score(0.0, "unparseable", {"correct": 0.0}, reason="response is not a plain number")
+        return super().score(str(got), str(expected))
 
 
 # --- the generator that goes with this verifier ----------------------------------------------
