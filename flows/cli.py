@@ -114,7 +114,7 @@ def _print_summary(s: dict[str, Any]) -> None:
     out.print("query it, e.g.:")
     out.print(f"  rlvr query \"SELECT step, phase, accuracy FROM evals WHERE run_id = '{run_id}' ORDER BY step\""
               f" --store {root}")
-    out.print(f"  rlvr lineage {s['policy_id']} --up --store {root}")
+    out.print(f"  rlvr lineage {s['final_checkpoint']} --up --store {root}")
 
 
 @app.command()

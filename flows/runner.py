@@ -74,13 +74,16 @@ def resumable_run(store: Store, run_id: str) -> dict[str, Any]:
 
 
 def accuracy_summary(store: Store, run_id: str) -> dict[str, Any]:
-    """Held-out accuracy at init, after the warm start and after the last RL step."""
+    """Held-out accuracy at init, after the warm start and after the last RL step; the final checkpoint."""
     rows = query(store, f"SELECT phase, step, accuracy FROM evals WHERE run_id = '{run_id}' ORDER BY step").to_pylist()
     by_phase: dict[str, float] = {}
     for row in rows:
         by_phase[row["phase"]] = row["accuracy"]  # the last row of each phase wins (highest step)
+    final = query(store, f"SELECT artifact_id FROM checkpoints WHERE run_id = '{run_id}' "
+                         "ORDER BY step DESC, stage = 'checkpoint' DESC LIMIT 1").to_pylist()
     return {"accuracy_init": by_phase.get("init"), "accuracy_warmstart": by_phase.get("warmstart"),
-            "accuracy_final": by_phase.get("rl"), "evals": rows}
+            "accuracy_final": by_phase.get("rl"), "evals": rows,
+            "final_checkpoint": final[0]["artifact_id"] if final else None}
 
 
 def describe_run(record: dict[str, Any]) -> dict[str, Any]:
