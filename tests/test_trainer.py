@@ -279,3 +279,16 @@ def test_grpo_step_skips_uniform_groups(policy):
     stats = grpo_step(policy, optimizer, RolloutBatch(["3+4="], samples, [1.0, 1.0, 1.0]), GRPOConfig())
     assert stats["updates"] == 0 and stats["effective_ratio"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(weights, policy.model.parameters()))
+
+
+def test_fast_policy_files_equal_save_pretrained_after_training():
+    from trainer.policy import _saved_files, make_optimizer, policy_files
+    from trainer.sft import sft_warmstart
+
+    policy = init_policy(PolicyConfig(), seed=5)
+    first = policy_files(policy)  # slow path, primes the cache
+    optimizer = make_optimizer(policy, lr=1e-2, weight_decay=0.0)
+    sft_warmstart(policy, optimizer, [("1+2=", "3"), ("4+4=", "8")], steps=3, batch_size=2, seed=0)
+    fast = policy_files(policy)
+    assert fast == _saved_files(policy)
+    assert fast["model.safetensors"] != first["model.safetensors"]  # the weights did change

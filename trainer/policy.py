@@ -7,9 +7,11 @@ vLLM or a user can load them with `from_pretrained`; the optimizer state travels
 import io
 import tempfile
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 from pathlib import Path
 
 import torch
+from safetensors.torch import save as safetensors_save
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
@@ -99,16 +101,42 @@ def init_policy(cfg: PolicyConfig, seed: int) -> Policy:
         ) from None
 
 
-def policy_files(policy: Policy) -> dict[str, bytes]:
-    """The files of a `from_pretrained`-loadable directory (config, safetensors weights, tokenizer,
-    generation config). Tied embeddings are stored once, as `save_pretrained` does."""
+def _saved_files(policy: Policy) -> dict[str, bytes]:
+    """What `save_pretrained` writes for the model and tokenizer, read back as bytes."""
     with tempfile.TemporaryDirectory() as tmp:
         policy.model.save_pretrained(tmp)
         policy.tokenizer.save_pretrained(tmp)
-        files = {}
-        for path in sorted(Path(tmp).rglob("*")):
-            if path.is_file():
-                files[path.relative_to(tmp).as_posix()] = path.read_bytes()
+        return {path.relative_to(tmp).as_posix(): path.read_bytes()
+                for path in sorted(Path(tmp).rglob("*")) if path.is_file()}
+
+
+def weights_bytes(model: PreTrainedModel) -> bytes:
+    """The weights as one safetensors file, each shared (tied) tensor once, in state_dict order:
+    the same bytes `save_pretrained` writes for a single-file model, without a temp directory."""
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer not in seen:
+            seen.add(pointer)
+            tensors[name] = tensor.contiguous()
+    return safetensors_save(tensors, metadata={"format": "pt"})
+
+
+# Everything but the weights (config, tokenizer, generation config) per model object: it does not
+# change while training, and re-saving it every RL step cost more than the step's own bookkeeping.
+_static_files: "WeakKeyDictionary[PreTrainedModel, dict[str, bytes]]" = WeakKeyDictionary()
+
+
+def policy_files(policy: Policy) -> dict[str, bytes]:
+    """The files of a `from_pretrained`-loadable directory (config, safetensors weights, tokenizer,
+    generation config). Tied embeddings are stored once, as `save_pretrained` does."""
+    static = _static_files.get(policy.model)
+    if static is not None:
+        return {**static, "model.safetensors": weights_bytes(policy.model)}
+    files = _saved_files(policy)
+    if "model.safetensors" in files:  # single-file weights: later calls take the fast path
+        _static_files[policy.model] = {k: v for k, v in files.items() if k != "model.safetensors"}
     return files
 
 
