@@ -28,6 +28,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/step_overhead.py
 	$(BIN)/python benchmarks/query_speed.py
+	$(BIN)/python benchmarks/verifier_throughput.py
+	$(BIN)/python benchmarks/code_verifier_throughput.py
 
 clean:
 	rm -rf $(VENV) $(STORE) .pytest_cache
