@@ -15,6 +15,7 @@ from typing import Any
 import pyarrow as pa
 
 from storage.ids import artifact_id
+from storage.schemas import schema_for
 from storage.store import Store
 
 
@@ -79,8 +80,6 @@ def commit_stage(store: Store, out: StageOutput, build: Callable[[], Built]) -> 
 
 def rows_to_table(kind: str, rows: Sequence[Mapping[str, Any]]) -> pa.Table:
     """Rows as a table with the declared schema of `kind` (columns in schema order)."""
-    from storage.schemas import schema_for
-
     schema = schema_for(kind)
     if schema is None:
         return pa.Table.from_pylist(list(rows))

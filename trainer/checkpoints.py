@@ -89,7 +89,3 @@ def keep_trainer_state(policy_ref: str, state: TrainerState) -> None:
     _live.clear()
     _live[policy_ref] = state
 
-
-def forget_trainer_states() -> None:
-    """Drop the in-memory state (tests use it to prove a cold load gives the same results)."""
-    _live.clear()

@@ -39,3 +39,10 @@ class Verifier(ABC):
     @abstractmethod
     def score(self, response: str, reference: Any) -> Score:
         """Score `response` against `reference`; never raise for bad input."""
+
+
+def non_text_error(response: Any) -> Score | None:
+    """The `error` verdict every verifier gives a response that is not a string, else None."""
+    if isinstance(response, str):
+        return None
+    return Score(0.0, "error", reason=f"response must be a string, got {type(response).__name__}")

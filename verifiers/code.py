@@ -31,7 +31,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from verifiers.base import Score, Verifier
+from verifiers.base import Score, Verifier, non_text_error
 from verifiers.sandbox import ProgramResult, SandboxError, run_program
 
 DEFAULT_TIMEOUT_S = 2.0
@@ -181,8 +181,8 @@ class CodeVerifier(Verifier):
     version = "1"
 
     def score(self, response: str, reference: Any) -> Score:
-        if not isinstance(response, str):
-            return Score(0.0, "error", reason=f"response must be a string, got {type(response).__name__}")
+        if (problem := non_text_error(response)) is not None:
+            return problem
         try:
             spec = parse_reference(reference)
         except ValueError as exc:

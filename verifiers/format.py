@@ -23,7 +23,7 @@ import json
 import re
 from typing import Any
 
-from verifiers.base import Score, Verifier
+from verifiers.base import Score, Verifier, non_text_error
 
 DEFAULT_TAGS = ("think", "answer")
 PARTIAL_WEIGHT = 0.5
@@ -88,8 +88,8 @@ class FormatVerifier(Verifier):
         if isinstance(options, str):
             return Score(0.0, "error", reason=options)
         tags, require_order, exactly_once = options
-        if not isinstance(response, str):
-            return Score(0.0, "error", reason=f"response must be a string, got {type(response).__name__}")
+        if (problem := non_text_error(response)) is not None:
+            return problem
         zeros = {tag: 0.0 for tag in tags}
         if require_order:
             zeros["order"] = 0.0

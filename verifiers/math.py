@@ -36,7 +36,7 @@ import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
 
-from verifiers.base import Score, Verifier
+from verifiers.base import Score, Verifier, non_text_error
 
 # We report timeouts and failures as statuses; math-verify's log lines would only repeat them.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -469,8 +469,8 @@ class MathVerifier(Verifier):
         reference_text = _reference_text(reference)
         if reference_text is None:
             return Score(0.0, "error", reason=f"math reference must be a non-empty string or a number, got {type(reference).__name__}")
-        if not isinstance(response, str):
-            return Score(0.0, "error", reason=f"response must be a string, got {type(response).__name__}")
+        if (problem := non_text_error(response)) is not None:
+            return problem
         boxed_reference = _last_boxed(reference_text)
         gold_text = normalize_answer(boxed_reference if boxed_reference is not None else reference_text)
 

@@ -25,7 +25,7 @@ import re
 from functools import lru_cache
 from typing import Any, Callable
 
-from verifiers.base import Score, Verifier
+from verifiers.base import Score, Verifier, non_text_error
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 COMPOSITE_DATASET = "composite"
@@ -84,8 +84,8 @@ class ReasoningGymVerifier(Verifier):
         if isinstance(parts, str):
             return Score(0.0, "error", reason=parts)
         dataset, entry = parts
-        if not isinstance(response, str):
-            return Score(0.0, "error", reason=f"response must be a string, got {type(response).__name__}")
+        if (problem := non_text_error(response)) is not None:
+            return problem
         answer = extract_answer(response)
         if answer is None:
             return Score(0.0, "unparseable", {"rg_score": 0.0}, reason="no answer (empty response or empty <answer> tag)")

@@ -50,7 +50,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from verifiers.base import Score, Verifier
+from verifiers.base import Score, Verifier, non_text_error
 
 STATEMENT_TIMEOUT_S = 2.0
 MAX_ROWS = 100_000
@@ -367,8 +367,8 @@ class SqlVerifier(Verifier):
         timeout_s = ref.get("timeout_s", STATEMENT_TIMEOUT_S)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 600:
             return Score(0.0, "error", reason="timeout_s must be a number of seconds in (0, 600]")
-        if not isinstance(response, str):
-            return Score(0.0, "error", reason=f"response must be a string, got {type(response).__name__}")
+        if (problem := non_text_error(response)) is not None:
+            return problem
 
         predicted_sql = extract_sql(response)
         if not predicted_sql:

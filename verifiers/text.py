@@ -33,7 +33,7 @@ import re
 import unicodedata
 from typing import Any
 
-from verifiers.base import Score, Verifier
+from verifiers.base import Score, Verifier, non_text_error
 
 DEFAULT_BLEU_THRESHOLD = 0.5
 MODES = ("exact", "choice", "bleu")
@@ -120,8 +120,8 @@ class TextVerifier(Verifier):
         ref = _reference_dict(reference)
         if isinstance(ref, str):
             return Score(0.0, "error", reason=ref)
-        if not isinstance(response, str):
-            return Score(0.0, "error", reason=f"response must be a string, got {type(response).__name__}")
+        if (problem := non_text_error(response)) is not None:
+            return problem
         if ref["mode"] == "choice":
             return self._choice(response, ref)
         if ref["mode"] == "bleu":

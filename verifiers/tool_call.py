@@ -33,7 +33,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from verifiers.base import Score, Verifier
+from verifiers.base import Score, Verifier, non_text_error
 
 _TOOL_CALL_TAG = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _JSON_FENCE = re.compile(r"```[ \t]*json[^\n]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -162,8 +162,8 @@ class ToolCallVerifier(Verifier):
         gold = _gold_calls(reference)
         if gold is None:
             return Score(0.0, "error", reason='tool_call reference must be a list of {"name": ..., "arguments": {...}} calls or its JSON string')
-        if not isinstance(response, str):
-            return Score(0.0, "error", reason=f"response must be a string, got {type(response).__name__}")
+        if (problem := non_text_error(response)) is not None:
+            return problem
         unparseable = {"r_format": 0.0, "r_name": 0.0, "r_param": 0.0, "r_value": 0.0, "r_correct": -3.0}
         try:
             items = parse_calls(response)
