@@ -15,9 +15,9 @@ import sys
 import tempfile
 import time
 
-from verifiers.code import normalize_output
-from verifiers.pool import VerifierPool
-from verifiers.sandbox import bubblewrap_available, interpreter
+from rlvr.verifiers.code import normalize_output
+from rlvr.verifiers.pool import VerifierPool
+from rlvr.verifiers.sandbox import bubblewrap_available, interpreter
 
 PROGRAMS = [
     # (program, input, expected stdout of a correct program) - the program is right or wrong as written

@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from trainer.generation import greedy, sample
-from trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
-from trainer.policy import PolicyConfig, init_policy, make_optimizer
-from trainer.sft import sft_warmstart
+from rlvr.trainer.generation import greedy, sample
+from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
+from rlvr.trainer.policy import PolicyConfig, init_policy, make_optimizer
+from rlvr.trainer.sft import sft_warmstart
 
 PAIRS = [(a, b) for a in range(10) for b in range(10)]
 

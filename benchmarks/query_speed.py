@@ -31,9 +31,9 @@ import pyarrow.dataset as ds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from storage import Store, artifact_id, connect  # noqa: E402
-from storage.schemas import SCHEMAS  # noqa: E402
-from storage.views import data_paths  # noqa: E402
+from rlvr.storage import Store, artifact_id, connect  # noqa: E402
+from rlvr.storage.schemas import SCHEMAS  # noqa: E402
+from rlvr.storage.views import data_paths  # noqa: E402
 
 RUN_ID = "bench"
 CODE_VERSION = "bench-1"

@@ -26,11 +26,11 @@ os.environ.setdefault("HF_HOME", os.path.join(_tmp, "hf"))
 
 def pipeline_step_seconds(steps: int) -> tuple[float, float]:
     """Seconds per RL step through the pipeline, and the model-compute seconds it recorded per step."""
-    from flows import progress
-    from flows.config import load_config
-    from flows.runner import execute
-    from storage.store import Store
-    from storage.views import query
+    from rlvr.flows import progress
+    from rlvr.flows.config import load_config
+    from rlvr.flows.runner import execute
+    from rlvr.storage.store import Store
+    from rlvr.storage.views import query
 
     stamps: list[float] = []
     progress.listen(lambda event, fields: stamps.append(time.perf_counter()) if event == "step" else None)
@@ -47,13 +47,13 @@ def pipeline_step_seconds(steps: int) -> tuple[float, float]:
 
 def plain_step_seconds(steps: int) -> float:
     """Seconds per RL step of the same work in a plain loop (no Prefect, no store)."""
-    from curricula.uniform import select_uniform
-    from flows.config import load_config
-    from trainer.generation import sample
-    from trainer.grpo import RolloutBatch, grpo_step
-    from trainer.policy import init_policy, make_optimizer
-    from trainer.sft import sft_warmstart
-    from verifiers.arithmetic import ArithmeticSpec, ArithmeticVerifier, generate
+    from rlvr.curricula.uniform import select_uniform
+    from rlvr.flows.config import load_config
+    from rlvr.trainer.generation import sample
+    from rlvr.trainer.grpo import RolloutBatch, grpo_step
+    from rlvr.trainer.policy import init_policy, make_optimizer
+    from rlvr.trainer.sft import sft_warmstart
+    from rlvr.verifiers.arithmetic import ArithmeticSpec, ArithmeticVerifier, generate
 
     cfg = load_config()
     problems = generate(ArithmeticSpec(), seed=0)

@@ -40,11 +40,11 @@ def make_inputs(n: int, seed: int = 0) -> list[tuple[str, str]]:
 def main() -> None:
     from math_verify import parse, verify
 
-    from storage.stage import Built, StageOutput, commit_stage, rows_to_table
-    from storage.store import Store
-    from verifiers import cache as cache_module
-    from verifiers.cache import VerifierConfig, score_cached
-    from verifiers.pool import VerifierPool
+    from rlvr.storage.stage import Built, StageOutput, commit_stage, rows_to_table
+    from rlvr.storage.store import Store
+    from rlvr.verifiers import cache as cache_module
+    from rlvr.verifiers.cache import VerifierConfig, score_cached
+    from rlvr.verifiers.pool import VerifierPool
 
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 5000
     kind = sys.argv[2] if len(sys.argv) > 2 else "mixed"

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from storage.errors import UserError
+from rlvr.storage.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="rlvr: RL with verifiable rewards, every artifact Parquet, every question a DuckDB query.")
@@ -28,7 +28,7 @@ def store_root(store: Optional[str]) -> str:
 
 
 def open_existing(store: Optional[str]):
-    from storage.store import Store
+    from rlvr.storage.store import Store
 
     return Store.open(store_root(store))
 
@@ -41,13 +41,13 @@ def run(
     set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set train.steps=200"),
 ) -> None:
     """Run the RL pipeline end to end: synthesize, warm start, difficulty, RL steps, evaluate, checkpoint."""
-    from flows.prefect_env import configure_prefect
-    from storage.store import Store
+    from rlvr.flows.prefect_env import configure_prefect
+    from rlvr.storage.store import Store
 
     root = store_root(store)
     configure_prefect(Store(root))
-    from flows.config import load_config
-    from flows.runner import execute, new_run_id
+    from rlvr.flows.config import load_config
+    from rlvr.flows.runner import execute, new_run_id
 
     cfg = load_config(config, [*set_, *([f"run_id={run_id}"] if run_id else [])])
     if cfg.run_id is None:
@@ -60,13 +60,13 @@ def run(
 @app.command()
 def resume(run_id: str = typer.Argument(..., help="the run to finish"), store: Optional[str] = StoreOption) -> None:
     """Finish a failed or killed run from its last committed work (same results as an uninterrupted run)."""
-    from flows.prefect_env import configure_prefect
+    from rlvr.flows.prefect_env import configure_prefect
 
     found = open_existing(store)
     configure_prefect(found)
-    from flows.config import config_from_json
-    from flows.runner import resumable_run
-    from flows.runner import resume as resume_run
+    from rlvr.flows.config import config_from_json
+    from rlvr.flows.runner import resumable_run
+    from rlvr.flows.runner import resume as resume_run
 
     cfg = config_from_json(resumable_run(found, run_id)["config_json"])
     _run_with_progress(lambda: resume_run(store_root(store), run_id), cfg)
@@ -75,7 +75,7 @@ def resume(run_id: str = typer.Argument(..., help="the run to finish"), store: O
 def _run_with_progress(start, cfg) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from flows import progress
+    from rlvr.flows import progress
 
     steps = cfg.train.steps if cfg is not None else 0
     state: dict[str, Any] = {"reward": float("nan"), "accuracy": float("nan")}
@@ -120,7 +120,7 @@ def _print_summary(s: dict[str, Any]) -> None:
 @app.command()
 def runs(store: Optional[str] = StoreOption) -> None:
     """List the runs in the store with their status (running, failed, completed)."""
-    from flows.runner import describe_run
+    from rlvr.flows.runner import describe_run
 
     found = open_existing(store)
     rows = [describe_run(r) for r in sorted(found.list_runs(), key=lambda r: r.get("created_at", ""))]
@@ -136,7 +136,7 @@ def query(
     """Run a DuckDB query over the store's committed artifacts."""
     import duckdb
 
-    from storage.views import connect
+    from rlvr.storage.views import connect
 
     if format not in ("table", "csv", "json"):
         raise UserError(f"unknown format {format!r}; use table, csv or json")
@@ -159,7 +159,7 @@ def lineage(
     format: str = typer.Option("table", "--format", help="table, csv or json"),
 ) -> None:
     """Walk the lineage of an artifact (or of the artifact holding a row id)."""
-    from storage.lineage import ancestors, descendants, resolve_id
+    from rlvr.storage.lineage import ancestors, descendants, resolve_id
 
     if up and down:
         raise UserError("choose one of --up or --down")
@@ -182,13 +182,13 @@ def relabel(
     timeout: float = typer.Option(5.0, "--timeout", help="hard wall-clock limit per answer, seconds"),
 ) -> None:
     """Re-score rewards with the current verifier versions; write new artifacts and a flip report."""
-    from flows.prefect_env import configure_prefect
-    from verifiers.registry import verifier_class
+    from rlvr.flows.prefect_env import configure_prefect
+    from rlvr.verifiers.registry import verifier_class
 
     found = open_existing(store)
     configure_prefect(found)
-    from flows.relabel import relabel_rewards
-    from verifiers.cache import VerifierConfig
+    from rlvr.flows.relabel import relabel_rewards
+    from rlvr.verifiers.cache import VerifierConfig
 
     if found.exists(target):
         targets = [found.manifest(target)]
@@ -219,7 +219,7 @@ def _labelled_by(found, manifests) -> set[str]:
 @app.command()
 def verifiers() -> None:
     """List the registered verifiers (built-in and `rlvr.verifiers` plugins) with their versions."""
-    from verifiers.registry import plugin_errors, registered
+    from rlvr.verifiers.registry import plugin_errors, registered
 
     rows = [{"name": name, "domain": cls.domain, "version": cls.version, "class": f"{cls.__module__}.{cls.__qualname__}"}
             for name, cls in registered().items()]
@@ -236,8 +236,8 @@ def verify(
     timeout: float = typer.Option(5.0, "--timeout", help="hard wall-clock limit per answer, seconds"),
 ) -> None:
     """Score each input line; print one JSON line per input line, in order (score, status, ...)."""
-    from verifiers.registry import verifier_class
-    from verifiers.verify_jsonl import verify_lines
+    from rlvr.verifiers.registry import verifier_class
+    from rlvr.verifiers.verify_jsonl import verify_lines
 
     verifier_class(verifier)  # an unknown name fails here, as one line
     if not input.is_file():

@@ -14,21 +14,21 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from storage.errors import ConfigError
-from storage.ids import canonical_json
-from storage.stage import Built, StageOutput, commit_stage, rows_to_table
-from storage.store import Store
-from tasks.allocate import AllocateConfig
-from tasks.checkpoint import CheckpointConfig
-from tasks.difficulty import DifficultyConfig
-from tasks.evaluate import EvaluateConfig
-from tasks.label import LabelConfig
-from tasks.rollout import RolloutConfig
-from tasks.select import SelectConfig
-from tasks.synthesize import SynthesizeConfig
-from tasks.train import TrainConfig
-from tasks.warmstart import WarmstartConfig
-from trainer.policy import PolicyConfig
+from rlvr.storage.errors import ConfigError
+from rlvr.storage.ids import canonical_json
+from rlvr.storage.stage import Built, StageOutput, commit_stage, rows_to_table
+from rlvr.storage.store import Store
+from rlvr.tasks.allocate import AllocateConfig
+from rlvr.tasks.checkpoint import CheckpointConfig
+from rlvr.tasks.difficulty import DifficultyConfig
+from rlvr.tasks.evaluate import EvaluateConfig
+from rlvr.tasks.label import LabelConfig
+from rlvr.tasks.rollout import RolloutConfig
+from rlvr.tasks.select import SelectConfig
+from rlvr.tasks.synthesize import SynthesizeConfig
+from rlvr.tasks.train import TrainConfig
+from rlvr.tasks.warmstart import WarmstartConfig
+from rlvr.trainer.policy import PolicyConfig
 
 CONFIG_CODE_VERSION = "1"
 

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from storage.store import Store
+from rlvr.storage.store import Store
 
 
 def configure_prefect(store: Store) -> Path:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.label import relabel
-from verifiers.cache import VerifierConfig
+from rlvr.tasks.label import relabel
+from rlvr.verifiers.cache import VerifierConfig
 
 
 @flow(name="relabel", validate_parameters=False)

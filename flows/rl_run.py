@@ -16,19 +16,19 @@ from typing import Any
 
 from prefect import flow
 
-from flows.config import RunConfig, commit_config
-from flows.progress import report
-from storage.stage import open_store
-from tasks.allocate import allocate
-from tasks.checkpoint import checkpoint, initialize
-from tasks.difficulty import difficulty
-from tasks.evaluate import evaluate
-from tasks.label import label
-from tasks.rollout import rollout
-from tasks.select import select
-from tasks.synthesize import synthesize
-from tasks.train import prune_train_states, train
-from tasks.warmstart import warmstart
+from rlvr.flows.config import RunConfig, commit_config
+from rlvr.flows.progress import report
+from rlvr.storage.stage import open_store
+from rlvr.tasks.allocate import allocate
+from rlvr.tasks.checkpoint import checkpoint, initialize
+from rlvr.tasks.difficulty import difficulty
+from rlvr.tasks.evaluate import evaluate
+from rlvr.tasks.label import label
+from rlvr.tasks.rollout import rollout
+from rlvr.tasks.select import select
+from rlvr.tasks.synthesize import synthesize
+from rlvr.tasks.train import prune_train_states, train
+from rlvr.tasks.warmstart import warmstart
 
 
 @flow(name="rl-steps", validate_parameters=False)

@@ -14,10 +14,10 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from flows.prefect_env import configure_prefect
-from storage.errors import UserError
-from storage.store import Store, run_status
-from storage.views import query
+from rlvr.flows.prefect_env import configure_prefect
+from rlvr.storage.errors import UserError
+from rlvr.storage.store import Store, run_status
+from rlvr.storage.views import query
 
 
 def new_run_id() -> str:
@@ -38,7 +38,7 @@ def execute(store_root: str, cfg: Any) -> dict[str, Any]:
     """Run (or continue) `cfg`'s run in the store at `store_root`; return the summary."""
     store = Store.open(store_root, create=True)
     configure_prefect(store)
-    from flows.rl_run import rl_run  # after configure_prefect: Prefect reads settings on import
+    from rlvr.flows.rl_run import rl_run  # after configure_prefect: Prefect reads settings on import
 
     store.cleanup_uncommitted()
     _record(store, cfg.run_id, status="running", store_root=store_root,
@@ -56,7 +56,7 @@ def execute(store_root: str, cfg: Any) -> dict[str, Any]:
 
 def resume(store_root: str, run_id: str) -> dict[str, Any]:
     """Finish a failed or killed run from its last committed work."""
-    from flows.config import config_from_json
+    from rlvr.flows.config import config_from_json
 
     record = resumable_run(Store.open(store_root), run_id)
     return execute(store_root, config_from_json(record["config_json"]))

@@ -4,10 +4,10 @@ Stages meet only here: each reads its inputs and commits its outputs through a `
 question about a run is a query over `connect(store)`.
 """
 
-from storage.ids import artifact_id, derive_seed, row_id
-from storage.lineage import ancestors, descendants, resolve_id
-from storage.store import Manifest, Store, run_status
-from storage.views import connect, query
+from rlvr.storage.ids import artifact_id, derive_seed, row_id
+from rlvr.storage.lineage import ancestors, descendants, resolve_id
+from rlvr.storage.store import Manifest, Store, run_status
+from rlvr.storage.views import connect, query
 
 __all__ = [
     "Manifest",

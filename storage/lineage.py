@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from storage.errors import ArtifactNotFound
-from storage.store import Manifest, Store
-from storage.views import data_paths, duckdb_connection, parquet_scan
+from rlvr.storage.errors import ArtifactNotFound
+from rlvr.storage.store import Manifest, Store
+from rlvr.storage.views import data_paths, duckdb_connection, parquet_scan
 
 # Where a row id may live, searched in this order: a rollout id names its rollouts artifact
 # before the rewards that copy it.

@@ -14,9 +14,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from storage.ids import artifact_id
-from storage.schemas import schema_for
-from storage.store import Store
+from rlvr.storage.ids import artifact_id
+from rlvr.storage.schemas import schema_for
+from rlvr.storage.store import Store
 
 
 @lru_cache(maxsize=8)

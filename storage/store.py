@@ -31,9 +31,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from storage.errors import ArtifactNotFound, StoreNotFound, UserError
-from storage.ids import canonical_json
-from storage.schemas import schema_for
+from rlvr.storage.errors import ArtifactNotFound, StoreNotFound, UserError
+from rlvr.storage.ids import canonical_json
+from rlvr.storage.schemas import schema_for
 
 STORE_FORMAT = 1
 RUN_STATUSES = ("running", "failed", "completed")

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 import duckdb
 import pyarrow as pa
 
-from storage.schemas import SCHEMAS
-from storage.store import Manifest, Store, run_status
+from rlvr.storage.schemas import SCHEMAS
+from rlvr.storage.store import Manifest, Store, run_status
 
 _ARTIFACTS_SCHEMA = pa.schema(
     [

@@ -8,8 +8,8 @@ from prefect import task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
-from curricula.budgets import allocate_uniform
-from storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
+from rlvr.curricula.budgets import allocate_uniform
+from rlvr.storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
 
 CODE_VERSION = "1"
 

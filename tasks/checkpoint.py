@@ -6,9 +6,9 @@ from prefect import task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
-from storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
-from trainer.checkpoints import TrainerState, keep_trainer_state, policy_files_of
-from trainer.policy import PolicyConfig, init_policy, policy_files
+from rlvr.storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
+from rlvr.trainer.checkpoints import TrainerState, keep_trainer_state, policy_files_of
+from rlvr.trainer.policy import PolicyConfig, init_policy, policy_files
 
 CODE_VERSION = "1"
 

@@ -10,11 +10,11 @@ from prefect import task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
-from storage.ids import derive_seed
-from storage.stage import StageOutput, open_store, rows_to_table
-from trainer.checkpoints import load_policy
-from trainer.generation import sample
-from verifiers.cache import VerifierConfig, score_cached
+from rlvr.storage.ids import derive_seed
+from rlvr.storage.stage import StageOutput, open_store, rows_to_table
+from rlvr.trainer.checkpoints import load_policy
+from rlvr.trainer.generation import sample
+from rlvr.verifiers.cache import VerifierConfig, score_cached
 
 CODE_VERSION = "1"
 

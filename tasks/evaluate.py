@@ -6,10 +6,10 @@ from prefect import task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
-from storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
-from trainer.checkpoints import load_policy
-from trainer.generation import greedy
-from verifiers.cache import VerifierConfig, score_cached
+from rlvr.storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
+from rlvr.trainer.checkpoints import load_policy
+from rlvr.trainer.generation import greedy
+from rlvr.verifiers.cache import VerifierConfig, score_cached
 
 CODE_VERSION = "1"
 

@@ -11,10 +11,10 @@ import json
 
 from prefect import task
 from prefect.cache_policies import NONE
-from storage.errors import UserError
-from storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
-from verifiers.cache import VerifierConfig, score_cached
-from verifiers.registry import verifier_class
+from rlvr.storage.errors import UserError
+from rlvr.storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
+from rlvr.verifiers.cache import VerifierConfig, score_cached
+from rlvr.verifiers.registry import verifier_class
 
 CODE_VERSION = "1"
 

@@ -6,10 +6,10 @@ from prefect import task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
-from storage.ids import derive_seed, row_id
-from storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
-from trainer.checkpoints import load_policy
-from trainer.generation import sample
+from rlvr.storage.ids import derive_seed, row_id
+from rlvr.storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
+from rlvr.trainer.checkpoints import load_policy
+from rlvr.trainer.generation import sample
 
 CODE_VERSION = "1"
 

@@ -8,9 +8,9 @@ from prefect import task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
-from curricula.uniform import select_uniform
-from storage.ids import derive_seed
-from storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
+from rlvr.curricula.uniform import select_uniform
+from rlvr.storage.ids import derive_seed
+from rlvr.storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
 
 CODE_VERSION = "1"
 

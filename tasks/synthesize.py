@@ -14,10 +14,10 @@ from prefect import task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
-from storage.ids import row_id
-from storage.stage import StageOutput, open_store, rows_to_table
-from verifiers.arithmetic import GENERATOR_VERSION, ArithmeticSpec, generate
-from verifiers.registry import get_verifier
+from rlvr.storage.ids import row_id
+from rlvr.storage.stage import StageOutput, open_store, rows_to_table
+from rlvr.verifiers.arithmetic import GENERATOR_VERSION, ArithmeticSpec, generate
+from rlvr.verifiers.registry import get_verifier
 
 CODE_VERSION = "1"
 

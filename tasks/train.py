@@ -14,17 +14,17 @@ from prefect import task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
-from storage.stage import StageOutput, open_store, rows_to_table
-from trainer.checkpoints import (
+from rlvr.storage.stage import StageOutput, open_store, rows_to_table
+from rlvr.trainer.checkpoints import (
     OPTIMIZER_FILE,
     STATE_CODE_VERSION,
     keep_trainer_state,
     take_trainer_state,
     train_state_id,
 )
-from trainer.generation import Sample
-from trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
-from trainer.policy import optimizer_state_bytes, policy_files
+from rlvr.trainer.generation import Sample
+from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
+from rlvr.trainer.policy import optimizer_state_bytes, policy_files
 
 CODE_VERSION = "1"
 

@@ -11,11 +11,11 @@ from prefect import task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
-from storage.ids import derive_seed
-from storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
-from trainer.checkpoints import TrainerState, keep_trainer_state, load_policy
-from trainer.policy import make_optimizer, policy_files, policy_from_files
-from trainer.sft import sft_warmstart
+from rlvr.storage.ids import derive_seed
+from rlvr.storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
+from rlvr.trainer.checkpoints import TrainerState, keep_trainer_state, load_policy
+from rlvr.trainer.policy import make_optimizer, policy_files, policy_from_files
+from rlvr.trainer.sft import sft_warmstart
 
 CODE_VERSION = "1"
 

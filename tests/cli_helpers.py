@@ -18,7 +18,7 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 def rlvr_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", *args]
+    return [sys.executable, "-m", "rlvr.flows.cli", *args]
 
 
 def rlvr(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -32,7 +32,7 @@ def prefect_api() -> str:
 @pytest.fixture
 def tiny_config():
     """A run small enough for the suite: every stage runs for real, in seconds."""
-    from flows.config import load_config
+    from rlvr.flows.config import load_config
 
     def make(run_id: str, *extra: str):
         overrides = [

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from storage.store import Store
+from rlvr.storage.store import Store
 from tests.cli_helpers import rlvr
 
 

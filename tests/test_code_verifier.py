@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from verifiers import sandbox
-from verifiers.code import CodeVerifier, extract_program, normalize_output, parse_reference
-from verifiers.pool import VerifierPool
-from verifiers.registry import get_verifier
+from rlvr.verifiers import sandbox
+from rlvr.verifiers.code import CodeVerifier, extract_program, normalize_output, parse_reference
+from rlvr.verifiers.pool import VerifierPool
+from rlvr.verifiers.registry import get_verifier
 
 REPO = Path(__file__).resolve().parents[1]
 IS_ROOT = os.geteuid() == 0
@@ -294,11 +294,11 @@ def test_pool_killing_a_worker_mid_run_leaves_no_process(tmp_path):
 def test_without_bubblewrap_rlimits_still_apply_and_it_warns_once(monkeypatch, caplog):
     monkeypatch.setattr(sandbox, "bubblewrap_available", lambda: False)
     monkeypatch.setattr(sandbox, "_warned_unavailable", False)
-    with caplog.at_level(logging.WARNING, logger="verifiers.sandbox"):
+    with caplog.at_level(logging.WARNING, logger="rlvr.verifiers.sandbox"):
         results = [_run("x = bytearray(2 * 1024 ** 3)", memory_mb=128) for _ in range(2)]
     assert all(result.isolation == "rlimits" for result in results)
     assert all(result.returncode != 0 and "MemoryError" in result.stderr for result in results)
-    warnings = [record.getMessage() for record in caplog.records if record.name == "verifiers.sandbox"]
+    warnings = [record.getMessage() for record in caplog.records if record.name == "rlvr.verifiers.sandbox"]
     assert warnings == [sandbox.UNAVAILABLE_WARNING]
 
 

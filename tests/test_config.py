@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flows.config import RunConfig, load_config, parse_override
-from storage.errors import ConfigError
+from rlvr.flows.config import RunConfig, load_config, parse_override
+from rlvr.storage.errors import ConfigError
 
 
 def test_defaults_are_the_embedded_default():

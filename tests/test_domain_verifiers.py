@@ -11,16 +11,16 @@ import time
 import duckdb
 import pytest
 
-from storage.errors import UserError
-from verifiers.base import STATUSES, Score
-from verifiers.composite import CompositeVerifier, MathFormatVerifier
-from verifiers.format import FormatVerifier
-from verifiers.pool import VerifierPool
-from verifiers.reasoning_gym import ReasoningGymVerifier, extract_answer, rg_problems
-from verifiers.registry import get_verifier, registered
-from verifiers.sql import SqlVerifier, extract_sql, has_top_level_order_by, sql_tokens
-from verifiers.text import TextVerifier, extract_choice, normalize_text
-from verifiers.tool_call import ToolCallVerifier
+from rlvr.storage.errors import UserError
+from rlvr.verifiers.base import STATUSES, Score
+from rlvr.verifiers.composite import CompositeVerifier, MathFormatVerifier
+from rlvr.verifiers.format import FormatVerifier
+from rlvr.verifiers.pool import VerifierPool
+from rlvr.verifiers.reasoning_gym import ReasoningGymVerifier, extract_answer, rg_problems
+from rlvr.verifiers.registry import get_verifier, registered
+from rlvr.verifiers.sql import SqlVerifier, extract_sql, has_top_level_order_by, sql_tokens
+from rlvr.verifiers.text import TextVerifier, extract_choice, normalize_text
+from rlvr.verifiers.tool_call import ToolCallVerifier
 
 # ----------------------------------------------------------------------------------------------
 # SQL

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.store import Store
+from rlvr.storage.store import Store
 from tests.cli_helpers import REPO, cli_env, rlvr_command
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from verifiers.math import MathVerifier, extract_answer, normalize_answer, simple_rational
-from verifiers.pool import VerifierPool
+from rlvr.verifiers.math import MathVerifier, extract_answer, normalize_answer, simple_rational
+from rlvr.verifiers.pool import VerifierPool
 
 CASES_FILE = Path(__file__).parent / "data" / "math_cases.jsonl"
 CASES = [json.loads(line) for line in CASES_FILE.read_text().splitlines() if line.strip()]

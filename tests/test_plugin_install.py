@@ -27,7 +27,7 @@ shout = "rlvr_shout:ShoutVerifier"
 """
 
 MODULE = '''
-from verifiers.base import Score, Verifier
+from rlvr.verifiers.base import Score, Verifier
 
 
 class ShoutVerifier(Verifier):
@@ -79,8 +79,8 @@ def test_cli_lists_and_uses_the_installed_plugin(installed_plugin, tmp_path):
 def test_pool_and_cache_label_with_the_plugin(installed_plugin, tmp_path):
     import importlib.metadata
 
-    from storage.store import Store
-    from verifiers.cache import VerifierConfig, score_cached
+    from rlvr.storage.store import Store
+    from rlvr.verifiers.cache import VerifierConfig, score_cached
 
     importlib.invalidate_caches()
     assert any(ep.name == "shout" for ep in importlib.metadata.entry_points(group="rlvr.verifiers"))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from flows.runner import execute
-from storage.lineage import ancestors
-from storage.store import Store
-from storage.views import query
+from rlvr.flows.runner import execute
+from rlvr.storage.lineage import ancestors
+from rlvr.storage.store import Store
+from rlvr.storage.views import query
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +18,7 @@ def scalar(store: Store, sql: str):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, prefect_api, request):
-    from flows.config import load_config
+    from rlvr.flows.config import load_config
 
     root = str(tmp_path_factory.mktemp("store"))
     cfg = load_config(None, [
@@ -90,7 +90,7 @@ def test_second_execution_skips_everything(finished_run):
 
 
 def test_cached_verdicts_equal_fresh_ones(finished_run):
-    from verifiers.arithmetic import ArithmeticVerifier
+    from rlvr.verifiers.arithmetic import ArithmeticVerifier
 
     store, _, _ = finished_run
     rows = query(store, """SELECT w.score, w.status, w.cache_hit, r.response, p.answer FROM rewards w
@@ -103,8 +103,8 @@ def test_cached_verdicts_equal_fresh_ones(finished_run):
 
 
 def test_relabel_reports_exactly_the_flipped_verdicts(finished_run):
-    from flows.relabel import relabel_rewards
-    from verifiers.cache import VerifierConfig
+    from rlvr.flows.relabel import relabel_rewards
+    from rlvr.verifiers.cache import VerifierConfig
 
     store, _, _ = finished_run
     rewards_ids = [m.artifact_id for m in store.manifests(kind="rewards")]

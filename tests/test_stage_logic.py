@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from curricula.budgets import allocate_uniform
-from curricula.uniform import select_uniform
-from tasks.synthesize import assign_splits, validate_rows
-from tasks.train import rollout_batch
-from verifiers.arithmetic import ArithmeticSpec, ArithmeticVerifier, generate, space_size
+from rlvr.curricula.budgets import allocate_uniform
+from rlvr.curricula.uniform import select_uniform
+from rlvr.tasks.synthesize import assign_splits, validate_rows
+from rlvr.tasks.train import rollout_batch
+from rlvr.verifiers.arithmetic import ArithmeticSpec, ArithmeticVerifier, generate, space_size
 
 
 def test_generator_enumerates_small_spaces_once():

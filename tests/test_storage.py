@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from storage import (
+from rlvr.storage import (
     Manifest,
     Store,
     ancestors,
@@ -34,9 +34,9 @@ from storage import (
     row_id,
     run_status,
 )
-from storage.errors import ArtifactNotFound, StoreNotFound
-from storage.ids import canonical_json
-from storage.schemas import SCHEMAS
+from rlvr.storage.errors import ArtifactNotFound, StoreNotFound
+from rlvr.storage.ids import canonical_json
+from rlvr.storage.schemas import SCHEMAS
 
 # ----- helpers ---------------------------------------------------------------------------------------
 

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from storage.errors import UserError
-from trainer.generation import Sample, greedy, sample
-from trainer.grpo import (
+from rlvr.storage.errors import UserError
+from rlvr.trainer.generation import Sample, greedy, sample
+from rlvr.trainer.grpo import (
     GRPOConfig,
     RolloutBatch,
     clipped_surrogate_loss,
@@ -16,7 +16,7 @@ from trainer.grpo import (
     group_advantages,
     grpo_step,
 )
-from trainer.policy import (
+from rlvr.trainer.policy import (
     PolicyConfig,
     init_policy,
     load_optimizer_state,
@@ -25,8 +25,8 @@ from trainer.policy import (
     policy_files,
     policy_from_files,
 )
-from trainer.sft import sft_warmstart
-from trainer.tiny_model import VOCAB, TinyModelConfig, build_tiny_model, build_tiny_tokenizer
+from rlvr.trainer.sft import sft_warmstart
+from rlvr.trainer.tiny_model import VOCAB, TinyModelConfig, build_tiny_model, build_tiny_tokenizer
 
 ADDITION = [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
 
@@ -282,8 +282,8 @@ def test_grpo_step_skips_uniform_groups(policy):
 
 
 def test_fast_policy_files_equal_save_pretrained_after_training():
-    from trainer.policy import _saved_files, make_optimizer, policy_files
-    from trainer.sft import sft_warmstart
+    from rlvr.trainer.policy import _saved_files, make_optimizer, policy_files
+    from rlvr.trainer.sft import sft_warmstart
 
     policy = init_policy(PolicyConfig(), seed=5)
     first = policy_files(policy)  # slow path, primes the cache

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from storage.errors import UserError
-from verifiers.base import Score
-from verifiers.math import MathVerifier
-from verifiers.pool import VerifierPool
+from rlvr.storage.errors import UserError
+from rlvr.verifiers.base import Score
+from rlvr.verifiers.math import MathVerifier
+from rlvr.verifiers.pool import VerifierPool
 
 
 class MisbehavingMathVerifier(MathVerifier):

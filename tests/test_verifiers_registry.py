@@ -8,13 +8,13 @@ import textwrap
 
 import pytest
 
-from storage.errors import UserError
-from verifiers.adapters import compute_score, trl_reward_func
-from verifiers.arithmetic import ArithmeticVerifier
-from verifiers.math import MathVerifier
-from verifiers.pool import VerifierPool
-from verifiers.registry import BUILTIN, get_verifier, plugin_errors, registered, verifier_class
-from verifiers.verify_jsonl import verify_lines
+from rlvr.storage.errors import UserError
+from rlvr.verifiers.adapters import compute_score, trl_reward_func
+from rlvr.verifiers.arithmetic import ArithmeticVerifier
+from rlvr.verifiers.math import MathVerifier
+from rlvr.verifiers.pool import VerifierPool
+from rlvr.verifiers.registry import BUILTIN, get_verifier, plugin_errors, registered, verifier_class
+from rlvr.verifiers.verify_jsonl import verify_lines
 
 # ----------------------------------------------------------------------------------------------
 # Registry
@@ -42,7 +42,7 @@ def plugin_dir(tmp_path, monkeypatch):
     (tmp_path / "echo_plugin.py").write_text(
         textwrap.dedent(
             """
-            from verifiers.base import Score, Verifier
+            from rlvr.verifiers.base import Score, Verifier
 
             class EchoVerifier(Verifier):
                 name = "echo"
@@ -93,11 +93,11 @@ def test_plugin_runs_in_the_pool(plugin_dir):
 
 
 def test_import_path_names_a_verifier_class():
-    assert verifier_class("verifiers.math:MathVerifier") is MathVerifier
-    with pytest.raises(UserError, match="cannot import verifier 'verifiers.math:Nope'"):
-        verifier_class("verifiers.math:Nope")
-    with pytest.raises(UserError, match="is not a subclass of verifiers.base.Verifier"):
-        verifier_class("verifiers.math:Score")
+    assert verifier_class("rlvr.verifiers.math:MathVerifier") is MathVerifier
+    with pytest.raises(UserError, match="cannot import verifier 'rlvr.verifiers.math:Nope'"):
+        verifier_class("rlvr.verifiers.math:Nope")
+    with pytest.raises(UserError, match="is not a subclass of rlvr.verifiers.base.Verifier"):
+        verifier_class("rlvr.verifiers.math:Score")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from storage.ids import artifact_id
-from storage.store import Store
-from trainer.policy import Policy, load_optimizer_state, make_optimizer, policy_from_files
+from rlvr.storage.ids import artifact_id
+from rlvr.storage.store import Store
+from rlvr.trainer.policy import Policy, load_optimizer_state, make_optimizer, policy_from_files
 
 STATE_CODE_VERSION = "1"
 OPTIMIZER_FILE = "optimizer.pt"

@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from trainer.policy import Policy
+from rlvr.trainer.policy import Policy
 
 
 @dataclass

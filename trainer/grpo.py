@@ -14,8 +14,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from trainer.generation import Sample
-from trainer.policy import Policy
+from rlvr.trainer.generation import Sample
+from rlvr.trainer.policy import Policy
 
 
 def group_advantages(

@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
-from storage.errors import UserError
-from trainer.tiny_model import TinyModelConfig, build_tiny_model, build_tiny_tokenizer
+from rlvr.storage.errors import UserError
+from rlvr.trainer.tiny_model import TinyModelConfig, build_tiny_model, build_tiny_tokenizer
 
 # Checkpoints are written and read every RL step; per-call progress bars would flood the console.
 transformers_logging.disable_progress_bar()

@@ -6,8 +6,8 @@ start on a few examples teaches the answer format (answer then eos) so that RL h
 
 import torch
 
-from trainer.grpo import completion_logprobs
-from trainer.policy import Policy
+from rlvr.trainer.grpo import completion_logprobs
+from rlvr.trainer.policy import Policy
 
 
 def sft_warmstart(

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from storage.errors import UserError
-from verifiers.base import Verifier
-from verifiers.pool import VerifierPool, score_safely
-from verifiers.registry import get_verifier, registered, verifier_spec
+from rlvr.storage.errors import UserError
+from rlvr.verifiers.base import Verifier
+from rlvr.verifiers.pool import VerifierPool, score_safely
+from rlvr.verifiers.registry import get_verifier, registered, verifier_spec
 
 VERL_DATA_SOURCES: dict[str, str] = {
     "openai/gsm8k": "math",

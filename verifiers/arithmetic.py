@@ -17,8 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from verifiers.base import Score
-from verifiers.math import MathVerifier
+from rlvr.verifiers.base import Score
+from rlvr.verifiers.math import MathVerifier
 
 _NUMBER = re.compile(r"[+-]?\d+(\.\d+)?")
 

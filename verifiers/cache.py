@@ -15,9 +15,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from storage.ids import canonical_json
-from storage.store import Store
-from verifiers.base import Score
+from rlvr.storage.ids import canonical_json
+from rlvr.storage.store import Store
+from rlvr.verifiers.base import Score
 
 CacheKey = tuple[str, str, str, str]
 
@@ -110,8 +110,8 @@ def score_cached(
 
     `cfg.workers == 0` scores in this process (no timeout: only for verifiers that cannot hang).
     """
-    from verifiers.pool import score_safely, shared_pool
-    from verifiers.registry import get_verifier, verifier_class
+    from rlvr.verifiers.pool import score_safely, shared_pool
+    from rlvr.verifiers.registry import get_verifier, verifier_class
 
     verifier_name, workers = cfg.verifier, cfg.workers
     version = verifier_class(verifier_name).version

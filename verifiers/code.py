@@ -31,8 +31,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from verifiers.base import Score, Verifier, non_text_error
-from verifiers.sandbox import ProgramResult, SandboxError, run_program
+from rlvr.verifiers.base import Score, Verifier, non_text_error
+from rlvr.verifiers.sandbox import ProgramResult, SandboxError, run_program
 
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_MEMORY_MB = 256

@@ -34,10 +34,10 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
-from storage.errors import UserError
-from verifiers.base import Score, Verifier
-from verifiers.format import FormatVerifier
-from verifiers.math import MathVerifier
+from rlvr.storage.errors import UserError
+from rlvr.verifiers.base import Score, Verifier
+from rlvr.verifiers.format import FormatVerifier
+from rlvr.verifiers.math import MathVerifier
 
 _SPEC_KEYS = {"name", "version", "components"}
 _COMPONENT_KEYS = {"verifier", "weight", "gate"}
@@ -91,14 +91,14 @@ class CompositeVerifier(Verifier):
     spec: ClassVar[dict[str, Any]]
 
     def __init__(self) -> None:
-        from verifiers.registry import get_verifier
+        from rlvr.verifiers.registry import get_verifier
 
         self.parts = [(part["verifier"], get_verifier(part["verifier"]), part["weight"], part["gate"]) for part in self.spec["components"]]
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> CompositeVerifier:
         """A ready-to-use composite verifier (an instance of a class made for this spec)."""
-        from verifiers.registry import verifier_class
+        from rlvr.verifiers.registry import verifier_class
 
         checked = check_spec(spec)
         classes = {part["verifier"]: verifier_class(part["verifier"]) for part in checked["components"]}

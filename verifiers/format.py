@@ -23,7 +23,7 @@ import json
 import re
 from typing import Any
 
-from verifiers.base import Score, Verifier, non_text_error
+from rlvr.verifiers.base import Score, Verifier, non_text_error
 
 DEFAULT_TAGS = ("think", "answer")
 PARTIAL_WEIGHT = 0.5

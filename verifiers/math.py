@@ -36,7 +36,7 @@ import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
 
-from verifiers.base import Score, Verifier, non_text_error
+from rlvr.verifiers.base import Score, Verifier, non_text_error
 
 # We report timeouts and failures as statuses; math-verify's log lines would only repeat them.
 logging.getLogger("math_verify").setLevel(logging.ERROR)

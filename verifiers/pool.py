@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from verifiers.base import Score, Verifier
-from verifiers.registry import get_verifier, verifier_spec
+from rlvr.verifiers.base import Score, Verifier
+from rlvr.verifiers.registry import get_verifier, verifier_spec
 
 START_TIMEOUT_S = 60.0  # a worker that has not loaded its verifier by then is killed
 MAX_FAILED_STARTS = 3  # consecutive start failures after which the remaining calls are failed
@@ -37,7 +37,7 @@ REASON_CHARS = 500
 PIPELINE_DEPTH = 2  # calls queued per worker; the deadline applies to the one it is running
 
 _context = multiprocessing.get_context("forkserver")
-_context.set_forkserver_preload(["verifiers.registry"])
+_context.set_forkserver_preload(["rlvr.verifiers.registry"])
 
 
 def score_safely(verifier: Verifier, response: Any, reference: Any) -> Score:

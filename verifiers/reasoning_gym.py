@@ -25,7 +25,7 @@ import re
 from functools import lru_cache
 from typing import Any, Callable
 
-from verifiers.base import Score, Verifier, non_text_error
+from rlvr.verifiers.base import Score, Verifier, non_text_error
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 COMPOSITE_DATASET = "composite"

@@ -5,7 +5,7 @@ A plugin package declares, in its pyproject.toml,
     [project.entry-points."rlvr.verifiers"]
     my_domain = "my_package.module:MyVerifier"
 
-where `MyVerifier` subclasses `verifiers.base.Verifier` and its `name` equals the entry-point name.
+where `MyVerifier` subclasses `rlvr.verifiers.base.Verifier` and its `name` equals the entry-point name.
 A plugin that fails to load (import error, not a Verifier, name clash) does not break the registry:
 it is left out and described by `plugin_errors()`.
 
@@ -18,30 +18,30 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 
-from storage.errors import UserError
-from verifiers.arithmetic import ArithmeticVerifier
-from verifiers.base import Verifier
-from verifiers.math import MathVerifier
+from rlvr.storage.errors import UserError
+from rlvr.verifiers.arithmetic import ArithmeticVerifier
+from rlvr.verifiers.base import Verifier
+from rlvr.verifiers.math import MathVerifier
 
 ENTRY_POINT_GROUP = "rlvr.verifiers"
 
 BUILTIN: dict[str, type[Verifier]] = {
     ArithmeticVerifier.name: ArithmeticVerifier,
     MathVerifier.name: MathVerifier,
-    "sql": importlib.import_module("verifiers.sql").SqlVerifier,
-    "tool_call": importlib.import_module("verifiers.tool_call").ToolCallVerifier,
-    "reasoning_gym": importlib.import_module("verifiers.reasoning_gym").ReasoningGymVerifier,
-    "format": importlib.import_module("verifiers.format").FormatVerifier,
-    "text": importlib.import_module("verifiers.text").TextVerifier,
-    "math_format": importlib.import_module("verifiers.composite").MathFormatVerifier,
-    "code": importlib.import_module("verifiers.code").CodeVerifier,
+    "sql": importlib.import_module("rlvr.verifiers.sql").SqlVerifier,
+    "tool_call": importlib.import_module("rlvr.verifiers.tool_call").ToolCallVerifier,
+    "reasoning_gym": importlib.import_module("rlvr.verifiers.reasoning_gym").ReasoningGymVerifier,
+    "format": importlib.import_module("rlvr.verifiers.format").FormatVerifier,
+    "text": importlib.import_module("rlvr.verifiers.text").TextVerifier,
+    "math_format": importlib.import_module("rlvr.verifiers.composite").MathFormatVerifier,
+    "code": importlib.import_module("rlvr.verifiers.code").CodeVerifier,
 }
 
 
 def _check_verifier_class(obj: object, expected_name: str) -> str | None:
     """Why `obj` cannot be registered under `expected_name`, or None if it can."""
     if not (isinstance(obj, type) and issubclass(obj, Verifier)):
-        return f"{obj!r} is not a subclass of verifiers.base.Verifier"
+        return f"{obj!r} is not a subclass of rlvr.verifiers.base.Verifier"
     for attribute in ("name", "domain", "version"):
         if not isinstance(getattr(obj, attribute, None), str):
             return f"{obj.__name__}.{attribute} must be a string class attribute"
@@ -96,7 +96,7 @@ def _import_path_class(spec: str) -> type[Verifier]:
     except (ImportError, AttributeError) as exc:
         raise UserError(f"cannot import verifier {spec!r}: {type(exc).__name__}: {exc}") from exc
     if not (isinstance(obj, type) and issubclass(obj, Verifier)):
-        raise UserError(f"{spec!r} is not a subclass of verifiers.base.Verifier")
+        raise UserError(f"{spec!r} is not a subclass of rlvr.verifiers.base.Verifier")
     return obj
 
 

@@ -50,7 +50,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from verifiers.base import Score, Verifier, non_text_error
+from rlvr.verifiers.base import Score, Verifier, non_text_error
 
 STATEMENT_TIMEOUT_S = 2.0
 MAX_ROWS = 100_000

@@ -33,7 +33,7 @@ import re
 import unicodedata
 from typing import Any
 
-from verifiers.base import Score, Verifier, non_text_error
+from rlvr.verifiers.base import Score, Verifier, non_text_error
 
 DEFAULT_BLEU_THRESHOLD = 0.5
 MODES = ("exact", "choice", "bleu")

@@ -33,7 +33,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from verifiers.base import Score, Verifier, non_text_error
+from rlvr.verifiers.base import Score, Verifier, non_text_error
 
 _TOOL_CALL_TAG = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _JSON_FENCE = re.compile(r"```[ \t]*json[^\n]*\n(.*?)```", re.DOTALL | re.IGNORECASE)

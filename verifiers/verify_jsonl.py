@@ -11,8 +11,8 @@ import json
 from itertools import islice
 from typing import Any, Iterable, Iterator
 
-from verifiers.base import Score
-from verifiers.pool import VerifierPool
+from rlvr.verifiers.base import Score
+from rlvr.verifiers.pool import VerifierPool
 
 CHUNK_LINES = 512
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from verifiers.arithmetic import ArithmeticVerifier
-from verifiers.base import Score
+from rlvr.verifiers.arithmetic import ArithmeticVerifier
+from rlvr.verifiers.base import Score
 
 
 class LenientArithmetic(ArithmeticVerifier):
