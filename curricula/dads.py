@@ -1,0 +1,112 @@
+"""RuleReasoner's domain-aware dynamic sampling, DADS (algorithms.md §6.8): arms (domains, or whatever
+`select.arms` groups by) whose rewards are still low are drawn more often, from an EMA of each arm's
+mean reward.
+
+The paper's exact formula was not verified; this is the design document's reconstruction:
+r̄ ← γ·r̄ + (1−γ)·mean reward, w ∝ exp((1 − r̄)/τ), an arm drawn from w, then a problem uniformly.
+Unlike SEC it rewards "not yet solved" rather than "learnable now", so it can chase arms that cannot be
+solved. Two guards bound that: r̄ is clipped to [0, 1] before weighting, so no arm weighs more than
+exp(1/τ) times another, and `uniform_share` of the probability is spread evenly over the arms.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import Field
+
+from rlvr.curricula.base import (
+    Pick,
+    PoolProblem,
+    SelectConfig,
+    SelectionStrategy,
+    StepFeedback,
+    arm_sizes,
+    outcomes_by_arm,
+)
+from rlvr.curricula.sec import boltzmann_probabilities, draw_arm_batch, problems_by_arm, require_selectable
+
+
+class DadsConfig(SelectConfig):
+    type: Literal["dads"] = "dads"
+    gamma: float = Field(0.9, ge=0.0, lt=1.0, description="EMA decay of each arm's mean reward")
+    tau: float = Field(0.5, gt=0.0, description="temperature of w ∝ exp((1 − r̄)/τ)")
+    uniform_share: float = Field(
+        0.1, ge=0.0, le=1.0, description="probability spread evenly over arms, so none falls below share/arms"
+    )
+
+
+def reward_ema(previous: float | None, batch_mean: float, gamma: float) -> float:
+    """γ·r̄ + (1−γ)·mean; an arm's first batch sets r̄ to its mean, so the EMA is not biased to a prior."""
+    if previous is None:
+        return batch_mean
+    return gamma * previous + (1.0 - gamma) * batch_mean
+
+
+def dads_probabilities(
+    ema: Mapping[str, float], arms: Sequence[str], tau: float, uniform_share: float
+) -> dict[str, float]:
+    """(1 − share)·softmax((1 − clip(r̄, 0, 1))/τ) + share/K over `arms`; an arm never observed counts
+    as r̄ = 0 (unsolved as far as anyone knows), so new arms are explored first."""
+    if not arms:
+        return {}
+    need = {arm: 1.0 - min(1.0, max(0.0, ema.get(arm, 0.0))) for arm in arms}
+    soft = boltzmann_probabilities(need, arms, tau)
+    return {arm: (1.0 - uniform_share) * soft[arm] + uniform_share / len(arms) for arm in arms}
+
+
+class DadsStrategy(SelectionStrategy):
+    """DADS: before each batch, arm probabilities from the reward EMAs; each slot an arm, then a problem.
+
+    rng: as SEC, `draw_arm_batch` (one `rng.random()` for the arm, then one `rng.randrange` for the
+    problem, per slot); a pick's probability is P(arm) / |pool[arm]|. The batch's mean reward of an arm is
+    the mean over its slots of `ProblemOutcome.mean_reward` (each prompt counts once, whatever its group size).
+    """
+
+    type = "dads"
+    cfg: DadsConfig
+
+    def __init__(self, cfg: DadsConfig) -> None:
+        super().__init__(cfg)
+        self.ema: dict[str, float] = {}
+        self.pulls: dict[str, int] = {}
+        self.updates = 0
+
+    def arm_probabilities(self, pool: Sequence[PoolProblem]) -> dict[str, float]:
+        return dads_probabilities(self.ema, list(arm_sizes(pool)), self.cfg.tau, self.cfg.uniform_share)
+
+    def select(self, pool: Sequence[PoolProblem], batch_size: int, rng: random.Random) -> list[Pick]:
+        require_selectable(pool, batch_size)
+        return draw_arm_batch(problems_by_arm(pool), self.arm_probabilities(pool), batch_size, rng)
+
+    def observe(self, feedback: StepFeedback) -> list[dict[str, Any]]:
+        """EMA update for the batch's arms; others keep r̄. Rows reuse the SEC columns: q_before / q_after
+        are r̄ before and after (None before an arm's first batch), reward the batch's mean reward."""
+        sizes = arm_sizes(feedback.pool)
+        probs = self.arm_probabilities(feedback.pool)
+        grouped = outcomes_by_arm(feedback.outcomes)
+        rows = []
+        for arm in sorted(set(sizes) | set(grouped)):
+            pulled = grouped.get(arm, [])
+            before = self.ema.get(arm)
+            reward = sum(o.mean_reward for o in pulled) / len(pulled) if pulled else None
+            after = reward_ema(before, reward, self.cfg.gamma) if reward is not None else before
+            if after is not None:
+                self.ema[arm] = after
+            self.pulls[arm] = self.pulls.get(arm, 0) + len(pulled)
+            rows.append({"arm": arm, "pool_size": sizes.get(arm, 0), "q_before": before,
+                         "probability": probs.get(arm), "pulls": len(pulled), "reward": reward, "q_after": after,
+                         "cumulative_pulls": self.pulls[arm]})
+        self.updates += 1
+        return rows
+
+    def state_dict(self) -> dict[str, Any]:
+        """The reward EMA of every observed arm, cumulative pulls per arm, the number of updates."""
+        return {"ema": dict(self.ema), "pulls": dict(self.pulls), "updates": self.updates}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.ema = {str(arm): float(v) for arm, v in state.get("ema", {}).items()}
+        self.pulls = {str(arm): int(n) for arm, n in state.get("pulls", {}).items()}
+        self.updates = int(state.get("updates", 0))
