@@ -1,53 +1,61 @@
-"""Orchestration and storage overhead of one RL step on the default config.
+"""Where the time of one RL step goes, and what orchestration and storage cost on top of the model work.
 
-Ours: the real pipeline (Prefect tasks, Parquet artifacts, manifests, DuckDB-free) for N RL steps.
-Peer: the same model work (uniform pick, sample, verify, GRPO update) in a plain Python loop with
-no Prefect and no store. Overhead share = (pipeline step - plain step) / pipeline step.
+Ours: the real pipeline (Prefect flow, a task run per step, Parquet artifacts and manifests, the reward
+cache and the verifier pool) for N RL steps of the default config; the stage_runs view splits each
+step into read / build / commit per stage, and what is left of the step's wall time is orchestration.
+Peer: the same model work (uniform pick, sample, verify, GRPO update) in a plain Python loop with no
+Prefect and no store.
 
-    python benchmarks/step_overhead.py [--steps 60]
+    python benchmarks/step_overhead.py [--steps 60] [--set key=value ...]
+
+Overhead share = (pipeline step - plain step) / pipeline step. Orchestration + storage share = (commit +
+read + what no stage accounts for) / pipeline step, measured inside the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 _tmp = tempfile.mkdtemp(prefix="rlvr-bench-")
 os.environ.setdefault("PREFECT_HOME", os.path.join(_tmp, "prefect"))
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_UI_ENABLED", "false")
 os.environ.setdefault("HF_HOME", os.path.join(_tmp, "hf"))
 
+WARMUP_STEPS = 5  # the first steps start the subflow, the verifier pool and the caches
+PER_STEP_STAGES = ("select", "allocate", "rollout", "label", "train", "update")
 
-def pipeline_step_seconds(steps: int) -> tuple[float, float]:
-    """Seconds per RL step through the pipeline, and the model-compute seconds it recorded per step."""
+
+def pipeline_run(steps: int, overrides: list[str]) -> tuple[float, list[dict]]:
+    """Seconds per RL step in steady state, and the stage_runs rows of the timed steps."""
     from rlvr.flows import progress
     from rlvr.flows.config import load_config
     from rlvr.flows.runner import execute
     from rlvr.storage.store import Store
     from rlvr.storage.views import query
 
-    stamps: list[float] = []
-    progress.listen(lambda event, fields: stamps.append(time.perf_counter()) if event == "step" else None)
+    stamps: dict[int, float] = {}
+    progress.listen(lambda event, fields: stamps.__setitem__(fields["step"], time.perf_counter())
+                    if event == "step" else None)
     root = os.path.join(_tmp, "store")
     cfg = load_config(None, ["run_id=bench", f"train.steps={steps}", f"evaluate.every={steps}",
-                             f"checkpoint.every={steps}", f"flow.steps_per_subflow={steps}"])
+                             f"checkpoint.every={steps}", f"flow.steps_per_subflow={steps}", *overrides])
     execute(root, cfg)
-    store = Store.open(root)
-    compute = query(store, "SELECT avg(compute_seconds) AS c FROM train_steps").to_pylist()[0]["c"]
-    # skip the first steps (warm-up of the subflow) and take the steady-state rate
-    steady = stamps[5:]
-    return (steady[-1] - steady[0]) / (len(steady) - 1), compute
+    first, last = WARMUP_STEPS, steps - 1  # the last step also evaluates and checkpoints
+    per_step = (stamps[last] - stamps[first]) / (last - first)
+    rows = query(Store.open(root), f"SELECT stage, read_seconds, build_seconds, commit_seconds FROM stage_runs "
+                                   f"WHERE step > {first} AND step <= {last}").to_pylist()
+    return per_step, [r for r in rows if r["stage"] in PER_STEP_STAGES]
 
 
-def plain_step_seconds(steps: int) -> float:
+def plain_step_seconds(steps: int, overrides: list[str]) -> float:
     """Seconds per RL step of the same work in a plain loop (no Prefect, no store)."""
-    from rlvr.curricula.uniform import select_uniform
+    from rlvr.curricula.base import PoolProblem
+    from rlvr.curricula.uniform import UniformConfig, UniformStrategy
     from rlvr.flows.config import load_config
     from rlvr.trainer.generation import sample
     from rlvr.trainer.grpo import RolloutBatch, grpo_step
@@ -55,39 +63,67 @@ def plain_step_seconds(steps: int) -> float:
     from rlvr.trainer.sft import sft_warmstart
     from rlvr.verifiers.arithmetic import ArithmeticSpec, ArithmeticVerifier, generate
 
-    cfg = load_config()
+    import random
+
+    cfg = load_config(None, overrides)
     problems = generate(ArithmeticSpec(), seed=0)
     answer = {p["prompt"]: p["answer"] for p in problems}
+    pool = [PoolProblem(prompt, "all") for prompt in sorted(answer)]
     policy = init_policy(cfg.policy, seed=0)
-    # the same warm start as the pipeline's, so both loops update a policy that gets some answers right
     warm = make_optimizer(policy, lr=cfg.warmstart.lr, weight_decay=0.0)
     sft_warmstart(policy, warm, [(p["prompt"], p["answer"]) for p in problems[:30]], steps=cfg.warmstart.steps,
                   batch_size=cfg.warmstart.batch_size, seed=0)
     optimizer = make_optimizer(policy, lr=cfg.train.grpo.lr, weight_decay=0.0)
-    verifier = ArithmeticVerifier()
-    started = None
+    verifier, strategy = ArithmeticVerifier(), UniformStrategy(UniformConfig())
+    started = time.perf_counter()
     for step in range(steps):
-        if step == 5:
+        if step == WARMUP_STEPS:
             started = time.perf_counter()
-        picks = [p for p, _ in select_uniform(list(answer), cfg.select.batch_size, seed=step)]
+        picks = [p.problem_id for p in strategy.select(pool, cfg.select.batch_size, random.Random(step))]
         samples = sample(policy, picks, [cfg.allocate.n] * len(picks), max_new_tokens=cfg.rollout.max_new_tokens,
-                         temperature=cfg.rollout.temperature, top_p=1.0, seed=step)
+                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=step)
         rewards = [verifier.score(s.text, answer[picks[s.prompt_index]]).value for s in samples]
         grpo_step(policy, optimizer, RolloutBatch(prompts=picks, samples=samples, rewards=rewards), cfg.train.grpo)
-    return (time.perf_counter() - started) / (steps - 5)
+    return (time.perf_counter() - started) / (steps - WARMUP_STEPS)
+
+
+def breakdown(per_step: float, rows: list[dict], steps: int) -> dict[str, float]:
+    """Milliseconds per step by where they went."""
+    ms = {"model (rollout + train builds)": 0.0, "verification (label build)": 0.0,
+          "curriculum (select, allocate, update builds)": 0.0, "storage: reading inputs": 0.0,
+          "storage: committing outputs": 0.0}
+    for r in rows:
+        build = r["build_seconds"] * 1000 / steps
+        if r["stage"] in ("rollout", "train"):
+            ms["model (rollout + train builds)"] += build
+        elif r["stage"] == "label":
+            ms["verification (label build)"] += build
+        else:
+            ms["curriculum (select, allocate, update builds)"] += build
+        ms["storage: reading inputs"] += r["read_seconds"] * 1000 / steps
+        ms["storage: committing outputs"] += r["commit_seconds"] * 1000 / steps
+    ms["orchestration (Prefect task, flow, the rest)"] = per_step * 1000 - sum(ms.values())
+    return ms
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
     args = parser.parse_args()
-    plain = plain_step_seconds(args.steps)
-    ours, compute = pipeline_step_seconds(args.steps)
-    print(f"{'':28}{'ms/step':>10}")
-    print(f"{'plain loop (peer)':28}{plain * 1000:>10.1f}")
-    print(f"{'pipeline (ours)':28}{ours * 1000:>10.1f}")
-    print(f"{'  of which GRPO update':28}{compute * 1000:>10.1f}")
-    print(f"overhead share of a pipeline step: {(ours - plain) / ours:.1%} (pipeline/plain = {ours / plain:.2f}x)")
+    plain = plain_step_seconds(args.steps, args.overrides)
+    ours, rows = pipeline_run(args.steps, args.overrides)
+    timed = args.steps - 1 - WARMUP_STEPS
+    parts = breakdown(ours, rows, timed)
+    print(f"{'one RL step of the default config':48}{'ms/step':>10}{'share':>8}")
+    for name, value in parts.items():
+        print(f"  {name:46}{value:>10.1f}{value / (ours * 1000):>8.1%}")
+    print(f"{'pipeline step (ours)':48}{ours * 1000:>10.1f}")
+    print(f"{'plain loop step (peer)':48}{plain * 1000:>10.1f}")
+    overhead = parts["storage: reading inputs"] + parts["storage: committing outputs"]
+    overhead += parts["orchestration (Prefect task, flow, the rest)"]
+    print(f"orchestration + storage: {overhead / (ours * 1000):.1%} of a pipeline step; "
+          f"pipeline vs plain loop: {(ours - plain) / ours:.1%} overhead (pipeline/plain = {ours / plain:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -1,1 +1,1 @@
-"""Selection policies (which problems a step trains on) and budget allocators (how many rollouts each gets)."""
+"""Selection strategies (which problems a step trains on) and budget allocators (how many rollouts each gets)."""

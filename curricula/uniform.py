@@ -1,25 +1,34 @@
-"""Uniform selection: every problem in the pool is equally likely; the baseline every curriculum beats."""
+"""Uniform selection: every problem in the pool is equally likely; the baseline every curriculum must beat."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Literal
+
+from rlvr.curricula.base import Pick, PoolProblem, SelectConfig, SelectionStrategy
 
 
-def select_uniform(problem_ids: Sequence[str], batch_size: int, seed: int) -> list[tuple[str, float]]:
-    """Pick `batch_size` problems uniformly; return (problem_id, probability of that pick).
+class UniformConfig(SelectConfig):
+    type: Literal["uniform"] = "uniform"
 
-    Without replacement while the pool is large enough (probability = batch_size / pool size, the
-    inclusion probability); with replacement otherwise (probability = 1 / pool size per draw).
-    The pool is sorted first so the pick depends only on its contents and the seed.
+
+class UniformStrategy(SelectionStrategy):
+    """Picks without replacement while the pool is large enough, with replacement otherwise.
+
+    The recorded probability is the pick's inclusion probability: batch_size / pool size without
+    replacement, 1 / pool size per draw with replacement.
     """
-    if not problem_ids:
-        raise ValueError("cannot select from an empty problem pool")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    pool = sorted(problem_ids)
-    rng = random.Random(seed)
-    if batch_size <= len(pool):
-        picks = rng.sample(pool, batch_size)
-        return [(pid, batch_size / len(pool)) for pid in picks]
-    return [(rng.choice(pool), 1.0 / len(pool)) for _ in range(batch_size)]
+
+    type = "uniform"
+
+    def select(self, pool: Sequence[PoolProblem], batch_size: int, rng: random.Random) -> list[Pick]:
+        if not pool:
+            raise ValueError("cannot select from an empty problem pool")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        arm_of = {p.problem_id: p.arm for p in pool}
+        ids = [p.problem_id for p in pool]
+        if batch_size <= len(ids):
+            return [Pick(pid, arm_of[pid], batch_size / len(ids)) for pid in rng.sample(ids, batch_size)]
+        return [Pick(pid, arm_of[pid], 1.0 / len(ids)) for pid in (rng.choice(ids) for _ in range(batch_size))]

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from rlvr.storage.errors import UserError
+from rlvr.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="rlvr: RL with verifiable rewards, every artifact Parquet, every question a DuckDB query.")

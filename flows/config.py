@@ -1,36 +1,35 @@
-"""The run configuration: one typed section per stage, defined next to the stage; YAML plus --set overrides.
+"""The run configuration, assembled from the stages: one typed section per stage config, plus the run's id,
+seed and flow settings; YAML plus --set overrides, with one-line errors.
 
-The defaults are the embedded default: the built-in arithmetic generator, the tiny model on CPU,
-a short warm start, uniform selection and budgets, GRPO. Every run commits its resolved config as
-the `config` artifact, the root of its lineage.
+Every module in tasks/ declares its stages (`Stage` objects at module level); each stage names its
+config section and type. So a new stage is one module in tasks/ (its section appears here) and one line
+in the flow. Sections chosen by `type` (select, allocate, rollout, synthesize.source) are unions over
+what is registered when the config is loaded, so a strategy registered by a plugin is configurable too.
+Every run commits its resolved config as the `config` artifact, the root of its lineage.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import pkgutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from rlvr.storage.errors import ConfigError
+import rlvr.tasks
+from rlvr import plugins
+from rlvr.errors import ConfigError
 from rlvr.storage.ids import canonical_json
-from rlvr.storage.stage import Built, StageOutput, commit_stage, rows_to_table
+from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, run_stage
+from rlvr.storage.stage import rows_to_table
 from rlvr.storage.store import Store
-from rlvr.tasks.allocate import AllocateConfig
-from rlvr.tasks.checkpoint import CheckpointConfig
-from rlvr.tasks.difficulty import DifficultyConfig
-from rlvr.tasks.evaluate import EvaluateConfig
-from rlvr.tasks.label import LabelConfig
-from rlvr.tasks.rollout import RolloutConfig
-from rlvr.tasks.select import SelectConfig
-from rlvr.tasks.synthesize import SynthesizeConfig
-from rlvr.tasks.train import TrainConfig
-from rlvr.tasks.warmstart import WarmstartConfig
-from rlvr.trainer.policy import PolicyConfig
 
-CONFIG_CODE_VERSION = "1"
+# The order sections are shown in (model_dump, --help): the order of the pipeline.
+SECTION_ORDER = ("policy", "synthesize", "warmstart", "difficulty", "select", "allocate", "rollout", "label",
+                 "train", "evaluate", "checkpoint")
 
 
 class FlowConfig(BaseModel):
@@ -41,25 +40,64 @@ class FlowConfig(BaseModel):
     )
 
 
-class RunConfig(BaseModel):
-    """Everything that determines a run's results (the store location does not)."""
+class RunConfigBase(BaseModel):
+    """What every run config has besides the stage sections; the sections are added by `run_config_type`."""
 
     model_config = ConfigDict(extra="forbid")
 
     run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     seed: int = 0
-    policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    synthesize: SynthesizeConfig = Field(default_factory=SynthesizeConfig)
-    warmstart: WarmstartConfig = Field(default_factory=WarmstartConfig)
-    difficulty: DifficultyConfig = Field(default_factory=DifficultyConfig)
-    select: SelectConfig = Field(default_factory=SelectConfig)
-    allocate: AllocateConfig = Field(default_factory=AllocateConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    label: LabelConfig = Field(default_factory=LabelConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     flow: FlowConfig = Field(default_factory=FlowConfig)
+
+    if TYPE_CHECKING:  # the stage sections exist only at run time
+
+        def __getattr__(self, name: str) -> Any: ...
+
+
+def discover_stages() -> list[Stage[Any]]:
+    """Every `Stage` declared at module level in the modules of rlvr.tasks (in module order)."""
+    found: list[Stage[Any]] = []
+    for info in sorted(pkgutil.iter_modules(rlvr.tasks.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"rlvr.tasks.{info.name}")
+        found += [value for value in vars(module).values() if isinstance(value, Stage) and value not in found]
+    return found
+
+
+def _section_fields(stages: list[Stage[Any]]) -> dict[str, tuple[Any, Any]]:
+    fields: dict[str, tuple[Any, Any]] = {}
+    owner: dict[str, str] = {}
+    for stage in stages:
+        if stage.section is None:
+            continue
+        annotation = stage.config_type()
+        factory = stage.default or annotation
+        if stage.section in fields:
+            if fields[stage.section][0] != annotation:
+                raise TypeError(f"stages {owner[stage.section]!r} and {stage.name!r} share section "
+                                f"{stage.section!r} with different config types")
+            continue
+        fields[stage.section] = (annotation, Field(default_factory=factory))
+        owner[stage.section] = stage.name
+    rank = {name: i for i, name in enumerate(SECTION_ORDER)}
+    return dict(sorted(fields.items(), key=lambda item: rank.get(item[0], len(rank))))
+
+
+_cached: tuple[int, type[RunConfigBase]] | None = None
+
+
+def run_config_type() -> type[RunConfigBase]:
+    """The RunConfig model for the stages and plugins known now (rebuilt after a new registration)."""
+    global _cached
+    if _cached is None or _cached[0] != plugins.generation():
+        model = create_model("RunConfig", __base__=RunConfigBase, **_section_fields(discover_stages()))  # type: ignore[call-overload]
+        _cached = (plugins.generation(), model)
+    return _cached[1]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RunConfig":  # `from rlvr.flows.config import RunConfig`: the current model
+        return run_config_type()
+    raise AttributeError(name)
 
 
 def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -68,13 +106,13 @@ def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"cannot set {dotted!r}: {part!r} is a value, not a section")
+            raise ConfigError(f"cannot set {dotted!r}: {part!r} is not a section")
         node = child
     node[parts[-1]] = value
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`a.b=c` -> ("a.b", c parsed as YAML, so numbers, booleans and lists get their types)."""
+    """`key.path=value` -> (key path, value parsed as YAML, so numbers, booleans and lists get their types)."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"bad --set {text!r}: expected key=value, e.g. --set train.steps=200")
@@ -85,15 +123,29 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def _describe(error: ValidationError) -> str:
+def _user_path(loc: tuple[Any, ...], tree: Any) -> list[str]:
+    """The config keys of an error location, without the union tags pydantic adds (select.sec.alpha -> select.alpha)."""
+    path, node = [], tree
+    for part in loc:
+        if isinstance(node, dict) and part not in node and node.get("type", part) == part and path:
+            continue  # a union tag, not a key the user wrote
+        path.append(str(part))
+        node = node.get(part) if isinstance(node, dict) else None
+    return path
+
+
+def _describe(error: ValidationError, tree: dict[str, Any]) -> str:
     first = error.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    where = ".".join(_user_path(tuple(first["loc"]), tree)) or "(top level)"
     if first["type"] == "extra_forbidden":
-        return f"unknown config key {where!r}; see `rlvr run --help` or README for the keys"
+        return f"unknown config key {where!r}; see the README's Configuration section for the keys"
+    if first["type"] == "union_tag_invalid":
+        expected = first.get("ctx", {}).get("expected_tags", "")
+        return f"unknown {where}.type {first['ctx'].get('tag')!r}; registered: {expected}"
     return f"config key {where!r}: {first['msg']} (got {first.get('input')!r})"
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Any:
     """Defaults, then the YAML file, then each `key=value` override; validated, with one-line errors."""
     tree: dict[str, Any] = {}
     if path is not None:
@@ -111,19 +163,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, value = parse_override(text)
         _set_path(tree, key, value)
     try:
-        return RunConfig.model_validate(tree)
+        return run_config_type().model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc)) from None
+        raise ConfigError(_describe(exc, tree)) from None
 
 
-def config_from_json(text: str) -> RunConfig:
-    return RunConfig.model_validate(json.loads(text))
+def config_from_json(text: str) -> Any:
+    return run_config_type().model_validate(json.loads(text))
 
 
-def commit_config(store: Store, cfg: RunConfig) -> str:
+def _config_build(inputs: Inputs, cfg: RunConfigBase, ctx: StageContext) -> Built:
+    settings = json.loads(canonical_json(cfg.model_dump(mode="json")))
+    row = {"run_id": ctx.run_id, "seed": ctx.seed, "config_json": canonical_json(settings)}
+    return Built(rows_to_table("config", [row]))
+
+
+def _config_identity(cfg: RunConfigBase, params: Any) -> dict[str, Any]:
+    return json.loads(canonical_json(cfg.model_dump(mode="json")))
+
+
+# The run's resolved config as an artifact: the root of every run's lineage (not a section of itself).
+CONFIG: Stage[RunConfigBase] = Stage(
+    name="config",
+    code_version="1",
+    section=None,
+    config=RunConfigBase,
+    inputs=(),
+    outputs={"config": Output("config")},
+    build=_config_build,
+    identity=_config_identity,
+)
+
+
+def commit_config(store: Store, cfg: RunConfigBase) -> str:
     """Commit the resolved config as the run's `config` artifact (the root of its lineage)."""
     assert cfg.run_id is not None, "the run id is resolved before the config is committed"
-    settings = json.loads(canonical_json(cfg.model_dump(mode="json")))
-    out = StageOutput("config", "config", CONFIG_CODE_VERSION, cfg.run_id, (), settings)
-    row = {"run_id": cfg.run_id, "seed": cfg.seed, "config_json": canonical_json(settings)}
-    return commit_stage(store, out, lambda: Built(rows_to_table("config", [row])))
+    return run_stage(store, CONFIG, cfg, run_id=cfg.run_id, seed=cfg.seed).id

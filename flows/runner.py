@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from rlvr.flows.prefect_env import configure_prefect
-from rlvr.storage.errors import UserError
+from rlvr.errors import UserError
 from rlvr.storage.store import Store, run_status
 from rlvr.storage.views import query
 

@@ -1,8 +1,6 @@
-"""Expected failures. The CLI prints a `UserError` as one line and exits non-zero; anything else is a bug."""
+"""Store failures a user can fix: a wrong store root, an unknown artifact id."""
 
-
-class UserError(Exception):
-    """A failure caused by input or environment that the user can fix (message says how)."""
+from rlvr.errors import UserError
 
 
 class StoreNotFound(UserError):
@@ -11,7 +9,3 @@ class StoreNotFound(UserError):
 
 class ArtifactNotFound(UserError):
     """No committed artifact (manifest) has this id."""
-
-
-class ConfigError(UserError):
-    """The run configuration is malformed (unknown key, wrong type, bad value)."""

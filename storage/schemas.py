@@ -59,8 +59,9 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("step", _i),
             ("slot", _i),
             ("problem_id", _s),
+            ("arm", _s),
             ("probability", _f),
-            ("policy", _s),
+            ("strategy", _s),
         ]
     ),
     "allocations": pa.schema(
@@ -71,7 +72,27 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("problem_id", _s),
             ("n_rollouts", _i),
             ("p_hat", _f),
-            ("policy", _s),
+            ("p_hat_source", _s),
+            ("buffer_count", _i),
+            ("case", _s),
+            ("value", _f),
+            ("fallback", pa.bool_()),
+            ("allocator", _s),
+        ]
+    ),
+    # One row per arm per step, written by the curriculum update; a strategy may add its own columns.
+    "curriculum_state": pa.schema(
+        [
+            ("run_id", _s),
+            ("step", _i),
+            ("strategy", _s),
+            ("arm", _s),
+            ("pool_size", _i),
+            ("q_before", _f),
+            ("probability", _f),
+            ("pulls", _i),
+            ("reward", _f),
+            ("q_after", _f),
         ]
     ),
     "rollouts": pa.schema(
@@ -179,6 +200,10 @@ SCHEMAS: dict[str, pa.Schema] = {
 }
 
 SCHEMAS["relabeled_rewards"] = SCHEMAS["rewards"]
+
+# Kinds whose rows may carry columns beyond the declared ones (each strategy audits its own way);
+# the declared columns always come first with their declared types.
+OPEN_KINDS = frozenset({"curriculum_state"})
 
 
 def schema_for(kind: str) -> pa.Schema | None:

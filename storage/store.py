@@ -31,14 +31,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from rlvr.storage.errors import ArtifactNotFound, StoreNotFound, UserError
+from rlvr.errors import UserError
+from rlvr.storage.errors import ArtifactNotFound, StoreNotFound
 from rlvr.storage.ids import canonical_json
-from rlvr.storage.schemas import schema_for
+from rlvr.storage.schemas import OPEN_KINDS, schema_for
 
 STORE_FORMAT = 1
 RUN_STATUSES = ("running", "failed", "completed")
 # These names are catalog views in DuckDB, so no artifact kind may take them.
-RESERVED_KINDS = frozenset({"artifacts", "lineage", "runs"})
+RESERVED_KINDS = frozenset({"artifacts", "lineage", "runs", "stage_runs"})
 
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -108,7 +109,8 @@ class Manifest:
 def conform_to_schema(kind: str, table: pa.Table) -> pa.Table:
     """Cast `table` to the declared schema of `kind`, so every artifact of a kind has the same columns.
 
-    Kinds without a declared schema keep their own columns (extensions add kinds freely).
+    Kinds without a declared schema keep their own columns (extensions add kinds freely); open kinds
+    (`OPEN_KINDS`) keep extra columns after the declared ones.
     """
     schema = schema_for(kind)
     if schema is None:
@@ -118,6 +120,10 @@ def conform_to_schema(kind: str, table: pa.Table) -> pa.Table:
     missing = [name for name in expected if name not in actual]
     extra = [name for name in actual if name not in expected]
     duplicated = sorted({name for name in actual if actual.count(name) > 1})
+    if kind in OPEN_KINDS and not missing and not duplicated:
+        declared = table.select(expected).cast(schema)
+        return pa.Table.from_arrays([*declared.columns, *(table.column(name) for name in extra)],
+                                    names=[*expected, *extra])
     if missing or extra or duplicated:
         raise ValueError(
             f"{kind} table does not match its declared schema (storage/schemas.py): "

@@ -126,6 +126,47 @@ def _lineage_table(manifests: list[Manifest]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=_LINEAGE_SCHEMA)
 
 
+_STAGE_RUNS_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("stage", pa.string()),
+        ("step", pa.int64()),
+        ("started_at", pa.string()),
+        ("finished_at", pa.string()),
+        ("read_seconds", pa.float64()),
+        ("build_seconds", pa.float64()),
+        ("commit_seconds", pa.float64()),
+        ("outputs", pa.list_(pa.string())),
+        ("rows", pa.int64()),
+        ("bytes", pa.int64()),
+    ]
+)
+
+
+def _stage_runs_table(manifests: list[Manifest]) -> pa.Table:
+    """One row per stage run that committed something: the manifests of its outputs grouped together.
+
+    read/build seconds come from the runner's record; commit seconds add up the outputs' write times.
+    """
+    runs: dict[tuple[str, ...], list[Manifest]] = {}
+    for m in manifests:
+        record = m.extra.get("stage_run")
+        if isinstance(record, dict):
+            runs.setdefault(tuple(record["outputs"].values()), []).append(m)
+    rows = []
+    for outputs, members in runs.items():
+        record = members[0].extra["stage_run"]
+        rows.append({
+            "run_id": members[0].run_id, "stage": members[0].stage, "step": members[0].step,
+            "started_at": record.get("started_at"), "finished_at": max(m.created_at for m in members),
+            "read_seconds": record.get("read_seconds"), "build_seconds": record.get("build_seconds"),
+            "commit_seconds": sum(m.seconds for m in members), "outputs": list(outputs),
+            "rows": sum(m.rows for m in members), "bytes": sum(e["bytes"] for m in members for e in m.files),
+        })
+    rows.sort(key=lambda r: (r["started_at"] or "", r["stage"]))
+    return pa.Table.from_pylist(rows, schema=_STAGE_RUNS_SCHEMA)
+
+
 def _runs_table(records: list[dict]) -> pa.Table:
     rows = [
         {
@@ -144,7 +185,7 @@ def _runs_table(records: list[dict]) -> pa.Table:
 
 
 def connect(store: Store) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection with one view per artifact kind plus `artifacts`, `lineage` and `runs`.
+    """A DuckDB connection with one view per artifact kind plus `artifacts`, `lineage`, `stage_runs` and `runs`.
 
     It is a snapshot: artifacts committed after this call appear on the next `connect`.
     """
@@ -161,6 +202,7 @@ def connect(store: Store) -> duckdb.DuckDBPyConnection:
             _create_empty_view(con, kind, SCHEMAS[kind])
     _create_table(con, "artifacts", _artifacts_table(manifests))
     _create_table(con, "lineage", _lineage_table(manifests))
+    _create_table(con, "stage_runs", _stage_runs_table(manifests))
     _create_table(con, "runs", _runs_table(store.list_runs()))
     return con
 

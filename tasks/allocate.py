@@ -1,43 +1,41 @@
-"""allocate: how many rollouts each selected problem gets (uniform for now; ragged groups allowed)."""
+"""allocate: how many rollouts each selected problem gets (`allocate.type`), under a total budget of
+prompts x `allocate.n`; ragged groups allowed. Each row says why: the estimate used, its case, the value."""
 
 from __future__ import annotations
 
-from typing import Literal
-
-from prefect import task
-from prefect.cache_policies import NONE
-from pydantic import BaseModel, ConfigDict, Field
-
-from rlvr.curricula.budgets import allocate_uniform
-from rlvr.storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
-
-CODE_VERSION = "1"
+from rlvr.curricula.base import AllocateConfig, Estimate, Pick
+from rlvr.curricula.registry import ALLOCATORS, make_allocator
+from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 
 
-class AllocateConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def build(inputs: Inputs, cfg: AllocateConfig, ctx: StageContext) -> Built:
+    """Inputs: the step's selections and the difficulty stage's pass rates (the estimate of each pick)."""
+    slots = inputs.rows("selections", ["slot", "problem_id", "arm", "probability"])
+    stats = {r["problem_id"]: r for r in inputs.rows("difficulty", ["problem_id", "pass_rate", "k"])}
+    picks = [Pick(s["problem_id"], s["arm"], s["probability"]) for s in slots]
+    estimates = [_difficulty_estimate(stats.get(s["problem_id"])) for s in slots]
+    allocator = make_allocator(cfg)
+    allocations = allocator.allocate(picks, estimates, total_budget=len(picks) * cfg.n)
+    rows = [{"run_id": ctx.run_id, "step": ctx.step, "slot": s["slot"], "problem_id": s["problem_id"],
+             "n_rollouts": a.n, "p_hat": e.p_hat, "p_hat_source": e.source, "buffer_count": e.count,
+             "case": a.case, "value": a.value, "fallback": a.fallback, "allocator": allocator.type}
+            for s, e, a in zip(slots, estimates, allocations)]
+    return Built(rows_to_table("allocations", rows))
 
-    policy: Literal["uniform"] = "uniform"
-    n: int = Field(16, ge=1, description="rollouts per prompt (the per-prompt budget)")
+
+def _difficulty_estimate(stat: dict | None) -> Estimate:
+    if stat is None:
+        return Estimate(None)
+    return Estimate(stat["pass_rate"], count=stat["k"], source="difficulty")
 
 
-@task(name="allocate", cache_policy=NONE)
-def allocate(
-    store_root: str, run_id: str, step: int, cfg: AllocateConfig, selections_id: str, difficulty_id: str
-) -> str:
-    """Commit the step's `allocations` (one row per batch slot, with the p_hat it was decided on)."""
-    store = open_store(store_root)
-    out = StageOutput("allocations", "allocate", CODE_VERSION, run_id, (selections_id, difficulty_id),
-                      cfg.model_dump(), step=step)
-
-    def build() -> Built:
-        slots = store.read_table(selections_id, columns=["slot", "problem_id"]).to_pylist()
-        stats = store.read_table(difficulty_id, columns=["problem_id", "pass_rate"]).to_pylist()
-        p_hat = {r["problem_id"]: r["pass_rate"] for r in stats}
-        counts = allocate_uniform(len(slots), cfg.n)
-        rows = [{"run_id": run_id, "step": step, "slot": s["slot"], "problem_id": s["problem_id"],
-                 "n_rollouts": n, "p_hat": p_hat.get(s["problem_id"]), "policy": cfg.policy}
-                for s, n in zip(slots, counts)]
-        return Built(rows_to_table("allocations", rows))
-
-    return commit_stage(store, out, build)
+ALLOCATE: Stage[AllocateConfig] = Stage(
+    name="allocate",
+    code_version="2",
+    section="allocate",
+    config=ALLOCATORS.config_type,
+    default=ALLOCATORS.default_config,
+    inputs=("selections", "difficulty"),
+    outputs={"allocations": Output("allocations")},
+    build=build,
+)

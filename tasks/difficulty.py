@@ -6,17 +6,16 @@ in shards: a crash loses at most the shard in flight, and resume skips committed
 
 from __future__ import annotations
 
-from prefect import task
-from prefect.cache_policies import NONE
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlvr.storage.ids import derive_seed
-from rlvr.storage.stage import StageOutput, open_store, rows_to_table
+from rlvr.storage.stage import Inputs, Output, Sharded, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy
 from rlvr.trainer.generation import sample
 from rlvr.verifiers.cache import VerifierConfig, score_cached
-
-CODE_VERSION = "1"
 
 
 class DifficultyConfig(BaseModel):
@@ -39,37 +38,42 @@ def difficulty_row(run_id: str, problem_id: str, policy_id: str, k: int, success
             "posterior_mean": mean, "bin": min(int(mean * bins), bins - 1)}
 
 
-@task(name="difficulty", cache_policy=NONE)
-def difficulty(
-    store_root: str, run_id: str, seed: int, cfg: DifficultyConfig, label: VerifierConfig,
-    problems_id: str, policy_ref: str,
-) -> str:
-    """Commit the `difficulty` artifact (one row per pool problem), shard by shard."""
-    store = open_store(store_root)
-    out = StageOutput("difficulty", "difficulty", CODE_VERSION, run_id, (problems_id, policy_ref),
-                      {**cfg.model_dump(), "verifier": label.verifier})
-    if store.exists(out.artifact_id):
-        return out.artifact_id
-    problems = [p for p in store.read_table(problems_id, columns=["problem_id", "split", "prompt", "answer"])
-                .to_pylist() if p["split"] in cfg.splits]
+def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
+    """params: `verifier` (the label section). Problems are taken in id order, `shard_size` per shard."""
+    verifier: VerifierConfig = ctx.params["verifier"]
+    problems = [p for p in inputs.rows("problems", ["problem_id", "split", "prompt", "answer"])
+                if p["split"] in cfg.splits]
     problems.sort(key=lambda p: p["problem_id"])
-    writer = store.writer("difficulty", out.artifact_id, run_id=run_id, stage="difficulty",
-                          parents=list(out.parents), code_version=CODE_VERSION, config=dict(out.config))
-    done = writer.committed_shards()
-    policy = load_policy(store, policy_ref)
-    for index, start in enumerate(range(0, len(problems), cfg.shard_size)):
-        if index in done:
-            continue
-        shard = problems[start : start + cfg.shard_size]
+    policy_ref = inputs.require_id("policy")
+    policy = inputs.load("policy", load_policy)
+
+    def make(index: int) -> pa.Table:
+        shard = problems[index * cfg.shard_size:(index + 1) * cfg.shard_size]
         samples = sample(policy, [p["prompt"] for p in shard], [cfg.k] * len(shard),
                          max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=1.0,
-                         seed=derive_seed(seed, "difficulty", index))
-        scores, _, _ = score_cached(store, label, [(s.text, shard[s.prompt_index]["answer"]) for s in samples])
+                         seed=ctx.derive_seed("difficulty", index))
+        scores, _, _ = score_cached(ctx.store, verifier, [(s.text, shard[s.prompt_index]["answer"]) for s in samples])
         successes = [0] * len(shard)
         for s, score in zip(samples, scores):
             successes[s.prompt_index] += score.status == "ok"
-        rows = [difficulty_row(run_id, p["problem_id"], policy_ref, cfg.k, n, cfg.bins)
+        rows = [difficulty_row(ctx.run_id, p["problem_id"], policy_ref, cfg.k, n, cfg.bins)
                 for p, n in zip(shard, successes)]
-        writer.write_shard(index, rows_to_table("difficulty", rows))
-    writer.commit()
-    return out.artifact_id
+        return rows_to_table("difficulty", rows)
+
+    return Sharded(count=-(-len(problems) // cfg.shard_size), make=make)
+
+
+def identity(cfg: DifficultyConfig, params: Mapping[str, Any]) -> dict[str, Any]:
+    return {**cfg.model_dump(), "verifier": params["verifier"].verifier}
+
+
+DIFFICULTY: Stage[DifficultyConfig] = Stage(
+    name="difficulty",
+    code_version="1",
+    section="difficulty",
+    config=DifficultyConfig,
+    inputs=("problems", "policy"),
+    outputs={"difficulty": Output("difficulty", sharded=True)},
+    build=build,
+    identity=identity,
+)

@@ -1,43 +1,36 @@
-"""select: the curriculum policy picks the step's problems and records the probability of each pick."""
+"""select: the selection strategy (`select.type`) picks the step's problems; each pick is a row with its
+arm and probability, so "why was problem X trained at step t" is a query."""
 
 from __future__ import annotations
 
-from typing import Literal
+import random
 
-from prefect import task
-from prefect.cache_policies import NONE
-from pydantic import BaseModel, ConfigDict, Field
-
-from rlvr.curricula.uniform import select_uniform
-from rlvr.storage.ids import derive_seed
-from rlvr.storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
-
-CODE_VERSION = "1"
+from rlvr.curricula.base import SelectConfig
+from rlvr.curricula.pool import build_pool
+from rlvr.curricula.registry import STRATEGIES, make_strategy
+from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, carried_state, rows_to_table
 
 
-class SelectConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def build(inputs: Inputs, cfg: SelectConfig, ctx: StageContext) -> Built:
+    """Inputs: the problems, their difficulty, and the strategy state after the previous step (none at first)."""
+    pool = build_pool(inputs.rows("problems", ["problem_id", "split", "category", "domain"]),
+                      inputs.rows("difficulty", ["problem_id", "bin", "pass_rate"]), cfg.splits, cfg.arms)
+    strategy = make_strategy(cfg)
+    if inputs.id("state") is not None:
+        strategy.load_state_dict(inputs.load("state", carried_state) or {})
+    picks = strategy.select(pool, cfg.batch_size, random.Random(ctx.derive_seed("select", ctx.step)))
+    rows = [{"run_id": ctx.run_id, "step": ctx.step, "slot": slot, "problem_id": pick.problem_id, "arm": pick.arm,
+             "probability": pick.probability, "strategy": strategy.type} for slot, pick in enumerate(picks)]
+    return Built(rows_to_table("selections", rows))
 
-    policy: Literal["uniform"] = "uniform"
-    batch_size: int = Field(32, ge=1, description="prompts per RL step")
-    splits: list[str] = Field(default_factory=lambda: ["train", "warmup"])
 
-
-@task(name="select", cache_policy=NONE)
-def select(
-    store_root: str, run_id: str, seed: int, step: int, cfg: SelectConfig, problems_id: str, difficulty_id: str
-) -> str:
-    """Commit the step's `selections` (one row per batch slot)."""
-    store = open_store(store_root)
-    out = StageOutput("selections", "select", CODE_VERSION, run_id, (problems_id, difficulty_id),
-                      cfg.model_dump(), step=step)
-
-    def build() -> Built:
-        table = store.read_table(problems_id, columns=["problem_id", "split"])
-        pool = [r["problem_id"] for r in table.to_pylist() if r["split"] in cfg.splits]
-        picks = select_uniform(pool, cfg.batch_size, derive_seed(seed, "select", step))
-        rows = [{"run_id": run_id, "step": step, "slot": slot, "problem_id": pid, "probability": prob,
-                 "policy": cfg.policy} for slot, (pid, prob) in enumerate(picks)]
-        return Built(rows_to_table("selections", rows))
-
-    return commit_stage(store, out, build)
+SELECT: Stage[SelectConfig] = Stage(
+    name="select",
+    code_version="2",
+    section="select",
+    config=STRATEGIES.config_type,
+    default=STRATEGIES.default_config,
+    inputs=("problems", "difficulty", "state"),
+    outputs={"selections": Output("selections")},
+    build=build,
+)

@@ -1,6 +1,6 @@
-"""synthesize: make the problem pool (procedural generator), validate, deduplicate, split.
+"""synthesize: make the problem pool from a source, validate, deduplicate, split.
 
-Every generated row ends up either in `problems` or in `quarantine` with a reason, so
+Every raw row ends up either in `problems` or in `quarantine` with a reason, so
 rows in = rows accepted + rows quarantined is a query over the two artifacts.
 """
 
@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Any, Literal
+from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.storage.ids import row_id
-from rlvr.storage.stage import StageOutput, open_store, rows_to_table
-from rlvr.verifiers.arithmetic import GENERATOR_VERSION, ArithmeticSpec, generate
+from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.verifiers.registry import get_verifier
+from rlvr.verifiers.sources import SOURCES, ArithmeticSourceConfig, SourceConfig
 
-CODE_VERSION = "1"
+
+def _source_type() -> Any:
+    return SOURCES.config_type()
 
 
 class SynthesizeConfig(BaseModel):
@@ -27,12 +27,21 @@ class SynthesizeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    generator: Literal["arithmetic"] = "arithmetic"
-    arithmetic: ArithmeticSpec = Field(default_factory=ArithmeticSpec)
+    source: SourceConfig = Field(default_factory=ArithmeticSourceConfig)
     test_fraction: float = Field(0.2, ge=0.0, lt=1.0)
     warmup_fraction: float = Field(0.3, ge=0.0, lt=1.0)
     max_prompt_chars: int = Field(48, ge=1)
-    verifier: str = "arithmetic"
+    verifier: str = Field("arithmetic", description="the verifier a reference must satisfy to be accepted")
+
+
+def synthesize_config_type() -> type[SynthesizeConfig]:
+    """SynthesizeConfig with `source` as the union of the registered sources (keyed by `type`)."""
+    from pydantic import create_model
+
+    return create_model(  # type: ignore[call-overload, no-any-return]
+        "SynthesizeConfig", __base__=SynthesizeConfig,
+        source=(_source_type(), Field(default_factory=ArithmeticSourceConfig)),
+    )
 
 
 def validate_rows(
@@ -73,54 +82,37 @@ def assign_splits(n: int, test_fraction: float, warmup_fraction: float, seed: in
     return labels
 
 
-@task(name="synthesize", cache_policy=NONE)
-def synthesize(store_root: str, run_id: str, seed: int, cfg: SynthesizeConfig, config_id: str) -> str:
-    """Commit the `problems` and `quarantine` artifacts; return the problems id."""
-    store = open_store(store_root)
-    settings = cfg.model_dump()
-    problems_out = StageOutput("problems", "synthesize", CODE_VERSION, run_id, (config_id,), settings)
-    quarantine_out = StageOutput("quarantine", "synthesize", CODE_VERSION, run_id, (config_id,), settings)
-    if store.exists(problems_out.artifact_id) and store.exists(quarantine_out.artifact_id):
-        return problems_out.artifact_id
-
-    spec = cfg.arithmetic
-    raw = generate(spec, seed)
+def build(inputs: Inputs, cfg: SynthesizeConfig, ctx: StageContext) -> dict[str, Built]:
+    source = SOURCES.make(cfg.source)
+    raw = list(source.rows(ctx.seed))
     accepted, rejected = validate_rows(raw, cfg.verifier, cfg.max_prompt_chars)
-    splits = assign_splits(len(accepted), cfg.test_fraction, cfg.warmup_fraction, seed)
-    params = json.dumps(spec.model_dump(), sort_keys=True)
+    splits = assign_splits(len(accepted), cfg.test_fraction, cfg.warmup_fraction, ctx.seed)
     problems = [
-        {
-            "problem_id": row_id("p", cfg.generator, GENERATOR_VERSION, row["prompt"]),
-            "run_id": run_id,
-            "split": split,
-            "domain": "arithmetic",
-            "category": f"d{spec.digits}t{spec.terms}",
-            "prompt": row["prompt"],
-            "answer": row["answer"],
-            "generator": cfg.generator,
-            "generator_version": GENERATOR_VERSION,
-            "params": params,
-            "seed": seed,
-            "source_index": row["source_index"],
-            "parent_problem_id": None,
-            "derivation": "original",
-        }
+        {"problem_id": row_id("p", source.type, source.generator_version, row["prompt"]), "run_id": ctx.run_id,
+         "split": split, "domain": row.get("domain", ""), "category": row.get("category", ""),
+         "prompt": row["prompt"], "answer": row["answer"], "generator": source.type,
+         "generator_version": source.generator_version, "params": row.get("params", ""), "seed": ctx.seed,
+         "source_index": row["source_index"], "parent_problem_id": None, "derivation": "original"}
         for row, split in zip(accepted, splits)
     ]
     quarantine = [
-        {
-            "run_id": run_id,
-            "stage": "synthesize",
-            "source_index": row.get("source_index", -1),
-            "reason": row["reason"],
-            "row_json": json.dumps({k: v for k, v in row.items() if k != "reason"}, default=str),
-        }
+        {"run_id": ctx.run_id, "stage": "synthesize", "source_index": row.get("source_index", -1),
+         "reason": row["reason"], "row_json": json.dumps({k: v for k, v in row.items() if k != "reason"}, default=str)}
         for row in rejected
     ]
-    common = dict(run_id=run_id, stage="synthesize", parents=[config_id], code_version=CODE_VERSION,
-                  config=settings)
-    store.write_artifact("quarantine", quarantine_out.artifact_id, rows_to_table("quarantine", quarantine),
-                         **common, extra={"rows_in": len(raw)})
-    store.write_artifact("problems", problems_out.artifact_id, rows_to_table("problems", problems),
-                         **common, extra={"rows_in": len(raw), "quarantined": len(rejected)})
-    return problems_out.artifact_id
+    return {
+        "quarantine": Built(rows_to_table("quarantine", quarantine), extra={"rows_in": len(raw)}),
+        "problems": Built(rows_to_table("problems", problems),
+                          extra={"rows_in": len(raw), "quarantined": len(rejected)}),
+    }
+
+
+SYNTHESIZE: Stage[SynthesizeConfig] = Stage(
+    name="synthesize",
+    code_version="2",
+    section="synthesize",
+    config=synthesize_config_type,
+    inputs=("config",),
+    outputs={"quarantine": Output("quarantine"), "problems": Output("problems")},
+    build=build,
+)

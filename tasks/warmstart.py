@@ -1,23 +1,18 @@
 """warmstart: a short supervised stage on its own split, so RL starts from a policy that sometimes answers.
 
-Pure RL from random init does not learn full-answer arithmetic on this model in minutes
-(environment.md); a few supervised steps on the warmup split fix the output format. The held-out
-test split is never seen here, so the rise in test accuracy after this stage comes from RL.
+Pure RL from random init does not learn full-answer arithmetic on this model in minutes; a few
+supervised steps on the warmup split fix the output format. The held-out test split is never seen
+here, so the rise in test accuracy after this stage comes from RL.
 """
 
 from __future__ import annotations
 
-from prefect import task
-from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlvr.storage.ids import derive_seed
-from rlvr.storage.stage import Built, StageOutput, commit_stage, open_store, rows_to_table
-from rlvr.trainer.checkpoints import TrainerState, keep_trainer_state, load_policy
+from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
+from rlvr.trainer.checkpoints import TrainerState, load_policy
 from rlvr.trainer.policy import make_optimizer, policy_files, policy_from_files
 from rlvr.trainer.sft import sft_warmstart
-
-CODE_VERSION = "1"
 
 
 class WarmstartConfig(BaseModel):
@@ -29,39 +24,34 @@ class WarmstartConfig(BaseModel):
     split: str = "warmup"
 
 
-@task(name="warmstart", cache_policy=NONE)
-def warmstart(
-    store_root: str, run_id: str, seed: int, cfg: WarmstartConfig, problems_id: str, init_id: str
-) -> str:
-    """Commit the `warmstart` losses and the warm-started `checkpoints`; return the checkpoint id."""
-    store = open_store(store_root)
-    if cfg.steps == 0:
-        return init_id
-    settings = cfg.model_dump()
-    losses_out = StageOutput("warmstart", "warmstart", CODE_VERSION, run_id, (problems_id, init_id), settings)
-    ckpt_out = StageOutput("checkpoints", "warmstart", CODE_VERSION, run_id, (losses_out.artifact_id,), {}, step=0)
-    if store.exists(ckpt_out.artifact_id):
-        return ckpt_out.artifact_id
-
-    problems = store.read_table(problems_id, columns=["split", "prompt", "answer"]).to_pylist()
+def build(inputs: Inputs, cfg: WarmstartConfig, ctx: StageContext) -> dict[str, Built]:
+    problems = inputs.rows("problems", ["split", "prompt", "answer"])
     examples = [(p["prompt"], p["answer"]) for p in problems if p["split"] == cfg.split]
     if not examples:
         raise ValueError(f"warm start split {cfg.split!r} has no problems")
-    # A private copy: the initial policy object may be cached for other readers.
-    policy = policy_from_files(policy_files(load_policy(store, init_id)))
+    # A private copy: the initial policy object may be held in memory for other readers.
+    policy = policy_from_files(policy_files(inputs.load("policy", load_policy)))
     optimizer = make_optimizer(policy, lr=cfg.lr, weight_decay=0.0)
     losses = sft_warmstart(policy, optimizer, examples, steps=cfg.steps, batch_size=cfg.batch_size,
-                           seed=derive_seed(seed, "warmstart"))
-    rows = [{"run_id": run_id, "step": i + 1, "loss": loss, "examples": min(cfg.batch_size, len(examples)),
+                           seed=ctx.derive_seed("warmstart"))
+    rows = [{"run_id": ctx.run_id, "step": i + 1, "loss": loss, "examples": min(cfg.batch_size, len(examples)),
              "lr": cfg.lr} for i, loss in enumerate(losses)]
-    commit_stage(store, losses_out, lambda: Built(rows_to_table("warmstart", rows)))
+    n_params = sum(p.numel() for p in policy.model.parameters())
+    checkpoint = {"run_id": ctx.run_id, "step": 0, "artifact_id": ctx.output_ids["checkpoints"], "stage": "warmstart",
+                  "policy_id": inputs.id("policy"), "n_params": n_params}
+    return {
+        "warmstart": Built(rows_to_table("warmstart", rows)),
+        "checkpoints": Built(rows_to_table("checkpoints", [checkpoint]), files=policy_files(policy),
+                             extra={"n_params": n_params}, resident=TrainerState(policy, None)),
+    }
 
-    def build_checkpoint() -> Built:
-        n_params = sum(p.numel() for p in policy.model.parameters())
-        row = {"run_id": run_id, "step": 0, "artifact_id": ckpt_out.artifact_id, "stage": "warmstart",
-               "policy_id": init_id, "n_params": n_params}
-        return Built(rows_to_table("checkpoints", [row]), files=policy_files(policy))
 
-    aid = commit_stage(store, ckpt_out, build_checkpoint)
-    keep_trainer_state(aid, TrainerState(policy, None))
-    return aid
+WARMSTART: Stage[WarmstartConfig] = Stage(
+    name="warmstart",
+    code_version="2",
+    section="warmstart",
+    config=WarmstartConfig,
+    inputs=("problems", "policy"),
+    outputs={"warmstart": Output("warmstart"), "checkpoints": Output("checkpoints")},
+    build=build,
+)

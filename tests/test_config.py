@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from rlvr.flows.config import RunConfig, load_config, parse_override
-from rlvr.storage.errors import ConfigError
+from rlvr.errors import ConfigError
 
 
 def test_defaults_are_the_embedded_default():
     cfg = load_config()
     assert cfg.policy.model == "tiny"
-    assert cfg.synthesize.generator == "arithmetic"
-    assert cfg.select.policy == "uniform" and cfg.allocate.policy == "uniform"
+    assert cfg.synthesize.source.type == "arithmetic"
+    assert cfg.select.type == "uniform" and cfg.allocate.type == "uniform" and cfg.rollout.type == "transformers"
     assert cfg.label.verifier == "arithmetic"
     assert cfg.run_id is None
 
@@ -42,6 +42,10 @@ def test_override_values_get_yaml_types():
         ("select.batch_size=0", "config key 'select.batch_size': Input should be greater than or equal to 1"),
         ("novalue", "bad --set 'novalue'"),
         ("run_id=has space", "config key 'run_id'"),
+        ("select.type=nope", "unknown select.type 'nope'; registered: 'uniform'"),
+        ("select.alpha=0.5", "unknown config key 'select.alpha'"),
+        ("rollout.temperature=hot", "config key 'rollout.temperature': Input should be a valid number"),
+        ("synthesize.source.digits=0", "config key 'synthesize.source.digits': Input should be greater than or equal to 1"),
     ],
 )
 def test_bad_config_is_one_clear_line(override, message):

@@ -11,7 +11,7 @@ import time
 import duckdb
 import pytest
 
-from rlvr.storage.errors import UserError
+from rlvr.errors import UserError
 from rlvr.verifiers.base import STATUSES, Score
 from rlvr.verifiers.composite import CompositeVerifier, MathFormatVerifier
 from rlvr.verifiers.format import FormatVerifier

@@ -76,7 +76,8 @@ def test_lineage_of_final_checkpoint(finished_run):
     final = scalar(store, f"SELECT artifact_id FROM checkpoints WHERE step = {cfg.train.steps}")["artifact_id"]
     kinds = {m.kind for m in ancestors(store, final)}
     assert {"config", "problems", "rollouts", "rewards", "selections", "allocations", "train_steps",
-            "difficulty", "checkpoints", "warmstart"} <= kinds
+            "difficulty", "checkpoints", "curriculum_state"} <= kinds
+    assert {"initialize", "warmstart"} <= {m.stage for m in ancestors(store, final)}
     rollouts_up = [m for m in ancestors(store, final) if m.kind == "rollouts"]
     assert len(rollouts_up) == cfg.train.steps
 

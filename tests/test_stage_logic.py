@@ -8,8 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlvr.curricula.budgets import allocate_uniform
-from rlvr.curricula.uniform import select_uniform
+import random
+
+from rlvr.curricula.base import Estimate, Pick, PoolProblem
+from rlvr.curricula.uniform import UniformConfig, UniformStrategy
+from rlvr.curricula.uniform_budget import UniformBudget, UniformBudgetConfig
 from rlvr.tasks.synthesize import assign_splits, validate_rows
 from rlvr.tasks.train import rollout_batch
 from rlvr.verifiers.arithmetic import ArithmeticSpec, ArithmeticVerifier, generate, space_size
@@ -74,12 +77,19 @@ def test_splits_have_exact_sizes():
         assign_splits(10, 0.6, 0.6, seed=0)
 
 
+def select_uniform(pool_ids, batch_size, seed):
+    pool = [PoolProblem(pid, "a") for pid in sorted(pool_ids)]
+    picks = UniformStrategy(UniformConfig()).select(pool, batch_size, random.Random(seed))
+    return [(p.problem_id, p.probability) for p in picks]
+
+
 def test_uniform_selection():
     pool = [f"p{i}" for i in range(10)]
     picks = select_uniform(pool, 4, seed=3)
     assert len(picks) == 4 and len({p for p, _ in picks}) == 4
     assert all(prob == pytest.approx(0.4) for _, prob in picks)
     assert picks == select_uniform(list(reversed(pool)), 4, seed=3)  # order of the pool does not matter
+    assert picks == [(pid, 0.4) for pid in random.Random(3).sample(sorted(pool), 4)]  # the documented rng use
     with_replacement = select_uniform(pool[:2], 5, seed=0)
     assert len(with_replacement) == 5 and all(prob == 0.5 for _, prob in with_replacement)
     with pytest.raises(ValueError, match="empty problem pool"):
@@ -89,8 +99,15 @@ def test_uniform_selection():
 @settings(max_examples=50, deadline=None)
 @given(st.integers(0, 200), st.integers(1, 64))
 def test_uniform_budget_sums(n_prompts, n):
-    budget = allocate_uniform(n_prompts, n)
-    assert len(budget) == n_prompts and sum(budget) == n_prompts * n
+    picks = [Pick(f"p{i}", "a", 1.0) for i in range(n_prompts)]
+    budget = UniformBudget(UniformBudgetConfig(n=n)).allocate(picks, [Estimate(None)] * n_prompts, n_prompts * n)
+    assert [a.n for a in budget] == [n] * n_prompts and {a.case for a in budget} <= {"unknown"}
+
+
+def test_uniform_budget_refuses_an_uneven_budget():
+    picks = [Pick("p0", "a", 1.0), Pick("p1", "a", 1.0)]
+    with pytest.raises(ValueError, match="does not split evenly over 2 prompts"):
+        UniformBudget(UniformBudgetConfig()).allocate(picks, [Estimate(0.5), Estimate(None)], 5)
 
 
 def test_rollout_batch_groups_by_slot():

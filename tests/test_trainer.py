@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlvr.storage.errors import UserError
+from rlvr.errors import UserError
 from rlvr.trainer.generation import Sample, greedy, sample
 from rlvr.trainer.grpo import (
     GRPOConfig,

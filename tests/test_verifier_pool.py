@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from rlvr.storage.errors import UserError
+from rlvr.errors import UserError
 from rlvr.verifiers.base import Score
 from rlvr.verifiers.math import MathVerifier
 from rlvr.verifiers.pool import VerifierPool

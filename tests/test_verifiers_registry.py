@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from rlvr.storage.errors import UserError
+from rlvr.errors import UserError
 from rlvr.verifiers.adapters import compute_score, trl_reward_func
 from rlvr.verifiers.arithmetic import ArithmeticVerifier
 from rlvr.verifiers.math import MathVerifier

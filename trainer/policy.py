@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
-from rlvr.storage.errors import UserError
+from rlvr.errors import UserError
 from rlvr.trainer.tiny_model import TinyModelConfig, build_tiny_model, build_tiny_tokenizer
 
 # Checkpoints are written and read every RL step; per-call progress bars would flood the console.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from rlvr.storage.errors import UserError
+from rlvr.errors import UserError
 from rlvr.verifiers.base import Verifier
 from rlvr.verifiers.pool import VerifierPool, score_safely
 from rlvr.verifiers.registry import get_verifier, registered, verifier_spec

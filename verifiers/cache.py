@@ -47,15 +47,17 @@ def entry_to_score(entry: dict[str, Any]) -> Score:
 
 
 class RewardCache:
-    """Verdicts of one store, indexed in memory by CacheKey."""
+    """Verdicts of one store (or of this process only, without a store), indexed in memory by CacheKey."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store | None) -> None:
         self.store = store
         self._index: dict[CacheKey, Score] = {}
         self._loaded: set[str] = set()
 
     def refresh(self) -> None:
         """Index the cache artifacts committed since the last refresh."""
+        if self.store is None:
+            return
         for manifest in self.store.manifests(kind="reward_cache"):
             if manifest.artifact_id in self._loaded:
                 continue
@@ -78,6 +80,7 @@ def cache_key(verifier: str, version: str, response: Any, reference: Any) -> Cac
 
 
 _caches: dict[str, RewardCache] = {}
+_local_cache = RewardCache(None)
 
 
 def reward_cache(store: Store) -> RewardCache:
@@ -104,11 +107,12 @@ class VerifierConfig(BaseModel):
 
 
 def score_cached(
-    store: Store, cfg: VerifierConfig, pairs: Sequence[tuple[Any, Any]]
+    store: Store | None, cfg: VerifierConfig, pairs: Sequence[tuple[Any, Any]]
 ) -> tuple[list[Score], list[bool], list[dict[str, Any]]]:
     """Scores of `pairs` (cache first, then the pool), whether each was a hit, and the new cache entries.
 
     `cfg.workers == 0` scores in this process (no timeout: only for verifiers that cannot hang).
+    Without a store (a stage's build tested on its own) a process-local cache stands in.
     """
     from rlvr.verifiers.pool import score_safely, shared_pool
     from rlvr.verifiers.registry import get_verifier, verifier_class
@@ -116,7 +120,7 @@ def score_cached(
     verifier_name, workers = cfg.verifier, cfg.workers
     version = verifier_class(verifier_name).version
     keys = [cache_key(verifier_name, version, response, reference) for response, reference in pairs]
-    cache = reward_cache(store)
+    cache = reward_cache(store) if store is not None else _local_cache
     scores = cache.lookup(keys)
     hits = [score is not None for score in scores]
     misses = [i for i, score in enumerate(scores) if score is None]

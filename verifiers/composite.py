@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
-from rlvr.storage.errors import UserError
+from rlvr.errors import UserError
 from rlvr.verifiers.base import Score, Verifier
 from rlvr.verifiers.format import FormatVerifier
 from rlvr.verifiers.math import MathVerifier

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 
-from rlvr.storage.errors import UserError
+from rlvr.errors import UserError
 from rlvr.verifiers.arithmetic import ArithmeticVerifier
 from rlvr.verifiers.base import Verifier
 from rlvr.verifiers.math import MathVerifier

@@ -1,0 +1,113 @@
+"""Rollout engines: what turns prompts into sampled completions, chosen by `rollout.type`.
+
+An engine receives the policy to sample from (`update_weights`, called with the policy's reference
+each time it may have changed), generates `counts[i]` completions of `prompts[i]` (`generate`) and
+releases what it holds (`close`). transformers `generate` on the training model is the built-in
+engine; an engine that keeps its own copy of the weights (vLLM, a remote server) syncs them in
+`update_weights`. Engines are long-lived: one per config and process (`engine_for`).
+"""
+
+from __future__ import annotations
+
+import atexit
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlvr.plugins import TypedRegistry
+from rlvr.trainer.generation import Sample, sample
+from rlvr.trainer.policy import Policy
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+
+
+class EngineConfig(BaseModel):
+    """Sampling settings every engine shares; each engine's config subclasses it and adds `type`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(3, ge=1)
+    temperature: float = Field(
+        2.5, gt=0, description="sampling temperature; hot sampling keeps groups mixed on the tiny default"
+    )
+    top_p: float = Field(1.0, gt=0, le=1)
+
+    def sampling(self, seed: int) -> SamplingParams:
+        return SamplingParams(self.max_new_tokens, self.temperature, self.top_p, seed)
+
+
+class RolloutEngine(ABC):
+    type: ClassVar[str]
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+
+    @abstractmethod
+    def update_weights(self, policy: Policy, policy_ref: str) -> None:
+        """Sample from `policy` (named by `policy_ref`) from now on."""
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[str], counts: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+        """`counts[i]` samples of `prompts[i]`, grouped by prompt in order; the same for the same seed."""
+
+    def close(self) -> None:
+        """Release processes, memory or connections the engine holds."""
+
+
+class TransformersEngineConfig(EngineConfig):
+    type: Literal["transformers"] = "transformers"
+
+
+class TransformersEngine(RolloutEngine):
+    """transformers `generate` on the training model itself: nothing to sync, nothing to start."""
+
+    type = "transformers"
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        super().__init__(cfg)
+        self._policy: Policy | None = None
+
+    def update_weights(self, policy: Policy, policy_ref: str) -> None:
+        self._policy = policy
+
+    def generate(self, prompts: Sequence[str], counts: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+        if self._policy is None:
+            raise RuntimeError("call update_weights before generate")
+        return sample(self._policy, list(prompts), list(counts), max_new_tokens=sampling.max_new_tokens,
+                      temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
+
+    def close(self) -> None:
+        self._policy = None
+
+
+ENGINES: TypedRegistry[RolloutEngine] = TypedRegistry("rollout engine", EngineConfig, RolloutEngine)
+_live: dict[str, RolloutEngine] = {}
+
+
+def engine_for(cfg: EngineConfig) -> RolloutEngine:
+    """The process's engine for this config (started on first use, closed at exit)."""
+    key = cfg.model_dump_json()
+    if key not in _live:
+        engine = ENGINES.make(cfg)
+        if not _live:
+            atexit.register(close_engines)
+        _live[key] = engine
+    return _live[key]
+
+
+def close_engines() -> None:
+    for engine in _live.values():
+        engine.close()
+    _live.clear()
+
+
+ENGINES.register(TransformersEngineConfig, TransformersEngine)
