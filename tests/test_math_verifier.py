@@ -51,20 +51,46 @@ def test_case(number, case_scores):
     [
         ("so \\boxed{\\frac{1}{\\sqrt{2}}} and \\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{\\sqrt{2}}{2}", "boxed"),
         ("\\boxed{\\{1, \\{2\\}\\}}", "\\{1, \\{2\\}\\}", "boxed"),
-        ("The final answer is: $x = 3$. Then more text 7", "x = 3", "answer is"),
+        ("The final answer is: $x = 3$. Then more text 7", "$x = 3$", "answer is"),
         ("The answer is **12**.", "12", "answer is"),
         ("The answer is 5, because 2+3", "5", "answer is"),
         ("step 1\n#### 1,250\n", "1,250", "####"),
         ("**Step 2** gives **-4**", "-4", "bold"),
         ("it is **C**", "C", "bold"),
-        ("from 3 to 1,234.5 units", "1,234.5", "last number"),
-        ("so it is \\frac{3}{8}", "\\frac{3}{8}", "last number"),
-        ("x \u2212 7 is -7", "-7", "last number"),
-        ("no numbers at all", None, None),
+        ("-12", "-12", "whole response"),
+        # no marker: what math-verify extracts, not the last number
+        ("from 3 to 1,234.5 units", "1234.5", "math-verify"),
+        ("so it is \\frac{3}{8}", "\\frac{3}{8}", "math-verify"),
+        ("x \u2212 7 is -7", "-7", "math-verify"),
+        ("So the solution set is $[0,1)$", "[0,1)", "math-verify"),
+        ("Therefore $x \\geq 5$ is the solution.", "x \\geq 5", "math-verify"),
+        ("It costs 1000,99 euros", "1000.99", "math-verify"),
+        # math-verify finds nothing: the last number
+        ("the count (5)", "5", "last number"),
     ],
 )
 def test_extraction_rules(response, extracted, rule):
-    assert extract_answer(response) == (extracted, rule)
+    found = extract_answer(response)
+    assert (found.text, found.rule) == (extracted, rule)
+
+
+def test_nothing_to_extract():
+    assert extract_answer("no numbers at all") is None
+
+
+def test_math_verify_match_it_cannot_parse_is_unparseable_not_a_number():
+    found = extract_answer("$-[0,1)$")
+    assert (found.text, found.rule, found.parsed) == ("-[0,1)", "math-verify", False)
+    score = MathVerifier().score("$-[0,1)$", "1")
+    assert (score.status, score.extracted) == ("unparseable", "-[0,1)")
+
+
+def test_long_response_is_read_from_its_tail_at_a_line_start():
+    head = "Some working with $a$ and $b$ and 7.\n" * 400
+    response = head + "line $x$ and so\nthe set is $\\{1, 2\\}$"
+    found = extract_answer(response)
+    assert (found.text, found.rule) == ("\\{1, 2\\}", "math-verify")
+    assert MathVerifier().score(response, "\\{2, 1\\}").status == "ok"
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,10 @@ It must be a plain number (optional sign, digits, optional decimal part); anythi
 `unparseable`, a different number is `wrong`. Numbers are compared exactly with `Fraction`, so
 "12", "12.0" and "+12" all equal 12 and no tolerance can let a near miss through. This is the
 math verifier (`verifiers/math.py`) with strict extraction; the generator sits beside it.
+
+Version: "<own version>+math.<math version>", as composites write theirs (verifiers/composite.py):
+the comparison is the math verifier's, so a new math version must invalidate cached arithmetic
+verdicts too, even when this file does not change.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ class ArithmeticVerifier(MathVerifier):
 
     name = "arithmetic"
     domain = "arithmetic"
-    version = "2"
+    version = f"3+math.{MathVerifier.version}"
 
     def score(self, response: str, reference: Any) -> Score:
         expected = parse_number(str(reference))

@@ -28,6 +28,7 @@ import logging
 import math
 import re
 import threading
+from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any
@@ -141,7 +142,7 @@ def _after_answer_is(text: str) -> str | None:
         if tail.startswith(opener):
             end = tail.find(closer, len(opener))
             if end != -1:
-                return tail[len(opener):end]
+                return tail[:end + len(closer)]  # delimiters kept: they say the answer is LaTeX
     if tail.lstrip().startswith(("\\boxed", "\\fbox")):
         return _last_boxed(tail)
     cut = _SENTENCE_END.search(tail)
@@ -177,23 +178,91 @@ def _last_number(text: str) -> str | None:
     return found.group(0) if found else None
 
 
-EXTRACTION_RULES = (
+MARKER_RULES = (
     ("boxed", _last_boxed),
     ("answer is", _after_answer_is),
     ("####", _after_hashes),
     ("bold", _last_bold),
-    ("last number", _last_number),
 )
+MATH_VERIFY_RULE = "math-verify"
+MATH_VERIFY_TAIL_CHARS = 4_000  # math-verify's regexes are quadratic on some text: it reads the tail
 
 
-def extract_answer(response: str) -> tuple[str | None, str | None]:
-    """(answer text, rule that found it), or (None, None) when no rule finds anything."""
+@dataclass(frozen=True)
+class Extraction:
+    """An answer found in a response.
+
+    `value` is set when math-verify's own extraction found the answer: it has already parsed it, and
+    parsing its normalised string again could read it differently. `parsed` is False when
+    math-verify matched an answer it could not parse (then `text` is what it matched).
+    """
+
+    text: str
+    rule: str
+    value: Any = None
+    parsed: bool = True
+
+
+def _math_verify_tail(text: str) -> str:
+    """The part of `text` math-verify reads: the tail, cut at a line start so no `$` pair is split."""
+    if len(text) <= MATH_VERIFY_TAIL_CHARS:
+        return text
+    start = len(text) - MATH_VERIFY_TAIL_CHARS
+    line_start = text.find("\n", start, start + MATH_VERIFY_TAIL_CHARS // 2)
+    return text[line_start + 1 if line_start != -1 else start:]
+
+
+def _is_value(item: Any) -> bool:
+    return isinstance(item, (sympy.Basic, sympy.MatrixBase))
+
+
+def _as_value(item: Any) -> Any:
+    """Matrices come back mutable; an immutable one is a sympy.Basic, safe to cache and to size."""
+    return sympy.ImmutableMatrix(item) if isinstance(item, sympy.MatrixBase) else item
+
+
+def math_verify_answer(text: str) -> Extraction | None:
+    """The answer math-verify's LaTeX and expression extraction finds, in its priority order.
+
+    This is math-verify's `parse` on the response itself: "final answer is", `\\boxed`, "answer"
+    anchors, then the rightmost LaTeX environment or plain number/expression. Raises math-verify's
+    TimeoutException when its alarm fires.
+    """
+    tail = _math_verify_tail(text)
+    if _brace_depth(tail) > MAX_BRACE_DEPTH:
+        return Extraction(tail[-200:], MATH_VERIFY_RULE, parsed=False)
+    found = parse(tail, extraction_config=_LATEX_AND_EXPR, fallback_mode="first_match",
+                  parsing_timeout=_step_timeout(), raise_on_error=True)
+    value = next((item for item in found if _is_value(item)), None)
+    matched = next((item for item in found if isinstance(item, str) and item.strip()), None)
+    if value is None and matched is None:
+        return None
+    if value is None:
+        return Extraction(matched.strip(), MATH_VERIFY_RULE, parsed=False)
+    return Extraction(matched.strip() if matched else str(value), MATH_VERIFY_RULE, _as_value(value))
+
+
+def extract_answer(response: str) -> Extraction | None:
+    """The final answer in a response, or None when nothing that could be one is found.
+
+    An explicit marker wins (`\\boxed`, "answer is", `####`, bold). Without one, the answer is what
+    math-verify extracts from the response, so `$[0,1)$` is an interval and `$x \\geq 5$` an
+    inequality, not their last number; the last number is the fallback only when math-verify finds
+    nothing. A response that is wholly a number or fraction literal is taken as is (what
+    math-verify would extract, without running its regexes).
+    """
     text = response.replace("\u2212", "-")
-    for rule, find in EXTRACTION_RULES:
+    for rule, find in MARKER_RULES:
         answer = find(text)
         if answer is not None and answer.strip():
-            return answer.strip(), rule
-    return None, None
+            return Extraction(answer.strip(), rule)
+    if simple_rational(text.strip()) is not None:
+        return Extraction(text.strip(), "whole response")
+    found = math_verify_answer(text)
+    if found is not None:
+        return found
+    number = _last_number(text)
+    return Extraction(number, "last number") if number else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,19 +344,42 @@ def _step_timeout() -> int | None:
     return STEP_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
+_MATH_DELIMITERS = (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+_DECIMAL_COMMA = re.compile(r"[-+]?\d+,\d+%?")  # read once thousands separators are gone
+
+
+def in_math_mode(text: str) -> bool:
+    """Whether an answer is written inside LaTeX math ($...$, \\(...\\), \\[...\\], \\boxed{...}).
+
+    It decides how a comma between digits reads: "1000,99" in plain text is a decimal comma (as
+    math-verify reads plain text), "$2,3$" or "\\boxed{2,3}" is a list of two answers (as it reads LaTeX).
+    """
+    text = text.strip()
+    if text.startswith(("\\boxed", "\\fbox")):
+        return True
+    return any(len(text) > 1 and text.startswith(opener) and text.endswith(closer) for opener, closer in _MATH_DELIMITERS)
+
+
 @lru_cache(maxsize=4096)
-def _parse_cached(text: str, timeout: int | None) -> sympy.Basic | None:
+def _parse_cached(text: str, in_latex: bool, timeout: int | None) -> Any:
+    if not in_latex and _DECIMAL_COMMA.fullmatch(text):
+        text = text.replace(",", ".")
     for candidate in (f"${text}$", text):
         parsed = parse(candidate, extraction_config=_LATEX_AND_EXPR, parsing_timeout=timeout, raise_on_error=True)
         for item in parsed:
-            if isinstance(item, sympy.Basic):
-                return item
+            if _is_value(item):
+                return _as_value(item)
     return None
 
 
-def parse_answer(text: str) -> sympy.Basic | None:
-    """The sympy value of a normalised answer, or None when math-verify finds nothing in it."""
-    return _parse_cached(text, _step_timeout())
+def parse_answer(text: str, in_latex: bool = True) -> Any:
+    """The value of a normalised answer (sympy, or a matrix), or None when math-verify finds nothing.
+
+    The reference and marked answers both come here: the text is read as LaTeX, so a bare
+    `x^2+2x+1`, `[0,1)` or `x \\geq 5` is an expression, an interval or an inequality, not the number
+    math-verify's plain-text extraction would pick out of it. `in_latex`: see `in_math_mode`.
+    """
+    return _parse_cached(text, in_latex, _step_timeout())
 
 
 def _int_value_bound(expr: sympy.Basic) -> float:
@@ -460,10 +552,93 @@ def _same_text(a: str, b: str) -> bool:
     return re.sub(r"\s+", "", a) == re.sub(r"\s+", "", b)
 
 
+class _Settled(Exception):
+    """A verdict reached before the comparison (no answer, an unparseable answer, a bad reference)."""
+
+    def __init__(self, status: str, extracted: str | None, reason: str) -> None:
+        super().__init__(reason)
+        self.score = Score(0.0, status, {"correct": 0.0}, extracted, reason)  # type: ignore[arg-type]
+
+
+def _gold(reference_text: str) -> tuple[str, bool]:
+    """(normalised reference, whether it is written in LaTeX math); a boxed reference is unboxed."""
+    boxed = _last_boxed(reference_text)
+    if boxed is not None:
+        return normalize_answer(boxed), True
+    return normalize_answer(reference_text), in_math_mode(reference_text)
+
+
+def _find(response: str) -> Extraction:
+    try:
+        found = extract_answer(response)
+    except TimeoutException:
+        raise _Settled("timeout", None, "math-verify: extracting the answer timed out") from None
+    except Exception as exc:
+        raise _Settled("unparseable", None, f"math-verify: extraction failed: {type(exc).__name__}") from None
+    if found is None:
+        raise _Settled("unparseable", None, "no answer found (no \\boxed, 'answer is', '####', bold, math or number)")
+    if not found.parsed:
+        raise _Settled("unparseable", found.text[:200], f"{found.rule}: answer {found.text[:60]!r} could not be parsed")
+    return found
+
+
+def _answer_text(found: Extraction) -> str:
+    """The normalised text of an answer found by a marker or as a number, refused if too large to parse."""
+    answer = normalize_answer(found.text)
+    if len(answer) > MAX_ANSWER_CHARS:
+        raise _Settled("unparseable", found.text[:200], f"{found.rule}: answer longer than {MAX_ANSWER_CHARS} characters")
+    if _brace_depth(answer) > MAX_BRACE_DEPTH:
+        raise _Settled("unparseable", found.text[:200], f"{found.rule}: answer nested deeper than {MAX_BRACE_DEPTH} brackets")
+    return answer
+
+
+def _parse_reference(gold_text: str, in_latex: bool, extracted: str) -> Any:
+    if len(gold_text) > MAX_ANSWER_CHARS or _brace_depth(gold_text) > MAX_BRACE_DEPTH:
+        raise _Settled("error", extracted, "reference is too long or too deeply nested to parse")
+    try:
+        gold = parse_answer(gold_text, in_latex)
+    except TimeoutException:
+        raise _Settled("timeout", extracted, "parsing the reference timed out") from None
+    except Exception as exc:
+        raise _Settled("error", extracted, f"reference could not be parsed: {type(exc).__name__}: {exc}"[:300]) from None
+    if gold is None:
+        raise _Settled("error", extracted, f"reference {gold_text[:60]!r} could not be parsed")
+    return gold
+
+
+def _parse_marked(answer: str, found: Extraction) -> Any:
+    in_latex = found.rule == "boxed" or in_math_mode(found.text)
+    try:
+        pred = parse_answer(answer, in_latex)
+    except TimeoutException:
+        raise _Settled("timeout", found.text, f"{found.rule}: parsing the answer timed out") from None
+    except Exception as exc:
+        raise _Settled("unparseable", found.text, f"{found.rule}: answer could not be parsed: {type(exc).__name__}") from None
+    if pred is None:
+        raise _Settled("unparseable", found.text, f"{found.rule}: answer {found.text[:60]!r} could not be parsed")
+    return pred
+
+
+def _compare(gold: Any, pred: Any, found: Extraction) -> bool:
+    """math-verify's verdict, each `True` re-checked exactly (see the module docstring)."""
+    try:
+        check_size(gold, "reference")
+        check_size(pred, "answer")
+    except TooLarge as exc:
+        raise _Settled("error", found.text, f"{found.rule}: {exc}") from None
+    try:
+        equal = verify(gold, pred, timeout_seconds=_step_timeout(), raise_on_error=True)
+    except TimeoutException:
+        raise _Settled("timeout", found.text, f"{found.rule}: comparison timed out") from None
+    except Exception as exc:
+        raise _Settled("wrong", found.text, f"{found.rule}: not comparable with the reference ({type(exc).__name__})") from None
+    return bool(equal) and confirm_equal(gold, pred)
+
+
 class MathVerifier(Verifier):
     name = "math"
     domain = "math"
-    version = "1"
+    version = "2"
 
     def score(self, response: str, reference: Any) -> Score:
         reference_text = _reference_text(reference)
@@ -471,61 +646,29 @@ class MathVerifier(Verifier):
             return Score(0.0, "error", reason=f"math reference must be a non-empty string or a number, got {type(reference).__name__}")
         if (problem := non_text_error(response)) is not None:
             return problem
-        boxed_reference = _last_boxed(reference_text)
-        gold_text = normalize_answer(boxed_reference if boxed_reference is not None else reference_text)
-
-        extracted, rule = extract_answer(response)
-        if extracted is None:
-            return Score(0.0, "unparseable", {"correct": 0.0}, reason="no answer found (no \\boxed, 'answer is', '####', bold or number)")
-        answer = normalize_answer(extracted)
-        if len(answer) > MAX_ANSWER_CHARS:
-            return Score(0.0, "unparseable", {"correct": 0.0}, extracted[:200], f"{rule}: answer longer than {MAX_ANSWER_CHARS} characters")
-        if _brace_depth(answer) > MAX_BRACE_DEPTH:
-            return Score(0.0, "unparseable", {"correct": 0.0}, extracted[:200], f"{rule}: answer nested deeper than {MAX_BRACE_DEPTH} brackets")
-
-        if _same_text(answer, gold_text):
-            return self._verdict(True, extracted, rule)
-        answer_value, gold_value = simple_rational(answer), simple_rational(gold_text)
-        if answer_value is not None and gold_value is not None:
-            return self._verdict(answer_value == gold_value, extracted, rule)
-        if len(gold_text) > MAX_ANSWER_CHARS or _brace_depth(gold_text) > MAX_BRACE_DEPTH:
-            return Score(0.0, "error", {"correct": 0.0}, extracted, "reference is too long or too deeply nested to parse")
-
         try:
-            gold = parse_answer(gold_text)
-        except TimeoutException:
-            return Score(0.0, "timeout", {"correct": 0.0}, extracted, "parsing the reference timed out")
-        except Exception as exc:
-            return Score(0.0, "error", {"correct": 0.0}, extracted, f"reference could not be parsed: {type(exc).__name__}: {exc}"[:300])
-        if gold is None:
-            return Score(0.0, "error", {"correct": 0.0}, extracted, f"reference {gold_text[:60]!r} could not be parsed")
-        try:
-            pred = parse_answer(answer)
-        except TimeoutException:
-            return Score(0.0, "timeout", {"correct": 0.0}, extracted, f"{rule}: parsing the answer timed out")
-        except Exception as exc:
-            return Score(0.0, "unparseable", {"correct": 0.0}, extracted, f"{rule}: answer could not be parsed: {type(exc).__name__}")
+            return self._score(response, reference_text)
+        except _Settled as settled:
+            return settled.score
+
+    def _score(self, response: str, reference_text: str) -> Score:
+        gold_text, gold_in_latex = _gold(reference_text)
+        found = _find(response)
+        pred = found.value
         if pred is None:
-            return Score(0.0, "unparseable", {"correct": 0.0}, extracted, f"{rule}: answer {extracted[:60]!r} could not be parsed")
-
-        try:
-            check_size(gold, "reference")
-            check_size(pred, "answer")
-        except TooLarge as exc:
-            return Score(0.0, "error", {"correct": 0.0}, extracted, f"{rule}: {exc}")
-
-        try:
-            equal = verify(gold, pred, timeout_seconds=_step_timeout(), raise_on_error=True)
-        except TimeoutException:
-            return Score(0.0, "timeout", {"correct": 0.0}, extracted, f"{rule}: comparison timed out")
-        except Exception as exc:
-            return Score(0.0, "wrong", {"correct": 0.0}, extracted, f"{rule}: not comparable with the reference ({type(exc).__name__})")
-        if equal:
-            equal = confirm_equal(gold, pred)
-        return self._verdict(equal, extracted, rule)
+            answer = _answer_text(found)
+            if _same_text(answer, gold_text):
+                return self._verdict(True, found)
+            answer_value, gold_value = simple_rational(answer), simple_rational(gold_text)
+            if answer_value is not None and gold_value is not None:
+                return self._verdict(answer_value == gold_value, found)
+        gold = _parse_reference(gold_text, gold_in_latex, found.text)
+        if pred is None:
+            pred = _parse_marked(answer, found)
+        return self._verdict(_compare(gold, pred, found), found)
 
     @staticmethod
-    def _verdict(equal: bool, extracted: str, rule: str | None) -> Score:
+    def _verdict(equal: bool, found: Extraction) -> Score:
         if equal:
-            return Score(1.0, "ok", {"correct": 1.0}, extracted, f"{rule}: equivalent to the reference")
-        return Score(0.0, "wrong", {"correct": 0.0}, extracted, f"{rule}: not equivalent to the reference")
+            return Score(1.0, "ok", {"correct": 1.0}, found.text, f"{found.rule}: equivalent to the reference")
+        return Score(0.0, "wrong", {"correct": 0.0}, found.text, f"{found.rule}: not equivalent to the reference")
