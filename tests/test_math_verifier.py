@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr.verifiers.math import MathVerifier, extract_answer, normalize_answer, simple_rational
+from rlvr.verifiers.math import MathVerifier, extract_answer, is_bare_answer, normalize_answer, simple_rational
 from rlvr.verifiers.pool import VerifierPool
 
 CASES_FILE = Path(__file__).parent / "data" / "math_cases.jsonl"
@@ -44,6 +44,57 @@ def test_case(number, case_scores):
     assert score.status == case["expected"], (case, score)
     assert score.value == (1.0 if case["expected"] == "ok" else 0.0)
     assert score.components == {"correct": score.value}
+
+
+# ---------------------------------------------------------------------------------------------
+# The regression corpus (tests/data/math_corpus.jsonl): expected verdicts from the mathematics
+
+CORPUS_FILE = Path(__file__).parent / "data" / "math_corpus.jsonl"
+CORPUS = [json.loads(line) for line in CORPUS_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
+CORPUS_FAMILIES = (
+    "interval", "inequality", "set", "tuple", "matrix", "percent", "units", "thousands", "decimal comma",
+    "frac", "sqrt", "degrees", "equation", "multiple answers", "plain text",
+)
+
+
+@pytest.fixture(scope="module")
+def corpus_scores():
+    with VerifierPool("math", workers=2, timeout_s=10.0) as pool:
+        return pool.score_many([(case["response"], case["reference"]) for case in CORPUS])
+
+
+def test_corpus_covers_the_families():
+    assert len(CORPUS) >= 300
+    families = Counter(case["family"] for case in CORPUS)
+    for family in CORPUS_FAMILIES:
+        assert families[family] >= 15, family
+    assert Counter(case["expected"] for case in CORPUS)["wrong"] >= 100
+
+
+@pytest.mark.parametrize(
+    "number",
+    [pytest.param(i, marks=pytest.mark.xfail(strict=True, reason=c["known_miss"])) if "known_miss" in c else i
+     for i, c in enumerate(CORPUS)],
+    ids=[f"{i + 1}-{c['family']}" for i, c in enumerate(CORPUS)],
+)
+def test_corpus_case(number, corpus_scores):
+    case, score = CORPUS[number], corpus_scores[number]
+    assert score.status == case["expected"], (case, score)
+
+
+def test_corpus_ours_beats_plain_math_verify_and_adds_no_false_ok(corpus_scores):
+    """The acceptance of issue 12: at least math-verify's accuracy, no false "ok" it does not give."""
+    from math_verify import parse, verify
+
+    ours_right = plain_right = 0
+    for case, score in zip(CORPUS, corpus_scores):
+        truth = case["expected"] == "ok"
+        plain = bool(verify(parse(case["reference"]), parse(case["response"])))
+        ours_right += (score.status == "ok") == truth
+        plain_right += plain == truth
+        assert not (score.status == "ok" and not truth and not plain), case
+    assert ours_right >= plain_right
+    assert ours_right == len(CORPUS) - sum("known_miss" in case for case in CORPUS)
 
 
 @pytest.mark.parametrize(
@@ -79,10 +130,40 @@ def test_nothing_to_extract():
 
 
 def test_math_verify_match_it_cannot_parse_is_unparseable_not_a_number():
-    found = extract_answer("$-[0,1)$")
+    found = extract_answer("So it is $-[0,1)$")
     assert (found.text, found.rule, found.parsed) == ("-[0,1)", "math-verify", False)
-    score = MathVerifier().score("$-[0,1)$", "1")
-    assert (score.status, score.extracted) == ("unparseable", "-[0,1)")
+    for response in ("So it is $-[0,1)$", "$-[0,1)$"):
+        score = MathVerifier().score(response, "1")
+        assert (score.status, score.extracted) == ("unparseable", "-[0,1)" if "So" in response else "$-[0,1)$")
+
+
+@pytest.mark.parametrize(
+    "response, bare",
+    [
+        ("x >= 5", True), ("(2, 5)", True), ("x^2+2x+1", True), ("\\frac{1}{2}", True), ("$[0,1)$", True),
+        ("2, 3", True), ("5\\text{ cm}", True), ("12", False), ("1 000", False), ("5 cm", False),
+        ("x is (2, 5)", False), ("(2,\n5)", False), ("(" + "1," * 150 + "1)", False),
+    ],
+)
+def test_bare_answer(response, bare):
+    assert is_bare_answer(response) is bare
+
+
+@pytest.mark.parametrize(
+    "response, reference, status",
+    [
+        ("$\\frac{1}{2}.$", "0.5", "ok"),  # full stop inside the math
+        ("$$x = 3.$$", "3", "ok"),
+        ("The vector is $\\begin{pmatrix} 3 \\\\ 0 \\end{pmatrix}.$", "\\begin{pmatrix} 3 \\\\ 0 \\end{pmatrix}", "ok"),
+        ("The angle is $\\frac\\pi4$.", "\\frac{\\pi}{4}", "ok"),
+        ("The count is $12\\,345$", "12345", "ok"),  # LaTeX alone reads 12+345
+        ("The count is $1 000$", "1000", "ok"),  # LaTeX alone reads 1*0
+        ("\\boxed{2(3)}", "5", "wrong"),  # LaTeX alone reads the mixed number 2+3
+        ("\\boxed{x > 2}", "(2, \\infty)", "ok"),  # a relation and the set it describes
+    ],
+)
+def test_spellings_math_verify_alone_misreads(response, reference, status):
+    assert MathVerifier().score(response, reference).status == status
 
 
 def test_long_response_is_read_from_its_tail_at_a_line_start():

@@ -221,25 +221,63 @@ def _as_value(item: Any) -> Any:
     return sympy.ImmutableMatrix(item) if isinstance(item, sympy.MatrixBase) else item
 
 
+_PUNCTUATION_BEFORE_CLOSER = re.compile(r"[.,;]\s*(\$\$|\$|\\\)|\\\])(?![\w\\{(\[$-])")
+_SYMBOL_COMMAND = r"\\(?:pi|tau|infty|alpha|beta|gamma|delta|theta|lambda|mu|sigma|phi|omega)(?![A-Za-z])"
+_UNBRACED_FRAC = re.compile(rf"\\([dtc]?frac)\s*({_SYMBOL_COMMAND}|[A-Za-z0-9])\s*({_SYMBOL_COMMAND}|[A-Za-z0-9])")
+
+
+def _for_math_verify(text: str) -> str:
+    """Two spellings math-verify's LaTeX parser fails on, rewritten (the value is unchanged).
+
+    A sentence's full stop inside the math (`$\\frac{1}{2}.$`, `$$x = 3.$$`) makes the whole
+    environment unparseable, and `\\frac\\pi4` loses its arguments; `\\frac32` and `\\frac3{3}`
+    it reads itself.
+    """
+    text = _PUNCTUATION_BEFORE_CLOSER.sub(lambda m: m.group(1) + m.group(0)[0], text)
+    return _UNBRACED_FRAC.sub(r"\\\1{\2}{\3}", text)
+
+
 def math_verify_answer(text: str) -> Extraction | None:
     """The answer math-verify's LaTeX and expression extraction finds, in its priority order.
 
     This is math-verify's `parse` on the response itself: "final answer is", `\\boxed`, "answer"
-    anchors, then the rightmost LaTeX environment or plain number/expression. Raises math-verify's
+    anchors, then the rightmost LaTeX environment or plain number/expression. A number written
+    with thousands separators (`$12\\,345$`, `$1 000$`), which its LaTeX parser reads as a sum or
+    a product, is handed back as text, to be read as one number. Raises math-verify's
     TimeoutException when its alarm fires.
     """
-    tail = _math_verify_tail(text)
+    tail = _for_math_verify(_math_verify_tail(text))
     if _brace_depth(tail) > MAX_BRACE_DEPTH:
         return Extraction(tail[-200:], MATH_VERIFY_RULE, parsed=False)
     found = parse(tail, extraction_config=_LATEX_AND_EXPR, fallback_mode="first_match",
                   parsing_timeout=_step_timeout(), raise_on_error=True)
     value = next((item for item in found if _is_value(item)), None)
-    matched = next((item for item in found if isinstance(item, str) and item.strip()), None)
+    matched = next((item.strip() for item in found if isinstance(item, str) and item.strip()), None)
     if value is None and matched is None:
         return None
     if value is None:
-        return Extraction(matched.strip(), MATH_VERIFY_RULE, parsed=False)
-    return Extraction(matched.strip() if matched else str(value), MATH_VERIFY_RULE, _as_value(value))
+        return Extraction(matched, MATH_VERIFY_RULE, parsed=False)
+    if matched is not None and _THOUSANDS.fullmatch(matched):
+        return Extraction(matched, MATH_VERIFY_RULE)
+    return Extraction(matched or str(value), MATH_VERIFY_RULE, _as_value(value))
+
+
+BARE_ANSWER_CHARS = 200
+_LATEX_COMMAND_OR_TEXT = re.compile(r"\\(?:text|mathrm|mbox|operatorname)\s*\{[^{}]*\}|\\[A-Za-z]+")
+_MATH_STRUCTURE = re.compile(r"[\\^{}\[\]()<>=,|\u2264\u2265\u2260]")
+
+
+def is_bare_answer(text: str) -> bool:
+    """Whether a response is nothing but an answer: one short line of math, no prose words.
+
+    Such a response is read the way the reference is, as LaTeX: math-verify's plain-text
+    extraction would read `x >= 5` as 5, `(2, 5)` as 5 and `x^2+2x+1` as nothing. Only text with
+    some math structure (a LaTeX command, brackets, a relation, a comma) qualifies; plain numbers
+    go to math-verify, which reads them well.
+    """
+    if len(text) > BARE_ANSWER_CHARS or "\n" in text or not _MATH_STRUCTURE.search(text):
+        return False
+    return re.search(r"[A-Za-z]{2}", _LATEX_COMMAND_OR_TEXT.sub(" ", text)) is None
 
 
 def extract_answer(response: str) -> Extraction | None:
@@ -248,16 +286,17 @@ def extract_answer(response: str) -> Extraction | None:
     An explicit marker wins (`\\boxed`, "answer is", `####`, bold). Without one, the answer is what
     math-verify extracts from the response, so `$[0,1)$` is an interval and `$x \\geq 5$` an
     inequality, not their last number; the last number is the fallback only when math-verify finds
-    nothing. A response that is wholly a number or fraction literal is taken as is (what
-    math-verify would extract, without running its regexes).
+    nothing. A response that is wholly the answer (`12`, `3/4`, `(2, 5)`, `x >= 5`) is read whole,
+    as the reference is.
     """
     text = response.replace("\u2212", "-")
     for rule, find in MARKER_RULES:
         answer = find(text)
         if answer is not None and answer.strip():
             return Extraction(answer.strip(), rule)
-    if simple_rational(text.strip()) is not None:
-        return Extraction(text.strip(), "whole response")
+    bare = text.strip()
+    if simple_rational(bare) is not None or is_bare_answer(bare):
+        return Extraction(bare, "whole response")
     found = math_verify_answer(text)
     if found is not None:
         return found
@@ -272,6 +311,8 @@ _WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"), ("**", "*
 _TEXT_COMMAND = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:(?:,|\{,\}|\\,| )\d{3})+(?:\.\d+)?%?")
 _SCIENTIFIC = re.compile(r"([-+]?\d+(?:\.\d+)?)[eE]([-+]?\d+)")
+# LaTeX's parser reads 2(3) as the mixed number 2+3; it is a product
+_NUMBER_TIMES_PARENTHESIS = re.compile(r"(?<=[\d)])\s*\((?=[-+]?\d+(?:\.\d+)?\))")
 _MATH_WORDS = {"pi", "e", "i", "sqrt", "infty", "inf", "infinity", "ln", "log", "sin", "cos", "tan"}
 _NUMBER_WITH_UNIT = re.compile(
     r"(?P<number>[-+]?\d+(?:\.\d+)?(?:/\d+)?%?)(?P<space>\s*)"
@@ -302,6 +343,8 @@ def normalize_answer(answer: str) -> str:
                 text = text[len(currency):].strip()
                 break
     text = text.replace("\u00b0", "")
+    text = _UNBRACED_FRAC.sub(r"\\\1{\2}{\3}", text)
+    text = _NUMBER_TIMES_PARENTHESIS.sub(r"\\cdot(", text)
     if _THOUSANDS.fullmatch(text):
         text = re.sub(r",|\{,\}|\\,| ", "", text)
     scientific = _SCIENTIFIC.fullmatch(text)
@@ -627,7 +670,7 @@ def _compare(gold: Any, pred: Any, found: Extraction) -> bool:
     except TooLarge as exc:
         raise _Settled("error", found.text, f"{found.rule}: {exc}") from None
     try:
-        equal = verify(gold, pred, timeout_seconds=_step_timeout(), raise_on_error=True)
+        equal = verify(gold, pred, allow_set_relation_comp=True, timeout_seconds=_step_timeout(), raise_on_error=True)
     except TimeoutException:
         raise _Settled("timeout", found.text, f"{found.rule}: comparison timed out") from None
     except Exception as exc:
