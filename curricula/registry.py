@@ -18,8 +18,12 @@ from rlvr.curricula.uniform_budget import UniformBudget, UniformBudgetConfig
 from rlvr.curricula.vas import VasConfig, VasStrategy
 from rlvr.plugins import TypedRegistry
 
-STRATEGIES: TypedRegistry[SelectionStrategy] = TypedRegistry("selection strategy", SelectConfig, SelectionStrategy)
-ALLOCATORS: TypedRegistry[BudgetAllocator] = TypedRegistry("budget allocator", AllocateConfig, BudgetAllocator)
+STRATEGIES: TypedRegistry[SelectionStrategy] = TypedRegistry(
+    "selection strategy", SelectConfig, SelectionStrategy, group="rlvr.strategies"
+)
+ALLOCATORS: TypedRegistry[BudgetAllocator] = TypedRegistry(
+    "budget allocator", AllocateConfig, BudgetAllocator, group="rlvr.allocators"
+)
 
 
 def make_strategy(cfg: SelectConfig) -> SelectionStrategy:

@@ -51,7 +51,15 @@ class StepRefs:
 
 @task(name="rl-step", cache_policy=NONE)
 def rl_step(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> tuple[StepRefs, dict[str, Any]]:
-    """One RL step; returns the refs for the next step and the step's train_steps row."""
+    """One RL step; returns the refs for the next step and the step's train_steps row.
+
+    The step's artifacts are committed as one group (`Store.batch`): a kill redoes the whole step.
+    """
+    with open_store(store).batch():
+        return _step_stages(store, cfg, step, refs)
+
+
+def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> tuple[StepRefs, dict[str, Any]]:
     at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed, step=step)
     problems, difficulty = refs.problems, refs.difficulty
     selections = run(SELECT, cfg.select, inputs={"problems": problems, "difficulty": difficulty, "state": refs.state},

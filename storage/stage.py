@@ -373,7 +373,8 @@ def _build_and_commit(store: Store, stage: Stage[C], cfg: C, run_id: str, seed: 
     started = time.perf_counter()
     products = _as_mapping(stage, stage.build(reader, cfg, ctx))
     built = time.perf_counter()
-    record = {"outputs": dict(ids), "started_at": started_at, "read_seconds": round(reader.read_seconds, 6),
+    record = {"outputs": dict(ids), "inputs": dict(input_ids), "started_at": started_at,
+              "read_seconds": round(reader.read_seconds, 6),
               "build_seconds": round(built - started - reader.read_seconds, 6)}
     settings = stage.identity(cfg, params)
     parents = [aid for aid in input_ids.values() if aid is not None]
@@ -381,6 +382,7 @@ def _build_and_commit(store: Store, stage: Stage[C], cfg: C, run_id: str, seed: 
                   config=settings, step=step)
     for name, output in stage.outputs.items():
         product = products[name]
+        record["commit_seconds"] = round(time.perf_counter() - built, 6)  # of the outputs before this one
         if isinstance(product, Sharded):
             _commit_sharded(store, output.kind, ids[name], product, record, common)
         else:
@@ -409,7 +411,7 @@ def _as_mapping(stage: Stage[Any], products: Products) -> Mapping[str, Built | S
 def _commit_built(store: Store, output: Output, aid: str, built: Built, record: dict[str, Any],
                   common: dict[str, Any], keeps_state: bool) -> None:
     """Commit one output (unless a crashed earlier attempt already did) and keep its live object."""
-    extra = {**built.extra, "stage_run": record}
+    extra = {**built.extra, "stage_run": dict(record)}
     if keeps_state and built.state is not None:
         extra["state"] = dict(built.state)
     if not store.exists(aid):
@@ -422,7 +424,7 @@ def _commit_built(store: Store, output: Output, aid: str, built: Built, record: 
 def _commit_sharded(store: Store, kind: str, aid: str, sharded: Sharded, record: dict[str, Any],
                     common: dict[str, Any]) -> None:
     """Write the shards not yet committed, then the manifest; the shards' making counts as build time."""
-    writer = store.writer(kind, aid, extra={**sharded.extra, "stage_run": record}, **common)
+    writer = store.writer(kind, aid, extra=dict(sharded.extra), **common)
     done = writer.committed_shards()
     for index in range(sharded.count):
         if index not in done:
@@ -430,6 +432,7 @@ def _commit_sharded(store: Store, kind: str, aid: str, sharded: Sharded, record:
             table = sharded.make(index)
             record["build_seconds"] = round(record["build_seconds"] + time.perf_counter() - started, 6)
             writer.write_shard(index, table)
+    writer.extra["stage_run"] = dict(record)
     writer.commit()
 
 
@@ -468,9 +471,9 @@ def rows_to_table(kind: str, rows: Sequence[Mapping[str, Any]]) -> pa.Table:
     schema = schema_for(kind)
     if schema is None:
         return pa.Table.from_pylist(list(rows))
+    declared = pa.Table.from_pydict({name: [row.get(name) for row in rows] for name in schema.names}, schema=schema)
     if kind not in OPEN_KINDS:
-        return pa.Table.from_pylist(list(rows), schema=schema)
-    declared = pa.Table.from_pylist([{name: row.get(name) for name in schema.names} for row in rows], schema=schema)
+        return declared
     extra_names = sorted({key for row in rows for key in row} - set(schema.names))
     if not extra_names:
         return declared

@@ -21,7 +21,10 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from functools import lru_cache
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -137,9 +140,13 @@ def conform_to_schema(kind: str, table: pa.Table) -> pa.Table:
 
 
 def parquet_bytes(table: pa.Table) -> bytes:
-    """Serialize in memory so the checksum is computed over exactly the bytes that are written."""
+    """Serialize in memory so the checksum is computed over exactly the bytes that are written.
+
+    Without dictionary encoding: on the small tables of an RL step it costs a third of the write
+    time for a few percent of size that snappy mostly wins back.
+    """
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
+    pq.write_table(table, sink, use_dictionary=False)
     return sink.getvalue().to_pybytes()
 
 
@@ -164,6 +171,7 @@ class Store:
         self.fs, root_path = fsspec.core.url_to_fs(root)
         self._root_path = root_path.rstrip("/")
         self._manifest_cache: dict[str, Manifest] = {}
+        self._batch: _Batch | None = None
 
     @classmethod
     def open(cls, root: str, create: bool = False) -> Store:
@@ -212,24 +220,32 @@ class Store:
     def _write_atomic(self, path: str, data: bytes) -> None:
         """Readers see the old file or the new one, never half of one.
 
-        Locally: a temp file beside the target, fsync, rename. On object stores a single put of
-        the final object is already atomic.
+        Locally: a temp file beside the target, fsync, rename (inside `batch()` the fsync is left to the
+        batch's flush). On object stores a single put of the final object is already atomic.
         """
         if not self.is_local:
             self.fs.pipe_file(path, data)
             return
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = self._write_temp(path, data, sync=self._batch is None)
+        os.replace(tmp, path)
+        if self._batch is not None:
+            self._batch.written.append(path)
+
+    @staticmethod
+    def _write_temp(path: str, data: bytes, sync: bool) -> str:
+        """`data` in a temp file beside `path` (fsynced when `sync`); the caller renames it into place."""
         tmp = f"{path}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            with open(tmp, "wb") as handle:
+            with _open_new(tmp) as handle:
                 handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
+                if sync:
+                    handle.flush()
+                    os.fsync(handle.fileno())
         except BaseException:
             if os.path.exists(tmp):
                 os.remove(tmp)
             raise
+        return tmp
 
     def _write_part(self, kind: str, artifact_id: str, index: int, table: pa.Table) -> dict[str, Any]:
         data = parquet_bytes(table)
@@ -244,8 +260,58 @@ class Store:
         return {"path": relative, "rows": None, "bytes": len(data), "sha256": _sha256(data)}
 
     def _commit_manifest(self, manifest: Manifest) -> None:
-        self._write_atomic(self.manifest_path(manifest.artifact_id), manifest.to_json().encode("utf-8"))
         self._manifest_cache[manifest.artifact_id] = manifest
+        if self._batch is not None:
+            self._batch.manifests.append(manifest)  # written when the batch ends, after its data is durable
+            return
+        self._write_atomic(self.manifest_path(manifest.artifact_id), manifest.to_json().encode("utf-8"))
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Commit everything written inside as one group (one RL step), for a fraction of the syncs.
+
+        Inside, data files are written without their own fsync and manifests wait in memory (this
+        process sees them: `exists` and `manifest` answer as if committed). At the end: one flush of
+        the data to disk, then every manifest in commit order, one more flush, then the deletes asked
+        for inside. A kill before the end leaves data files without manifests, which do not exist
+        for anyone and which `cleanup_uncommitted` removes: the group is redone on resume. A kill
+        during the manifests leaves a prefix of them, and every artifact's inputs precede it.
+        Nested batches join the outer one.
+        """
+        if self._batch is not None:
+            yield
+            return
+        self._batch = _Batch()
+        try:
+            yield
+        finally:
+            batch, self._batch = self._batch, None
+            self._flush(batch)
+
+    def _flush(self, batch: _Batch) -> None:
+        """Data durable, then manifests durable, then renamed into place (the commit), then deletes."""
+        if not batch.manifests and not batch.deletes:
+            return
+        self._sync(batch.written)
+        if self.is_local:
+            paths = [self.manifest_path(m.artifact_id) for m in batch.manifests]
+            temps = [self._write_temp(path, m.to_json().encode("utf-8"), sync=False)
+                     for path, m in zip(paths, batch.manifests)]
+            self._sync(temps)
+            for temp, path in zip(temps, paths):
+                os.replace(temp, path)
+            self._sync([self.path("manifests")] if paths else [])
+        else:
+            for manifest in batch.manifests:
+                self.fs.pipe_file(self.manifest_path(manifest.artifact_id), manifest.to_json().encode("utf-8"))
+        for artifact_id in batch.deletes:
+            self.delete_artifact(artifact_id)
+
+    def _sync(self, paths: Sequence[str]) -> None:
+        """fsync these files (or directories) all at once: from threads, the file system groups them into
+        a few journal commits instead of one per file."""
+        if self.is_local and paths:
+            list(_fsync_pool().map(_fsync_path, paths))
 
     # ----- writing artifacts -----------------------------------------------------------------------
 
@@ -328,7 +394,12 @@ class Store:
     # ----- reading artifacts -----------------------------------------------------------------------
 
     def exists(self, artifact_id: str) -> bool:
-        """True once the artifact is committed (its manifest exists); files alone do not count."""
+        """True once the artifact is committed (its manifest exists); files alone do not count.
+
+        Inside `batch()`, an artifact committed in the batch exists for this process already.
+        """
+        if self._batch is not None and any(m.artifact_id == artifact_id for m in self._batch.manifests):
+            return True
         return bool(_NAME_RE.match(artifact_id)) and self.fs.exists(self.manifest_path(artifact_id))
 
     def manifest(self, artifact_id: str) -> Manifest:
@@ -414,7 +485,11 @@ class Store:
         """Remove an artifact: manifest first, so a crash midway leaves only invisible files.
 
         Shard markers go next, so leftovers are not mistaken for committed shards by cleanup.
+        Inside `batch()` the delete waits for the batch's manifests to be durable.
         """
+        if self._batch is not None:
+            self._batch.deletes.append(artifact_id)
+            return
         manifest = self.manifest(artifact_id)
         self.fs.rm(self.manifest_path(artifact_id))
         self._manifest_cache.pop(artifact_id, None)
@@ -609,6 +684,34 @@ class ArtifactWriter:
         )
         self.store._commit_manifest(manifest)
         return manifest
+
+
+@dataclass
+class _Batch:
+    written: list[str] = field(default_factory=list)
+    manifests: list[Manifest] = field(default_factory=list)
+    deletes: list[str] = field(default_factory=list)
+
+
+def _open_new(path: str) -> Any:
+    """Open `path` for writing, making its directory only when it is missing (a stat saved per file)."""
+    try:
+        return open(path, "wb")
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return open(path, "wb")
+
+@lru_cache(maxsize=1)
+def _fsync_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=8, thread_name_prefix="rlvr-fsync")
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _file_checksum(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, str]:

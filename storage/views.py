@@ -146,7 +146,9 @@ _STAGE_RUNS_SCHEMA = pa.schema(
 def _stage_runs_table(manifests: list[Manifest]) -> pa.Table:
     """One row per stage run that committed something: the manifests of its outputs grouped together.
 
-    read/build seconds come from the runner's record; commit seconds add up the outputs' write times.
+    read/build seconds come from the runner's record; commit seconds run from the end of the build to
+    the last output's manifest (each manifest records the commit time of the outputs before it, which
+    also counts an output deleted since, like a replaced train_state).
     """
     runs: dict[tuple[str, ...], list[Manifest]] = {}
     for m in manifests:
@@ -160,7 +162,8 @@ def _stage_runs_table(manifests: list[Manifest]) -> pa.Table:
             "run_id": members[0].run_id, "stage": members[0].stage, "step": members[0].step,
             "started_at": record.get("started_at"), "finished_at": max(m.created_at for m in members),
             "read_seconds": record.get("read_seconds"), "build_seconds": record.get("build_seconds"),
-            "commit_seconds": sum(m.seconds for m in members), "outputs": list(outputs),
+            "commit_seconds": max(m.extra["stage_run"].get("commit_seconds", 0.0) + m.seconds for m in members),
+            "outputs": list(outputs),
             "rows": sum(m.rows for m in members), "bytes": sum(e["bytes"] for m in members for e in m.files),
         })
     rows.sort(key=lambda r: (r["started_at"] or "", r["stage"]))

@@ -1,7 +1,7 @@
 """train: one GRPO policy update from the step's rollouts and rewards.
 
-Commits `train_state` (weights + optimizer: the exact point a resumed run continues from; only the
-run's newest is kept) and then `train_steps` (the step's metrics; the durable link of the policy chain
+Commits `train_state` (weights + optimizer state: the exact point a resumed run continues from; only
+the run's newest is kept; config and tokenizer stay those of the run's checkpoint) and then `train_steps` (the step's metrics; the durable link of the policy chain
 that lineage walks through, and the reference the next step's policy is named by).
 """
 
@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.storage.store import Store
-from rlvr.trainer.checkpoints import OPTIMIZER_FILE, TrainerState, take_trainer_state
+from rlvr.trainer.checkpoints import OPTIMIZER_FILE, TrainerState, is_weights_file, take_trainer_state
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
 from rlvr.trainer.policy import optimizer_state_bytes, policy_files
@@ -58,7 +58,8 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
     compute_seconds = time.perf_counter() - started
     n_params = sum(p.numel() for p in state.policy.model.parameters())
     updates = int(stats["updates"])
-    files = {**policy_files(state.policy), OPTIMIZER_FILE: optimizer_state_bytes(state.optimizer)}
+    weights = {name: data for name, data in policy_files(state.policy).items() if is_weights_file(name)}
+    files = {**weights, OPTIMIZER_FILE: optimizer_state_bytes(state.optimizer)}
     state_row = {"run_id": ctx.run_id, "step": ctx.step, "optimizer_steps": updates, "n_params": n_params}
     row = {"run_id": ctx.run_id, "step": ctx.step, "policy_id": ctx.output_ids["train_steps"], "loss": stats["loss"],
            "mean_reward": stats["mean_reward"], "reward_std": stats["reward_std"],

@@ -1,10 +1,11 @@
 """Policies in the store: where weights and optimizer state live, and the live trainer state in memory.
 
 A *policy reference* (`policy_ref`) is the id of an artifact that durably names a policy: a
-`checkpoints` artifact (weights beside its rows) or a `train_steps` artifact (its weights and
-optimizer state sit in the `train_state` artifact the same train run committed, named in its
-manifest). Only the newest train_state of a run is kept; train_steps rows and checkpoints are kept
-forever, so lineage always walks through them.
+`checkpoints` artifact (a whole Hugging Face model directory beside its rows) or a `train_steps`
+artifact (its weights and optimizer state sit in the `train_state` artifact the same train run
+committed, named in its manifest; the config and tokenizer files, which training never changes, are
+those of the checkpoint the chain of train steps started from). Only the newest train_state of a run
+is kept; train_steps rows and checkpoints are kept forever, so lineage always walks through them.
 
 Stages talk only through these ids. To keep a tiny model's step cheap, the newest trainer state
 (model + optimizer) stays in memory under its reference (`RESIDENTS`); any other reference is loaded
@@ -13,6 +14,7 @@ from the store, so a fresh process (a resumed run) computes exactly what the ori
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +23,7 @@ from rlvr.storage.stage import RESIDENTS
 from rlvr.storage.store import Store
 from rlvr.trainer.policy import Policy, load_optimizer_state, make_optimizer, policy_from_files
 
-OPTIMIZER_FILE = "optimizer.pt"
+OPTIMIZER_FILE = "optimizer.safetensors"
 
 
 def weights_artifact(store: Store, policy_ref: str) -> str:
@@ -34,15 +36,31 @@ def weights_artifact(store: Store, policy_ref: str) -> str:
     raise ValueError(f"{policy_ref} is a {manifest.kind} artifact, not a policy (checkpoints or train_steps)")
 
 
+def is_weights_file(name: str) -> bool:
+    """Files that change as the policy trains (the rest of a model directory is config and tokenizer)."""
+    return name.endswith(".safetensors") or name.endswith(".safetensors.index.json")
+
+
+def _files(store: Store, artifact_id: str, keep: Callable[[str], bool]) -> dict[str, bytes]:
+    names = [f["path"].removeprefix("files/") for f in store.manifest(artifact_id).binary_files]
+    return {name: store.read_file(artifact_id, name) for name in names if keep(name) and name != OPTIMIZER_FILE}
+
+
+def source_checkpoint(store: Store, policy_ref: str) -> str:
+    """The checkpoint a chain of train steps started from (walking each step's input policy)."""
+    ref = policy_ref
+    while (manifest := store.manifest(ref)).kind == "train_steps":
+        ref = manifest.extra["stage_run"]["inputs"]["policy"]
+    return ref
+
+
 def policy_files_of(store: Store, policy_ref: str) -> dict[str, bytes]:
     """The Hugging Face model directory (file name -> bytes) of `policy_ref`, without optimizer state."""
     source = weights_artifact(store, policy_ref)
-    names = [f["path"] for f in store.manifest(source).files]
-    return {
-        name.removeprefix("files/"): store.read_file(source, name.removeprefix("files/"))
-        for name in names
-        if name.startswith("files/") and not name.endswith(OPTIMIZER_FILE)
-    }
+    if source == policy_ref:
+        return _files(store, source, lambda name: True)
+    static = _files(store, source_checkpoint(store, policy_ref), lambda name: not is_weights_file(name))
+    return {**static, **_files(store, source, is_weights_file)}
 
 
 @dataclass

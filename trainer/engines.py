@@ -89,7 +89,7 @@ class TransformersEngine(RolloutEngine):
         self._policy = None
 
 
-ENGINES: TypedRegistry[RolloutEngine] = TypedRegistry("rollout engine", EngineConfig, RolloutEngine)
+ENGINES: TypedRegistry[RolloutEngine] = TypedRegistry("rollout engine", EngineConfig, RolloutEngine, group="rlvr.engines")
 _live: dict[str, RolloutEngine] = {}
 
 

@@ -1,0 +1,84 @@
+"""Group commits (`Store.batch`): one RL step's artifacts become visible together, after their data is durable."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pyarrow as pa
+import pytest
+
+from rlvr.storage.store import Store
+
+
+def write(store: Store, aid: str, kind: str = "test_rows") -> None:
+    store.write_artifact(kind, aid, pa.table({"x": [1, 2]}), run_id="r", stage="s", parents=[], code_version="1",
+                         config={})
+
+
+def on_disk(store: Store, aid: str) -> bool:
+    return os.path.exists(store.manifest_path(aid))
+
+
+def test_manifests_wait_for_the_end_of_the_batch(tmp_path):
+    store = Store.open(str(tmp_path / "s"), create=True)
+    with store.batch():
+        write(store, "a-1")
+        write(store, "b-1")
+        assert store.exists("a-1") and store.exists("b-1")  # this process sees them already
+        assert not on_disk(store, "a-1") and not on_disk(store, "b-1")
+        assert Store.open(store.root).exists("a-1") is False  # nobody else does
+        assert store.read_table("a-1").column("x").to_pylist() == [1, 2]
+    assert on_disk(store, "a-1") and on_disk(store, "b-1")
+    assert [m.artifact_id for m in Store.open(store.root).manifests()] == ["a-1", "b-1"]
+
+
+def test_deletes_wait_for_the_batch_commit(tmp_path):
+    store = Store.open(str(tmp_path / "s"), create=True)
+    write(store, "old-1")
+    with store.batch():
+        write(store, "new-1")
+        store.delete_artifact("old-1")
+        assert on_disk(store, "old-1")  # still there until the new one is committed
+    assert not on_disk(store, "old-1") and on_disk(store, "new-1")
+
+
+def test_an_exception_inside_commits_what_was_finished(tmp_path):
+    store = Store.open(str(tmp_path / "s"), create=True)
+    with pytest.raises(RuntimeError), store.batch():
+        write(store, "done-1")
+        raise RuntimeError("the next stage failed")
+    assert on_disk(store, "done-1")
+
+
+def test_nested_batches_join_the_outer_one(tmp_path):
+    store = Store.open(str(tmp_path / "s"), create=True)
+    with store.batch():
+        with store.batch():
+            write(store, "inner-1")
+        assert not on_disk(store, "inner-1")
+    assert on_disk(store, "inner-1")
+
+
+def test_a_kill_inside_a_batch_leaves_nothing_committed(tmp_path):
+    root = str(tmp_path / "s")
+    Store.open(root, create=True)
+    script = textwrap.dedent(f"""
+        import os
+        import pyarrow as pa
+        from rlvr.storage.store import Store
+        store = Store.open({root!r})
+        with store.batch():
+            for aid in ("a-1", "b-1"):
+                store.write_artifact("test_rows", aid, pa.table({{"x": [1]}}), run_id="r", stage="s", parents=[],
+                                     code_version="1", config={{}})
+            os._exit(9)  # killed before the batch commits
+    """)
+    assert subprocess.run([sys.executable, "-c", script]).returncode == 9
+    store = Store.open(root)
+    assert store.manifests() == [] and not store.exists("a-1")
+    leftovers = store.cleanup_uncommitted()
+    assert any("a-1" in path for path in leftovers) and any("b-1" in path for path in leftovers)
+    assert not os.path.exists(os.path.join(root, "artifacts", "test_rows", "a-1"))
