@@ -100,7 +100,12 @@ def test_corpus_ours_beats_plain_math_verify_and_adds_no_false_ok(corpus_scores)
 @pytest.mark.parametrize(
     "response, extracted, rule",
     [
-        ("so \\boxed{\\frac{1}{\\sqrt{2}}} and \\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{\\sqrt{2}}{2}", "boxed"),
+        ("so \\boxed{\\frac{1}{\\sqrt{2}}}, which is \\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{\\sqrt{2}}{2}", "boxed"),
+        ("roots \\boxed{-2} \\quad \\text{and} \\quad \\boxed{1}.", "-2, 1", "boxed"),  # one answer, a list
+        ("$\\boxed{1}$ or $\\boxed{2}$", "1, 2", "boxed"),  # hedging is not its last answer
+        ("The final answer is $10,455$. I hope it is correct. \\boxed{255}", "$10,455$", "final answer"),
+        ("Final Answer: The volume of $ABCD$ is 120.", "120", "answer is"),  # prose after the marker
+        ("The answer is $2$ and $3$.", "$2, 3$", "answer is"),
         ("\\boxed{\\{1, \\{2\\}\\}}", "\\{1, \\{2\\}\\}", "boxed"),
         ("The final answer is: $x = 3$. Then more text 7", "$x = 3$", "answer is"),
         ("The answer is **12**.", "12", "answer is"),

@@ -31,7 +31,7 @@ import threading
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -82,8 +82,8 @@ def _last_match(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
     return last
 
 
-def _braced_content(text: str, start: int) -> str | None:
-    """The content of the `{...}` group at or after `start` (spaces skipped), or a bare token."""
+def _braced_span(text: str, start: int) -> tuple[str, int] | None:
+    """(content, end) of the `{...}` group at or after `start` (spaces skipped), or of a bare token."""
     pos = start
     while pos < len(text) and text[pos] == " ":
         pos += 1
@@ -91,7 +91,7 @@ def _braced_content(text: str, start: int) -> str | None:
         return None
     if text[pos] != "{":
         token = re.match(r"[^\s$]+", text[pos:pos + MAX_ANSWER_CHARS])
-        return token.group(0) if token else None
+        return (token.group(0), pos + token.end()) if token else None
     depth = 0
     end = min(len(text), pos + BOXED_SCAN_CHARS)
     for i in range(pos, end):
@@ -101,11 +101,12 @@ def _braced_content(text: str, start: int) -> str | None:
         elif char == "}":
             depth -= 1
             if depth == 0:
-                return text[pos + 1:i]
+                return text[pos + 1:i], i + 1
     return None
 
 
-def _last_boxed(text: str) -> str | None:
+def _boxed_answers(text: str) -> list[tuple[int, int, str]]:
+    """The last few non-empty `\\boxed{...}` / `\\fbox{...}`, as (start, end, content) in text order."""
     candidates: list[tuple[int, int]] = []
     for command in ("\\boxed", "\\fbox"):
         idx = len(text)
@@ -114,11 +115,79 @@ def _last_boxed(text: str) -> str | None:
             if idx == -1:
                 break
             candidates.append((idx, idx + len(command)))
-    for _, content_start in sorted(candidates, reverse=True)[:BOXED_TRIES]:
-        content = _braced_content(text, content_start)
-        if content is not None and content.strip():
-            return content
-    return None
+    answers = []
+    for start, content_start in sorted(candidates, reverse=True)[:BOXED_TRIES]:
+        span = _braced_span(text, content_start)
+        if span is not None and span[0].strip():
+            answers.append((start, span[1], span[0]))
+    return answers[::-1]
+
+
+# what may stand between boxed answers that together are one answer: "and", "or", commas, spacing
+_BOXED_SEPARATOR = re.compile(
+    r"(?:\s|[,;&]|\\\\|\$|\\[()\[\]]|\\q?quad\b|\\[,;:! ]|\\text\s*\{[^{}]{0,30}\}|\b(?:and|or)\b)*"
+)
+
+
+def _boxed_run(text: str, joined: Callable[[str], bool]) -> str | None:
+    """The last boxed answer, with the boxed answers before it whose gaps `joined` accepts, as one list."""
+    answers = _boxed_answers(text)
+    if not answers:
+        return None
+    run = [answers[-1]]
+    for answer in reversed(answers[:-1]):
+        if answer[1] > run[0][0] or not joined(text[answer[1]:run[0][0]]):
+            break
+        run.insert(0, answer)
+    return ", ".join(content for _, _, content in run)
+
+
+def _last_boxed(text: str) -> str | None:
+    """The last boxed answer, with the boxed answers just before it that only "and", "or", commas
+    or spacing separate from it: `\\boxed{-2} \\quad\\text{and}\\quad \\boxed{1}` is the list -2, 1,
+    as math-verify reads it. So hedging (`\\boxed{1} or \\boxed{2}`) is not scored as its last answer.
+    """
+    return _boxed_run(text, lambda gap: _BOXED_SEPARATOR.fullmatch(gap) is not None)
+
+
+_LIST_CONNECTOR = re.compile(r"[,;]|\b(?:and|or)\b")
+
+
+def _reference_boxed(text: str) -> str | None:
+    """A reference's boxed answer; boxed answers with no prose or a list word between them
+    ("\\boxed{1} cats and \\boxed{2} dogs") are one list: a reference states its answers, it does
+    not hedge."""
+    return _boxed_run(text, lambda gap: not _has_prose(gap) or _LIST_CONNECTOR.search(gap) is not None)
+
+
+_FINAL_ANSWER_I_HOPE = re.compile(r"final answer is\s*:?\s*([^\n]+?)\.?\s?I hope", re.IGNORECASE)
+
+
+def _final_answer_i_hope(text: str) -> str | None:
+    """Minerva's "The final answer is X. I hope it is correct.": math-verify's first priority."""
+    found = _last_match(_FINAL_ANSWER_I_HOPE, text)
+    if found is None:
+        return None
+    answer = found.group(1).strip()
+    if answer.startswith(("$", "\\(", "\\[")):
+        return _leading_math(answer)
+    return None if _has_prose(answer) else answer  # prose: math-verify's own pattern would not match
+
+
+_MATH_ENV = re.compile(r"\$\$(.+?)\$\$|\$([^$]+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
+_LIST_JOIN = re.compile(r"\s*(?:,\s*(?:and\b|or\b)?|\band\b|\bor\b)\s*")
+
+
+def _leading_math(text: str) -> str | None:
+    """The math `text` starts with, as one `$...$` (so it reads as LaTeX): `$2$ and $3$` is `$2, 3$`."""
+    contents, pos = [], 0
+    while (env := _MATH_ENV.match(text, pos)) is not None:
+        contents.append(next(group for group in env.groups() if group is not None).strip())
+        join = _LIST_JOIN.match(text, env.end())
+        if join is None:
+            break
+        pos = join.end()
+    return "$" + ", ".join(contents) + "$" if contents else None
 
 
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:|=)\s*:?", re.IGNORECASE)
@@ -138,13 +207,9 @@ def _after_answer_is(text: str) -> str | None:
         if end != -1 and not tail[2:3].isspace() and "\n" not in tail[2:end] and tail[2:end].strip():
             return tail[2:end]
         tail = tail[2:].lstrip(" :\t")
-    for opener, closer in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
-        if tail.startswith(opener):
-            end = tail.find(closer, len(opener))
-            if end != -1:
-                return tail[:end + len(closer)]  # delimiters kept: they say the answer is LaTeX
-    if tail.lstrip().startswith(("\\boxed", "\\fbox")):
-        return _last_boxed(tail)
+    math = _leading_math(tail)
+    if math is not None:
+        return math
     cut = _SENTENCE_END.search(tail)
     answer = tail[:cut.start()] if cut else tail
     return answer if answer.strip() else None
@@ -179,6 +244,7 @@ def _last_number(text: str) -> str | None:
 
 
 MARKER_RULES = (
+    ("final answer", _final_answer_i_hope),
     ("boxed", _last_boxed),
     ("answer is", _after_answer_is),
     ("####", _after_hashes),
@@ -277,7 +343,24 @@ def is_bare_answer(text: str) -> bool:
     """
     if len(text) > BARE_ANSWER_CHARS or "\n" in text or not _MATH_STRUCTURE.search(text):
         return False
-    return re.search(r"[A-Za-z]{2}", _LATEX_COMMAND_OR_TEXT.sub(" ", text)) is None
+    return not _has_prose(text)
+
+
+def _has_prose(text: str) -> bool:
+    """Whether `text` holds a word that is not math (`pi`, `sqrt`, `inf` are math)."""
+    words = re.findall(r"[A-Za-z]{2,}", _LATEX_COMMAND_OR_TEXT.sub(" ", text))
+    return any(word.lower() not in _MATH_WORDS for word in words)
+
+
+def _answer_in_prose(text: str) -> Extraction | None:
+    """For "Final Answer: The volume of $ABCD$ is 120.": what math-verify's answer-anchored
+    patterns find in the line of the last "answer is" / "answer:" (here 120, not the sentence)."""
+    marker = _last_match(_ANSWER_IS, text)
+    line_start = text.rfind("\n", 0, marker.start()) + 1 if marker else 0
+    found = math_verify_answer(text[line_start:])
+    if found is None or not found.parsed:
+        return None
+    return Extraction(found.text, "answer is", found.value)
 
 
 def extract_answer(response: str) -> Extraction | None:
@@ -293,6 +376,8 @@ def extract_answer(response: str) -> Extraction | None:
     for rule, find in MARKER_RULES:
         answer = find(text)
         if answer is not None and answer.strip():
+            if rule == "answer is" and _has_prose(answer):
+                return _answer_in_prose(text) or Extraction(answer.strip(), rule)
             return Extraction(answer.strip(), rule)
     bare = text.strip()
     if simple_rational(bare) is not None or is_bare_answer(bare):
@@ -309,7 +394,7 @@ def extract_answer(response: str) -> Extraction | None:
 
 _WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"), ("**", "**"))
 _TEXT_COMMAND = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
-_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:(?:,|\{,\}|\\,| )\d{3})+(?:\.\d+)?%?")
+_THOUSANDS = re.compile(r"[-+]?[1-9]\d{0,2}(?:(?:,|\{,\}|\\,| )\d{3})+(?:\.\d+)?%?")
 _SCIENTIFIC = re.compile(r"([-+]?\d+(?:\.\d+)?)[eE]([-+]?\d+)")
 # LaTeX's parser reads 2(3) as the mixed number 2+3; it is a product
 _NUMBER_TIMES_PARENTHESIS = re.compile(r"(?<=[\d)])\s*\((?=[-+]?\d+(?:\.\d+)?\))")
@@ -322,7 +407,7 @@ _NUMBER_WITH_UNIT = re.compile(
 
 def normalize_answer(answer: str) -> str:
     """Rewrite surface forms math-verify does not read into ones it does; the value is unchanged."""
-    text = answer.strip().replace("\u2212", "-").replace("\\!", "")
+    text = re.sub(r"\\!\s*", "", answer.strip().replace("\u2212", "-"))
     changed = True
     while changed:
         changed = False
@@ -603,12 +688,25 @@ class _Settled(Exception):
         self.score = Score(0.0, status, {"correct": 0.0}, extracted, reason)  # type: ignore[arg-type]
 
 
-def _gold(reference_text: str) -> tuple[str, bool]:
-    """(normalised reference, whether it is written in LaTeX math); a boxed reference is unboxed."""
-    boxed = _last_boxed(reference_text)
+def _gold(reference_text: str) -> tuple[str, bool, Any]:
+    """(normalised reference, whether it is LaTeX, its value if already parsed).
+
+    A boxed reference is unboxed. A long reference in prose is a worked solution: its answer is
+    found the way a response's is. Anything else is read whole, as LaTeX (see `parse_answer`).
+    """
+    boxed = _reference_boxed(reference_text)
     if boxed is not None:
-        return normalize_answer(boxed), True
-    return normalize_answer(reference_text), in_math_mode(reference_text)
+        return normalize_answer(boxed), True, None
+    if len(reference_text) > BARE_ANSWER_CHARS and _has_prose(reference_text):
+        try:
+            found = extract_answer(reference_text)
+        except TimeoutException:
+            raise _Settled("timeout", None, "finding the answer in the reference timed out") from None
+        if found is not None and found.parsed:
+            if found.value is not None:
+                return found.text, True, found.value
+            return normalize_answer(found.text), found.rule == "boxed" or in_math_mode(found.text), None
+    return normalize_answer(reference_text), in_math_mode(reference_text), None
 
 
 def _find(response: str) -> Extraction:
@@ -695,17 +793,18 @@ class MathVerifier(Verifier):
             return settled.score
 
     def _score(self, response: str, reference_text: str) -> Score:
-        gold_text, gold_in_latex = _gold(reference_text)
+        gold_text, gold_in_latex, gold = _gold(reference_text)
         found = _find(response)
         pred = found.value
         if pred is None:
             answer = _answer_text(found)
-            if _same_text(answer, gold_text):
+            if gold is None and _same_text(answer, gold_text):
                 return self._verdict(True, found)
             answer_value, gold_value = simple_rational(answer), simple_rational(gold_text)
-            if answer_value is not None and gold_value is not None:
+            if gold is None and answer_value is not None and gold_value is not None:
                 return self._verdict(answer_value == gold_value, found)
-        gold = _parse_reference(gold_text, gold_in_latex, found.text)
+        if gold is None:
+            gold = _parse_reference(gold_text, gold_in_latex, found.text)
         if pred is None:
             pred = _parse_marked(answer, found)
         return self._verdict(_compare(gold, pred, found), found)
