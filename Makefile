@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 STORE ?= ./rlvr-store
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test lint format venv bench clean
 
 venv: $(STAMP)
 
@@ -16,14 +16,28 @@ $(STAMP): pyproject.toml
 		echo "note: bubblewrap not installed; the code verifier will run with rlimits only"; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,lint]"
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/rlvr run --store $(STORE)
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest tests
+
+# ruff (lint + format check) and mypy. The folders import as rlvr.* through setuptools' package-dir,
+# which mypy cannot follow, so build/typecheck/rlvr links them under the names the code imports.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	@rm -rf build/typecheck && mkdir -p build/typecheck/rlvr
+	@for d in flows tasks storage verifiers trainer curricula; do ln -s "$(CURDIR)/$$d" build/typecheck/rlvr/$$d; done
+	@for f in rlvr/*.py; do ln -s "$(CURDIR)/$$f" build/typecheck/rlvr/; done
+	$(BIN)/mypy -p rlvr
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/step_overhead.py

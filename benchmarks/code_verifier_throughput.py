@@ -37,8 +37,13 @@ def make_inputs(n: int) -> tuple[list[tuple[str, dict]], list[str]]:
     for i in range(n):
         a, b = i * 7 % 101, i % 13
         values = {
-            "a": a, "b": b, "sum": a + b, "a_rev": str(a)[::-1], "triangle": a * (a + 1) // 2,
-            "maximum": max(a, b, 7), "squares": "\n".join(str(k * k) for k in range(a % 5 + 1)),
+            "a": a,
+            "b": b,
+            "sum": a + b,
+            "a_rev": str(a)[::-1],
+            "triangle": a * (a + 1) // 2,
+            "maximum": max(a, b, 7),
+            "squares": "\n".join(str(k * k) for k in range(a % 5 + 1)),
         }
         program, stdin, output = PROGRAMS[i % len(PROGRAMS)]
         stdin, output = stdin.format(**values), output.format(**values)
@@ -59,7 +64,9 @@ def plain_loop(pairs: list[tuple[str, dict]]) -> list[bool]:
             with open(path, "w") as file:
                 file.write(program)
             try:
-                run = subprocess.run([python, "-I", "-S", path], input=test["input"], capture_output=True, text=True, timeout=2)
+                run = subprocess.run(
+                    [python, "-I", "-S", path], input=test["input"], capture_output=True, text=True, timeout=2
+                )
                 passed.append(run.returncode == 0 and normalize_output(run.stdout) == normalize_output(test["output"]))
             except subprocess.TimeoutExpired:
                 passed.append(False)

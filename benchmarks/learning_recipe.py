@@ -45,7 +45,9 @@ def accuracy(policy, pairs: list[tuple[int, int]], max_new_tokens: int) -> float
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0, help="model init, warm-start batches, RL prompts and sampling")
-    parser.add_argument("--split-seed", type=int, default=0, help="seed of the warmup/test/train permutation of the 100 pairs")
+    parser.add_argument(
+        "--split-seed", type=int, default=0, help="seed of the warmup/test/train permutation of the 100 pairs"
+    )
     parser.add_argument("--warmup-pairs", type=int, default=30)
     parser.add_argument("--test-pairs", type=int, default=20)
     parser.add_argument("--warmup-steps", type=int, default=60)
@@ -63,7 +65,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--advantage-scale", choices=["std", "none"], default="std")
     parser.add_argument("--aggregation", choices=["seq-mean-token-mean", "token-mean"], default="seq-mean-token-mean")
     parser.add_argument("--temperature", type=float, default=2.5, help="sampling temperature (exploration)")
-    parser.add_argument("--loss-temperature", action="store_true", help="compute GRPO logprobs at the sampling temperature")
+    parser.add_argument(
+        "--loss-temperature", action="store_true", help="compute GRPO logprobs at the sampling temperature"
+    )
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--max-new-tokens", type=int, default=3)
     parser.add_argument("--eval-every", type=int, default=50)
@@ -84,7 +88,9 @@ def main() -> None:
     target_ids = {
         pair: policy.tokenizer(answer_of(pair), add_special_tokens=False)["input_ids"] + [eos_id] for pair in PAIRS
     }
-    print(f"seed={args.seed} split_seed={args.split_seed} pairs: warmup={len(warmup)} rl={len(rl_pairs)} test={len(test)}")
+    print(
+        f"seed={args.seed} split_seed={args.split_seed} pairs: warmup={len(warmup)} rl={len(rl_pairs)} test={len(test)}"
+    )
     acc_init = accuracy(policy, test, args.max_new_tokens)
     print(f"init            test_acc={acc_init:.2f} all_acc={accuracy(policy, PAIRS, args.max_new_tokens):.2f}")
 

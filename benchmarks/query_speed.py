@@ -31,9 +31,9 @@ import pyarrow.dataset as ds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlvr.storage import Store, artifact_id, connect  # noqa: E402
-from rlvr.storage.schemas import SCHEMAS  # noqa: E402
-from rlvr.storage.views import data_paths  # noqa: E402
+from rlvr.storage import Store, artifact_id, connect
+from rlvr.storage.schemas import SCHEMAS
+from rlvr.storage.views import data_paths
 
 RUN_ID = "bench"
 CODE_VERSION = "bench-1"
@@ -119,8 +119,15 @@ def rollout_and_reward_tables(
 def commit(store: Store, kind: str, table: pa.Table, config: dict, parents: list[str], step: int | None) -> str:
     aid = artifact_id(kind, kind, CODE_VERSION, config, parents, RUN_ID)
     store.write_artifact(
-        kind, aid, table,
-        run_id=RUN_ID, stage=kind, parents=parents, code_version=CODE_VERSION, config=config, step=step,
+        kind,
+        aid,
+        table,
+        run_id=RUN_ID,
+        stage=kind,
+        parents=parents,
+        code_version=CODE_VERSION,
+        config=config,
+        step=step,
     )
     return aid
 
@@ -174,6 +181,7 @@ def arrow_join(files: dict[str, list[str]]) -> list[tuple]:
 
 def same(a: list[tuple], b: list[tuple]) -> bool:
     """Equal up to float summation order."""
+
     def close(u: object, v: object) -> bool:
         return math.isclose(u, v, rel_tol=1e-9) if isinstance(u, float) else u == v
 
@@ -211,14 +219,16 @@ def run(store: Store, build_seconds: float, repeats: int) -> None:
     globs = {kind: f"read_parquet('{store.local_root}/artifacts/{kind}/*/part-*.parquet')" for kind in files}
     names = {kind: kind for kind in files}
     rows = views.execute("SELECT (SELECT count(*) FROM rollouts), (SELECT count(*) FROM rewards)").fetchone()
-    print(f"store {store.root}: {rows[0]:,} rollouts + {rows[1]:,} rewards in {len(files['rollouts'])} + "
-          f"{len(files['rewards'])} artifacts, {len(files['problems'])} problems artifact; "
-          f"built in {build_seconds:.1f} s; connect() {connect_seconds * 1000:.0f} ms")
+    print(
+        f"store {store.root}: {rows[0]:,} rollouts + {rows[1]:,} rewards in {len(files['rollouts'])} + "
+        f"{len(files['rewards'])} artifacts, {len(files['problems'])} problems artifact; "
+        f"built in {build_seconds:.1f} s; connect() {connect_seconds * 1000:.0f} ms"
+    )
     results: dict[str, tuple[float, float, float]] = {}
     for label, sql, arrow in (("group-by", GROUP_BY_SQL, arrow_group_by), ("join", JOIN_SQL, arrow_join)):
-        ours, ours_rows = best_of(repeats, lambda: views.execute(sql.format(**names)).fetchall())
-        glob, glob_rows = best_of(repeats, lambda: plain.execute(sql.format(**globs)).fetchall())
-        peer, peer_rows = best_of(repeats, lambda: arrow(files))
+        ours, ours_rows = best_of(repeats, lambda sql=sql: views.execute(sql.format(**names)).fetchall())
+        glob, glob_rows = best_of(repeats, lambda sql=sql: plain.execute(sql.format(**globs)).fetchall())
+        peer, peer_rows = best_of(repeats, lambda arrow=arrow: arrow(files))
         if not (same(ours_rows, glob_rows) and same(ours_rows, peer_rows)):
             raise SystemExit(f"{label}: results differ:\n{ours_rows[:3]}\n{glob_rows[:3]}\n{peer_rows[:3]}")
         results[label] = (ours, glob, peer)

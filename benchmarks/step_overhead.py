@@ -30,30 +30,56 @@ WARMUP_STEPS = 5  # the first steps start the subflow, the verifier pool and the
 PER_STEP_STAGES = ("select", "allocate", "rollout", "label", "train", "update")
 
 
-def pipeline_run(steps: int, overrides: list[str]) -> tuple[float, list[dict]]:
-    """Seconds per RL step in steady state, and the stage_runs rows of the timed steps."""
+def pipeline_run(steps: int, overrides: list[str]) -> tuple[float, list[dict], float]:
+    """Seconds per RL step in steady state, the stage_runs rows of the timed steps, and the seconds the
+    end-of-step group commits took (`Store.batch`: syncs, manifests, deferred deletes) over those steps."""
     from rlvr.flows import progress
     from rlvr.flows.config import load_config
     from rlvr.flows.runner import execute
     from rlvr.storage.store import Store
     from rlvr.storage.views import query
 
-    stamps: dict[int, float] = {}
-    progress.listen(lambda event, fields: stamps.__setitem__(fields["step"], time.perf_counter())
-                    if event == "step" else None)
-    root = os.path.join(_tmp, "store")
-    cfg = load_config(None, ["run_id=bench", f"train.steps={steps}", f"evaluate.every={steps}",
-                             f"checkpoint.every={steps}", f"flow.steps_per_subflow={steps}", *overrides])
-    execute(root, cfg)
     first, last = WARMUP_STEPS, steps - 1  # the last step also evaluates and checkpoints
+    stamps: dict[int, float] = {}
+    flushes: list[float] = []
+    progress.listen(
+        lambda event, fields: stamps.__setitem__(fields["step"], time.perf_counter()) if event == "step" else None
+    )
+    flush = Store._flush
+
+    def timed_flush(self: Store, batch: object) -> None:
+        started = time.perf_counter()
+        flush(self, batch)
+        if first in stamps and last not in stamps:
+            flushes.append(time.perf_counter() - started)
+
+    Store._flush = timed_flush  # type: ignore[method-assign]
+    root = os.path.join(_tmp, "store")
+    cfg = load_config(
+        None,
+        [
+            "run_id=bench",
+            f"train.steps={steps}",
+            f"evaluate.every={steps}",
+            f"checkpoint.every={steps}",
+            f"flow.steps_per_subflow={steps}",
+            *overrides,
+        ],
+    )
+    execute(root, cfg)
     per_step = (stamps[last] - stamps[first]) / (last - first)
-    rows = query(Store.open(root), f"SELECT stage, read_seconds, build_seconds, commit_seconds FROM stage_runs "
-                                   f"WHERE step > {first} AND step <= {last}").to_pylist()
-    return per_step, [r for r in rows if r["stage"] in PER_STEP_STAGES]
+    rows = query(
+        Store.open(root),
+        f"SELECT stage, read_seconds, build_seconds, commit_seconds FROM stage_runs "
+        f"WHERE step > {first} AND step <= {last}",
+    ).to_pylist()
+    return per_step, [r for r in rows if r["stage"] in PER_STEP_STAGES], sum(flushes)
 
 
 def plain_step_seconds(steps: int, overrides: list[str]) -> float:
     """Seconds per RL step of the same work in a plain loop (no Prefect, no store)."""
+    import random
+
     from rlvr.curricula.base import PoolProblem
     from rlvr.curricula.uniform import UniformConfig, UniformStrategy
     from rlvr.flows.config import load_config
@@ -63,16 +89,20 @@ def plain_step_seconds(steps: int, overrides: list[str]) -> float:
     from rlvr.trainer.sft import sft_warmstart
     from rlvr.verifiers.arithmetic import ArithmeticSpec, ArithmeticVerifier, generate
 
-    import random
-
     cfg = load_config(None, overrides)
     problems = generate(ArithmeticSpec(), seed=0)
     answer = {p["prompt"]: p["answer"] for p in problems}
     pool = [PoolProblem(prompt, "all") for prompt in sorted(answer)]
     policy = init_policy(cfg.policy, seed=0)
     warm = make_optimizer(policy, lr=cfg.warmstart.lr, weight_decay=0.0)
-    sft_warmstart(policy, warm, [(p["prompt"], p["answer"]) for p in problems[:30]], steps=cfg.warmstart.steps,
-                  batch_size=cfg.warmstart.batch_size, seed=0)
+    sft_warmstart(
+        policy,
+        warm,
+        [(p["prompt"], p["answer"]) for p in problems[:30]],
+        steps=cfg.warmstart.steps,
+        batch_size=cfg.warmstart.batch_size,
+        seed=0,
+    )
     optimizer = make_optimizer(policy, lr=cfg.train.grpo.lr, weight_decay=0.0)
     verifier, strategy = ArithmeticVerifier(), UniformStrategy(UniformConfig())
     started = time.perf_counter()
@@ -80,18 +110,30 @@ def plain_step_seconds(steps: int, overrides: list[str]) -> float:
         if step == WARMUP_STEPS:
             started = time.perf_counter()
         picks = [p.problem_id for p in strategy.select(pool, cfg.select.batch_size, random.Random(step))]
-        samples = sample(policy, picks, [cfg.allocate.n] * len(picks), max_new_tokens=cfg.rollout.max_new_tokens,
-                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=step)
+        samples = sample(
+            policy,
+            picks,
+            [cfg.allocate.n] * len(picks),
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            seed=step,
+        )
         rewards = [verifier.score(s.text, answer[picks[s.prompt_index]]).value for s in samples]
         grpo_step(policy, optimizer, RolloutBatch(prompts=picks, samples=samples, rewards=rewards), cfg.train.grpo)
     return (time.perf_counter() - started) / (steps - WARMUP_STEPS)
 
 
-def breakdown(per_step: float, rows: list[dict], steps: int) -> dict[str, float]:
+def breakdown(per_step: float, rows: list[dict], flush_seconds: float, steps: int) -> dict[str, float]:
     """Milliseconds per step by where they went."""
-    ms = {"model (rollout + train builds)": 0.0, "verification (label build)": 0.0,
-          "curriculum (select, allocate, update builds)": 0.0, "storage: reading inputs": 0.0,
-          "storage: committing outputs": 0.0}
+    ms = {
+        "model (rollout + train builds)": 0.0,
+        "verification (label build)": 0.0,
+        "curriculum (select, allocate, update builds)": 0.0,
+        "storage: reading inputs": 0.0,
+        "storage: committing outputs": 0.0,
+        "storage: end-of-step group commit": flush_seconds * 1000 / steps,
+    }
     for r in rows:
         build = r["build_seconds"] * 1000 / steps
         if r["stage"] in ("rollout", "train"):
@@ -112,18 +154,19 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
     args = parser.parse_args()
     plain = plain_step_seconds(args.steps, args.overrides)
-    ours, rows = pipeline_run(args.steps, args.overrides)
+    ours, rows, flush_seconds = pipeline_run(args.steps, args.overrides)
     timed = args.steps - 1 - WARMUP_STEPS
-    parts = breakdown(ours, rows, timed)
+    parts = breakdown(ours, rows, flush_seconds, timed)
     print(f"{'one RL step of the default config':48}{'ms/step':>10}{'share':>8}")
     for name, value in parts.items():
         print(f"  {name:46}{value:>10.1f}{value / (ours * 1000):>8.1%}")
     print(f"{'pipeline step (ours)':48}{ours * 1000:>10.1f}")
     print(f"{'plain loop step (peer)':48}{plain * 1000:>10.1f}")
-    overhead = parts["storage: reading inputs"] + parts["storage: committing outputs"]
-    overhead += parts["orchestration (Prefect task, flow, the rest)"]
-    print(f"orchestration + storage: {overhead / (ours * 1000):.1%} of a pipeline step; "
-          f"pipeline vs plain loop: {(ours - plain) / ours:.1%} overhead (pipeline/plain = {ours / plain:.2f}x)")
+    overhead = sum(value for name, value in parts.items() if name.startswith(("storage", "orchestration")))
+    print(
+        f"orchestration + storage: {overhead / (ours * 1000):.1%} of a pipeline step; "
+        f"pipeline vs plain loop: {(ours - plain) / ours:.1%} overhead (pipeline/plain = {ours / plain:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -96,9 +96,18 @@ class DadsStrategy(SelectionStrategy):
             if after is not None:
                 self.ema[arm] = after
             self.pulls[arm] = self.pulls.get(arm, 0) + len(pulled)
-            rows.append({"arm": arm, "pool_size": sizes.get(arm, 0), "q_before": before,
-                         "probability": probs.get(arm), "pulls": len(pulled), "reward": reward, "q_after": after,
-                         "cumulative_pulls": self.pulls[arm]})
+            rows.append(
+                {
+                    "arm": arm,
+                    "pool_size": sizes.get(arm, 0),
+                    "q_before": before,
+                    "probability": probs.get(arm),
+                    "pulls": len(pulled),
+                    "reward": reward,
+                    "q_after": after,
+                    "cumulative_pulls": self.pulls[arm],
+                }
+            )
         self.updates += 1
         return rows
 

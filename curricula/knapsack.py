@@ -198,8 +198,12 @@ class KnapsackAllocator(BudgetAllocator):
 
     def initial_count(self, p_hat: float | None) -> int:
         case = case_of(p_hat)
-        return {"unknown": self.cfg.n, "effective": self.cfg.min_n, "zero": self.cfg.negative_n,
-                "one": self.cfg.positive_n}[case]
+        return {
+            "unknown": self.cfg.n,
+            "effective": self.cfg.min_n,
+            "zero": self.cfg.negative_n,
+            "one": self.cfg.positive_n,
+        }[case]
 
     def fill_without_frontier(
         self, p_hats: Sequence[float | None], counts: list[int], remaining: int, total_budget: int, fallback: list[bool]
@@ -216,12 +220,16 @@ class KnapsackAllocator(BudgetAllocator):
         return uniform
 
     def fill_frontier(
-        self, p_hats: Sequence[float | None], effective: Sequence[int], counts: list[int], remaining: int,
+        self,
+        p_hats: Sequence[float | None],
+        effective: Sequence[int],
+        counts: list[int],
+        remaining: int,
         fallback: list[bool],
     ) -> None:
         """The frontier surplus goes to the other prompts (fallback), the solver places the rest among the
         effective prompts, and whatever it cannot place is spread evenly over them."""
-        frontier = [float(p_hats[i]) for i in effective]  # type: ignore[arg-type] - effective p̂ are numbers
+        frontier = [p for i in effective if (p := p_hats[i]) is not None]  # effective p̂ are numbers
         need = sum(int(min(self.cfg.max_n, cost_alpha(p, self.cfg.alpha))) for p in frontier)
         others = [i for i, p in enumerate(p_hats) if case_of(p) == "zero"]
         others = others or [i for i, p in enumerate(p_hats) if case_of(p) != "effective"]
@@ -236,8 +244,14 @@ class KnapsackAllocator(BudgetAllocator):
 
     def describe(self, n: int, p_hat: float | None, fallback: bool) -> Allocation:
         if p_hat is None:
-            return Allocation(n=n, case="unknown", value=None, fallback=fallback,
-                              details={"cost_alpha": None, "marginal_value": None})
+            return Allocation(
+                n=n, case="unknown", value=None, fallback=fallback, details={"cost_alpha": None, "marginal_value": None}
+            )
         cost = cost_alpha(p_hat, self.cfg.alpha) if 0.0 < p_hat < 1.0 else None
-        return Allocation(n=n, case=case_of(p_hat), value=value(n, p_hat), fallback=fallback,
-                          details={"cost_alpha": cost, "marginal_value": marginal_gain(n, p_hat)})
+        return Allocation(
+            n=n,
+            case=case_of(p_hat),
+            value=value(n, p_hat),
+            fallback=fallback,
+            details={"cost_alpha": cost, "marginal_value": marginal_gain(n, p_hat)},
+        )

@@ -97,7 +97,7 @@ class PrioritizedStrategy(SelectionStrategy):
         for outcome in sorted(feedback.outcomes, key=lambda o: o.slot):
             if outcome.rewards:
                 kept = self.history.get(outcome.problem_id, []) + [float(r) for r in outcome.rewards]
-                self.history[outcome.problem_id] = kept[-self.cfg.history:]
+                self.history[outcome.problem_id] = kept[-self.cfg.history :]
         self.updates += 1
         return rows
 

@@ -150,10 +150,18 @@ class SecStrategy(SelectionStrategy):
             q_after = td_update(q_before, reward, self.cfg.alpha) if reward is not None else q_before
             self.q[arm] = q_after
             self.pulls[arm] = self.pulls.get(arm, 0) + len(pulled)
-            rows.append({
-                "arm": arm, "pool_size": sizes.get(arm, 0), "q_before": q_before, "probability": probs.get(arm),
-                "pulls": len(pulled), "reward": reward, "q_after": q_after, "cumulative_pulls": self.pulls[arm],
-            })
+            rows.append(
+                {
+                    "arm": arm,
+                    "pool_size": sizes.get(arm, 0),
+                    "q_before": q_before,
+                    "probability": probs.get(arm),
+                    "pulls": len(pulled),
+                    "reward": reward,
+                    "q_after": q_after,
+                    "cumulative_pulls": self.pulls[arm],
+                }
+            )
         self.updates += 1
         self.last_step = feedback.step
         return rows

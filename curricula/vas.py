@@ -135,8 +135,9 @@ class VasStrategy(SelectionStrategy):
         self.updates += 1
         refreshed = self.updates % self.cfg.update_every == 0
         if refreshed:
-            self.vps = {pid: self.cfg.ovs_weight * ovs + self.cfg.tds_weight * tds
-                        for pid, (ovs, tds) in self.scores.items()}
+            self.vps = {
+                pid: self.cfg.ovs_weight * ovs + self.cfg.tds_weight * tds for pid, (ovs, tds) in self.scores.items()
+            }
         return [{**row, "probability": arm_probability.get(row["arm"]), "refreshed": refreshed} for row in rows]
 
     def arm_probabilities(self, pool: Sequence[PoolProblem]) -> dict[str, float]:
@@ -151,8 +152,11 @@ class VasStrategy(SelectionStrategy):
 
     def state_dict(self) -> dict[str, Any]:
         """Latest (OVS, TDS) per scored problem, the VPS table of the last refresh, the number of updates."""
-        return {"scores": {pid: list(s) for pid, s in self.scores.items()}, "vps": dict(self.vps),
-                "updates": self.updates}
+        return {
+            "scores": {pid: list(s) for pid, s in self.scores.items()},
+            "vps": dict(self.vps),
+            "updates": self.updates,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.scores = {str(pid): (float(s[0]), float(s[1])) for pid, s in state.get("scores", {}).items()}

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -14,20 +14,26 @@ from rich.table import Table
 
 from rlvr.errors import UserError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="rlvr: RL with verifiable rewards, every artifact Parquet, every question a DuckDB query.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="rlvr: RL with verifiable rewards, every artifact Parquet, every question a DuckDB query.",
+)
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
 DEFAULT_STORE = "./rlvr-store"
-StoreOption = typer.Option(None, "--store", help="store root: a path or fsspec URL (default $RLVR_STORE or ./rlvr-store)")
+StoreOption = typer.Option(
+    None, "--store", help="store root: a path or fsspec URL (default $RLVR_STORE or ./rlvr-store)"
+)
 
 
-def store_root(store: Optional[str]) -> str:
+def store_root(store: str | None) -> str:
     return store or os.environ.get("RLVR_STORE") or DEFAULT_STORE
 
 
-def open_existing(store: Optional[str]):
+def open_existing(store: str | None):
     from rlvr.storage.store import Store
 
     return Store.open(store_root(store))
@@ -35,9 +41,9 @@ def open_existing(store: Optional[str]):
 
 @app.command()
 def run(
-    config: Optional[Path] = typer.Option(None, "--config", help="YAML file with config sections"),
-    store: Optional[str] = StoreOption,
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="name the run (default: a new timestamped id)"),
+    config: Path | None = typer.Option(None, "--config", help="YAML file with config sections"),
+    store: str | None = StoreOption,
+    run_id: str | None = typer.Option(None, "--run-id", help="name the run (default: a new timestamped id)"),
     set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set train.steps=200"),
 ) -> None:
     """Run the RL pipeline end to end: synthesize, warm start, difficulty, RL steps, evaluate, checkpoint."""
@@ -58,7 +64,7 @@ def run(
 
 
 @app.command()
-def resume(run_id: str = typer.Argument(..., help="the run to finish"), store: Optional[str] = StoreOption) -> None:
+def resume(run_id: str = typer.Argument(..., help="the run to finish"), store: str | None = StoreOption) -> None:
     """Finish a failed or killed run from its last committed work (same results as an uninterrupted run)."""
     from rlvr.flows.prefect_env import configure_prefect
 
@@ -79,9 +85,15 @@ def _run_with_progress(start, cfg) -> None:
 
     steps = cfg.train.steps if cfg is not None else 0
     state: dict[str, Any] = {"reward": float("nan"), "accuracy": float("nan")}
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("reward {task.fields[reward]:.2f}  held-out acc {task.fields[accuracy]:.2f}"),
-                   TimeElapsedColumn(), console=err, transient=False)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("reward {task.fields[reward]:.2f}  held-out acc {task.fields[accuracy]:.2f}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=False,
+    )
     task_id = bar.add_task("starting", total=steps, reward=state["reward"], accuracy=state["accuracy"])
 
     def listener(event: str, fields: dict[str, Any]) -> None:
@@ -101,24 +113,28 @@ def _run_with_progress(start, cfg) -> None:
     _print_summary(summary)
 
 
-def _fmt(value: Optional[float]) -> str:
+def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
 
 def _print_summary(s: dict[str, Any]) -> None:
     run_id, root = s["run_id"], s["store"]
     out.print(f"\n[bold]run {run_id} completed[/bold] in {s['seconds']:.0f} s")
-    out.print(f"held-out greedy accuracy (test split): before {_fmt(s['accuracy_init'])}"
-              f" -> after warm start {_fmt(s['accuracy_warmstart'])} -> after RL {_fmt(s['accuracy_final'])}")
+    out.print(
+        f"held-out greedy accuracy (test split): before {_fmt(s['accuracy_init'])}"
+        f" -> after warm start {_fmt(s['accuracy_warmstart'])} -> after RL {_fmt(s['accuracy_final'])}"
+    )
     out.print(f"run id: {run_id}\nstore:  {root}")
     out.print("query it, e.g.:")
-    out.print(f"  rlvr query \"SELECT step, phase, accuracy FROM evals WHERE run_id = '{run_id}' ORDER BY step\""
-              f" --store {root}")
+    out.print(
+        f"  rlvr query \"SELECT step, phase, accuracy FROM evals WHERE run_id = '{run_id}' ORDER BY step\""
+        f" --store {root}"
+    )
     out.print(f"  rlvr lineage {s['final_checkpoint']} --up --store {root}")
 
 
 @app.command()
-def runs(store: Optional[str] = StoreOption) -> None:
+def runs(store: str | None = StoreOption) -> None:
     """List the runs in the store with their status (running, failed, completed)."""
     from rlvr.flows.runner import describe_run
 
@@ -130,7 +146,7 @@ def runs(store: Optional[str] = StoreOption) -> None:
 @app.command()
 def query(
     sql: str = typer.Argument(..., help="SQL over the views: artifacts, lineage, runs, problems, rollouts, ..."),
-    store: Optional[str] = StoreOption,
+    store: str | None = StoreOption,
     format: str = typer.Option("table", "--format", help="table, csv or json"),
 ) -> None:
     """Run a DuckDB query over the store's committed artifacts."""
@@ -153,7 +169,7 @@ def query(
 @app.command()
 def lineage(
     artifact_or_row_id: str = typer.Argument(..., help="an artifact id, or a problem/rollout id"),
-    store: Optional[str] = StoreOption,
+    store: str | None = StoreOption,
     up: bool = typer.Option(False, "--up", help="everything it came from (default)"),
     down: bool = typer.Option(False, "--down", help="everything made from it"),
     format: str = typer.Option("table", "--format", help="table, csv or json"),
@@ -166,8 +182,17 @@ def lineage(
     found = open_existing(store)
     aid = resolve_id(found, artifact_or_row_id)
     manifests = descendants(found, aid) if down else ancestors(found, aid)
-    rows = [{"artifact_id": m.artifact_id, "kind": m.kind, "stage": m.stage, "step": m.step, "rows": m.rows,
-             "run_id": m.run_id} for m in manifests]
+    rows = [
+        {
+            "artifact_id": m.artifact_id,
+            "kind": m.kind,
+            "stage": m.stage,
+            "step": m.step,
+            "rows": m.rows,
+            "run_id": m.run_id,
+        }
+        for m in manifests
+    ]
     if format == "table":
         out.print(f"{'descendants' if down else 'ancestors'} of {aid}: {len(rows)} artifacts")
     _print_rows(rows, ["artifact_id", "kind", "stage", "step", "rows", "run_id"], format)
@@ -176,8 +201,8 @@ def lineage(
 @app.command()
 def relabel(
     target: str = typer.Argument(..., help="a rewards artifact id, or a run id (all its rewards)"),
-    store: Optional[str] = StoreOption,
-    verifier: Optional[str] = typer.Option(None, "--verifier", help="verifier to use (default: the one that labelled)"),
+    store: str | None = StoreOption,
+    verifier: str | None = typer.Option(None, "--verifier", help="verifier to use (default: the one that labelled)"),
     workers: int = typer.Option(2, "--workers", min=0, help="verifier worker processes"),
     timeout: float = typer.Option(5.0, "--timeout", help="hard wall-clock limit per answer, seconds"),
 ) -> None:
@@ -206,8 +231,10 @@ def relabel(
     flips = [r for _, flips_id in results for r in found.read_table(flips_id).to_pylist()]
     up = sum(r["new_score"] > r["old_score"] for r in flips)
     down = sum(r["new_score"] < r["old_score"] for r in flips)
-    out.print(f"relabelled {len(results)} rewards artifacts with {name} v{verifier_class(name).version}: "
-              f"{len(flips)} verdicts flipped ({up} up, {down} down)")
+    out.print(
+        f"relabelled {len(results)} rewards artifacts with {name} v{verifier_class(name).version}: "
+        f"{len(flips)} verdicts flipped ({up} up, {down} down)"
+    )
     _print_rows(flips[:20], ["rollout_id", "step", "old_score", "new_score", "old_status", "new_status"], "table")
     out.print(f'flip report: rlvr query "SELECT * FROM relabel_flips ORDER BY step" --store {found.root}')
 
@@ -221,8 +248,10 @@ def verifiers() -> None:
     """List the registered verifiers (built-in and `rlvr.verifiers` plugins) with their versions."""
     from rlvr.verifiers.registry import plugin_errors, registered
 
-    rows = [{"name": name, "domain": cls.domain, "version": cls.version, "class": f"{cls.__module__}.{cls.__qualname__}"}
-            for name, cls in registered().items()]
+    rows = [
+        {"name": name, "domain": cls.domain, "version": cls.version, "class": f"{cls.__module__}.{cls.__qualname__}"}
+        for name, cls in registered().items()
+    ]
     _print_rows(rows, ["name", "domain", "version", "class"], "table")
     for problem in plugin_errors():
         err.print(f"warning: {problem}", markup=False)

@@ -23,13 +23,23 @@ import rlvr.tasks
 from rlvr import plugins
 from rlvr.errors import ConfigError
 from rlvr.storage.ids import canonical_json
-from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, run_stage
-from rlvr.storage.stage import rows_to_table
+from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table, run_stage
 from rlvr.storage.store import Store
 
 # The order sections are shown in (model_dump, --help): the order of the pipeline.
-SECTION_ORDER = ("policy", "synthesize", "warmstart", "difficulty", "select", "allocate", "rollout", "label",
-                 "train", "evaluate", "checkpoint")
+SECTION_ORDER = (
+    "policy",
+    "synthesize",
+    "warmstart",
+    "difficulty",
+    "select",
+    "allocate",
+    "rollout",
+    "label",
+    "train",
+    "evaluate",
+    "checkpoint",
+)
 
 
 class FlowConfig(BaseModel):
@@ -73,8 +83,10 @@ def _section_fields(stages: list[Stage[Any]]) -> dict[str, tuple[Any, Any]]:
         factory = stage.default or annotation
         if stage.section in fields:
             if fields[stage.section][0] != annotation:
-                raise TypeError(f"stages {owner[stage.section]!r} and {stage.name!r} share section "
-                                f"{stage.section!r} with different config types")
+                raise TypeError(
+                    f"stages {owner[stage.section]!r} and {stage.name!r} share section "
+                    f"{stage.section!r} with different config types"
+                )
             continue
         fields[stage.section] = (annotation, Field(default_factory=factory))
         owner[stage.section] = stage.name
@@ -125,7 +137,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def _user_path(loc: tuple[Any, ...], tree: Any) -> list[str]:
     """The config keys of an error location, without the union tags pydantic adds (select.sec.alpha -> select.alpha)."""
-    path, node = [], tree
+    path: list[str] = []
+    node = tree
     for part in loc:
         if isinstance(node, dict) and part not in node and node.get("type", part) == part and path:
             continue  # a union tag, not a key the user wrote

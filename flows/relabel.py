@@ -20,7 +20,13 @@ def relabel_rewards(store: str, rewards_ids: list[str], cfg: VerifierConfig) -> 
         if old.kind != "rewards":
             raise UserError(f"{rewards_id} is a {old.kind} artifact; relabel takes a rewards artifact")
         rollouts_id, problems_id = old.parents[0], old.parents[1]
-        done = run(RELABEL, cfg, store=store, run_id=old.run_id, step=old.step,
-                   inputs={"rewards": rewards_id, "rollouts": rollouts_id, "problems": problems_id})
+        done = run(
+            RELABEL,
+            cfg,
+            store=store,
+            run_id=old.run_id,
+            step=old.step,
+            inputs={"rewards": rewards_id, "rollouts": rollouts_id, "problems": problems_id},
+        )
         results.append((done["relabeled_rewards"], done["relabel_flips"]))
     return results

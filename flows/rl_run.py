@@ -62,25 +62,43 @@ def rl_step(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> tuple[
 def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> tuple[StepRefs, dict[str, Any]]:
     at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed, step=step)
     problems, difficulty = refs.problems, refs.difficulty
-    selections = run(SELECT, cfg.select, inputs={"problems": problems, "difficulty": difficulty, "state": refs.state},
-                     **at)
+    selections = run(
+        SELECT, cfg.select, inputs={"problems": problems, "difficulty": difficulty, "state": refs.state}, **at
+    )
     allocations = run(ALLOCATE, cfg.allocate, inputs={"selections": selections.id, "difficulty": difficulty}, **at)
-    rollouts = run(ROLLOUT, cfg.rollout, inputs={"allocations": allocations.id, "problems": problems,
-                                                 "policy": refs.policy}, **at)
+    rollouts = run(
+        ROLLOUT, cfg.rollout, inputs={"allocations": allocations.id, "problems": problems, "policy": refs.policy}, **at
+    )
     rewards = run(LABEL, cfg.label, inputs={"rollouts": rollouts.id, "problems": problems}, **at)["rewards"]
     trained = run(TRAIN, cfg.train, inputs={"rollouts": rollouts.id, "rewards": rewards, "policy": refs.policy}, **at)
-    updated = run(UPDATE, cfg.select, inputs={"state": refs.state, "problems": problems, "difficulty": difficulty,
-                                              "selections": selections.id, "rollouts": rollouts.id, "rewards": rewards},
-                  params={"advantage_scale": cfg.train.grpo.advantage_scale}, **at)
+    updated = run(
+        UPDATE,
+        cfg.select,
+        inputs={
+            "state": refs.state,
+            "problems": problems,
+            "difficulty": difficulty,
+            "selections": selections.id,
+            "rollouts": rollouts.id,
+            "rewards": rewards,
+        },
+        params={"advantage_scale": cfg.train.grpo.advantage_scale},
+        **at,
+    )
     metrics = trained.table(open_store(store), "train_steps").to_pylist()[0]
     return replace(refs, policy=trained["train_steps"], state=updated.id), metrics
 
 
 def evaluate(store: str, cfg: RunConfigBase, step: int, phase: str, refs: StepRefs) -> float:
     """Greedy accuracy of `refs.policy` on the held-out split (an `evals` row)."""
-    result = run(EVALUATE, cfg.evaluate, inputs={"policy": refs.policy, "problems": refs.problems},
-                 params={"phase": phase, "verifier": cfg.label}, store=store, run_id=cfg.run_id, seed=cfg.seed,
-                 step=step)
+    at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed, step=step)
+    result = run(
+        EVALUATE,
+        cfg.evaluate,
+        inputs={"policy": refs.policy, "problems": refs.problems},
+        params={"phase": phase, "verifier": cfg.label},
+        **at,
+    )
     return float(result.table(open_store(store)).column("accuracy")[0].as_py())
 
 
@@ -94,8 +112,8 @@ def rl_steps(store: str, cfg: RunConfigBase, first: int, last: int, refs: StepRe
         if step % cfg.evaluate.every == 0 or final:
             report("eval", step=step, accuracy=evaluate(store, cfg, step, "rl", refs))
         if step % cfg.checkpoint.every == 0 or final:
-            run(CHECKPOINT, cfg.checkpoint, inputs={"policy": refs.policy}, store=store, run_id=cfg.run_id,
-                seed=cfg.seed, step=step)
+            at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed, step=step)
+            run(CHECKPOINT, cfg.checkpoint, inputs={"policy": refs.policy}, **at)
     return refs
 
 
@@ -116,8 +134,13 @@ def rl_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
         refs = replace(refs, policy=warm["checkpoints"])
         report("eval", step=0, phase="warmstart", accuracy=evaluate(store, cfg, 0, "warmstart", refs))
     report("stage", name="difficulty")
-    difficulty = run(DIFFICULTY, cfg.difficulty, inputs={"problems": problems, "policy": refs.policy},
-                     params={"verifier": cfg.label}, **at)
+    difficulty = run(
+        DIFFICULTY,
+        cfg.difficulty,
+        inputs={"problems": problems, "policy": refs.policy},
+        params={"verifier": cfg.label},
+        **at,
+    )
     refs = replace(refs, difficulty=difficulty.id)
     report("stage", name="rl")
     size = cfg.flow.steps_per_subflow

@@ -11,21 +11,21 @@ import os
 import secrets
 import socket
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
-from rlvr.flows.prefect_env import configure_prefect
 from rlvr.errors import UserError
+from rlvr.flows.prefect_env import configure_prefect
 from rlvr.storage.store import Store, run_status
 from rlvr.storage.views import query
 
 
 def new_run_id() -> str:
-    return datetime.now(timezone.utc).strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+    return datetime.now(UTC).strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def _record(store: Store, run_id: str, **fields: Any) -> None:
@@ -41,8 +41,7 @@ def execute(store_root: str, cfg: Any) -> dict[str, Any]:
     from rlvr.flows.rl_run import rl_run  # after configure_prefect: Prefect reads settings on import
 
     store.cleanup_uncommitted()
-    _record(store, cfg.run_id, status="running", store_root=store_root,
-            config_json=cfg.model_dump_json(), error=None)
+    _record(store, cfg.run_id, status="running", store_root=store_root, config_json=cfg.model_dump_json(), error=None)
     started = time.monotonic()
     try:
         result = rl_run(store_root, cfg)
@@ -50,8 +49,7 @@ def execute(store_root: str, cfg: Any) -> dict[str, Any]:
         _record(store, cfg.run_id, status="failed", error=f"{type(exc).__name__}: {exc}"[:500])
         raise
     _record(store, cfg.run_id, status="completed", error=None)
-    return {**result, **accuracy_summary(store, cfg.run_id), "seconds": time.monotonic() - started,
-            "store": store_root}
+    return {**result, **accuracy_summary(store, cfg.run_id), "seconds": time.monotonic() - started, "store": store_root}
 
 
 def resume(store_root: str, run_id: str) -> dict[str, Any]:
@@ -79,14 +77,26 @@ def accuracy_summary(store: Store, run_id: str) -> dict[str, Any]:
     by_phase: dict[str, float] = {}
     for row in rows:
         by_phase[row["phase"]] = row["accuracy"]  # the last row of each phase wins (highest step)
-    final = query(store, f"SELECT artifact_id FROM checkpoints WHERE run_id = '{run_id}' "
-                         "ORDER BY step DESC, stage = 'checkpoint' DESC LIMIT 1").to_pylist()
-    return {"accuracy_init": by_phase.get("init"), "accuracy_warmstart": by_phase.get("warmstart"),
-            "accuracy_final": by_phase.get("rl"), "evals": rows,
-            "final_checkpoint": final[0]["artifact_id"] if final else None}
+    final = query(
+        store,
+        f"SELECT artifact_id FROM checkpoints WHERE run_id = '{run_id}' "
+        "ORDER BY step DESC, stage = 'checkpoint' DESC LIMIT 1",
+    ).to_pylist()
+    return {
+        "accuracy_init": by_phase.get("init"),
+        "accuracy_warmstart": by_phase.get("warmstart"),
+        "accuracy_final": by_phase.get("rl"),
+        "evals": rows,
+        "final_checkpoint": final[0]["artifact_id"] if final else None,
+    }
 
 
 def describe_run(record: dict[str, Any]) -> dict[str, Any]:
     config = json.loads(record.get("config_json") or "{}")
-    return {"run_id": record["run_id"], "status": run_status(record), "steps": config.get("train", {}).get("steps"),
-            "created_at": record.get("created_at"), "updated_at": record.get("updated_at")}
+    return {
+        "run_id": record["run_id"],
+        "status": run_status(record),
+        "steps": config.get("train", {}).get("steps"),
+        "created_at": record.get("created_at"),
+        "updated_at": record.get("updated_at"),
+    }

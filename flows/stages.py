@@ -33,8 +33,9 @@ def run(
 ) -> StageRun:
     """Run `stage` through the runner (skipped when committed), as a Prefect task unless inside one."""
     if TaskRunContext.get() is not None:
-        return run_stage(open_store(store), stage, cfg, run_id=run_id, seed=seed, step=step, inputs=inputs,
-                         params=params)
+        return run_stage(
+            open_store(store), stage, cfg, run_id=run_id, seed=seed, step=step, inputs=inputs, params=params
+        )
     _stages[stage.name] = stage
     return _task_of(stage.name)(store, stage.name, cfg, run_id, seed, step, dict(inputs or {}), dict(params or {}))
 
@@ -46,9 +47,25 @@ _stages: dict[str, Stage[Any]] = {}
 def _task_of(name: str) -> Any:
     """One Prefect task per stage name (the task run's name in the UI is the stage's)."""
 
-    def run_as_task(store: str, stage_name: str, cfg: Any, run_id: str, seed: int, step: int | None,
-                    inputs: dict[str, str | None], params: dict[str, Any]) -> StageRun:
-        return run_stage(open_store(store), _stages[stage_name], cfg, run_id=run_id, seed=seed, step=step,
-                         inputs=inputs, params=params)
+    def run_as_task(
+        store: str,
+        stage_name: str,
+        cfg: Any,
+        run_id: str,
+        seed: int,
+        step: int | None,
+        inputs: dict[str, str | None],
+        params: dict[str, Any],
+    ) -> StageRun:
+        return run_stage(
+            open_store(store),
+            _stages[stage_name],
+            cfg,
+            run_id=run_id,
+            seed=seed,
+            step=step,
+            inputs=inputs,
+            params=params,
+        )
 
-    return task(run_as_task, name=name, cache_policy=NONE)
+    return task(name=name, cache_policy=NONE)(run_as_task)

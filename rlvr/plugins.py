@@ -35,7 +35,7 @@ class TypedRegistry(Generic[Impl]):
     """Implementations of one extension point, by name; the first one registered is the default,
     chosen when a config section gives no `type`."""
 
-    def __init__(self, what: str, config_base: type[BaseModel], impl_base: type[Impl], group: str) -> None:
+    def __init__(self, what: str, config_base: type[BaseModel], impl_base: type[Any], group: str) -> None:
         self.what = what
         self.config_base = config_base
         self.impl_base = impl_base
@@ -53,15 +53,16 @@ class TypedRegistry(Generic[Impl]):
             try:
                 entry_point.load()
             except Exception as exc:  # a broken plugin is reported, never a crash of every run
-                self.plugin_errors.append(f"plugin {entry_point.name!r} ({entry_point.value}) failed to load: "
-                                          f"{type(exc).__name__}: {exc}")
+                self.plugin_errors.append(
+                    f"plugin {entry_point.name!r} ({entry_point.value}) failed to load: {type(exc).__name__}: {exc}"
+                )
 
     def register(self, config: type[BaseModel], impl: type[Impl]) -> None:
         """Make `type = config's type` choose `impl` (registering a name again replaces it)."""
         global _generation
         if not issubclass(config, self.config_base):
             raise TypeError(f"{config.__name__} must subclass {self.config_base.__name__}")
-        if not issubclass(impl, self.impl_base):  # type: ignore[arg-type]
+        if not issubclass(impl, self.impl_base):
             raise TypeError(f"{impl.__name__} must subclass {self.impl_base.__name__}")
         field = config.model_fields.get("type")
         name = field.default if field is not None else None

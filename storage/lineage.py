@@ -69,9 +69,7 @@ def _artifact_holding_row(store: Store, kind: str, column: str, row_id: str) -> 
     con = duckdb_connection(store)
     try:
         scan = parquet_scan(owner, extra_options=f", filename = '{_FILE_COLUMN}'")
-        hits = con.execute(
-            f'SELECT DISTINCT {_FILE_COLUMN} FROM {scan} WHERE "{column}" = ?', [row_id]
-        ).fetchall()
+        hits = con.execute(f'SELECT DISTINCT {_FILE_COLUMN} FROM {scan} WHERE "{column}" = ?', [row_id]).fetchall()
     finally:
         con.close()
     holding = {owner[path] for (path,) in hits if path in owner}

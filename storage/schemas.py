@@ -33,12 +33,8 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("derivation", _s),
         ]
     ),
-    "quarantine": pa.schema(
-        [("run_id", _s), ("stage", _s), ("source_index", _i), ("reason", _s), ("row_json", _s)]
-    ),
-    "warmstart": pa.schema(
-        [("run_id", _s), ("step", _i), ("loss", _f), ("examples", _i), ("lr", _f)]
-    ),
+    "quarantine": pa.schema([("run_id", _s), ("stage", _s), ("source_index", _i), ("reason", _s), ("row_json", _s)]),
+    "warmstart": pa.schema([("run_id", _s), ("step", _i), ("loss", _f), ("examples", _i), ("lr", _f)]),
     "difficulty": pa.schema(
         [
             ("run_id", _s),
@@ -172,9 +168,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("compute_seconds", _f),
         ]
     ),
-    "train_state": pa.schema(
-        [("run_id", _s), ("step", _i), ("optimizer_steps", _i), ("n_params", _i)]
-    ),
+    "train_state": pa.schema([("run_id", _s), ("step", _i), ("optimizer_steps", _i), ("n_params", _i)]),
     "evals": pa.schema(
         [
             ("run_id", _s),

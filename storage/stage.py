@@ -145,13 +145,14 @@ class Stage(Generic[C]):
             return self.config
         return self.config()
 
-    def output_ids(self, run_id: str, step: int | None, cfg: Any, params: Mapping[str, Any],
-                   input_ids: Mapping[str, str | None]) -> dict[str, str]:
+    def output_ids(
+        self, run_id: str, step: int | None, cfg: Any, params: Mapping[str, Any], input_ids: Mapping[str, str | None]
+    ) -> dict[str, str]:
         """The id of every output, from what determines its content."""
         settings = self.identity(cfg, params)
         if step is not None:
             settings = {**settings, "step": step}
-        parents = [input_ids[name] for name in self.inputs if input_ids.get(name) is not None]
+        parents = [aid for name in self.inputs if (aid := input_ids.get(name)) is not None]
         return {
             name: artifact_id(output.kind, self.name, self.code_version, settings, parents, run_id)
             for name, output in self.outputs.items()
@@ -237,8 +238,9 @@ class Inputs:
     Backed by a store, or by plain values (`Inputs.given(...)`) so a build can be tested without one.
     """
 
-    def __init__(self, store: Store | None, ids: Mapping[str, str | None],
-                 given: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, store: Store | None, ids: Mapping[str, str | None], given: Mapping[str, Any] | None = None
+    ) -> None:
         self.store = store
         self.ids = dict(ids)
         self._given = dict(given or {})
@@ -289,10 +291,8 @@ class Inputs:
         return self.store
 
 
-def carried_state(store: Store, artifact_id: str | None) -> dict[str, Any] | None:
-    """The state dict a stage carried out of the step that committed `artifact_id` (None at the start)."""
-    if artifact_id is None:
-        return None
+def carried_state(store: Store, artifact_id: str) -> dict[str, Any]:
+    """The state dict a stage carried out of the step that committed `artifact_id`."""
     return dict(store.manifest(artifact_id).extra.get("state") or {})
 
 
@@ -364,22 +364,37 @@ def run_stage(
     return result
 
 
-def _build_and_commit(store: Store, stage: Stage[C], cfg: C, run_id: str, seed: int, step: int | None,
-                      input_ids: dict[str, str | None], params: dict[str, Any], ids: dict[str, str]) -> StageRun:
+def _build_and_commit(
+    store: Store,
+    stage: Stage[C],
+    cfg: C,
+    run_id: str,
+    seed: int,
+    step: int | None,
+    input_ids: dict[str, str | None],
+    params: dict[str, Any],
+    ids: dict[str, str],
+) -> StageRun:
     started_at = utc_now()
     reader = Inputs(store, input_ids)
-    state = carried_state(store, input_ids.get("state")) if stage.carries_state else None
+    previous = input_ids.get("state")
+    state = carried_state(store, previous) if stage.carries_state and previous is not None else None
     ctx = StageContext(run_id, seed, step, stage.name, input_ids, ids, params, state, store)
     started = time.perf_counter()
     products = _as_mapping(stage, stage.build(reader, cfg, ctx))
     built = time.perf_counter()
-    record = {"outputs": dict(ids), "inputs": dict(input_ids), "started_at": started_at,
-              "read_seconds": round(reader.read_seconds, 6),
-              "build_seconds": round(built - started - reader.read_seconds, 6)}
+    record = {
+        "outputs": dict(ids),
+        "inputs": dict(input_ids),
+        "started_at": started_at,
+        "read_seconds": round(reader.read_seconds, 6),
+        "build_seconds": round(built - started - reader.read_seconds, 6),
+    }
     settings = stage.identity(cfg, params)
     parents = [aid for aid in input_ids.values() if aid is not None]
-    common = dict(run_id=run_id, stage=stage.name, parents=parents, code_version=stage.code_version,
-                  config=settings, step=step)
+    common = dict(
+        run_id=run_id, stage=stage.name, parents=parents, code_version=stage.code_version, config=settings, step=step
+    )
     for name, output in stage.outputs.items():
         product = products[name]
         record["commit_seconds"] = round(time.perf_counter() - built, 6)  # of the outputs before this one
@@ -393,8 +408,15 @@ def _build_and_commit(store: Store, stage: Stage[C], cfg: C, run_id: str, seed: 
         if output.transient:
             _replace_transient(store, output.kind, run_id, ids[name])
     commit_seconds = time.perf_counter() - built
-    return StageRun(stage.name, step, ids, skipped=False, read_seconds=reader.read_seconds,
-                    build_seconds=built - started - reader.read_seconds, commit_seconds=commit_seconds)
+    return StageRun(
+        stage.name,
+        step,
+        ids,
+        skipped=False,
+        read_seconds=reader.read_seconds,
+        build_seconds=built - started - reader.read_seconds,
+        commit_seconds=commit_seconds,
+    )
 
 
 def _as_mapping(stage: Stage[Any], products: Products) -> Mapping[str, Built | Sharded]:
@@ -408,8 +430,15 @@ def _as_mapping(stage: Stage[Any], products: Products) -> Mapping[str, Built | S
     return products
 
 
-def _commit_built(store: Store, output: Output, aid: str, built: Built, record: dict[str, Any],
-                  common: dict[str, Any], keeps_state: bool) -> None:
+def _commit_built(
+    store: Store,
+    output: Output,
+    aid: str,
+    built: Built,
+    record: dict[str, Any],
+    common: dict[str, Any],
+    keeps_state: bool,
+) -> None:
     """Commit one output (unless a crashed earlier attempt already did) and keep its live object."""
     extra = {**built.extra, "stage_run": dict(record)}
     if keeps_state and built.state is not None:
@@ -421,8 +450,9 @@ def _commit_built(store: Store, output: Output, aid: str, built: Built, record: 
         RESIDENTS.keep(aid, built.resident)
 
 
-def _commit_sharded(store: Store, kind: str, aid: str, sharded: Sharded, record: dict[str, Any],
-                    common: dict[str, Any]) -> None:
+def _commit_sharded(
+    store: Store, kind: str, aid: str, sharded: Sharded, record: dict[str, Any], common: dict[str, Any]
+) -> None:
     """Write the shards not yet committed, then the manifest; the shards' making counts as build time."""
     writer = store.writer(kind, aid, extra=dict(sharded.extra), **common)
     done = writer.committed_shards()
@@ -479,4 +509,3 @@ def rows_to_table(kind: str, rows: Sequence[Mapping[str, Any]]) -> pa.Table:
         return declared
     extra = pa.Table.from_pylist([{name: row.get(name) for name in extra_names} for row in rows])
     return pa.Table.from_arrays([*declared.columns, *extra.columns], names=[*schema.names, *extra_names])
-

@@ -24,9 +24,9 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from functools import lru_cache
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from functools import lru_cache
 from typing import Any
 
 import fsspec
@@ -54,7 +54,7 @@ _MAX_SHARD_INDEX = 99_999
 
 def utc_now() -> str:
     """Timestamps are ISO UTC strings with a fixed width, so sorting the strings sorts the times."""
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+    return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
 def part_name(index: int) -> str:
@@ -125,8 +125,9 @@ def conform_to_schema(kind: str, table: pa.Table) -> pa.Table:
     duplicated = sorted({name for name in actual if actual.count(name) > 1})
     if kind in OPEN_KINDS and not missing and not duplicated:
         declared = table.select(expected).cast(schema)
-        return pa.Table.from_arrays([*declared.columns, *(table.column(name) for name in extra)],
-                                    names=[*expected, *extra])
+        return pa.Table.from_arrays(
+            [*declared.columns, *(table.column(name) for name in extra)], names=[*expected, *extra]
+        )
     if missing or extra or duplicated:
         raise ValueError(
             f"{kind} table does not match its declared schema (storage/schemas.py): "
@@ -295,8 +296,10 @@ class Store:
         self._sync(batch.written)
         if self.is_local:
             paths = [self.manifest_path(m.artifact_id) for m in batch.manifests]
-            temps = [self._write_temp(path, m.to_json().encode("utf-8"), sync=False)
-                     for path, m in zip(paths, batch.manifests)]
+            temps = [
+                self._write_temp(path, m.to_json().encode("utf-8"), sync=False)
+                for path, m in zip(paths, batch.manifests)
+            ]
             self._sync(temps)
             for temp, path in zip(temps, paths):
                 os.replace(temp, path)
@@ -413,8 +416,7 @@ class Store:
             text = self.fs.cat_file(self.manifest_path(artifact_id))
         except FileNotFoundError:
             raise ArtifactNotFound(
-                f"no artifact {artifact_id} in store {self.root}; "
-                f"list them with `rlvr query \"select * from artifacts\"`"
+                f'no artifact {artifact_id} in store {self.root}; list them with `rlvr query "select * from artifacts"`'
             ) from None
         manifest = Manifest.from_json(text)
         self._manifest_cache[artifact_id] = manifest
@@ -700,6 +702,7 @@ def _open_new(path: str) -> Any:
     except FileNotFoundError:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return open(path, "wb")
+
 
 @lru_cache(maxsize=1)
 def _fsync_pool() -> ThreadPoolExecutor:

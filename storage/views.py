@@ -158,14 +158,21 @@ def _stage_runs_table(manifests: list[Manifest]) -> pa.Table:
     rows = []
     for outputs, members in runs.items():
         record = members[0].extra["stage_run"]
-        rows.append({
-            "run_id": members[0].run_id, "stage": members[0].stage, "step": members[0].step,
-            "started_at": record.get("started_at"), "finished_at": max(m.created_at for m in members),
-            "read_seconds": record.get("read_seconds"), "build_seconds": record.get("build_seconds"),
-            "commit_seconds": max(m.extra["stage_run"].get("commit_seconds", 0.0) + m.seconds for m in members),
-            "outputs": list(outputs),
-            "rows": sum(m.rows for m in members), "bytes": sum(e["bytes"] for m in members for e in m.files),
-        })
+        rows.append(
+            {
+                "run_id": members[0].run_id,
+                "stage": members[0].stage,
+                "step": members[0].step,
+                "started_at": record.get("started_at"),
+                "finished_at": max(m.created_at for m in members),
+                "read_seconds": record.get("read_seconds"),
+                "build_seconds": record.get("build_seconds"),
+                "commit_seconds": max(m.extra["stage_run"].get("commit_seconds", 0.0) + m.seconds for m in members),
+                "outputs": list(outputs),
+                "rows": sum(m.rows for m in members),
+                "bytes": sum(e["bytes"] for m in members for e in m.files),
+            }
+        )
     rows.sort(key=lambda r: (r["started_at"] or "", r["stage"]))
     return pa.Table.from_pylist(rows, schema=_STAGE_RUNS_SCHEMA)
 

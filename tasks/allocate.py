@@ -16,10 +16,23 @@ def build(inputs: Inputs, cfg: AllocateConfig, ctx: StageContext) -> Built:
     estimates = [_difficulty_estimate(stats.get(s["problem_id"])) for s in slots]
     allocator = make_allocator(cfg)
     allocations = allocator.allocate(picks, estimates, total_budget=len(picks) * cfg.n)
-    rows = [{"run_id": ctx.run_id, "step": ctx.step, "slot": s["slot"], "problem_id": s["problem_id"],
-             "n_rollouts": a.n, "p_hat": e.p_hat, "p_hat_source": e.source, "buffer_count": e.count,
-             "case": a.case, "value": a.value, "fallback": a.fallback, "allocator": allocator.type}
-            for s, e, a in zip(slots, estimates, allocations)]
+    rows = [
+        {
+            "run_id": ctx.run_id,
+            "step": ctx.step,
+            "slot": s["slot"],
+            "problem_id": s["problem_id"],
+            "n_rollouts": a.n,
+            "p_hat": e.p_hat,
+            "p_hat_source": e.source,
+            "buffer_count": e.count,
+            "case": a.case,
+            "value": a.value,
+            "fallback": a.fallback,
+            "allocator": allocator.type,
+        }
+        for s, e, a in zip(slots, estimates, allocations)
+    ]
     return Built(rows_to_table("allocations", rows))
 
 

@@ -21,8 +21,14 @@ def build(inputs: Inputs, cfg: CheckpointConfig, ctx: StageContext) -> Built:
     """Copy the weights named by the `policy` input (a train_steps id) into a permanent checkpoint."""
     files = inputs.load("policy", policy_files_of)
     n_params = inputs.manifest("policy").extra.get("n_params", 0)
-    row = {"run_id": ctx.run_id, "step": ctx.step, "artifact_id": ctx.output_ids["checkpoints"],
-           "stage": "checkpoint", "policy_id": inputs.id("policy"), "n_params": n_params}
+    row = {
+        "run_id": ctx.run_id,
+        "step": ctx.step,
+        "artifact_id": ctx.output_ids["checkpoints"],
+        "stage": "checkpoint",
+        "policy_id": inputs.id("policy"),
+        "n_params": n_params,
+    }
     return Built(rows_to_table("checkpoints", [row]), files=files, extra={"n_params": n_params})
 
 

@@ -33,31 +33,49 @@ def difficulty_row(run_id: str, problem_id: str, policy_id: str, k: int, success
     """Pass rate and its Beta(1+s, 1+k-s) posterior (uniform prior) for one problem."""
     alpha, beta = 1.0 + successes, 1.0 + k - successes
     mean = alpha / (alpha + beta)
-    return {"run_id": run_id, "problem_id": problem_id, "policy_id": policy_id, "k": k,
-            "successes": successes, "pass_rate": successes / k, "beta_alpha": alpha, "beta_beta": beta,
-            "posterior_mean": mean, "bin": min(int(mean * bins), bins - 1)}
+    return {
+        "run_id": run_id,
+        "problem_id": problem_id,
+        "policy_id": policy_id,
+        "k": k,
+        "successes": successes,
+        "pass_rate": successes / k,
+        "beta_alpha": alpha,
+        "beta_beta": beta,
+        "posterior_mean": mean,
+        "bin": min(int(mean * bins), bins - 1),
+    }
 
 
 def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
     """params: `verifier` (the label section). Problems are taken in id order, `shard_size` per shard."""
     verifier: VerifierConfig = ctx.params["verifier"]
-    problems = [p for p in inputs.rows("problems", ["problem_id", "split", "prompt", "answer"])
-                if p["split"] in cfg.splits]
+    problems = [
+        p for p in inputs.rows("problems", ["problem_id", "split", "prompt", "answer"]) if p["split"] in cfg.splits
+    ]
     problems.sort(key=lambda p: p["problem_id"])
     policy_ref = inputs.require_id("policy")
     policy = inputs.load("policy", load_policy)
 
     def make(index: int) -> pa.Table:
-        shard = problems[index * cfg.shard_size:(index + 1) * cfg.shard_size]
-        samples = sample(policy, [p["prompt"] for p in shard], [cfg.k] * len(shard),
-                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=1.0,
-                         seed=ctx.derive_seed("difficulty", index))
+        shard = problems[index * cfg.shard_size : (index + 1) * cfg.shard_size]
+        samples = sample(
+            policy,
+            [p["prompt"] for p in shard],
+            [cfg.k] * len(shard),
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=1.0,
+            seed=ctx.derive_seed("difficulty", index),
+        )
         scores, _, _ = score_cached(ctx.store, verifier, [(s.text, shard[s.prompt_index]["answer"]) for s in samples])
         successes = [0] * len(shard)
         for s, score in zip(samples, scores):
             successes[s.prompt_index] += score.status == "ok"
-        rows = [difficulty_row(ctx.run_id, p["problem_id"], policy_ref, cfg.k, n, cfg.bins)
-                for p, n in zip(shard, successes)]
+        rows = [
+            difficulty_row(ctx.run_id, p["problem_id"], policy_ref, cfg.k, n, cfg.bins)
+            for p, n in zip(shard, successes)
+        ]
         return rows_to_table("difficulty", rows)
 
     return Sharded(count=-(-len(problems) // cfg.shard_size), make=make)

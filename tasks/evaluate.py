@@ -27,20 +27,32 @@ def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
     problems = [p for p in inputs.rows("problems", ["split", "prompt", "answer"]) if p["split"] == cfg.split]
     if not problems:
         raise ValueError(f"evaluation split {cfg.split!r} has no problems")
-    answers = greedy(inputs.load("policy", load_policy), [p["prompt"] for p in problems],
-                     max_new_tokens=cfg.max_new_tokens)
+    answers = greedy(
+        inputs.load("policy", load_policy), [p["prompt"] for p in problems], max_new_tokens=cfg.max_new_tokens
+    )
     scores, _, _ = score_cached(ctx.store, verifier, [(a, p["answer"]) for a, p in zip(answers, problems)])
     correct = sum(s.status == "ok" for s in scores)
-    row = {"run_id": ctx.run_id, "step": ctx.step, "phase": ctx.params["phase"], "split": cfg.split,
-           "policy_id": inputs.id("policy"), "accuracy": correct / len(problems), "correct": correct,
-           "n": len(problems)}
+    row = {
+        "run_id": ctx.run_id,
+        "step": ctx.step,
+        "phase": ctx.params["phase"],
+        "split": cfg.split,
+        "policy_id": inputs.id("policy"),
+        "accuracy": correct / len(problems),
+        "correct": correct,
+        "n": len(problems),
+    }
     return Built(rows_to_table("evals", [row]))
 
 
 def identity(cfg: EvaluateConfig, params: Mapping[str, Any]) -> dict[str, Any]:
     """How often evaluations run does not change one, and only the verifier's name matters, not its pool."""
-    return {"split": cfg.split, "max_new_tokens": cfg.max_new_tokens, "verifier": params["verifier"].verifier,
-            "phase": params["phase"]}
+    return {
+        "split": cfg.split,
+        "max_new_tokens": cfg.max_new_tokens,
+        "verifier": params["verifier"].verifier,
+        "phase": params["phase"],
+    }
 
 
 EVALUATE: Stage[EvaluateConfig] = Stage(

@@ -13,10 +13,20 @@ from rlvr.trainer.policy import PolicyConfig, init_policy, policy_files
 def build(inputs: Inputs, cfg: PolicyConfig, ctx: StageContext) -> Built:
     policy = init_policy(cfg, ctx.seed)
     n_params = sum(p.numel() for p in policy.model.parameters())
-    row = {"run_id": ctx.run_id, "step": 0, "artifact_id": ctx.output_ids["checkpoints"], "stage": "initialize",
-           "policy_id": None, "n_params": n_params}
-    return Built(rows_to_table("checkpoints", [row]), files=policy_files(policy), extra={"n_params": n_params},
-                 resident=TrainerState(policy, None))
+    row = {
+        "run_id": ctx.run_id,
+        "step": 0,
+        "artifact_id": ctx.output_ids["checkpoints"],
+        "stage": "initialize",
+        "policy_id": None,
+        "n_params": n_params,
+    }
+    return Built(
+        rows_to_table("checkpoints", [row]),
+        files=policy_files(policy),
+        extra={"n_params": n_params},
+        resident=TrainerState(policy, None),
+    )
 
 
 def identity(cfg: PolicyConfig, params: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,16 +19,31 @@ from rlvr.verifiers.registry import verifier_class
 def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, Built]:
     rollouts = inputs.rows("rollouts", ["rollout_id", "problem_id", "response"])
     answer_of = dict(zip(*inputs.table("problems", ["problem_id", "answer"]).to_pydict().values()))
-    scores, hits, entries = score_cached(ctx.store, cfg, [(r["response"], answer_of[r["problem_id"]]) for r in rollouts])
+    scores, hits, entries = score_cached(
+        ctx.store, cfg, [(r["response"], answer_of[r["problem_id"]]) for r in rollouts]
+    )
     version = verifier_class(cfg.verifier).version
     rows = [
-        {"rollout_id": r["rollout_id"], "run_id": ctx.run_id, "step": ctx.step, "problem_id": r["problem_id"],
-         "verifier": cfg.verifier, "verifier_version": version, "score": s.value, "status": s.status,
-         "extracted": s.extracted, "reason": s.reason, "components": json.dumps(s.components, sort_keys=True),
-         "cache_hit": hit}
+        {
+            "rollout_id": r["rollout_id"],
+            "run_id": ctx.run_id,
+            "step": ctx.step,
+            "problem_id": r["problem_id"],
+            "verifier": cfg.verifier,
+            "verifier_version": version,
+            "score": s.value,
+            "status": s.status,
+            "extracted": s.extracted,
+            "reason": s.reason,
+            "components": json.dumps(s.components, sort_keys=True),
+            "cache_hit": hit,
+        }
         for r, s, hit in zip(rollouts, scores, hits)
     ]
-    return {"reward_cache": Built(rows_to_table("reward_cache", entries)), "rewards": Built(rows_to_table("rewards", rows))}
+    return {
+        "reward_cache": Built(rows_to_table("reward_cache", entries)),
+        "rewards": Built(rows_to_table("rewards", rows)),
+    }
 
 
 def identity(cfg: VerifierConfig, params: Mapping[str, Any]) -> dict[str, Any]:

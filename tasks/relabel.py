@@ -21,22 +21,45 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
     before = {r["rollout_id"]: r for r in inputs.rows("rewards")}
     rollouts = inputs.rows("rollouts", ["rollout_id", "problem_id", "response"])
     answer_of = dict(zip(*inputs.table("problems", ["problem_id", "answer"]).to_pydict().values()))
-    scores, hits, entries = score_cached(ctx.store, cfg, [(r["response"], answer_of[r["problem_id"]]) for r in rollouts])
+    scores, hits, entries = score_cached(
+        ctx.store, cfg, [(r["response"], answer_of[r["problem_id"]]) for r in rollouts]
+    )
     version = verifier_class(cfg.verifier).version
     rows, flips = [], []
     for r, s, hit in zip(rollouts, scores, hits):
         was = before[r["rollout_id"]]
-        rows.append({**was, "verifier": cfg.verifier, "verifier_version": version, "score": s.value,
-                     "status": s.status, "extracted": s.extracted, "reason": s.reason,
-                     "components": json.dumps(s.components, sort_keys=True), "cache_hit": hit})
+        rows.append(
+            {
+                **was,
+                "verifier": cfg.verifier,
+                "verifier_version": version,
+                "score": s.value,
+                "status": s.status,
+                "extracted": s.extracted,
+                "reason": s.reason,
+                "components": json.dumps(s.components, sort_keys=True),
+                "cache_hit": hit,
+            }
+        )
         if (was["score"], was["status"]) != (s.value, s.status):
-            flips.append({"rollout_id": r["rollout_id"], "run_id": was["run_id"], "step": was["step"],
-                          "old_verifier_version": was["verifier_version"], "new_verifier_version": version,
-                          "old_score": was["score"], "new_score": s.value, "old_status": was["status"],
-                          "new_status": s.status})
-    return {"reward_cache": Built(rows_to_table("reward_cache", entries)),
-            "relabeled_rewards": Built(rows_to_table("relabeled_rewards", rows)),
-            "relabel_flips": Built(rows_to_table("relabel_flips", flips))}
+            flips.append(
+                {
+                    "rollout_id": r["rollout_id"],
+                    "run_id": was["run_id"],
+                    "step": was["step"],
+                    "old_verifier_version": was["verifier_version"],
+                    "new_verifier_version": version,
+                    "old_score": was["score"],
+                    "new_score": s.value,
+                    "old_status": was["status"],
+                    "new_status": s.status,
+                }
+            )
+    return {
+        "reward_cache": Built(rows_to_table("reward_cache", entries)),
+        "relabeled_rewards": Built(rows_to_table("relabeled_rewards", rows)),
+        "relabel_flips": Built(rows_to_table("relabel_flips", flips)),
+    }
 
 
 def identity(cfg: VerifierConfig, params: Mapping[str, Any]) -> dict[str, Any]:
@@ -49,8 +72,11 @@ RELABEL: Stage[VerifierConfig] = Stage(
     section=None,
     config=VerifierConfig,
     inputs=("rewards", "rollouts", "problems"),
-    outputs={"reward_cache": Output("reward_cache"), "relabeled_rewards": Output("relabeled_rewards"),
-             "relabel_flips": Output("relabel_flips")},
+    outputs={
+        "reward_cache": Output("reward_cache"),
+        "relabeled_rewards": Output("relabeled_rewards"),
+        "relabel_flips": Output("relabel_flips"),
+    },
     build=build,
     identity=identity,
 )

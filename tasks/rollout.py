@@ -16,17 +16,28 @@ def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> Built:
     policy_ref = inputs.require_id("policy")
     engine = engine_for(cfg)
     engine.update_weights(inputs.load("policy", load_policy), policy_ref)
-    samples = engine.generate(prompts, [s["n_rollouts"] for s in slots], cfg.sampling(ctx.derive_seed("rollout", ctx.step)))
+    samples = engine.generate(
+        prompts, [s["n_rollouts"] for s in slots], cfg.sampling(ctx.derive_seed("rollout", ctx.step))
+    )
     rows = []
     for s in samples:
         slot = slots[s.prompt_index]
-        rows.append({
-            "rollout_id": row_id("r", ctx.run_id, ctx.step, slot["slot"], s.sample_index),
-            "run_id": ctx.run_id, "step": ctx.step, "slot": slot["slot"], "problem_id": slot["problem_id"],
-            "sample_index": s.sample_index, "prompt": prompts[s.prompt_index], "response": s.text,
-            "completion_ids": s.completion_ids, "n_tokens": s.n_tokens,
-            "finish_reason": s.finish_reason, "policy_id": policy_ref,
-        })
+        rows.append(
+            {
+                "rollout_id": row_id("r", ctx.run_id, ctx.step, slot["slot"], s.sample_index),
+                "run_id": ctx.run_id,
+                "step": ctx.step,
+                "slot": slot["slot"],
+                "problem_id": slot["problem_id"],
+                "sample_index": s.sample_index,
+                "prompt": prompts[s.prompt_index],
+                "response": s.text,
+                "completion_ids": s.completion_ids,
+                "n_tokens": s.n_tokens,
+                "finish_reason": s.finish_reason,
+                "policy_id": policy_ref,
+            }
+        )
     return Built(rows_to_table("rollouts", rows))
 
 

@@ -38,8 +38,9 @@ def synthesize_config_type() -> type[SynthesizeConfig]:
     """SynthesizeConfig with `source` as the union of the registered sources (keyed by `type`)."""
     from pydantic import create_model
 
-    return create_model(  # type: ignore[call-overload, no-any-return]
-        "SynthesizeConfig", __base__=SynthesizeConfig,
+    return create_model(
+        "SynthesizeConfig",
+        __base__=SynthesizeConfig,
         source=(_source_type(), Field(default_factory=ArithmeticSourceConfig)),
     )
 
@@ -88,22 +89,39 @@ def build(inputs: Inputs, cfg: SynthesizeConfig, ctx: StageContext) -> dict[str,
     accepted, rejected = validate_rows(raw, cfg.verifier, cfg.max_prompt_chars)
     splits = assign_splits(len(accepted), cfg.test_fraction, cfg.warmup_fraction, ctx.seed)
     problems = [
-        {"problem_id": row_id("p", source.type, source.generator_version, row["prompt"]), "run_id": ctx.run_id,
-         "split": split, "domain": row.get("domain", ""), "category": row.get("category", ""),
-         "prompt": row["prompt"], "answer": row["answer"], "generator": source.type,
-         "generator_version": source.generator_version, "params": row.get("params", ""), "seed": ctx.seed,
-         "source_index": row["source_index"], "parent_problem_id": None, "derivation": "original"}
+        {
+            "problem_id": row_id("p", source.type, source.generator_version, row["prompt"]),
+            "run_id": ctx.run_id,
+            "split": split,
+            "domain": row.get("domain", ""),
+            "category": row.get("category", ""),
+            "prompt": row["prompt"],
+            "answer": row["answer"],
+            "generator": source.type,
+            "generator_version": source.generator_version,
+            "params": row.get("params", ""),
+            "seed": ctx.seed,
+            "source_index": row["source_index"],
+            "parent_problem_id": None,
+            "derivation": "original",
+        }
         for row, split in zip(accepted, splits)
     ]
     quarantine = [
-        {"run_id": ctx.run_id, "stage": "synthesize", "source_index": row.get("source_index", -1),
-         "reason": row["reason"], "row_json": json.dumps({k: v for k, v in row.items() if k != "reason"}, default=str)}
+        {
+            "run_id": ctx.run_id,
+            "stage": "synthesize",
+            "source_index": row.get("source_index", -1),
+            "reason": row["reason"],
+            "row_json": json.dumps({k: v for k, v in row.items() if k != "reason"}, default=str),
+        }
         for row in rejected
     ]
     return {
         "quarantine": Built(rows_to_table("quarantine", quarantine), extra={"rows_in": len(raw)}),
-        "problems": Built(rows_to_table("problems", problems),
-                          extra={"rows_in": len(raw), "quarantined": len(rejected)}),
+        "problems": Built(
+            rows_to_table("problems", problems), extra={"rows_in": len(raw), "quarantined": len(rejected)}
+        ),
     }
 
 

@@ -1,8 +1,9 @@
 """train: one GRPO policy update from the step's rollouts and rewards.
 
 Commits `train_state` (weights + optimizer state: the exact point a resumed run continues from; only
-the run's newest is kept; config and tokenizer stay those of the run's checkpoint) and then `train_steps` (the step's metrics; the durable link of the policy chain
-that lineage walks through, and the reference the next step's policy is named by).
+the run's newest is kept; config and tokenizer stay those of the run's checkpoint) and then
+`train_steps` (the step's metrics; the durable link of the policy chain that lineage walks through,
+and the reference the next step's policy is named by).
 """
 
 from __future__ import annotations
@@ -37,8 +38,16 @@ def rollout_batch(rollouts: list[dict[str, Any]], score_of: Mapping[str, float])
     for r in sorted(rollouts, key=lambda r: (r["slot"], r["sample_index"])):
         i = index_of[r["slot"]]
         prompts[i] = r["prompt"]
-        samples.append(Sample(prompt_index=i, sample_index=r["sample_index"], completion_ids=list(r["completion_ids"]),
-                              text=r["response"], n_tokens=r["n_tokens"], finish_reason=r["finish_reason"]))
+        samples.append(
+            Sample(
+                prompt_index=i,
+                sample_index=r["sample_index"],
+                completion_ids=list(r["completion_ids"]),
+                text=r["response"],
+                n_tokens=r["n_tokens"],
+                finish_reason=r["finish_reason"],
+            )
+        )
         rewards.append(score_of[r["rollout_id"]])
     return RolloutBatch(prompts=prompts, samples=samples, rewards=rewards)
 
@@ -61,11 +70,23 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
     weights = {name: data for name, data in policy_files(state.policy).items() if is_weights_file(name)}
     files = {**weights, OPTIMIZER_FILE: optimizer_state_bytes(state.optimizer)}
     state_row = {"run_id": ctx.run_id, "step": ctx.step, "optimizer_steps": updates, "n_params": n_params}
-    row = {"run_id": ctx.run_id, "step": ctx.step, "policy_id": ctx.output_ids["train_steps"], "loss": stats["loss"],
-           "mean_reward": stats["mean_reward"], "reward_std": stats["reward_std"],
-           "effective_ratio": stats["effective_ratio"], "groups": len(batch.prompts), "rollouts": len(batch.samples),
-           "clip_fraction": stats["clip_fraction"], "kl": stats["kl"], "grad_norm": stats["grad_norm"],
-           "lr": cfg.grpo.lr, "updates": updates, "compute_seconds": compute_seconds}
+    row = {
+        "run_id": ctx.run_id,
+        "step": ctx.step,
+        "policy_id": ctx.output_ids["train_steps"],
+        "loss": stats["loss"],
+        "mean_reward": stats["mean_reward"],
+        "reward_std": stats["reward_std"],
+        "effective_ratio": stats["effective_ratio"],
+        "groups": len(batch.prompts),
+        "rollouts": len(batch.samples),
+        "clip_fraction": stats["clip_fraction"],
+        "kl": stats["kl"],
+        "grad_norm": stats["grad_norm"],
+        "lr": cfg.grpo.lr,
+        "updates": updates,
+        "compute_seconds": compute_seconds,
+    }
     return {
         "train_state": Built(rows_to_table("train_state", [state_row]), files=files),
         "train_steps": Built(rows_to_table("train_steps", [row]), extra={"n_params": n_params}, resident=state),

@@ -8,7 +8,7 @@ reward it saw, its value before and after) are the `curriculum_state` view.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -19,8 +19,12 @@ from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_
 from rlvr.trainer.grpo import group_advantages
 
 
-def step_outcomes(selections: Sequence[dict[str, Any]], rollouts: Sequence[dict[str, Any]],
-                  score_of: dict[str, float], advantage_scale: str) -> list[ProblemOutcome]:
+def step_outcomes(
+    selections: Sequence[dict[str, Any]],
+    rollouts: Sequence[dict[str, Any]],
+    score_of: dict[str, float],
+    advantage_scale: Literal["std", "none"],
+) -> list[ProblemOutcome]:
     """Each slot's rewards and GRPO advantages (computed as the trainer does, over every group)."""
     by_slot: dict[int, list[dict[str, Any]]] = {}
     for r in sorted(rollouts, key=lambda r: (r["slot"], r["sample_index"])):
@@ -28,28 +32,47 @@ def step_outcomes(selections: Sequence[dict[str, Any]], rollouts: Sequence[dict[
     slots = sorted(by_slot)
     rewards = [score_of[r["rollout_id"]] for slot in slots for r in by_slot[slot]]
     groups = [i for i, slot in enumerate(slots) for _ in by_slot[slot]]
-    advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), torch.tensor(groups, dtype=torch.long),
-                                  scale=advantage_scale).tolist() if rewards else []
+    advantages = (
+        group_advantages(
+            torch.tensor(rewards, dtype=torch.float32), torch.tensor(groups, dtype=torch.long), scale=advantage_scale
+        ).tolist()
+        if rewards
+        else []
+    )
     outcomes, start = [], 0
     pick_of = {s["slot"]: s for s in selections}
     for slot in slots:
         size = len(by_slot[slot])
         pick = pick_of[slot]
-        outcomes.append(ProblemOutcome(slot, pick["problem_id"], pick["arm"], tuple(rewards[start:start + size]),
-                                       tuple(advantages[start:start + size]),
-                                       responses=tuple(r["response"] for r in by_slot[slot])))
+        outcomes.append(
+            ProblemOutcome(
+                slot,
+                pick["problem_id"],
+                pick["arm"],
+                tuple(rewards[start : start + size]),
+                tuple(advantages[start : start + size]),
+                responses=tuple(r["response"] for r in by_slot[slot]),
+            )
+        )
         start += size
     return outcomes
 
 
 def build(inputs: Inputs, cfg: SelectConfig, ctx: StageContext) -> Built:
     """params: `advantage_scale` (the trainer's, so the advantages seen here are the trainer's)."""
-    pool = build_pool(inputs.rows("problems", ["problem_id", "split", "category", "domain"]),
-                      inputs.rows("difficulty", ["problem_id", "bin", "pass_rate"]), cfg.splits, cfg.arms)
+    pool = build_pool(
+        inputs.rows("problems", ["problem_id", "split", "category", "domain"]),
+        inputs.rows("difficulty", ["problem_id", "bin", "pass_rate"]),
+        cfg.splits,
+        cfg.arms,
+    )
     score_of = dict(zip(*inputs.table("rewards", ["rollout_id", "score"]).to_pydict().values()))
-    outcomes = step_outcomes(inputs.rows("selections", ["slot", "problem_id", "arm"]),
-                             inputs.rows("rollouts", ["rollout_id", "slot", "sample_index", "response"]),
-                             score_of, ctx.params["advantage_scale"])
+    outcomes = step_outcomes(
+        inputs.rows("selections", ["slot", "problem_id", "arm"]),
+        inputs.rows("rollouts", ["rollout_id", "slot", "sample_index", "response"]),
+        score_of,
+        ctx.params["advantage_scale"],
+    )
     strategy = make_strategy(cfg)
     strategy.load_state_dict(ctx.state or {})
     audit = strategy.observe(StepFeedback(ctx.step or 0, pool, outcomes))

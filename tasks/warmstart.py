@@ -32,17 +32,36 @@ def build(inputs: Inputs, cfg: WarmstartConfig, ctx: StageContext) -> dict[str, 
     # A private copy: the initial policy object may be held in memory for other readers.
     policy = policy_from_files(policy_files(inputs.load("policy", load_policy)))
     optimizer = make_optimizer(policy, lr=cfg.lr, weight_decay=0.0)
-    losses = sft_warmstart(policy, optimizer, examples, steps=cfg.steps, batch_size=cfg.batch_size,
-                           seed=ctx.derive_seed("warmstart"))
-    rows = [{"run_id": ctx.run_id, "step": i + 1, "loss": loss, "examples": min(cfg.batch_size, len(examples)),
-             "lr": cfg.lr} for i, loss in enumerate(losses)]
+    losses = sft_warmstart(
+        policy, optimizer, examples, steps=cfg.steps, batch_size=cfg.batch_size, seed=ctx.derive_seed("warmstart")
+    )
+    rows = [
+        {
+            "run_id": ctx.run_id,
+            "step": i + 1,
+            "loss": loss,
+            "examples": min(cfg.batch_size, len(examples)),
+            "lr": cfg.lr,
+        }
+        for i, loss in enumerate(losses)
+    ]
     n_params = sum(p.numel() for p in policy.model.parameters())
-    checkpoint = {"run_id": ctx.run_id, "step": 0, "artifact_id": ctx.output_ids["checkpoints"], "stage": "warmstart",
-                  "policy_id": inputs.id("policy"), "n_params": n_params}
+    checkpoint = {
+        "run_id": ctx.run_id,
+        "step": 0,
+        "artifact_id": ctx.output_ids["checkpoints"],
+        "stage": "warmstart",
+        "policy_id": inputs.id("policy"),
+        "n_params": n_params,
+    }
     return {
         "warmstart": Built(rows_to_table("warmstart", rows)),
-        "checkpoints": Built(rows_to_table("checkpoints", [checkpoint]), files=policy_files(policy),
-                             extra={"n_params": n_params}, resident=TrainerState(policy, None)),
+        "checkpoints": Built(
+            rows_to_table("checkpoints", [checkpoint]),
+            files=policy_files(policy),
+            extra={"n_params": n_params},
+            resident=TrainerState(policy, None),
+        ),
     }
 
 

@@ -22,5 +22,6 @@ def rlvr_command(*args: str) -> list[str]:
 
 
 def rlvr(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(rlvr_command(*args), capture_output=True, text=True, cwd=REPO,
-                          env=env or cli_env(), timeout=timeout)
+    return subprocess.run(
+        rlvr_command(*args), capture_output=True, text=True, cwd=REPO, env=env or cli_env(), timeout=timeout
+    )

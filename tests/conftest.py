@@ -36,9 +36,16 @@ def tiny_config():
 
     def make(run_id: str, *extra: str):
         overrides = [
-            f"run_id={run_id}", "train.steps=6", "select.batch_size=4", "allocate.n=4",
-            "warmstart.steps=10", "difficulty.k=2", "difficulty.shard_size=16", "evaluate.every=3",
-            "checkpoint.every=3", "flow.steps_per_subflow=3",
+            f"run_id={run_id}",
+            "train.steps=6",
+            "select.batch_size=4",
+            "allocate.n=4",
+            "warmstart.steps=10",
+            "difficulty.k=2",
+            "difficulty.shard_size=16",
+            "evaluate.every=3",
+            "checkpoint.every=3",
+            "flow.steps_per_subflow=3",
         ] + list(extra)
         return load_config(None, overrides)
 

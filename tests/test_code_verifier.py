@@ -132,8 +132,13 @@ def test_fork_flood_is_capped_and_leaves_nothing(isolation):
 
 
 def test_multi_gigabyte_allocation_fails(isolation):
-    for body in ("x = bytearray(4 * 1024 ** 3)\nprint(len(x))", "chunks = []\nwhile True:\n    chunks.append(bytearray(10 ** 7))"):
-        score, seconds = _timed_score(_program(body), {"tests": [{"input": "", "output": "4294967296"}], "timeout_s": LIMIT_S})
+    for body in (
+        "x = bytearray(4 * 1024 ** 3)\nprint(len(x))",
+        "chunks = []\nwhile True:\n    chunks.append(bytearray(10 ** 7))",
+    ):
+        score, seconds = _timed_score(
+            _program(body), {"tests": [{"input": "", "output": "4294967296"}], "timeout_s": LIMIT_S}
+        )
         assert score.status == "wrong" and score.value == 0.0
         assert "MemoryError" in score.reason
         assert seconds < LIMIT_S + SLACK_S
@@ -196,7 +201,9 @@ def test_no_connection_to_a_local_port(isolation):
             f"connection = socket.create_connection(('127.0.0.1', {port}), timeout=0.5)\n"
             "print('connected')\n"
         )
-        score, seconds = _timed_score(_program(body), {"tests": [{"input": "", "output": "connected"}], "timeout_s": LIMIT_S})
+        score, seconds = _timed_score(
+            _program(body), {"tests": [{"input": "", "output": "connected"}], "timeout_s": LIMIT_S}
+        )
         assert score.status == "wrong" and "exit code" in score.reason
         assert seconds < LIMIT_S + SLACK_S
         with pytest.raises(BlockingIOError):
@@ -207,7 +214,9 @@ def test_sleeping_past_the_timeout_kills_the_group_and_detached_children(isolati
     if isolation == "rlimits" and not IS_ROOT:
         pytest.skip("without bubblewrap and without root, a child that calls setsid() escapes the group kill")
     marker = f"rlvr-sleep-{uuid.uuid4().hex}"
-    score, seconds = _timed_score(_program(_detached_sleeper(marker)), {"asserts": ["assert True"], "timeout_s": LIMIT_S})
+    score, seconds = _timed_score(
+        _program(_detached_sleeper(marker)), {"asserts": ["assert True"], "timeout_s": LIMIT_S}
+    )
     assert score.status == "timeout"
     assert seconds < LIMIT_S + SLACK_S
     _assert_none_left(marker)
@@ -225,7 +234,9 @@ def test_hundred_megabytes_of_output_is_cut_off(isolation):
 
 
 def test_correct_program_passes(isolation):
-    program = _program("def add(a, b):\n    return a + b\n\nif __name__ == '__main__':\n    a, b = map(int, input().split())\n    print(add(a, b))")
+    program = _program(
+        "def add(a, b):\n    return a + b\n\nif __name__ == '__main__':\n    a, b = map(int, input().split())\n    print(add(a, b))"
+    )
     reference = {
         "tests": [{"input": "1 2\n", "output": "3\n"}, {"input": "-5 5", "output": "0   \n\n"}],
         "asserts": ["assert add(2, 2) == 4"],
@@ -237,7 +248,9 @@ def test_correct_program_passes(isolation):
 
 
 def test_wrong_program_gets_the_fraction_passed(isolation):
-    program = _program("def double(x):\n    return x * 2 if x < 10 else x\n\nif __name__ == '__main__':\n    print(double(int(input())))")
+    program = _program(
+        "def double(x):\n    return x * 2 if x < 10 else x\n\nif __name__ == '__main__':\n    print(double(int(input())))"
+    )
     reference = {
         "tests": [{"input": "1", "output": "2"}, {"input": "20", "output": "40"}],
         "asserts": ["assert double(3) == 6", "assert double(50) == 100"],
@@ -259,13 +272,28 @@ def test_pool_survives_attacks_and_labels_200_ordinary_programs():
         a, b = i, i % 7 + 1
         kind = i % 4
         if kind == 0:
-            pairs.append((_program("a, b = map(int, input().split())\nprint(a * b)"), {"tests": [{"input": f"{a} {b}", "output": str(a * b)}]}))
+            pairs.append(
+                (
+                    _program("a, b = map(int, input().split())\nprint(a * b)"),
+                    {"tests": [{"input": f"{a} {b}", "output": str(a * b)}]},
+                )
+            )
             expected.append(("ok", 1.0))
         elif kind == 1:
-            pairs.append((_program("a, b = map(int, input().split())\nprint(a + b)"), {"tests": [{"input": f"{a} {b}", "output": str(a * b)}]}))
+            pairs.append(
+                (
+                    _program("a, b = map(int, input().split())\nprint(a + b)"),
+                    {"tests": [{"input": f"{a} {b}", "output": str(a * b)}]},
+                )
+            )
             expected.append(("ok", 1.0) if a + b == a * b else ("wrong", 0.0))
         elif kind == 2:
-            pairs.append((f"Use a square.\n```py\ndef square(x):\n    return x * x\n```", {"asserts": [f"assert square({a}) == {a * a}"]}))
+            pairs.append(
+                (
+                    "Use a square.\n```py\ndef square(x):\n    return x * x\n```",
+                    {"asserts": [f"assert square({a}) == {a * a}"]},
+                )
+            )
             expected.append(("ok", 1.0))
         else:
             pairs.append((_program("raise SystemExit(3)"), {"tests": [{"input": "", "output": ""}]}))
@@ -319,7 +347,11 @@ def test_limits_and_uid_as_the_program_sees_them(isolation, launcher, monkeypatc
     result = _run(LIMITS_PROGRAM, timeout_s=1.5, memory_mb=200)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[1:4] == ["RLIMIT_CPU (3, 3)", f"RLIMIT_AS ({200 * 2 ** 20}, {200 * 2 ** 20})", f"RLIMIT_FSIZE ({2 ** 24}, {2 ** 24})"]
+    assert lines[1:4] == [
+        "RLIMIT_CPU (3, 3)",
+        f"RLIMIT_AS ({200 * 2**20}, {200 * 2**20})",
+        f"RLIMIT_FSIZE ({2**24}, {2**24})",
+    ]
     assert lines[5:7] == ["RLIMIT_NOFILE (64, 64)", "RLIMIT_CORE (0, 0)"]
     assert lines[7] == "0000000000000000"  # no capabilities
     if IS_ROOT:
@@ -370,7 +402,9 @@ def test_extract_program(response, program):
 
 
 def test_parse_reference_accepts_dicts_and_json():
-    parsed = parse_reference('{"tests": [{"input": "1", "output": "2"}, {"output": "3"}], "asserts": ["assert f()"], "timeout_s": 1.5}')
+    parsed = parse_reference(
+        '{"tests": [{"input": "1", "output": "2"}, {"output": "3"}], "asserts": ["assert f()"], "timeout_s": 1.5}'
+    )
     assert parsed.tests == [("1", "2"), ("", "3")]
     assert parsed.asserts == ["assert f()"]
     assert (parsed.timeout_s, parsed.memory_mb) == (1.5, 256)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlvr.flows.config import RunConfig, load_config, parse_override
 from rlvr.errors import ConfigError
+from rlvr.flows.config import RunConfig, load_config, parse_override
 
 
 def test_defaults_are_the_embedded_default():
@@ -45,7 +45,10 @@ def test_override_values_get_yaml_types():
         ("select.type=nope", "unknown select.type 'nope'; registered: 'uniform'"),
         ("select.alpha=0.5", "unknown config key 'select.alpha'"),
         ("rollout.temperature=hot", "config key 'rollout.temperature': Input should be a valid number"),
-        ("synthesize.source.digits=0", "config key 'synthesize.source.digits': Input should be greater than or equal to 1"),
+        (
+            "synthesize.source.digits=0",
+            "config key 'synthesize.source.digits': Input should be greater than or equal to 1",
+        ),
     ],
 )
 def test_bad_config_is_one_clear_line(override, message):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from pathlib import Path
 
 import duckdb
 import pytest
@@ -74,9 +75,18 @@ def test_equivalence_normalises_values(db):
     assert sql_score("SELECT 0.30000001", db, "SELECT 0.3").status == "ok"  # same to 7 significant digits
     assert sql_score("SELECT 0.3000001", db, "SELECT 0.3").status == "wrong"
     assert sql_score("SELECT 0.301", db, "SELECT 0.3").status == "wrong"
-    assert sql_score("SELECT score FROM users ORDER BY id DESC", db, "SELECT score FROM users").status == "ok"  # NULL == NULL
+    assert (
+        sql_score("SELECT score FROM users ORDER BY id DESC", db, "SELECT score FROM users").status == "ok"
+    )  # NULL == NULL
     joined = "SELECT u.name, sum(o.amount) FROM users u JOIN orders o ON o.user_id = u.id GROUP BY u.name"
-    assert sql_score("SELECT name, (SELECT sum(amount) FROM orders WHERE user_id = users.id) AS s FROM users WHERE id IN (1, 3)", db, joined).status == "ok"
+    assert (
+        sql_score(
+            "SELECT name, (SELECT sum(amount) FROM orders WHERE user_id = users.id) AS s FROM users WHERE id IN (1, 3)",
+            db,
+            joined,
+        ).status
+        == "ok"
+    )
 
 
 def test_order_matters_only_when_the_gold_orders(db):
@@ -85,7 +95,9 @@ def test_order_matters_only_when_the_gold_orders(db):
     assert sql_score("SELECT name FROM users ORDER BY name", db, by_age, ordered=False).status == "ok"
     assert sql_score("SELECT name FROM users ORDER BY age, name", db, by_age).status == "ok"
     assert sql_score("SELECT name FROM users ORDER BY name", db, "SELECT name FROM users").status == "ok"
-    assert sql_score("SELECT name FROM users", db, "SELECT name FROM users", ordered=True).status == "ok"  # same storage order
+    assert (
+        sql_score("SELECT name FROM users", db, "SELECT name FROM users", ordered=True).status == "ok"
+    )  # same storage order
     assert has_top_level_order_by(sql_tokens(by_age))
     assert not has_top_level_order_by(sql_tokens("SELECT rank() OVER (ORDER BY age) FROM users"))
     assert not has_top_level_order_by(sql_tokens("SELECT * FROM (SELECT name FROM users ORDER BY age LIMIT 2) t"))
@@ -171,7 +183,7 @@ def test_sql_bad_references_and_empty_answers(db, tmp_path):
     as_json = verifier.score("```sql\nSELECT 1\n```", json.dumps({"db": db, "sql": "SELECT 1"}))
     assert as_json.status == "ok"
     renamed = tmp_path / "shop.data"
-    renamed.write_bytes(open(db, "rb").read())
+    renamed.write_bytes(Path(db).read_bytes())
     dialect = "duckdb" if db.endswith(".duckdb") else "sqlite"
     assert verifier.score("SELECT 2", {"db": str(renamed), "sql": "SELECT 2", "dialect": dialect}).status == "ok"
     for empty in ("", "   ", "```sql\n```"):
@@ -241,7 +253,10 @@ def test_response_shapes():
     assert verifier.score(fenced, GOLD_CALLS).status == "ok"
     two_tags = "".join(f"<tool_call>\n{json.dumps(call)}\n</tool_call>\n" for call in GOLD_CALLS)
     assert verifier.score(two_tags, json.dumps(GOLD_CALLS)).status == "ok"
-    openai = [{"type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in GOLD_CALLS]
+    openai = [
+        {"type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+        for c in GOLD_CALLS
+    ]
     assert verifier.score(json.dumps(openai), GOLD_CALLS).status == "ok"
     parameters = [{"name": c["name"], "parameters": c["arguments"]} for c in GOLD_CALLS]
     assert verifier.score(json.dumps(parameters), GOLD_CALLS).status == "ok"
@@ -354,7 +369,13 @@ def test_exact_structure_scores_one():
 def test_format_partial_components(response, think, answer, order, outside, value):
     result = FormatVerifier().score(response, None)
     assert result.status == "wrong"
-    assert result.components == {"think": think, "answer": answer, "order": order, "outside": outside, "structured": 0.0}
+    assert result.components == {
+        "think": think,
+        "answer": answer,
+        "order": order,
+        "outside": outside,
+        "structured": 0.0,
+    }
     assert result.value == value
 
 
@@ -431,9 +452,13 @@ def test_bleu_mode():
     near = verifier.score("the cat sat on the mat", {"mode": "bleu", "references": ["the cat sat on a mat"]})
     assert near.value == pytest.approx((1 / 12) ** 0.25, abs=1e-9)
     assert near.status == "ok"  # 0.537 >= default threshold 0.5
-    strict = verifier.score("the cat sat on the mat", {"mode": "bleu", "answer": "the cat sat on a mat", "threshold": 0.6})
+    strict = verifier.score(
+        "the cat sat on the mat", {"mode": "bleu", "answer": "the cat sat on a mat", "threshold": 0.6}
+    )
     assert (strict.status, strict.value) == ("wrong", near.value)
-    several = verifier.score("the cat sat on the mat", {"mode": "bleu", "references": ["a dog", "the cat sat on the mat"]})
+    several = verifier.score(
+        "the cat sat on the mat", {"mode": "bleu", "references": ["a dog", "the cat sat on the mat"]}
+    )
     assert several.value == 1.0
     assert verifier.score("", {"mode": "bleu", "references": ["x"]}).status == "unparseable"
     assert verifier.score("x", {"mode": "bleu", "references": []}).status == "error"
@@ -446,11 +471,13 @@ def test_bleu_mode():
 
 
 def test_weighted_composite_keeps_components():
-    verifier = CompositeVerifier.from_spec({
-        "name": "math+format",
-        "components": [{"verifier": "math", "weight": 0.9}, {"verifier": "format", "weight": 0.1, "gate": False}],
-    })
-    assert (verifier.name, verifier.domain, verifier.version) == ("math+format", "math", "1+math.1+format.1")
+    verifier = CompositeVerifier.from_spec(
+        {
+            "name": "math+format",
+            "components": [{"verifier": "math", "weight": 0.9}, {"verifier": "format", "weight": 0.1, "gate": False}],
+        }
+    )
+    assert (verifier.name, verifier.domain, verifier.version) == ("math+format", "math", "1+math.2+format.1")
     clean = verifier.score("<think>6*7</think><answer>42</answer>", "42")
     assert (clean.status, clean.value) == ("ok", pytest.approx(1.0))
     unformatted = verifier.score("The answer is 42", {"math": "42"})
@@ -464,7 +491,7 @@ def test_weighted_composite_keeps_components():
 def test_gated_composite():
     verifier = get_verifier("math_format")
     assert isinstance(verifier, MathFormatVerifier)
-    assert (verifier.name, verifier.domain, verifier.version) == ("math_format", "math", "1+math.1+format.1")
+    assert (verifier.name, verifier.domain, verifier.version) == ("math_format", "math", "1+math.2+format.1")
     assert verifier.score("<think>6*7</think>\n<answer>42</answer>", "42").value == 1.0
     gated = verifier.score("<think>6*7</think>\n<answer>42</answer> done", "42")
     assert (gated.status, gated.value) == ("wrong", 0.0)
@@ -519,14 +546,29 @@ def test_registered_with_names_and_versions():
 
 
 BAD_RESPONSES = [
-    None, 42, b"SELECT 1", ["x"], "", "\x00", "SELECT '\x00'", "\ud800", "SELECT '\ud800'",
-    "```sql\nSELECT '\ud800\x00'\n```", "<tool_call>\ud800</tool_call>", "<answer>\ud800\x00</answer>",
-    "<think>\x00</think><answer>\ud800</answer>", "[" * 5000, "(" * 5000 + "B", "x" * 100_000,
+    None,
+    42,
+    b"SELECT 1",
+    ["x"],
+    "",
+    "\x00",
+    "SELECT '\x00'",
+    "\ud800",
+    "SELECT '\ud800'",
+    "```sql\nSELECT '\ud800\x00'\n```",
+    "<tool_call>\ud800</tool_call>",
+    "<answer>\ud800\x00</answer>",
+    "<think>\x00</think><answer>\ud800</answer>",
+    "[" * 5000,
+    "(" * 5000 + "B",
+    "x" * 100_000,
 ]
 BAD_REFERENCES = [None, 42, "", "\ud800", "{not json", {"x": 1}, [], [1, 2], "\x00"]
 
 
-@pytest.mark.parametrize("key", ["sql", "sql_duckdb", "tool_call", "reasoning_gym", "format", "text", "text_choice", "math_format"])
+@pytest.mark.parametrize(
+    "key", ["sql", "sql_duckdb", "tool_call", "reasoning_gym", "format", "text", "text_choice", "math_format"]
+)
 def test_bad_input_never_raises(valid_references, key):
     name = key.split("_duckdb")[0].split("_choice")[0]
     verifier = get_verifier(name)

@@ -24,18 +24,30 @@ pytestmark = pytest.mark.slow
 
 RUN_ID = "killme"
 OVERRIDES = [
-    "train.steps=12", "select.batch_size=4", "allocate.n=4", "warmstart.steps=20", "difficulty.k=4",
-    "difficulty.shard_size=4", "evaluate.every=4", "checkpoint.every=4", "flow.steps_per_subflow=4",
+    "train.steps=12",
+    "select.batch_size=4",
+    "allocate.n=4",
+    "warmstart.steps=20",
+    "difficulty.k=4",
+    "difficulty.shard_size=4",
+    "evaluate.every=4",
+    "checkpoint.every=4",
+    "flow.steps_per_subflow=4",
 ]
 
 
 def start(command: str, store: Path, env: dict[str, str]) -> subprocess.Popen:
-    args = ["run", "--store", str(store), "--run-id", RUN_ID] if command == "run" else ["resume", RUN_ID, "--store", str(store)]
+    args = (
+        ["run", "--store", str(store), "--run-id", RUN_ID]
+        if command == "run"
+        else ["resume", RUN_ID, "--store", str(store)]
+    )
     if command == "run":
         for o in OVERRIDES:
             args += ["--set", o]
-    return subprocess.Popen(rlvr_command(*args), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        rlvr_command(*args), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
 
 
 def manifest_count(store: Path) -> int:

@@ -160,8 +160,13 @@ def instances(draw):
     effective = draw(st.lists(st.floats(0.001, 0.999), min_size=0, max_size=4))
     others = draw(st.lists(st.sampled_from([0.0, 1.0, None]), min_size=0, max_size=3))
     p_hats = draw(st.permutations(effective + others))
-    cfg = dict(n=draw(st.integers(1, 6)), min_n=min_n, max_n=max_n, negative_n=draw(st.integers(0, 3)),
-               positive_n=draw(st.integers(0, 3)))
+    cfg = dict(
+        n=draw(st.integers(1, 6)),
+        min_n=min_n,
+        max_n=max_n,
+        negative_n=draw(st.integers(0, 3)),
+        positive_n=draw(st.integers(0, 3)),
+    )
     return p_hats, cfg, draw(st.integers(0, 30))
 
 

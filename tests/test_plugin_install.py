@@ -65,11 +65,17 @@ def test_cli_lists_and_uses_the_installed_plugin(installed_plugin, tmp_path):
     assert listing.returncode == 0, listing.stderr
     assert "shout" in listing.stdout and "shouting" in listing.stdout
     lines = tmp_path / "in.jsonl"
-    lines.write_text("\n".join(json.dumps(x) for x in [
-        {"response": "HELLO", "reference": "hello"},
-        {"response": "hello", "reference": "hello"},
-        {"response": "", "reference": "x"},
-    ]) + "\n")
+    lines.write_text(
+        "\n".join(
+            json.dumps(x)
+            for x in [
+                {"response": "HELLO", "reference": "hello"},
+                {"response": "hello", "reference": "hello"},
+                {"response": "", "reference": "x"},
+            ]
+        )
+        + "\n"
+    )
     result = rlvr("verify", "--verifier", "shout", "--input", str(lines))
     assert result.returncode == 0, result.stderr
     statuses = [json.loads(line)["status"] for line in result.stdout.splitlines()]
@@ -85,8 +91,9 @@ def test_pool_and_cache_label_with_the_plugin(installed_plugin, tmp_path):
     importlib.invalidate_caches()
     assert any(ep.name == "shout" for ep in importlib.metadata.entry_points(group="rlvr.verifiers"))
     store = Store.open(str(tmp_path / "store"), create=True)
-    scores, hits, entries = score_cached(store, VerifierConfig(verifier="shout", workers=1),
-                                         [("ABC", "abc"), ("abc", "abc"), ("ABC", "abc")])
+    scores, hits, entries = score_cached(
+        store, VerifierConfig(verifier="shout", workers=1), [("ABC", "abc"), ("abc", "abc"), ("ABC", "abc")]
+    )
     assert [s.status for s in scores] == ["ok", "wrong", "ok"]
     assert hits == [False, False, False] and len(entries) == 2
     again, hits, _ = score_cached(store, VerifierConfig(verifier="shout", workers=1), [("ABC", "abc")])

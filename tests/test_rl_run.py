@@ -21,11 +21,21 @@ def finished_run(tmp_path_factory, prefect_api, request):
     from rlvr.flows.config import load_config
 
     root = str(tmp_path_factory.mktemp("store"))
-    cfg = load_config(None, [
-        "run_id=tiny", "train.steps=6", "select.batch_size=4", "allocate.n=4", "warmstart.steps=10",
-        "difficulty.k=2", "difficulty.shard_size=16", "evaluate.every=3", "checkpoint.every=3",
-        "flow.steps_per_subflow=3",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "run_id=tiny",
+            "train.steps=6",
+            "select.batch_size=4",
+            "allocate.n=4",
+            "warmstart.steps=10",
+            "difficulty.k=2",
+            "difficulty.shard_size=16",
+            "evaluate.every=3",
+            "checkpoint.every=3",
+            "flow.steps_per_subflow=3",
+        ],
+    )
     summary = execute(root, cfg)
     return Store.open(root), cfg, summary
 
@@ -34,10 +44,13 @@ def test_counts_match_the_run(finished_run):
     store, cfg, _ = finished_run
     per_step = cfg.select.batch_size * cfg.allocate.n
     assert scalar(store, "SELECT count(*) AS n FROM rollouts")["n"] == cfg.train.steps * per_step
-    joined = scalar(store, """
+    joined = scalar(
+        store,
+        """
         SELECT count(*) AS n, count(DISTINCT p.problem_id) AS problems, sum(w.score) AS reward
         FROM rewards w JOIN rollouts r USING (rollout_id) JOIN problems p ON p.problem_id = r.problem_id
-    """)
+    """,
+    )
     assert joined["n"] == cfg.train.steps * per_step
     direct = scalar(store, "SELECT sum(score) AS reward FROM rewards")
     assert joined["reward"] == direct["reward"]
@@ -59,12 +72,16 @@ def test_rows_in_equal_accepted_plus_quarantined(finished_run):
 
 
 def test_evals_checkpoints_runs(finished_run):
-    store, cfg, summary = finished_run
+    store, _, summary = finished_run
     evals = query(store, "SELECT step, phase FROM evals ORDER BY step, phase").to_pylist()
     assert [(e["step"], e["phase"]) for e in evals] == [(0, "init"), (0, "warmstart"), (3, "rl"), (6, "rl")]
     ckpts = query(store, "SELECT step, stage FROM checkpoints ORDER BY step, stage").to_pylist()
     assert [(c["step"], c["stage"]) for c in ckpts] == [
-        (0, "initialize"), (0, "warmstart"), (3, "checkpoint"), (6, "checkpoint")]
+        (0, "initialize"),
+        (0, "warmstart"),
+        (3, "checkpoint"),
+        (6, "checkpoint"),
+    ]
     assert scalar(store, "SELECT status FROM runs WHERE run_id = 'tiny'")["status"] == "completed"
     # only the newest train_state survives; train_steps are all kept
     assert scalar(store, "SELECT count(*) AS n FROM artifacts WHERE kind = 'train_state'")["n"] == 1
@@ -75,8 +92,18 @@ def test_lineage_of_final_checkpoint(finished_run):
     store, cfg, _ = finished_run
     final = scalar(store, f"SELECT artifact_id FROM checkpoints WHERE step = {cfg.train.steps}")["artifact_id"]
     kinds = {m.kind for m in ancestors(store, final)}
-    assert {"config", "problems", "rollouts", "rewards", "selections", "allocations", "train_steps",
-            "difficulty", "checkpoints", "curriculum_state"} <= kinds
+    assert {
+        "config",
+        "problems",
+        "rollouts",
+        "rewards",
+        "selections",
+        "allocations",
+        "train_steps",
+        "difficulty",
+        "checkpoints",
+        "curriculum_state",
+    } <= kinds
     assert {"initialize", "warmstart"} <= {m.stage for m in ancestors(store, final)}
     rollouts_up = [m for m in ancestors(store, final) if m.kind == "rollouts"]
     assert len(rollouts_up) == cfg.train.steps
@@ -94,8 +121,11 @@ def test_cached_verdicts_equal_fresh_ones(finished_run):
     from rlvr.verifiers.arithmetic import ArithmeticVerifier
 
     store, _, _ = finished_run
-    rows = query(store, """SELECT w.score, w.status, w.cache_hit, r.response, p.answer FROM rewards w
-        JOIN rollouts r USING (rollout_id) JOIN problems p ON p.problem_id = r.problem_id""").to_pylist()
+    rows = query(
+        store,
+        """SELECT w.score, w.status, w.cache_hit, r.response, p.answer FROM rewards w
+        JOIN rollouts r USING (rollout_id) JOIN problems p ON p.problem_id = r.problem_id""",
+    ).to_pylist()
     assert any(r["cache_hit"] for r in rows) and not all(r["cache_hit"] for r in rows)
     verifier = ArithmeticVerifier()
     for r in rows:
@@ -112,8 +142,11 @@ def test_relabel_reports_exactly_the_flipped_verdicts(finished_run):
     cfg = VerifierConfig(verifier="tests.plugins.lenient:LenientArithmetic", workers=1)
     results = relabel_rewards(store.root, rewards_ids, cfg)
     assert len(results) == len(rewards_ids)
-    expected = scalar(store, r"""SELECT count(*) AS n FROM rewards w JOIN rollouts r USING (rollout_id)
-        WHERE w.status = 'unparseable' AND regexp_matches(r.response, '^\s*[+-]?\d')""")["n"]
+    expected = scalar(
+        store,
+        r"""SELECT count(*) AS n FROM rewards w JOIN rollouts r USING (rollout_id)
+        WHERE w.status = 'unparseable' AND regexp_matches(r.response, '^\s*[+-]?\d')""",
+    )["n"]
     flips = query(store, "SELECT * FROM relabel_flips").to_pylist()
     assert len(flips) == expected
     assert all(f["old_status"] == "unparseable" and f["new_status"] in ("ok", "wrong") for f in flips)

@@ -50,17 +50,36 @@ def test_three_steps_match_hand_arithmetic():
     pool = A + B + C
     assert sec.arm_probabilities(pool) == pytest.approx({"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}, abs=1e-15)
 
-    rows = rows_by_arm(sec.observe(StepFeedback(0, pool, [
-        outcome(0, A[0], (1.0, -1.0)), outcome(1, A[1], (0.5, -0.5, 0.5, -0.5)), outcome(2, B[0], (0.2, -0.2)),
-    ])))
-    assert rows["a"] == {"arm": "a", "pool_size": 2, "q_before": 0.0, "probability": pytest.approx(1 / 3),
-                         "pulls": 2, "reward": 0.75, "q_after": 0.375, "cumulative_pulls": 2}
+    rows = rows_by_arm(
+        sec.observe(
+            StepFeedback(
+                0,
+                pool,
+                [
+                    outcome(0, A[0], (1.0, -1.0)),
+                    outcome(1, A[1], (0.5, -0.5, 0.5, -0.5)),
+                    outcome(2, B[0], (0.2, -0.2)),
+                ],
+            )
+        )
+    )
+    assert rows["a"] == {
+        "arm": "a",
+        "pool_size": 2,
+        "q_before": 0.0,
+        "probability": pytest.approx(1 / 3),
+        "pulls": 2,
+        "reward": 0.75,
+        "q_after": 0.375,
+        "cumulative_pulls": 2,
+    }
     assert rows["b"]["reward"] == pytest.approx(0.2) and rows["b"]["q_after"] == pytest.approx(0.1)
     assert (rows["c"]["pulls"], rows["c"]["reward"], rows["c"]["q_after"], rows["c"]["pool_size"]) == (0, None, 0.0, 3)
 
     masked_pool = A + B
-    assert sec.arm_probabilities(masked_pool) == pytest.approx({"a": 0.665410558746814, "b": 0.334589441253186},
-                                                              rel=1e-12)
+    assert sec.arm_probabilities(masked_pool) == pytest.approx(
+        {"a": 0.665410558746814, "b": 0.334589441253186}, rel=1e-12
+    )
     rows = rows_by_arm(sec.observe(StepFeedback(1, masked_pool, [outcome(0, B[0], (0.6, -0.6))])))
     assert set(rows) == {"a", "b"}  # c has no problems and was not trained: no row, Q untouched
     assert rows["a"]["probability"] == pytest.approx(0.665410558746814, rel=1e-12)
@@ -68,16 +87,27 @@ def test_three_steps_match_hand_arithmetic():
     assert rows["b"]["q_after"] == pytest.approx(0.35, rel=1e-12)
     assert sec.q["c"] == 0.0
 
-    rows = rows_by_arm(sec.observe(StepFeedback(2, pool, [
-        outcome(0, A[0], (0.0, 0.0, 0.0, 0.0)), outcome(1, C[2], (0.8, -0.8)),
-    ])))
+    rows = rows_by_arm(
+        sec.observe(
+            StepFeedback(
+                2,
+                pool,
+                [
+                    outcome(0, A[0], (0.0, 0.0, 0.0, 0.0)),
+                    outcome(1, C[2], (0.8, -0.8)),
+                ],
+            )
+        )
+    )
     assert [rows[arm]["probability"] for arm in "abc"] == pytest.approx(
-        [0.428996989388648, 0.403005375739350, 0.167997634872002], rel=1e-12)
+        [0.428996989388648, 0.403005375739350, 0.167997634872002], rel=1e-12
+    )
     assert [rows[arm]["q_after"] for arm in "abc"] == pytest.approx([0.1875, 0.35, 0.4], rel=1e-12)
     assert rows["b"]["q_before"] == rows["b"]["q_after"]
     assert [rows[arm]["cumulative_pulls"] for arm in "abc"] == [3, 2, 1]
     assert sec.arm_probabilities(pool) == pytest.approx(
-        {"a": 0.237968599034383, "b": 0.357233177967546, "c": 0.404798222998071}, rel=1e-12)
+        {"a": 0.237968599034383, "b": 0.357233177967546, "c": 0.404798222998071}, rel=1e-12
+    )
     assert sec.updates == 3 and sec.last_step == 2
 
 

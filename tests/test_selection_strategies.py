@@ -99,6 +99,7 @@ def test_prioritized_state_round_trip_reproduces_picks():
 
 # --- VAS (MMR1) ----------------------------------------------------------------------------------------
 
+
 def test_vas_scores_by_hand():
     assert outcome_variance((1.0, 0.0, 1.0, 1.0)) == 0.1875  # p̂ = 0.75: 0.75 · 0.25
     assert outcome_variance(()) == 0.0
@@ -112,7 +113,11 @@ def test_vas_scores_by_hand():
 
 def test_vas_slot_split_rounds_half_up():
     assert [slot_split(5, 0.5), slot_split(4, 0.5), slot_split(10, 0.0), slot_split(3, 1.0)] == [
-        (3, 2), (2, 2), (0, 10), (3, 0)]
+        (3, 2),
+        (2, 2),
+        (0, 10),
+        (3, 0),
+    ]
     assert slot_split(100, 0.29) == (29, 71)
 
 
@@ -173,13 +178,25 @@ def test_dads_ema_and_probabilities_by_hand():
     """
     dads = DadsStrategy(DadsConfig(gamma=0.9, tau=0.5, uniform_share=0.1))
     assert dads.arm_probabilities(DADS_POOL) == {"x": 0.5, "y": 0.5}
-    rows = {r["arm"]: r for r in dads.observe(StepFeedback(0, DADS_POOL, [
-        outcome(0, "x1", "x", (1.0, 1.0)), outcome(1, "x2", "x", (1.0, 0.0, 0.0, 1.0)), outcome(2, "y1", "y", (0.0,)),
-    ]))}
+    rows = {
+        r["arm"]: r
+        for r in dads.observe(
+            StepFeedback(
+                0,
+                DADS_POOL,
+                [
+                    outcome(0, "x1", "x", (1.0, 1.0)),
+                    outcome(1, "x2", "x", (1.0, 0.0, 0.0, 1.0)),
+                    outcome(2, "y1", "y", (0.0,)),
+                ],
+            )
+        )
+    }
     assert rows["x"]["q_before"] is None and rows["x"]["reward"] == 0.75 and rows["x"]["q_after"] == 0.75
     assert rows["x"]["probability"] == 0.5 and rows["y"]["q_after"] == 0.0
-    assert dads.arm_probabilities(DADS_POOL) == pytest.approx({"x": 0.214182971425721, "y": 0.785817028574279},
-                                                              rel=1e-12)
+    assert dads.arm_probabilities(DADS_POOL) == pytest.approx(
+        {"x": 0.214182971425721, "y": 0.785817028574279}, rel=1e-12
+    )
     rows = {r["arm"]: r for r in dads.observe(StepFeedback(1, DADS_POOL, [outcome(0, "x1", "x", (0.25,))]))}
     assert rows["x"]["q_after"] == pytest.approx(0.7) and rows["y"]["q_after"] == rows["y"]["q_before"] == 0.0
     assert rows["x"]["cumulative_pulls"] == 3 and rows["y"]["cumulative_pulls"] == 1
@@ -189,7 +206,7 @@ def test_dads_clips_rewards_and_keeps_a_floor():
     assert reward_ema(None, 0.4, 0.9) == 0.4 and reward_ema(0.4, 1.0, 0.5) == 0.7
     # r̄ 1.3 counts as 1 (need 0) and −2 as 0 (need 1): the weight ratio is at most e^(1/τ).
     probs = dads_probabilities({"hard": -2.0, "easy": 1.3}, ["easy", "hard"], 0.5, 0.0)
-    assert probs["hard"] / probs["easy"] == pytest.approx(2.718281828459045 ** 2)
+    assert probs["hard"] / probs["easy"] == pytest.approx(2.718281828459045**2)
     probs = dads_probabilities({"hard": 0.0, "easy": 1.0}, ["easy", "hard"], 0.01, 0.2)
     assert probs["easy"] == pytest.approx(0.1)  # the softmax gives it ~0; the uniform share keeps 0.2 / 2
 
@@ -207,6 +224,7 @@ def test_dads_picks_and_state_round_trip():
 
 
 # --- errors and registration, every strategy ------------------------------------------------------------
+
 
 @pytest.mark.parametrize("cfg", [PrioritizedConfig(), VasConfig(), DadsConfig()])
 def test_strategies_refuse_bad_input_and_are_registered(cfg):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import random
 
 from rlvr.curricula.base import Estimate, Pick, PoolProblem
 from rlvr.curricula.uniform import UniformConfig, UniformStrategy
@@ -32,7 +31,7 @@ def test_generator_is_seeded_and_respects_precedence():
     assert generate(spec, 1) == generate(spec, 1)
     assert generate(spec, 1) != generate(spec, 2)
     for p in generate(spec, 1):
-        assert int(p["answer"]) == eval(p["prompt"].rstrip("="))  # noqa: S307 - digits and + - * only
+        assert int(p["answer"]) == eval(p["prompt"].rstrip("="))
 
 
 def test_verifier_compares_whole_numbers_exactly():
@@ -112,9 +111,18 @@ def test_uniform_budget_refuses_an_uneven_budget():
 
 def test_rollout_batch_groups_by_slot():
     rows = [
-        {"rollout_id": f"r{s}{i}", "slot": s, "sample_index": i, "prompt": f"{s}+0=", "completion_ids": [4 + s, 2],
-         "response": str(s), "n_tokens": 2, "finish_reason": "stop"}
-        for s in (1, 0) for i in (1, 0)
+        {
+            "rollout_id": f"r{s}{i}",
+            "slot": s,
+            "sample_index": i,
+            "prompt": f"{s}+0=",
+            "completion_ids": [4 + s, 2],
+            "response": str(s),
+            "n_tokens": 2,
+            "finish_reason": "stop",
+        }
+        for s in (1, 0)
+        for i in (1, 0)
     ]
     scores = {r["rollout_id"]: float(r["slot"]) for r in rows}
     batch = rollout_batch(rows, scores)

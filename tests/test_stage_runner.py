@@ -62,14 +62,16 @@ def store(tmp_path) -> Store:
 
 
 def numbers_artifact(store: Store, values: list[int], name: str = "numbers-1") -> str:
-    store.write_artifact("test_numbers", name, pa.table({"n": values}), run_id="r", stage="test", parents=[],
-                         code_version="1", config={})
+    store.write_artifact(
+        "test_numbers", name, pa.table({"n": values}), run_id="r", stage="test", parents=[], code_version="1", config={}
+    )
     return name
 
 
 def run_split(store: Store, step: int, numbers: str, state: str | None, scale: int = 1) -> StageRun:
-    return run_stage(store, SPLIT, SplitConfig(scale=scale), run_id="r", step=step,
-                     inputs={"state": state, "numbers": numbers})
+    return run_stage(
+        store, SPLIT, SplitConfig(scale=scale), run_id="r", step=step, inputs={"state": state, "numbers": numbers}
+    )
 
 
 def test_commit_then_skip_with_the_same_ids(store):
@@ -130,8 +132,9 @@ def test_progress_events_and_the_stage_runs_view(store):
         stop()
     assert [(r.stage, r.step, r.skipped) for r in seen] == [("split", 1, False), ("split", 1, True)]
     assert seen[0].build_seconds >= 0 and seen[0].commit_seconds > 0
-    rows = query(store, "SELECT stage, step, outputs, rows, read_seconds, build_seconds, commit_seconds "
-                        "FROM stage_runs").to_pylist()
+    rows = query(
+        store, "SELECT stage, step, outputs, rows, read_seconds, build_seconds, commit_seconds FROM stage_runs"
+    ).to_pylist()
     assert len(rows) == 1
     assert rows[0]["stage"] == "split" and rows[0]["step"] == 1 and rows[0]["rows"] == 2
     assert sorted(rows[0]["outputs"]) == sorted(first.ids.values())
@@ -139,8 +142,7 @@ def test_progress_events_and_the_stage_runs_view(store):
 
 
 def test_build_runs_without_a_store():
-    ctx = StageContext(run_id="r", seed=0, step=1, stage="split", input_ids={}, output_ids={},
-                       state={"total": 10})
+    ctx = StageContext(run_id="r", seed=0, step=1, stage="split", input_ids={}, output_ids={}, state={"total": 10})
     built = split_numbers(Inputs.given(numbers=pa.table({"n": [3, 4]})), SplitConfig(scale=2), ctx)
     assert built["evens"].table.column("n").to_pylist() == [6, 8]
     assert built["evens"].state == {"total": 24}
@@ -160,8 +162,15 @@ def squares(inputs: Inputs, cfg: SplitConfig, ctx: StageContext) -> Sharded:
     return Sharded(count=4, make=make)
 
 
-SQUARES: Stage[SplitConfig] = Stage(name="squares", code_version="1", section=None, config=SplitConfig, inputs=(),
-                                    outputs={"squares": Output("test_squares", sharded=True)}, build=squares)
+SQUARES: Stage[SplitConfig] = Stage(
+    name="squares",
+    code_version="1",
+    section=None,
+    config=SplitConfig,
+    inputs=(),
+    outputs={"squares": Output("test_squares", sharded=True)},
+    build=squares,
+)
 
 
 def test_sharded_output_resumes_from_committed_shards(store):
@@ -181,9 +190,15 @@ def keep_latest(inputs: Inputs, cfg: SplitConfig, ctx: StageContext) -> dict[str
     return {"state": Built(pa.table({"step": [ctx.step]})), "log": Built(pa.table({"step": [ctx.step]}))}
 
 
-LATEST: Stage[SplitConfig] = Stage(name="latest", code_version="1", section=None, config=SplitConfig, inputs=(),
-                                   outputs={"state": Output("test_state", transient=True), "log": Output("test_log")},
-                                   build=keep_latest)
+LATEST: Stage[SplitConfig] = Stage(
+    name="latest",
+    code_version="1",
+    section=None,
+    config=SplitConfig,
+    inputs=(),
+    outputs={"state": Output("test_state", transient=True), "log": Output("test_log")},
+    build=keep_latest,
+)
 
 
 def test_only_the_newest_transient_output_is_kept(store):
@@ -196,11 +211,26 @@ def test_only_the_newest_transient_output_is_kept(store):
 
 def test_declarations_are_checked():
     with pytest.raises(ValueError, match="carries state, so it needs an input named 'state'"):
-        Stage(name="x", code_version="1", section=None, config=SplitConfig, inputs=(), outputs={"a": Output("a")},
-              build=split_numbers, carries_state=True)
+        Stage(
+            name="x",
+            code_version="1",
+            section=None,
+            config=SplitConfig,
+            inputs=(),
+            outputs={"a": Output("a")},
+            build=split_numbers,
+            carries_state=True,
+        )
     with pytest.raises(ValueError, match="declare transient output 'b' before durable ones"):
-        Stage(name="x", code_version="1", section=None, config=SplitConfig, inputs=(),
-              outputs={"a": Output("a"), "b": Output("b", transient=True)}, build=split_numbers)
+        Stage(
+            name="x",
+            code_version="1",
+            section=None,
+            config=SplitConfig,
+            inputs=(),
+            outputs={"a": Output("a"), "b": Output("b", transient=True)},
+            build=split_numbers,
+        )
 
 
 def test_unknown_input_names_are_refused(store):
@@ -219,8 +249,15 @@ def where_am_i(inputs: Inputs, cfg: SplitConfig, ctx: StageContext) -> Built:
     return Built(pa.table({"step": [ctx.step]}))
 
 
-WHERE: Stage[SplitConfig] = Stage(name="where", code_version="1", section=None, config=SplitConfig, inputs=(),
-                                  outputs={"log": Output("test_where")}, build=where_am_i)
+WHERE: Stage[SplitConfig] = Stage(
+    name="where",
+    code_version="1",
+    section=None,
+    config=SplitConfig,
+    inputs=(),
+    outputs={"log": Output("test_where")},
+    build=where_am_i,
+)
 
 
 @pytest.mark.slow

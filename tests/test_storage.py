@@ -379,8 +379,15 @@ def _populate(store: Store) -> dict[str, Manifest]:
         rollouts = write(
             store,
             "rollouts",
-            make_table("rollouts", 20, rollout_id=rollout_ids, step=[step] * 20, problem_id=pids,
-                       sample_index=samples, n_tokens=n_tokens),
+            make_table(
+                "rollouts",
+                20,
+                rollout_id=rollout_ids,
+                step=[step] * 20,
+                problem_id=pids,
+                sample_index=samples,
+                n_tokens=n_tokens,
+            ),
             parents=[problems.artifact_id],
             config={"step": step},
             step=step,
@@ -388,8 +395,14 @@ def _populate(store: Store) -> dict[str, Manifest]:
         rewards = write(
             store,
             "rewards",
-            make_table("rewards", 20, rollout_id=rollout_ids, step=[step] * 20, problem_id=pids,
-                       score=[1.0 if s == 0 else 0.0 for s in samples]),
+            make_table(
+                "rewards",
+                20,
+                rollout_id=rollout_ids,
+                step=[step] * 20,
+                problem_id=pids,
+                score=[1.0 if s == 0 else 0.0 for s in samples],
+            ),
             parents=[rollouts.artifact_id],
             config={"step": step},
             step=step,
@@ -437,12 +450,21 @@ def test_empty_store_has_every_declared_view_with_its_columns(store: Store) -> N
 def test_undeclared_kind_gets_a_view(store: Store) -> None:
     config = {"x": 1}
     aid = artifact_id("notes", "annotate", "v1", config, [], "run-1")
-    store.write_artifact("notes", aid, pa.table({"text": ["a", "b", "c"]}), run_id="run-1", stage="annotate",
-                         parents=[], code_version="v1", config=config)
+    store.write_artifact(
+        "notes",
+        aid,
+        pa.table({"text": ["a", "b", "c"]}),
+        run_id="run-1",
+        stage="annotate",
+        parents=[],
+        code_version="v1",
+        config=config,
+    )
     assert scalar(store, "SELECT string_agg(text, '' ORDER BY text) FROM notes") == "abc"
     with pytest.raises(ValueError, match="bad artifact kind 'runs'"):
-        store.write_artifact("runs", "runs-x", pa.table({"a": [1]}), run_id="r", stage="s", parents=[],
-                             code_version="v1", config={})
+        store.write_artifact(
+            "runs", "runs-x", pa.table({"a": [1]}), run_id="r", stage="s", parents=[], code_version="v1", config={}
+        )
 
 
 def test_artifacts_and_lineage_views(store: Store) -> None:
@@ -451,8 +473,16 @@ def test_artifacts_and_lineage_views(store: Store) -> None:
     try:
         columns = [row[0] for row in con.execute("DESCRIBE artifacts").fetchall()]
         assert columns[:10] == [
-            "artifact_id", "kind", "run_id", "stage", "step", "rows",
-            "created_at", "code_version", "parents_count", "seconds",
+            "artifact_id",
+            "kind",
+            "run_id",
+            "stage",
+            "step",
+            "rows",
+            "created_at",
+            "code_version",
+            "parents_count",
+            "seconds",
         ]
         rewards1 = made["rewards1"]
         row = con.execute(
@@ -500,10 +530,14 @@ def test_runs_records_and_derived_status(store: Store) -> None:
     assert rows == [
         {"run_id": "run-alive", "status": "running", "recorded_status": "running", "pid": os.getpid(), "host": host},
         {"run_id": "run-dead", "status": "failed", "recorded_status": "running", "pid": dead["pid"], "host": host},
-        {"run_id": "run-done", "status": "completed", "recorded_status": "completed", "pid": os.getpid(),
-         "host": host},
-        {"run_id": "run-far", "status": "running", "recorded_status": "running", "pid": rows[3]["pid"],
-         "host": "another-host"},
+        {"run_id": "run-done", "status": "completed", "recorded_status": "completed", "pid": os.getpid(), "host": host},
+        {
+            "run_id": "run-far",
+            "status": "running",
+            "recorded_status": "running",
+            "pid": rows[3]["pid"],
+            "host": "another-host",
+        },
     ]
     updated = store.write_run({**store.read_run("run-dead"), "status": "completed"})
     assert store.read_run("run-dead") == updated

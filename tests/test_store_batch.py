@@ -14,8 +14,9 @@ from rlvr.storage.store import Store
 
 
 def write(store: Store, aid: str, kind: str = "test_rows") -> None:
-    store.write_artifact(kind, aid, pa.table({"x": [1, 2]}), run_id="r", stage="s", parents=[], code_version="1",
-                         config={})
+    store.write_artifact(
+        kind, aid, pa.table({"x": [1, 2]}), run_id="r", stage="s", parents=[], code_version="1", config={}
+    )
 
 
 def on_disk(store: Store, aid: str) -> bool:

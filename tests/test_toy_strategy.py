@@ -41,8 +41,9 @@ class LowestFirst(SelectionStrategy):
 
     def observe(self, feedback: StepFeedback) -> list[dict[str, Any]]:
         self.taken += len(feedback.outcomes)
-        return [{"arm": "all", "pool_size": len(feedback.pool), "pulls": len(feedback.outcomes),
-                 "taken_so_far": self.taken}]
+        return [
+            {"arm": "all", "pool_size": len(feedback.pool), "pulls": len(feedback.outcomes), "taken_so_far": self.taken}
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         return {"taken": self.taken}
@@ -60,23 +61,40 @@ def test_a_registered_strategy_runs_two_steps(tmp_path, prefect_api):
 
     STRATEGIES.register(LowestFirstConfig, LowestFirst)
     try:
-        cfg = load_config(None, [
-            "run_id=toy", "select.type=lowest_first", "select.skip=1", "select.batch_size=3", "train.steps=2",
-            "allocate.n=4", "warmstart.steps=5", "difficulty.k=2", "evaluate.every=2", "checkpoint.every=2",
-        ])
+        cfg = load_config(
+            None,
+            [
+                "run_id=toy",
+                "select.type=lowest_first",
+                "select.skip=1",
+                "select.batch_size=3",
+                "train.steps=2",
+                "allocate.n=4",
+                "warmstart.steps=5",
+                "difficulty.k=2",
+                "evaluate.every=2",
+                "checkpoint.every=2",
+            ],
+        )
         root = str(tmp_path / "store")
         execute(root, cfg)
     finally:
         STRATEGIES.unregister("lowest_first")
     store = Store.open(root)
-    pool = query(store, "SELECT problem_id FROM problems WHERE split IN ('train', 'warmup') "
-                        "ORDER BY problem_id").column("problem_id").to_pylist()
-    picks = query(store, "SELECT step, slot, problem_id, probability, strategy FROM selections "
-                         "ORDER BY step, slot").to_pylist()
+    pool = (
+        query(store, "SELECT problem_id FROM problems WHERE split IN ('train', 'warmup') ORDER BY problem_id")
+        .column("problem_id")
+        .to_pylist()
+    )
+    picks = query(
+        store, "SELECT step, slot, problem_id, probability, strategy FROM selections ORDER BY step, slot"
+    ).to_pylist()
     assert [p["problem_id"] for p in picks] == pool[1:4] + pool[4:7]  # step 2 continues after step 1's three
     assert {p["strategy"] for p in picks} == {"lowest_first"}
     assert [p["probability"] for p in picks[:3]] == [1.0, 0.5, 0.5]
     audit = query(store, "SELECT step, arm, pulls, taken_so_far FROM curriculum_state ORDER BY step").to_pylist()
-    assert audit == [{"step": 1, "arm": "all", "pulls": 3, "taken_so_far": 3},
-                     {"step": 2, "arm": "all", "pulls": 3, "taken_so_far": 6}]
+    assert audit == [
+        {"step": 1, "arm": "all", "pulls": 3, "taken_so_far": 3},
+        {"step": 2, "arm": "all", "pulls": 3, "taken_so_far": 6},
+    ]
     assert query(store, "SELECT count(*) AS n FROM rollouts").column("n")[0].as_py() == 2 * 3 * 4

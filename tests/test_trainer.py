@@ -61,7 +61,9 @@ def test_group_advantages_without_std_and_with_unordered_ids():
 
 def test_effective_ratio_counts_groups_with_different_rewards():
     assert effective_ratio(RAGGED_REWARDS, RAGGED_GROUPS) == 0.5  # groups 0 and 3 of 4
-    assert effective_ratio(torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([5, 5, 9, 9])) == 0.5  # absent ids not counted
+    assert (
+        effective_ratio(torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([5, 5, 9, 9])) == 0.5
+    )  # absent ids not counted
     assert effective_ratio(torch.tensor([0.0, 0.0]), torch.tensor([0, 0])) == 0.0
 
 
@@ -176,7 +178,9 @@ def test_init_policy_loads_a_local_model_directory(policy, tmp_path):
         (tmp_path / name).write_bytes(data)
     loaded = init_policy(PolicyConfig(model=str(tmp_path)), seed=123)  # the seed does not re-initialise weights
     assert loaded.source == str(tmp_path.resolve())
-    assert all(torch.equal(a, b) for a, b in zip(policy.model.state_dict().values(), loaded.model.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(policy.model.state_dict().values(), loaded.model.state_dict().values())
+    )
     assert loaded.tokenizer("3+4=")["input_ids"] == [1, 7, 14, 8, 17]
 
 
@@ -245,7 +249,9 @@ def test_sft_lowers_the_loss(policy):
 def _answer_logprob(policy, prompt: str, answer_ids: list[int]) -> float:
     prompt_ids = torch.tensor([policy.tokenizer(prompt)["input_ids"]])
     with torch.no_grad():
-        logp, _ = completion_logprobs(policy.model, prompt_ids, torch.tensor([answer_ids]), policy.tokenizer.pad_token_id)
+        logp, _ = completion_logprobs(
+            policy.model, prompt_ids, torch.tensor([answer_ids]), policy.tokenizer.pad_token_id
+        )
     return logp.sum().item()
 
 

@@ -58,7 +58,9 @@ def _ordinary(count: int) -> tuple[list[tuple[str, str]], list[str]]:
             pairs.append((f"Adding up gives {i} apples.\n#### {i + 1}", str(i)))
             expected.append("wrong")
         elif i % 4 == 1:
-            pairs.append((f"So the result is $\\boxed{{\\frac{{{2 * i}}}{{{2 * i + 2}}}}}$", f"\\frac{{{i}}}{{{i + 1}}}"))
+            pairs.append(
+                (f"So the result is $\\boxed{{\\frac{{{2 * i}}}{{{2 * i + 2}}}}}$", f"\\frac{{{i}}}{{{i + 1}}}")
+            )
             expected.append("ok")
         elif i % 4 == 2:
             pairs.append((f"The answer is {i}.5", f"{2 * i + 1}/2"))
@@ -92,7 +94,18 @@ def test_results_stay_aligned_through_every_kind_of_failure(pool):
     ]
     scores = pool.score_many(pairs)
     assert [s.status for s in scores] == [
-        "ok", "timeout", "ok", "error", "error", "wrong", "error", "error", "error", "unparseable", "error", "ok",
+        "ok",
+        "timeout",
+        "ok",
+        "error",
+        "error",
+        "wrong",
+        "error",
+        "error",
+        "error",
+        "unparseable",
+        "error",
+        "ok",
     ]
     assert scores[1].reason == "call exceeded 1 s; worker killed and replaced"
     assert scores[3].reason == "worker died: exit code 3"

@@ -25,7 +25,7 @@ def test_builtins_are_registered_sorted_with_versions():
     assert names["arithmetic"] is ArithmeticVerifier
     assert names["math"] is MathVerifier
     assert list(names) == sorted(names)
-    assert (MathVerifier.name, MathVerifier.domain, MathVerifier.version) == ("math", "math", "1")
+    assert (MathVerifier.name, MathVerifier.domain, MathVerifier.version) == ("math", "math", "2")
     assert isinstance(get_verifier("math"), MathVerifier)
 
 
@@ -80,7 +80,9 @@ def test_entry_point_plugin_is_registered_and_bad_ones_are_reported(plugin_dir):
     assert get_verifier("echo").score(" 7 ", 7).status == "ok"
     errors = plugin_errors()
     assert len(errors) == 3
-    assert errors[0].startswith("plugin 'broken' (module_that_does_not_exist:Verifier) failed to load: ModuleNotFoundError")
+    assert errors[0].startswith(
+        "plugin 'broken' (module_that_does_not_exist:Verifier) failed to load: ModuleNotFoundError"
+    )
     assert errors[1].startswith("plugin 'notverifier' (echo_plugin:NotAVerifier) rejected: ")
     assert errors[2] == "plugin 'math' (echo_plugin:EchoVerifier) ignored: 'math' is a built-in verifier"
     with pytest.raises(UserError, match="^plugin 'broken' .* failed to load"):
@@ -119,7 +121,15 @@ def test_verify_lines_labels_every_line_in_order_and_survives_malformed_ones():
     rows = list(verify_lines("math", lines, workers=2, timeout_s=5.0))
     assert [row["line"] for row in rows] == list(range(1, 10))
     assert [row["status"] for row in rows] == [
-        "ok", "error", "error", "error", "error", "error", "wrong", "error", "unparseable",
+        "ok",
+        "error",
+        "error",
+        "error",
+        "error",
+        "error",
+        "wrong",
+        "error",
+        "unparseable",
     ]
     assert rows[0] == {
         "line": 1,
@@ -213,7 +223,12 @@ def test_trl_reward_func_missing_column_is_a_user_error():
     ],
 )
 def test_verl_compute_score(data_source, solution_str, ground_truth, expected):
-    score = compute_score(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info={"split": "test", "index": 0})
+    score = compute_score(
+        data_source=data_source,
+        solution_str=solution_str,
+        ground_truth=ground_truth,
+        extra_info={"split": "test", "index": 0},
+    )
     assert score == expected
     assert isinstance(score, float)
 

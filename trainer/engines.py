@@ -82,14 +82,23 @@ class TransformersEngine(RolloutEngine):
     def generate(self, prompts: Sequence[str], counts: Sequence[int], sampling: SamplingParams) -> list[Sample]:
         if self._policy is None:
             raise RuntimeError("call update_weights before generate")
-        return sample(self._policy, list(prompts), list(counts), max_new_tokens=sampling.max_new_tokens,
-                      temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
+        return sample(
+            self._policy,
+            list(prompts),
+            list(counts),
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+        )
 
     def close(self) -> None:
         self._policy = None
 
 
-ENGINES: TypedRegistry[RolloutEngine] = TypedRegistry("rollout engine", EngineConfig, RolloutEngine, group="rlvr.engines")
+ENGINES: TypedRegistry[RolloutEngine] = TypedRegistry(
+    "rollout engine", EngineConfig, RolloutEngine, group="rlvr.engines"
+)
 _live: dict[str, RolloutEngine] = {}
 
 

@@ -42,7 +42,7 @@ def _generate(policy: Policy, prompts: list[str], max_new_tokens: int, **samplin
         return []
     encoded = policy.tokenizer(prompts, return_tensors="pt", padding=True)
     with torch.no_grad():
-        output = policy.model.generate(
+        output = policy.model.generate(  # type: ignore[operator]  # GenerationMixin, not a module attribute
             **encoded,
             max_new_tokens=max_new_tokens,
             pad_token_id=policy.tokenizer.pad_token_id,
@@ -59,7 +59,7 @@ def _generate(policy: Policy, prompts: list[str], max_new_tokens: int, **samplin
 
 
 def _decode(policy: Policy, ids: list[int]) -> str:
-    return policy.tokenizer.decode(ids, skip_special_tokens=True)
+    return str(policy.tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def sample(

@@ -49,7 +49,9 @@ def effective_ratio(rewards: Tensor, group_index: Tensor) -> float:
         return 0.0
     n_groups = int(group_index.max()) + 1
     rewards = rewards.to(torch.float64)
-    highest = torch.full((n_groups,), float("-inf"), dtype=torch.float64).scatter_reduce(0, group_index, rewards, "amax")
+    highest = torch.full((n_groups,), float("-inf"), dtype=torch.float64).scatter_reduce(
+        0, group_index, rewards, "amax"
+    )
     lowest = torch.full((n_groups,), float("inf"), dtype=torch.float64).scatter_reduce(0, group_index, rewards, "amin")
     present = torch.bincount(group_index, minlength=n_groups) > 0
     return float(((highest > lowest) & present).sum() / present.sum())
@@ -66,8 +68,9 @@ def completion_logprobs(
     """log π(completion token | prompt, earlier tokens) per position, and which positions are real.
 
     `prompt_ids` [R, P] are left-padded with `pad_id` (as the tokenizer pads for generation) and
-    `completion_ids` [R, T] right-padded. Logits are divided by `temperature` first. Position ids restart at 0 on each row's first real prompt
-    token, as `generate` numbers them, so these logprobs match the sampler's. The mask defaults to
+    `completion_ids` [R, T] right-padded. Logits are divided by `temperature` first. Position ids restart
+    at 0 on each row's first real prompt token, as `generate` numbers them, so these logprobs match the
+    sampler's. The mask defaults to
     `completion_ids != pad_id`; pass `completion_mask` when a pad id can be a real token (a model whose
     pad token is its eos, or a sampled pad), as `grpo_step` does.
     """
@@ -164,7 +167,50 @@ def _padded(rows: list[list[int]], pad_id: int, side: Literal["left", "right"]) 
     return torch.tensor([row + [pad_id] * (width - len(row)) for row in rows], dtype=torch.long)
 
 
-def grpo_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: RolloutBatch, cfg: GRPOConfig) -> dict[str, float]:
+@dataclass
+class TrainingRows:
+    """The samples of the groups that carry signal, as padded tensors (one row per sample)."""
+
+    prompt_ids: Tensor  # [R, P] left-padded
+    completion_ids: Tensor  # [R, T] right-padded
+    mask: Tensor  # [R, T] True on real completion tokens
+    advantages: Tensor  # [R]
+    groups: Tensor  # [R] group (prompt) index of each row
+    active_groups: Tensor  # the groups with a non-zero advantage
+
+
+def batch_stats(rewards: Tensor, group_index: Tensor) -> dict[str, float]:
+    """The metrics of a step before any update (the update metrics start at 0)."""
+    return {
+        "loss": 0.0,
+        "clip_fraction": 0.0,
+        "kl": 0.0,
+        "grad_norm": 0.0,
+        "updates": 0.0,
+        "mean_reward": float(rewards.mean()) if rewards.numel() else 0.0,
+        "reward_std": float(rewards.std(correction=0)) if rewards.numel() else 0.0,
+        "effective_ratio": effective_ratio(rewards, group_index),
+    }
+
+
+def training_rows(policy: Policy, batch: RolloutBatch, advantages: Tensor, group_index: Tensor) -> TrainingRows | None:
+    """The rows of the groups whose advantages are not all zero, or None when there is none."""
+    active_groups = torch.unique(group_index[advantages != 0])
+    if active_groups.numel() == 0:
+        return None
+    rows = torch.isin(group_index, active_groups).nonzero().squeeze(1).tolist()
+    pad_id = policy.tokenizer.pad_token_id
+    prompt_tokens = policy.tokenizer(batch.prompts)["input_ids"]
+    prompt_ids = _padded([prompt_tokens[batch.samples[k].prompt_index] for k in rows], pad_id, "left")
+    completion_ids = _padded([batch.samples[k].completion_ids for k in rows], pad_id, "right")
+    lengths = torch.tensor([batch.samples[k].n_tokens for k in rows])
+    mask = torch.arange(completion_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    return TrainingRows(prompt_ids, completion_ids, mask, advantages[rows], group_index[rows], active_groups)
+
+
+def grpo_step(
+    policy: Policy, optimizer: torch.optim.Optimizer, batch: RolloutBatch, cfg: GRPOConfig
+) -> dict[str, float]:
     """One RL step: advantages per group, old logprobs once (no grad), then `cfg.minibatches` clipped
     updates over the groups that carry signal.
 
@@ -176,49 +222,43 @@ def grpo_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: RolloutBa
         raise ValueError(f"{len(batch.samples)} samples but {len(batch.rewards)} rewards")
     rewards = torch.tensor(batch.rewards, dtype=torch.float32)
     group_index = torch.tensor([s.prompt_index for s in batch.samples], dtype=torch.long)
-    stats = {
-        "loss": 0.0,
-        "clip_fraction": 0.0,
-        "kl": 0.0,
-        "grad_norm": 0.0,
-        "updates": 0.0,
-        "mean_reward": float(rewards.mean()) if rewards.numel() else 0.0,
-        "reward_std": float(rewards.std(correction=0)) if rewards.numel() else 0.0,
-        "effective_ratio": effective_ratio(rewards, group_index),
-    }
+    stats = batch_stats(rewards, group_index)
     if not batch.samples:
         return stats
     advantages = group_advantages(rewards, group_index, scale=cfg.advantage_scale)
-
-    active_groups = torch.unique(group_index[advantages != 0])
-    if active_groups.numel() == 0:
+    rows = training_rows(policy, batch, advantages, group_index)
+    if rows is None:
         return stats
-    rows = torch.isin(group_index, active_groups).nonzero().squeeze(1).tolist()
+    stats.update(_clipped_updates(policy, optimizer, rows, cfg))
+    return stats
 
-    tokenizer, model = policy.tokenizer, policy.model
-    pad_id = tokenizer.pad_token_id
-    prompt_tokens = tokenizer(batch.prompts)["input_ids"]
-    prompt_ids = _padded([prompt_tokens[batch.samples[k].prompt_index] for k in rows], pad_id, "left")
-    completion_ids = _padded([batch.samples[k].completion_ids for k in rows], pad_id, "right")
-    lengths = torch.tensor([batch.samples[k].n_tokens for k in rows])
-    mask = torch.arange(completion_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    row_advantages = advantages[rows]
-    row_groups = group_index[rows]
 
+def _clipped_updates(
+    policy: Policy, optimizer: torch.optim.Optimizer, rows: TrainingRows, cfg: GRPOConfig
+) -> dict[str, float]:
+    """`cfg.minibatches` updates, each on a contiguous slice of the active groups, against one set of
+    old logprobs; returns the mean loss, clip fraction, KL estimate and grad norm, and the update count."""
+    model, pad_id = policy.model, policy.tokenizer.pad_token_id
     with torch.no_grad():
-        old_logp, _ = completion_logprobs(model, prompt_ids, completion_ids, pad_id, mask, cfg.temperature)
-
-    slices = torch.tensor_split(active_groups, min(cfg.minibatches, active_groups.numel()))
+        old_logp, _ = completion_logprobs(
+            model, rows.prompt_ids, rows.completion_ids, pad_id, rows.mask, cfg.temperature
+        )
+    slices = torch.tensor_split(rows.active_groups, min(cfg.minibatches, rows.active_groups.numel()))
     totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0}
     for groups in slices:
-        selected = torch.isin(row_groups, groups)
+        selected = torch.isin(rows.groups, groups)
         logp, token_mask = completion_logprobs(
-            model, prompt_ids[selected], completion_ids[selected], pad_id, mask[selected], cfg.temperature
+            model,
+            rows.prompt_ids[selected],
+            rows.completion_ids[selected],
+            pad_id,
+            rows.mask[selected],
+            cfg.temperature,
         )
         loss, loss_stats = clipped_surrogate_loss(
             logp,
             old_logp[selected],
-            row_advantages[selected],
+            rows.advantages[selected],
             token_mask,
             clip_low=cfg.clip_low,
             clip_high=cfg.clip_high,
@@ -233,7 +273,4 @@ def grpo_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: RolloutBa
         totals["kl"] += loss_stats["approx_kl"]
         totals["grad_norm"] += grad_norm.item()
     optimizer.zero_grad(set_to_none=True)
-    updates = len(slices)
-    stats.update({name: value / updates for name, value in totals.items()})
-    stats["updates"] = float(updates)
-    return stats
+    return {**{name: value / len(slices) for name, value in totals.items()}, "updates": float(len(slices))}

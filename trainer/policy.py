@@ -8,15 +8,15 @@ import json
 import struct
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from weakref import WeakKeyDictionary
-from pathlib import Path
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
-from pydantic import BaseModel, ConfigDict, Field
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as transformers_logging
 
 from rlvr.errors import UserError
@@ -47,7 +47,7 @@ class Policy:
     """A causal LM, its tokenizer (left padding, pad token set) and where it came from."""
 
     model: PreTrainedModel
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     source: str
 
 
@@ -57,7 +57,7 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _prepare(model: PreTrainedModel, tokenizer, source: str) -> Policy:
+def _prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, source: str) -> Policy:
     """Left padding and a pad token are what batched generation and the loss expect; dropout stays off
     so that the logprobs of the sampler and of the trainer agree."""
     tokenizer.padding_side = "left"
@@ -65,7 +65,7 @@ def _prepare(model: PreTrainedModel, tokenizer, source: str) -> Policy:
         tokenizer.pad_token = tokenizer.eos_token
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.to(torch.float32)
+    model.float()
     model.eval()
     return Policy(model=model, tokenizer=tokenizer, source=source)
 
@@ -89,18 +89,27 @@ def init_policy(cfg: PolicyConfig, seed: int) -> Policy:
     path = Path(cfg.model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise UserError(f"model directory '{cfg.model}' has no config.json; point policy.model at a Hugging Face model directory")
+            raise UserError(
+                f"model directory '{cfg.model}' has no config.json; "
+                "point policy.model at a Hugging Face model directory"
+            )
         return _load_directory(str(path), str(path.resolve()), local_files_only=True)
     if path.exists():
-        raise UserError(f"policy.model '{cfg.model}' is a file, not a model directory; point it at a Hugging Face model directory")
+        raise UserError(
+            f"policy.model '{cfg.model}' is a file, not a model directory; point it at a Hugging Face model directory"
+        )
     if _looks_like_path(cfg.model):
-        raise UserError(f"model directory '{cfg.model}' does not exist; set policy.model to 'tiny' or to an existing Hugging Face model directory")
+        raise UserError(
+            f"model directory '{cfg.model}' does not exist; "
+            "set policy.model to 'tiny' or to an existing Hugging Face model directory"
+        )
     try:
         return _load_directory(cfg.model, cfg.model, local_files_only=True)
     except OSError:
         raise UserError(
-            f"model '{cfg.model}' is neither a local directory nor in the local Hugging Face cache, and this machine cannot "
-            "download from the hub; download it elsewhere and set policy.model to its directory, or use 'tiny'"
+            f"model '{cfg.model}' is neither a local directory nor in the local Hugging Face cache, "
+            "and this machine cannot download from the hub; "
+            "download it elsewhere and set policy.model to its directory, or use 'tiny'"
         ) from None
 
 
@@ -109,8 +118,11 @@ def _saved_files(policy: Policy) -> dict[str, bytes]:
     with tempfile.TemporaryDirectory() as tmp:
         policy.model.save_pretrained(tmp)
         policy.tokenizer.save_pretrained(tmp)
-        return {path.relative_to(tmp).as_posix(): path.read_bytes()
-                for path in sorted(Path(tmp).rglob("*")) if path.is_file()}
+        return {
+            path.relative_to(tmp).as_posix(): path.read_bytes()
+            for path in sorted(Path(tmp).rglob("*"))
+            if path.is_file()
+        }
 
 
 def weights_bytes(model: PreTrainedModel) -> bytes:
@@ -202,4 +214,4 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, data: bytes) -> None:
 def safetensors_metadata(data: bytes) -> dict[str, str]:
     """The `__metadata__` of a safetensors file held in memory (from its JSON header: 8-byte length, then JSON)."""
     header_length = struct.unpack("<Q", data[:8])[0]
-    return dict(json.loads(data[8:8 + header_length]).get("__metadata__", {}))
+    return dict(json.loads(data[8 : 8 + header_length]).get("__metadata__", {}))

@@ -29,7 +29,8 @@ def sft_warmstart(
     pad_id = tokenizer.pad_token_id
     prompt_tokens = tokenizer([prompt for prompt, _ in examples])["input_ids"]
     answer_tokens = [
-        ids + [tokenizer.eos_token_id] for ids in tokenizer([answer for _, answer in examples], add_special_tokens=False)["input_ids"]
+        ids + [tokenizer.eos_token_id]
+        for ids in tokenizer([answer for _, answer in examples], add_special_tokens=False)["input_ids"]
     ]
     generator = torch.Generator().manual_seed(seed)
     losses = []
@@ -39,7 +40,10 @@ def sft_warmstart(
         answer_width = max(len(answer_tokens[i]) for i in picks)
         prompt_ids = torch.tensor([[pad_id] * (prompt_width - len(prompt_tokens[i])) + prompt_tokens[i] for i in picks])
         answer_ids = torch.tensor([answer_tokens[i] + [pad_id] * (answer_width - len(answer_tokens[i])) for i in picks])
-        mask = torch.tensor([[1] * len(answer_tokens[i]) + [0] * (answer_width - len(answer_tokens[i])) for i in picks], dtype=torch.bool)
+        mask = torch.tensor(
+            [[1] * len(answer_tokens[i]) + [0] * (answer_width - len(answer_tokens[i])) for i in picks],
+            dtype=torch.bool,
+        )
         logp, token_mask = completion_logprobs(model, prompt_ids, answer_ids, pad_id, mask)
         loss = -(logp * token_mask).sum() / token_mask.sum()
         optimizer.zero_grad(set_to_none=True)

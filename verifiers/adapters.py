@@ -12,7 +12,8 @@ anything else raises `UserError`, as verl itself does for a data source it does 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rlvr.errors import UserError
 from rlvr.verifiers.base import Verifier
@@ -66,14 +67,18 @@ def trl_reward_func(
         raise UserError(f"the pool runs verifier {pool.spec!r}, not {verifier_name!r}")
     verifier: Verifier = get_verifier(verifier_name)
 
-    def reward_func(prompts: list[Any] | None = None, completions: list[Any] | None = None, **columns: Any) -> list[float]:
+    def reward_func(
+        prompts: list[Any] | None = None, completions: list[Any] | None = None, **columns: Any
+    ) -> list[float]:
         completions = completions or []
         if reference_column not in columns:
             available = ", ".join(sorted(k for k in columns if k not in ("completion_ids", "trainer_state"))) or "none"
             raise UserError(f"reward column {reference_column!r} is not in the dataset; columns passed: {available}")
         references = list(columns[reference_column])
         if len(references) != len(completions):
-            raise UserError(f"{len(completions)} completions but {len(references)} values in column {reference_column!r}")
+            raise UserError(
+                f"{len(completions)} completions but {len(references)} values in column {reference_column!r}"
+            )
         responses = [completion_text(c) for c in completions]
         if pool is not None:
             scores = pool.score_many(list(zip(responses, references)))

@@ -35,15 +35,23 @@ def reference_hash(reference: Any) -> str:
 
 def score_to_entry(key: CacheKey, score: Score) -> dict[str, Any]:
     verifier, version, response_h, reference_h = key
-    return {"verifier": verifier, "verifier_version": version, "response_hash": response_h,
-            "reference_hash": reference_h, "score": score.value, "status": score.status,
-            "extracted": score.extracted, "reason": score.reason,
-            "components": json.dumps(score.components, sort_keys=True)}
+    return {
+        "verifier": verifier,
+        "verifier_version": version,
+        "response_hash": response_h,
+        "reference_hash": reference_h,
+        "score": score.value,
+        "status": score.status,
+        "extracted": score.extracted,
+        "reason": score.reason,
+        "components": json.dumps(score.components, sort_keys=True),
+    }
 
 
 def entry_to_score(entry: dict[str, Any]) -> Score:
-    return Score(entry["score"], entry["status"], json.loads(entry["components"] or "{}"),
-                 entry["extracted"], entry["reason"])
+    return Score(
+        entry["score"], entry["status"], json.loads(entry["components"] or "{}"), entry["extracted"], entry["reason"]
+    )
 
 
 class RewardCache:
@@ -131,12 +139,13 @@ def score_cached(
             fresh = [score_safely(verifier, response, reference) for response, reference in todo]
         else:
             fresh = shared_pool(verifier_name, workers, cfg.timeout_s, cfg.memory_mb).score_many(todo)
-        for i, score in zip(misses, fresh):
-            scores[i] = score
+        for i, fresh_score in zip(misses, fresh):
+            scores[i] = fresh_score
     entries: dict[CacheKey, dict[str, Any]] = {}
     for i in misses:
-        score = scores[i]
-        if score.status in CACHEABLE and keys[i] not in entries:
-            entries[keys[i]] = score_to_entry(keys[i], score)
-            cache.remember(keys[i], score)
+        scored = scores[i]
+        assert scored is not None  # every miss was scored above
+        if scored.status in CACHEABLE and keys[i] not in entries:
+            entries[keys[i]] = score_to_entry(keys[i], scored)
+            cache.remember(keys[i], scored)
     return [s for s in scores if s is not None], hits, list(entries.values())

@@ -31,7 +31,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from rlvr.verifiers.base import Score, Verifier, non_text_error
+from rlvr.verifiers.base import Score, Status, Verifier, non_text_error
 from rlvr.verifiers.sandbox import ProgramResult, SandboxError, run_program
 
 DEFAULT_TIMEOUT_S = 2.0
@@ -226,7 +226,7 @@ class CodeVerifier(Verifier):
         value = 0.5 * fraction + 0.5 * components["all_passed"]
         if all_passed:
             return Score(value, "ok", components, extracted, f"all {total} checks passed")
-        status = "timeout" if timeouts == total - passed else "wrong"
+        status: Status = "timeout" if timeouts == total - passed else "wrong"
         reason = f"{passed}/{total} passed; first failure: {first_failure}"
         if skipped:
             reason += f"; {skipped} checks not run after the timeout"

@@ -63,12 +63,16 @@ def check_spec(spec: Any) -> dict[str, Any]:
             raise UserError(f'composite {name!r}: each component needs "verifier": NAME')
         unknown = set(component) - _COMPONENT_KEYS
         if unknown:
-            raise UserError(f"composite {name!r}: unknown component keys {sorted(unknown)}; known: {sorted(_COMPONENT_KEYS)}")
+            raise UserError(
+                f"composite {name!r}: unknown component keys {sorted(unknown)}; known: {sorted(_COMPONENT_KEYS)}"
+            )
         gate = component.get("gate", False)
         if not isinstance(gate, bool):
             raise UserError(f"composite {name!r}: gate must be true or false")
         if gate and "weight" in component:
-            raise UserError(f"composite {name!r}: gate {component['verifier']!r} has no weight (it multiplies the reward by 0 or 1)")
+            raise UserError(
+                f"composite {name!r}: gate {component['verifier']!r} has no weight (it multiplies the reward by 0 or 1)"
+            )
         weight = component.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise UserError(f"composite {name!r}: weight of {component['verifier']!r} must be a number")
@@ -82,7 +86,9 @@ def check_spec(spec: Any) -> dict[str, Any]:
 
 
 def composite_version(spec: dict[str, Any], classes: dict[str, type[Verifier]]) -> str:
-    return "+".join([spec["version"]] + [f"{part['verifier']}.{classes[part['verifier']].version}" for part in spec["components"]])
+    return "+".join(
+        [spec["version"]] + [f"{part['verifier']}.{classes[part['verifier']].version}" for part in spec["components"]]
+    )
 
 
 class CompositeVerifier(Verifier):
@@ -93,7 +99,10 @@ class CompositeVerifier(Verifier):
     def __init__(self) -> None:
         from rlvr.verifiers.registry import get_verifier
 
-        self.parts = [(part["verifier"], get_verifier(part["verifier"]), part["weight"], part["gate"]) for part in self.spec["components"]]
+        self.parts = [
+            (part["verifier"], get_verifier(part["verifier"]), part["weight"], part["gate"])
+            for part in self.spec["components"]
+        ]
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> CompositeVerifier:
@@ -157,10 +166,12 @@ class CompositeVerifier(Verifier):
 class MathFormatVerifier(CompositeVerifier):
     """The math reward gated by the think/answer format: 1 only for a correct answer in a clean format."""
 
-    spec = check_spec({
-        "name": "math_format",
-        "components": [{"verifier": "math", "weight": 1.0}, {"verifier": "format", "gate": True}],
-    })
+    spec = check_spec(
+        {
+            "name": "math_format",
+            "components": [{"verifier": "math", "weight": 1.0}, {"verifier": "format", "gate": True}],
+        }
+    )
     name = "math_format"
     domain = "math"
     version = composite_version(spec, {"math": MathVerifier, "format": FormatVerifier})

@@ -115,7 +115,7 @@ class FormatVerifier(Verifier):
         overlapping = any(later[0] < earlier[3] for (earlier, _), (later, _) in zip(in_text_order, in_text_order[1:]))
         outside_text, position = [], 0
         for span, _ in in_text_order:
-            outside_text.append(response[position:span[0]])
+            outside_text.append(response[position : span[0]])
             position = max(position, span[3])
         outside_text.append(response[position:])
         clean_outside = not overlapping and not "".join(outside_text).strip()
@@ -136,7 +136,7 @@ class FormatVerifier(Verifier):
         components["structured"] = 1.0 if structured else 0.0
 
         last_spans = spans_by_tag.get(tags[-1])
-        extracted = response[last_spans[-1][1]:last_spans[-1][2]].strip()[:2000] if last_spans else None
+        extracted = response[last_spans[-1][1] : last_spans[-1][2]].strip()[:2000] if last_spans else None
         if structured:
             return Score(1.0, "ok", components, extracted, "exactly structured")
         value = PARTIAL_WEIGHT * sum(components[tag] for tag in tags) / len(tags)

@@ -85,7 +85,16 @@ def _worker_main(conn: Connection, spec: str, memory_mb: int) -> None:
         try:
             conn.send((index, score))
         except Exception as exc:  # e.g. components that cannot be pickled
-            conn.send((index, Score(0.0, "error", reason=f"result could not be sent back: {type(exc).__name__}: {exc}"[:REASON_CHARS])))
+            conn.send(
+                (
+                    index,
+                    Score(
+                        0.0,
+                        "error",
+                        reason=f"result could not be sent back: {type(exc).__name__}: {exc}"[:REASON_CHARS],
+                    ),
+                )
+            )
 
 
 @dataclass
@@ -176,12 +185,14 @@ class VerifierPool:
         while pending or any(worker.queued for worker in self._slots):
             if self._failed_starts >= MAX_FAILED_STARTS:
                 for index in pending:
-                    results[index] = Score(0.0, "error", reason=f"no verifier worker could start: {self._start_failure}")
+                    results[index] = Score(
+                        0.0, "error", reason=f"no verifier worker could start: {self._start_failure}"
+                    )
                 pending.clear()
                 if not any(worker.queued for worker in self._slots):
                     break
 
-            for slot, worker in enumerate(self._slots):
+            for worker in self._slots:
                 while worker.ready and len(worker.queued) < PIPELINE_DEPTH and pending:
                     index = pending.popleft()
                     response, reference = pairs[index]

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
-from typing import Any, Callable
+from collections.abc import Callable
+from functools import cache
+from typing import Any
 
 from rlvr.verifiers.base import Score, Verifier, non_text_error
 
@@ -41,7 +42,7 @@ def extract_answer(response: str) -> str | None:
     return lines[-1] if lines else None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _score_answer_fn(dataset: str) -> Callable[[str | None, dict[str, Any]], float]:
     """The dataset's bound `score_answer` (building the dataset object once per process)."""
     import reasoning_gym
@@ -88,14 +89,28 @@ class ReasoningGymVerifier(Verifier):
             return problem
         answer = extract_answer(response)
         if answer is None:
-            return Score(0.0, "unparseable", {"rg_score": 0.0}, reason="no answer (empty response or empty <answer> tag)")
+            return Score(
+                0.0, "unparseable", {"rg_score": 0.0}, reason="no answer (empty response or empty <answer> tag)"
+            )
         try:
             rg_score = float(_score_answer_fn(dataset)(answer, entry))
         except Exception as exc:
-            return Score(0.0, "error", {"rg_score": 0.0}, answer[:2000], f"{dataset} scorer raised {type(exc).__name__}: {exc}"[:300])
+            return Score(
+                0.0,
+                "error",
+                {"rg_score": 0.0},
+                answer[:2000],
+                f"{dataset} scorer raised {type(exc).__name__}: {exc}"[:300],
+            )
         if rg_score == 1.0:
             return Score(1.0, "ok", {"rg_score": rg_score}, answer[:2000], f"{dataset}: correct")
-        return Score(0.0, "wrong", {"rg_score": rg_score}, answer[:2000], f"{dataset}: scorer gave {rg_score:g}; only 1.0 is rewarded")
+        return Score(
+            0.0,
+            "wrong",
+            {"rg_score": rg_score},
+            answer[:2000],
+            f"{dataset}: scorer gave {rg_score:g}; only 1.0 is rewarded",
+        )
 
 
 def rg_problems(dataset: str, count: int, seed: int) -> list[dict[str, Any]]:

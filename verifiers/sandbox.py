@@ -69,7 +69,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
@@ -343,6 +343,7 @@ def _has_exited(pid: int) -> bool:
 
 def _read_output(process: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]:
     """Read stdout and stderr until both close, the program exits, the deadline, or the cap."""
+    assert process.stdout is not None and process.stderr is not None  # started with PIPEs
     buffers = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
     timed_out = truncated = False
     with selectors.DefaultSelector() as selector:
@@ -393,7 +394,12 @@ def _remove_dirs_of_dead_processes() -> None:
     temp_dir = tempfile.gettempdir()
     for name in os.listdir(temp_dir):
         parts = name.split("-")
-        if len(parts) == 4 and name.startswith(DIR_PREFIX) and parts[2].isdigit() and not os.path.exists(f"/proc/{parts[2]}"):
+        if (
+            len(parts) == 4
+            and name.startswith(DIR_PREFIX)
+            and parts[2].isdigit()
+            and not os.path.exists(f"/proc/{parts[2]}")
+        ):
             _remove_tree(os.path.join(temp_dir, name))
 
 
@@ -405,33 +411,10 @@ def _run(source: str, stdin: str, limits: _Limits, extra_files: dict[str, str], 
     slot = _UidSlot() if os.geteuid() == 0 else None
     root_dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
     try:
-        os.chmod(root_dir, 0o711)  # traversable by the sandbox uid, not listable
-        work_dir = os.path.join(root_dir, "work")
-        os.mkdir(work_dir, 0o700)
-        for name, text in {PROGRAM_FILE: source, **extra_files}.items():
-            with open(os.path.join(work_dir, name), "w", encoding="utf-8", errors="surrogatepass") as file:
-                file.write(text)
-        stdin_path = os.path.join(root_dir, "stdin")
-        with open(stdin_path, "w", encoding="utf-8", errors="surrogatepass") as file:
-            file.write(stdin)
-        if slot is not None:
-            for name in os.listdir(work_dir):
-                os.chown(os.path.join(work_dir, name), slot.uid, slot.uid)
-            os.chown(work_dir, slot.uid, slot.uid)
-
-        python = interpreter()
-        argv = [python, "-I", "-S", PROGRAM_FILE]
-        if use_bwrap:
-            argv = _bwrap_argv(python, work_dir) + argv
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work_dir}
+        work_dir, stdin_path = _prepare_work_dir(root_dir, source, stdin, extra_files, slot)
         uid = slot.uid if slot is not None else None
-        rlimits = _rlimits(limits, uid)
-        launcher = _util_linux_launcher()
-        if launcher is not None:
-            argv = _launcher_argv(launcher, rlimits, uid) + argv
-            switch = {}
-        else:
-            switch = {"user": uid, "group": uid, "extra_groups": [] if uid is not None else None, "preexec_fn": _child_setup(rlimits)}
+        argv, switch = _command(work_dir, limits, uid, use_bwrap)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work_dir}
         started = time.monotonic()
         with open(stdin_path, "rb") as stdin_file:
             try:
@@ -447,19 +430,7 @@ def _run(source: str, stdin: str, limits: _Limits, extra_files: dict[str, str], 
                 )
             except (OSError, subprocess.SubprocessError) as exc:
                 raise SandboxError(f"could not start {argv[0]}: {type(exc).__name__}: {exc}") from exc
-        try:
-            stdout, stderr, timed_out, truncated = _read_output(process, started + limits.timeout_s, limits.max_output_bytes)
-        finally:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # the leader is not reaped yet, so its pgid is ours
-            except (ProcessLookupError, PermissionError):
-                pass
-            process.stdout.close()
-            process.stderr.close()
-            try:
-                returncode = process.wait(KILL_WAIT_S)
-            except subprocess.TimeoutExpired as exc:
-                raise SandboxError(f"sandboxed process {process.pid} did not die after SIGKILL") from exc
+        stdout, stderr, timed_out, truncated, returncode = _collect(process, started, limits)
         seconds = time.monotonic() - started
     finally:
         if slot is not None:
@@ -474,6 +445,66 @@ def _run(source: str, stdin: str, limits: _Limits, extra_files: dict[str, str], 
         seconds=seconds,
         isolation="bubblewrap" if use_bwrap else "rlimits",
     )
+
+
+def _prepare_work_dir(
+    root_dir: str, source: str, stdin: str, extra_files: dict[str, str], slot: _UidSlot | None
+) -> tuple[str, str]:
+    """The program and its files in a private work dir (owned by the sandbox uid), and stdin beside it."""
+    os.chmod(root_dir, 0o711)  # traversable by the sandbox uid, not listable
+    work_dir = os.path.join(root_dir, "work")
+    os.mkdir(work_dir, 0o700)
+    for name, text in {PROGRAM_FILE: source, **extra_files}.items():
+        with open(os.path.join(work_dir, name), "w", encoding="utf-8", errors="surrogatepass") as file:
+            file.write(text)
+    stdin_path = os.path.join(root_dir, "stdin")
+    with open(stdin_path, "w", encoding="utf-8", errors="surrogatepass") as file:
+        file.write(stdin)
+    if slot is not None:
+        for name in os.listdir(work_dir):
+            os.chown(os.path.join(work_dir, name), slot.uid, slot.uid)
+        os.chown(work_dir, slot.uid, slot.uid)
+    return work_dir, stdin_path
+
+
+def _command(work_dir: str, limits: _Limits, uid: int | None, use_bwrap: bool) -> tuple[list[str], dict[str, Any]]:
+    """The argv (bubblewrap and the rlimit launcher around the interpreter) and how Popen switches user."""
+    python = interpreter()
+    argv = [python, "-I", "-S", PROGRAM_FILE]
+    if use_bwrap:
+        argv = _bwrap_argv(python, work_dir) + argv
+    rlimits = _rlimits(limits, uid)
+    launcher = _util_linux_launcher()
+    if launcher is not None:
+        return _launcher_argv(launcher, rlimits, uid) + argv, {}
+    switch = {
+        "user": uid,
+        "group": uid,
+        "extra_groups": [] if uid is not None else None,
+        "preexec_fn": _child_setup(rlimits),
+    }
+    return argv, switch
+
+
+def _collect(process: subprocess.Popen, started: float, limits: _Limits) -> tuple[bytes, bytes, bool, bool, int]:
+    """Output, timeout and truncation flags, and the exit status; the whole process group is killed after."""
+    try:
+        stdout, stderr, timed_out, truncated = _read_output(
+            process, started + limits.timeout_s, limits.max_output_bytes
+        )
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the leader is not reaped yet, so its pgid is ours
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pipe in (process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()
+        try:
+            returncode = process.wait(KILL_WAIT_S)
+        except subprocess.TimeoutExpired as exc:
+            raise SandboxError(f"sandboxed process {process.pid} did not die after SIGKILL") from exc
+    return stdout, stderr, timed_out, truncated, returncode
 
 
 @functools.lru_cache(maxsize=1)

@@ -63,5 +63,7 @@ class ArithmeticSource(ProblemSource):
             yield {**row, "category": category, "domain": "arithmetic", "params": params}
 
 
-SOURCES: TypedRegistry[ProblemSource] = TypedRegistry("problem source", SourceConfig, ProblemSource, group="rlvr.sources")
+SOURCES: TypedRegistry[ProblemSource] = TypedRegistry(
+    "problem source", SourceConfig, ProblemSource, group="rlvr.sources"
+)
 SOURCES.register(ArithmeticSourceConfig, ArithmeticSource)

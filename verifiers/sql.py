@@ -70,7 +70,12 @@ DUCKDB_CONFIG = {
 }
 DUCKDB_SESSION_SETTINGS = ("SET enable_progress_bar = false", "SET lock_configuration = true")  # lock last
 DIALECT_BY_SUFFIX = {".duckdb": "duckdb", ".db": "sqlite", ".sqlite": "sqlite", ".sqlite3": "sqlite"}
-_SQLITE_ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+_SQLITE_ALLOWED_ACTIONS = {
+    sqlite3.SQLITE_SELECT,
+    sqlite3.SQLITE_READ,
+    sqlite3.SQLITE_FUNCTION,
+    sqlite3.SQLITE_RECURSIVE,
+}
 
 
 class StatementTimeout(Exception):
@@ -170,7 +175,7 @@ def jaccard(a: set, b: set) -> float:
 
 def ngrams(tokens: list[tuple[str, str]], max_n: int = 3) -> set[tuple[str, ...]]:
     texts = [text for _, text in tokens]
-    return {tuple(texts[i:i + n]) for n in range(1, max_n + 1) for i in range(len(texts) - n + 1)}
+    return {tuple(texts[i : i + n]) for n in range(1, max_n + 1) for i in range(len(texts) - n + 1)}
 
 
 def schema_names_used(tokens: list[tuple[str, str]], schema: frozenset[str]) -> set[str]:
@@ -256,7 +261,7 @@ def _run_sqlite(path: str, sql: str, timeout_s: float) -> tuple[tuple, ...]:
 def _duckdb_connect(path: str) -> Any:
     import duckdb
 
-    connection = duckdb.connect(path, read_only=True, config=dict(DUCKDB_CONFIG))
+    connection = duckdb.connect(path, read_only=True, config=dict(DUCKDB_CONFIG))  # type: ignore[arg-type]
     for setting in DUCKDB_SESSION_SETTINGS:
         connection.execute(setting)
     return connection
@@ -315,8 +320,14 @@ def _schema_names_cached(dialect: str, identity: tuple[str, int, int]) -> frozen
     else:
         connection = _sqlite_connect(path)
         try:
-            tables = [row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")]
-            pairs = [(table, row[1]) for table in tables for row in connection.execute("SELECT * FROM pragma_table_info(?)", (table,))]
+            tables = [
+                row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")
+            ]
+            pairs = [
+                (table, row[1])
+                for table in tables
+                for row in connection.execute("SELECT * FROM pragma_table_info(?)", (table,))
+            ]
         finally:
             connection.close()
     return frozenset(name.lower() for pair in pairs for name in pair)
@@ -363,7 +374,9 @@ class SqlVerifier(Verifier):
             return Score(0.0, "error", reason='sql reference needs a "db" path and a non-empty "sql" string')
         dialect = ref.get("dialect", DIALECT_BY_SUFFIX.get(Path(db).suffix.lower()))
         if dialect not in ("sqlite", "duckdb"):
-            return Score(0.0, "error", reason=f'cannot tell the dialect of {db!r}: give "dialect": "sqlite" or "duckdb"')
+            return Score(
+                0.0, "error", reason=f'cannot tell the dialect of {db!r}: give "dialect": "sqlite" or "duckdb"'
+            )
         timeout_s = ref.get("timeout_s", STATEMENT_TIMEOUT_S)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 600:
             return Score(0.0, "error", reason="timeout_s must be a number of seconds in (0, 600]")
@@ -393,7 +406,9 @@ class SqlVerifier(Verifier):
         except Exception as exc:
             return Score(0.0, "error", extracted=predicted_sql[:2000], reason=f"gold SQL failed: {_short(exc)}")
 
-        return self._score_prediction(predicted_sql, gold_tokens, gold_rows, schema, ordered, dialect, db, float(timeout_s))
+        return self._score_prediction(
+            predicted_sql, gold_tokens, gold_rows, schema, ordered, dialect, db, float(timeout_s)
+        )
 
     @staticmethod
     def _score_prediction(
@@ -423,12 +438,18 @@ class SqlVerifier(Verifier):
             return Score(0.0, "wrong", components, extracted, f"not run: {exc}")
         except Exception as exc:
             components = _components(0.0, 0.0, predicted_tokens, gold_tokens, schema)
-            return Score(_partial_credit(components), "wrong", components, extracted, f"predicted SQL failed: {_short(exc)}")
+            return Score(
+                _partial_credit(components), "wrong", components, extracted, f"predicted SQL failed: {_short(exc)}"
+            )
         if same_result(predicted_rows, gold_rows, ordered):
             components = _components(1.0, 1.0, predicted_tokens, gold_tokens, schema)
-            return Score(1.0, "ok", components, extracted, "same result set" + (" in the same order" if ordered else ""))
+            return Score(
+                1.0, "ok", components, extracted, "same result set" + (" in the same order" if ordered else "")
+            )
         components = _components(0.0, 1.0, predicted_tokens, gold_tokens, schema)
-        reason = f"different result: {len(predicted_rows)} rows vs {len(gold_rows)} gold rows" + (" (ordered)" if ordered else "")
+        reason = f"different result: {len(predicted_rows)} rows vs {len(gold_rows)} gold rows" + (
+            " (ordered)" if ordered else ""
+        )
         return Score(_partial_credit(components), "wrong", components, extracted, reason)
 
 

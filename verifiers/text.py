@@ -33,16 +33,14 @@ import re
 import unicodedata
 from typing import Any
 
-from rlvr.verifiers.base import Score, Verifier, non_text_error
+from rlvr.verifiers.base import Score, Status, Verifier, non_text_error
 
 DEFAULT_BLEU_THRESHOLD = 0.5
 MODES = ("exact", "choice", "bleu")
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ARTICLES = re.compile(r"\b(?:a|an|the)\b")
-_ANSWER_IS_LETTER = re.compile(
-    r"(?i:answer)\s*(?:(?i:is)\s*)?[:=]?\s*(?:(?i:option|choice)\s*)?[(\[]?([A-Z])\b"
-)
+_ANSWER_IS_LETTER = re.compile(r"(?i:answer)\s*(?:(?i:is)\s*)?[:=]?\s*(?:(?i:option|choice)\s*)?[(\[]?([A-Z])\b")
 _ONLY_LETTER = re.compile(r"\s*[(\[]?([A-Z])[)\]]?[.:]?\s*")
 _LINE_STARTS_WITH_LETTER = re.compile(r"\s*(?:[(\[]([A-Z])[)\]]|([A-Z])[.):])(?:\s|$)")
 _PARENTHESISED_LETTER = re.compile(r"\(([A-Z])\)")
@@ -139,7 +137,9 @@ class TextVerifier(Verifier):
         normalized = normalize_text(text)
         if any(normalized == normalize_text(answer) for answer in answers):
             return Score(1.0, "ok", {"exact": 1.0}, text[:2000], "matches after normalisation")
-        return Score(0.0, "wrong", {"exact": 0.0}, text[:2000], f"normalised answer {normalized[:80]!r} matches no reference")
+        return Score(
+            0.0, "wrong", {"exact": 0.0}, text[:2000], f"normalised answer {normalized[:80]!r} matches no reference"
+        )
 
     @staticmethod
     def _choice(response: str, ref: dict[str, Any]) -> Score:
@@ -168,6 +168,10 @@ class TextVerifier(Verifier):
             return Score(0.0, "unparseable", {"bleu": 0.0}, reason="empty answer")
         import sacrebleu
 
-        value = min(1.0, sacrebleu.sentence_bleu(text, references).score / 100)  # identical text gives 100.00000000000004
-        status = "ok" if value >= threshold else "wrong"
-        return Score(value, status, {"bleu": value}, text[:2000], f"BLEU {value * 100:.1f} vs threshold {threshold * 100:g}")
+        value = min(
+            1.0, sacrebleu.sentence_bleu(text, references).score / 100
+        )  # identical text gives 100.00000000000004
+        status: Status = "ok" if value >= threshold else "wrong"
+        return Score(
+            value, status, {"bleu": value}, text[:2000], f"BLEU {value * 100:.1f} vs threshold {threshold * 100:g}"
+        )

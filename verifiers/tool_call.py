@@ -132,12 +132,20 @@ def tool_call_reward(predicted: list[Call], gold: list[Call], r_format: float) -
         taken.add(match)
         predicted_args = predicted[match][1]
         r_param += _jaccard(set(predicted_args), set(gold_args))
-        values_equal = sum(1 for key, value in gold_args.items() if key in predicted_args and same_value(predicted_args[key], value))
+        values_equal = sum(
+            1 for key, value in gold_args.items() if key in predicted_args and same_value(predicted_args[key], value)
+        )
         r_value += values_equal
         exact = exact and predicted_args.keys() == gold_args.keys() and values_equal == len(gold_args)
     s_max = 1 + len(gold) + sum(len(args) for _, args in gold)
     r_correct = 6 * (r_name + r_param + r_value) / s_max - 3
-    components = {"r_format": r_format, "r_name": r_name, "r_param": r_param, "r_value": r_value, "r_correct": r_correct}
+    components = {
+        "r_format": r_format,
+        "r_name": r_name,
+        "r_param": r_param,
+        "r_value": r_value,
+        "r_correct": r_correct,
+    }
     return components, exact
 
 
@@ -161,7 +169,12 @@ class ToolCallVerifier(Verifier):
     def score(self, response: str, reference: Any) -> Score:
         gold = _gold_calls(reference)
         if gold is None:
-            return Score(0.0, "error", reason='tool_call reference must be a list of {"name": ..., "arguments": {...}} calls or its JSON string')
+            return Score(
+                0.0,
+                "error",
+                reason='tool_call reference must be a list of {"name": ..., "arguments": {...}} calls '
+                "or its JSON string",
+            )
         if (problem := non_text_error(response)) is not None:
             return problem
         unparseable = {"r_format": 0.0, "r_name": 0.0, "r_param": 0.0, "r_value": 0.0, "r_correct": -3.0}
@@ -181,7 +194,9 @@ class ToolCallVerifier(Verifier):
         r_format = 1.0 if malformed == 0 else 0.0
         components, exact = tool_call_reward(predicted, gold, r_format)
         value = (components["r_format"] + components["r_correct"] + 3) / 7
-        extracted = json.dumps([{"name": name, "arguments": args} for name, args in predicted], ensure_ascii=False)[:2000]
+        extracted = json.dumps([{"name": name, "arguments": args} for name, args in predicted], ensure_ascii=False)[
+            :2000
+        ]
         if exact and r_format == 1.0:
             return Score(value, "ok", components, extracted, "every call matches")
         reason = f"{len(predicted)} calls vs {len(gold)} gold calls"

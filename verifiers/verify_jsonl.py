@@ -8,8 +8,9 @@ the run. Lines are read and scored in chunks, so a large file streams in bounded
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from itertools import islice
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from rlvr.verifiers.base import Score
 from rlvr.verifiers.pool import VerifierPool
