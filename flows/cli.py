@@ -103,6 +103,8 @@ def _run_with_progress(start, cfg) -> None:
             bar.update(task_id, completed=fields["step"], reward=fields["reward"], description="rl step")
         elif event == "eval":
             bar.update(task_id, accuracy=fields["accuracy"])
+        elif event == "warning":
+            bar.console.print(f"warning: {fields['message']}", markup=False, highlight=False)
 
     progress.listen(listener)
     try:

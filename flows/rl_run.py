@@ -2,7 +2,8 @@
 
     config -> synthesize -> initialize -> evaluate(init) -> warmstart -> evaluate(warmstart) -> difficulty
     then for every RL step t (one Prefect task run, `rl-step`):
-        select -> allocate -> rollout -> label -> train -> update
+        select -> allocate -> rollout -> label  [-> filter, and refill rounds of these four]
+        [-> restructure] -> train -> update
     and every `evaluate.every` / `checkpoint.every` steps (and at the last one): evaluate, checkpoint
 
 Steps are grouped into subflows of `flow.steps_per_subflow` steps (a subflow per step would cost
@@ -13,12 +14,14 @@ work whose outputs are already committed, so running this flow again on a killed
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import logging
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
+from rlvr.curricula.filtering import prompts_to_draw
 from rlvr.flows.config import RunConfigBase, commit_config
 from rlvr.flows.progress import report
 from rlvr.flows.stages import run
@@ -27,8 +30,10 @@ from rlvr.tasks.allocate import ALLOCATE
 from rlvr.tasks.checkpoint import CHECKPOINT
 from rlvr.tasks.difficulty import DIFFICULTY
 from rlvr.tasks.evaluate import EVALUATE
+from rlvr.tasks.filter import FILTER
 from rlvr.tasks.initialize import INITIALIZE
 from rlvr.tasks.label import LABEL
+from rlvr.tasks.restructure import RESTRUCTURE
 from rlvr.tasks.rollout import ROLLOUT
 from rlvr.tasks.select import SELECT
 from rlvr.tasks.synthesize import SYNTHESIZE
@@ -37,16 +42,32 @@ from rlvr.tasks.update import UPDATE
 from rlvr.tasks.warmstart import WARMSTART
 from rlvr.trainer.checkpoints import weights_artifact
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class StepRefs:
-    """What one RL step hands the next: the problems and their difficulty, the policy to sample and train
-    (a checkpoints or train_steps id) and the selection strategy's state (a curriculum_state id)."""
+    """What one RL step hands the next (artifact ids): the problem pool (the synthesized problems, then
+    the rewrites CLPO kept), their difficulty, the policy to sample and train (`policy_ref`), the policy
+    RL started from (the KL reference), the selection strategy's state, and the step's rewards (every
+    round: the outcome buffers of the next allocation)."""
 
-    problems: str
+    problems: tuple[str, ...]
     difficulty: str
-    policy: str
+    policy_ref: str
+    start_ref: str
     state: str | None = None
+    rewards: tuple[str, ...] = ()
+
+
+@dataclass
+class Generated:
+    """A step's rounds (one, or more with dynamic sampling's refills) and the filter's last decision."""
+
+    selections: list[str] = field(default_factory=list)
+    rollouts: list[str] = field(default_factory=list)
+    rewards: list[str] = field(default_factory=list)
+    groups: list[str] = field(default_factory=list)
 
 
 @task(name="rl-step", cache_policy=NONE)
@@ -61,44 +82,122 @@ def rl_step(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> tuple[
 
 def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> tuple[StepRefs, dict[str, Any]]:
     at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed, step=step)
-    problems, difficulty = refs.problems, refs.difficulty
-    selections = run(
-        SELECT, cfg.select, inputs={"problems": problems, "difficulty": difficulty, "state": refs.state}, **at
+    made = _generate(at, cfg, refs)
+    samples = {"rollouts": made.rollouts, "rewards": made.rewards}
+    restructured = None
+    if cfg.restructure.enabled:
+        restructured = run(
+            RESTRUCTURE,
+            cfg.restructure,
+            inputs={"problems": refs.problems, **samples, "policy": refs.policy_ref},
+            params={"verifier": cfg.label, "rollout": cfg.rollout, "source": cfg.synthesize.source},
+            **at,
+        )
+    reference = refs.start_ref if cfg.train.grpo.kl_beta > 0 else None
+    trained = run(
+        TRAIN,
+        cfg.train,
+        inputs={
+            **samples,
+            "policy": refs.policy_ref,
+            "groups": made.groups,
+            "restructured": restructured["restructured"] if restructured else None,
+            "reference": reference,
+        },
+        **at,
     )
-    allocations = run(ALLOCATE, cfg.allocate, inputs={"selections": selections.id, "difficulty": difficulty}, **at)
-    rollouts = run(
-        ROLLOUT, cfg.rollout, inputs={"allocations": allocations.id, "problems": problems, "policy": refs.policy}, **at
-    )
-    rewards = run(LABEL, cfg.label, inputs={"rollouts": rollouts.id, "problems": problems}, **at)["rewards"]
-    trained = run(TRAIN, cfg.train, inputs={"rollouts": rollouts.id, "rewards": rewards, "policy": refs.policy}, **at)
     updated = run(
         UPDATE,
         cfg.select,
         inputs={
             "state": refs.state,
-            "problems": problems,
-            "difficulty": difficulty,
-            "selections": selections.id,
-            "rollouts": rollouts.id,
-            "rewards": rewards,
+            "problems": refs.problems,
+            "difficulty": refs.difficulty,
+            "selections": made.selections,
+            **samples,
         },
         params={"advantage_scale": cfg.train.grpo.advantage_scale},
         **at,
     )
+    problems = refs.problems
+    if restructured is not None and restructured.manifest(open_store(store), "restructured").extra["kept"]:
+        problems = (*problems, restructured["problems"])
     metrics = trained.table(open_store(store), "train_steps").to_pylist()[0]
-    return replace(refs, policy=trained["train_steps"], state=updated.id), metrics
+    next_refs = replace(
+        refs, problems=problems, policy_ref=trained["train_steps"], state=updated.id, rewards=tuple(made.rewards)
+    )
+    return next_refs, metrics
+
+
+def _generate(at: dict[str, Any], cfg: RunConfigBase, refs: StepRefs) -> Generated:
+    """select -> allocate -> rollout -> label; with dynamic sampling, filter after each round and refill
+    with new prompts until the batch has enough groups with reward variance or the refills run out."""
+    made, drawn, refills = Generated(), 0, 0
+    count = prompts_to_draw(cfg.select.batch_size, cfg.filter)
+    while True:
+        rounds = {"round": refills, "count": count, "first_slot": drawn} if cfg.filter.enabled else {}
+        selections = run(
+            SELECT,
+            cfg.select,
+            inputs={"problems": refs.problems, "difficulty": refs.difficulty, "state": refs.state},
+            params=rounds,
+            **at,
+        )
+        allocations = run(
+            ALLOCATE,
+            cfg.allocate,
+            inputs={"selections": selections.id, "difficulty": refs.difficulty, "rewards": refs.rewards},
+            **at,
+        )
+        rollouts = run(
+            ROLLOUT,
+            cfg.rollout,
+            inputs={"allocations": allocations.id, "problems": refs.problems, "policy": refs.policy_ref},
+            **at,
+        )
+        rewards = run(LABEL, cfg.label, inputs={"rollouts": rollouts.id, "problems": refs.problems}, **at)
+        made.selections.append(selections.id)
+        made.rollouts.append(rollouts.id)
+        made.rewards.append(rewards["rewards"])
+        if not cfg.filter.enabled:
+            return made
+        groups = run(
+            FILTER,
+            cfg.filter,
+            inputs={"rollouts": made.rollouts, "rewards": made.rewards},
+            params={"batch_size": cfg.select.batch_size, "refills_done": refills, "first_slot": drawn},
+            **at,
+        )
+        made.groups.append(groups.id)
+        decision = groups.manifest(open_store(at["store"])).extra
+        if not decision["refill_prompts"]:
+            if decision["limit_reached"]:
+                _warn_refill_limit(cfg, at["step"], decision["kept"])
+            return made
+        drawn, count, refills = drawn + count, decision["refill_prompts"], refills + 1
+
+
+_warned: set[str] = set()
+
+
+def _warn_refill_limit(cfg: RunConfigBase, step: int, kept: int) -> None:
+    """Dynamic sampling could not fill the batch: say so once per run, then train on what there is."""
+    if cfg.run_id in _warned:
+        return
+    _warned.add(str(cfg.run_id))
+    message = (
+        f"dynamic sampling: after {cfg.filter.max_refills} refills step {step} has only {kept} of "
+        f"{cfg.select.batch_size} groups with reward variance; training on those (warned once per run)"
+    )
+    log.warning(message)
+    report("warning", message=message)
 
 
 def evaluate(store: str, cfg: RunConfigBase, step: int, phase: str, refs: StepRefs) -> float:
-    """Greedy accuracy of `refs.policy` on the held-out split (an `evals` row)."""
+    """Greedy accuracy of `refs.policy_ref` on the held-out split of the synthesized problems (an `evals` row)."""
     at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed, step=step)
-    result = run(
-        EVALUATE,
-        cfg.evaluate,
-        inputs={"policy": refs.policy, "problems": refs.problems},
-        params={"phase": phase, "verifier": cfg.label},
-        **at,
-    )
+    inputs = {"policy": refs.policy_ref, "problems": refs.problems[0]}
+    result = run(EVALUATE, cfg.evaluate, inputs=inputs, params={"phase": phase, "verifier": cfg.label}, **at)
     return float(result.table(open_store(store)).column("accuracy")[0].as_py())
 
 
@@ -113,7 +212,7 @@ def rl_steps(store: str, cfg: RunConfigBase, first: int, last: int, refs: StepRe
             report("eval", step=step, accuracy=evaluate(store, cfg, step, "rl", refs))
         if step % cfg.checkpoint.every == 0 or final:
             at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed, step=step)
-            run(CHECKPOINT, cfg.checkpoint, inputs={"policy": refs.policy}, **at)
+            run(CHECKPOINT, cfg.checkpoint, inputs={"policy": refs.policy_ref}, **at)
     return refs
 
 
@@ -126,28 +225,23 @@ def rl_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     report("stage", name="synthesize")
     problems = run(SYNTHESIZE, cfg.synthesize, inputs={"config": config_id}, **at)["problems"]
     initial = run(INITIALIZE, cfg.policy, inputs={"config": config_id}, params={"seed": cfg.seed}, step=0, **at).id
-    refs = StepRefs(problems=problems, difficulty="", policy=initial)
+    refs = StepRefs(problems=(problems,), difficulty="", policy_ref=initial, start_ref=initial)
     report("eval", step=0, phase="init", accuracy=evaluate(store, cfg, 0, "init", refs))
     if cfg.warmstart.steps:
         report("stage", name="warmstart")
         warm = run(WARMSTART, cfg.warmstart, inputs={"problems": problems, "policy": initial}, step=0, **at)
-        refs = replace(refs, policy=warm["checkpoints"])
+        refs = replace(refs, policy_ref=warm["checkpoints"], start_ref=warm["checkpoints"])
         report("eval", step=0, phase="warmstart", accuracy=evaluate(store, cfg, 0, "warmstart", refs))
     report("stage", name="difficulty")
-    difficulty = run(
-        DIFFICULTY,
-        cfg.difficulty,
-        inputs={"problems": problems, "policy": refs.policy},
-        params={"verifier": cfg.label},
-        **at,
-    )
+    inputs = {"problems": problems, "policy": refs.policy_ref}
+    difficulty = run(DIFFICULTY, cfg.difficulty, inputs=inputs, params={"verifier": cfg.label}, **at)
     refs = replace(refs, difficulty=difficulty.id)
     report("stage", name="rl")
     size = cfg.flow.steps_per_subflow
     for first in range(1, cfg.train.steps + 1, size):
         refs = rl_steps(store, cfg, first, min(first + size - 1, cfg.train.steps), refs)
-    _keep_newest_train_state(store, cfg.run_id, refs.policy)
-    return {"run_id": cfg.run_id, "config_id": config_id, "problems_id": problems, "policy_id": refs.policy}
+    _keep_newest_train_state(store, cfg.run_id, refs.policy_ref)
+    return {"run_id": cfg.run_id, "config_id": config_id, "problems_id": problems, "policy_id": refs.policy_ref}
 
 
 def _keep_newest_train_state(store_root: str, run_id: str, policy_ref: str) -> None:

@@ -17,7 +17,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 from prefect.context import TaskRunContext
 
-from rlvr.storage.stage import Stage, StageRun, open_store, run_stage
+from rlvr.storage.stage import InputRef, Stage, StageRun, open_store, run_stage
 
 
 def run(
@@ -28,7 +28,7 @@ def run(
     run_id: str,
     seed: int = 0,
     step: int | None = None,
-    inputs: Mapping[str, str | None] | None = None,
+    inputs: Mapping[str, InputRef] | None = None,
     params: Mapping[str, Any] | None = None,
 ) -> StageRun:
     """Run `stage` through the runner (skipped when committed), as a Prefect task unless inside one."""
@@ -54,7 +54,7 @@ def _task_of(name: str) -> Any:
         run_id: str,
         seed: int,
         step: int | None,
-        inputs: dict[str, str | None],
+        inputs: dict[str, InputRef],
         params: dict[str, Any],
     ) -> StageRun:
         return run_stage(

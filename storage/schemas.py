@@ -76,6 +76,38 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("allocator", _s),
         ]
     ),
+    # Dynamic sampling: one row per group of a step (every round), and whether it trains.
+    "filtered_groups": pa.schema(
+        [
+            ("run_id", _s),
+            ("step", _i),
+            ("round", _i),
+            ("slot", _i),
+            ("problem_id", _s),
+            ("rollouts", _i),
+            ("mean_reward", _f),
+            ("kept", pa.bool_()),
+            ("reason", _s),
+        ]
+    ),
+    # CLPO: one row per group of a step: its online difficulty, and the rewrite it got, if any.
+    "restructured": pa.schema(
+        [
+            ("run_id", _s),
+            ("step", _i),
+            ("slot", _i),
+            ("problem_id", _s),
+            ("accuracy", _f),
+            ("label", _s),
+            ("kl_weight", _f),
+            ("mode", _s),
+            ("rewrite_prompt", _s),
+            ("rewrite_answer", _s),
+            ("rewrite_accuracy", _f),
+            ("kept", pa.bool_()),
+            ("reason", _s),
+        ]
+    ),
     # One row per arm per step, written by the curriculum update; a strategy may add its own columns.
     "curriculum_state": pa.schema(
         [
@@ -162,6 +194,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("rollouts", _i),
             ("clip_fraction", _f),
             ("kl", _f),
+            ("ref_kl", _f),
             ("grad_norm", _f),
             ("lr", _f),
             ("updates", _i),

@@ -36,6 +36,17 @@ from rlvr.storage.store import Manifest, Store, conform_to_schema, utc_now
 C = TypeVar("C")
 T = TypeVar("T")
 
+# An input is one artifact id, several artifacts of one kind (read as one table), or absent.
+InputRef = str | Sequence[str] | None
+
+
+def input_ids_of(ref: InputRef) -> tuple[str, ...]:
+    """The artifact ids an input names, in order."""
+    if ref is None:
+        return ()
+    return (ref,) if isinstance(ref, str) else tuple(ref)
+
+
 # ----- what a stage declares ----------------------------------------------------------------------
 
 
@@ -87,7 +98,7 @@ class StageContext:
     seed: int
     step: int | None
     stage: str
-    input_ids: Mapping[str, str | None]
+    input_ids: Mapping[str, tuple[str, ...]]
     output_ids: Mapping[str, str]
     params: Mapping[str, Any] = field(default_factory=dict)
     state: Mapping[str, Any] | None = None
@@ -146,13 +157,13 @@ class Stage(Generic[C]):
         return self.config()
 
     def output_ids(
-        self, run_id: str, step: int | None, cfg: Any, params: Mapping[str, Any], input_ids: Mapping[str, str | None]
+        self, run_id: str, step: int | None, cfg: Any, params: Mapping[str, Any], input_ids: Mapping[str, InputRef]
     ) -> dict[str, str]:
         """The id of every output, from what determines its content."""
         settings = self.identity(cfg, params)
         if step is not None:
             settings = {**settings, "step": step}
-        parents = [aid for name in self.inputs if (aid := input_ids.get(name)) is not None]
+        parents = [aid for name in self.inputs for aid in input_ids_of(input_ids.get(name))]
         return {
             name: artifact_id(output.kind, self.name, self.code_version, settings, parents, run_id)
             for name, output in self.outputs.items()
@@ -239,10 +250,10 @@ class Inputs:
     """
 
     def __init__(
-        self, store: Store | None, ids: Mapping[str, str | None], given: Mapping[str, Any] | None = None
+        self, store: Store | None, ids: Mapping[str, InputRef], given: Mapping[str, Any] | None = None
     ) -> None:
         self.store = store
-        self.ids = dict(ids)
+        self.ids = {name: input_ids_of(ref) for name, ref in ids.items()}
         self._given = dict(given or {})
         self.read_seconds = 0.0
 
@@ -252,21 +263,29 @@ class Inputs:
         return cls(None, {name: f"given-{name}" for name in values}, values)
 
     def id(self, name: str) -> str | None:
-        return self.ids.get(name)
+        """The artifact id of input `name` (None when absent); an input of several artifacts has no one id."""
+        ids = self.ids.get(name, ())
+        if len(ids) > 1:
+            raise ValueError(f"input {name!r} names {len(ids)} artifacts; read it with table()")
+        return ids[0] if ids else None
 
     def require_id(self, name: str) -> str:
-        found = self.ids.get(name)
+        found = self.id(name)
         if found is None:
             raise ValueError(f"input {name!r} is missing")
         return found
 
     def table(self, name: str, columns: Sequence[str] | None = None) -> pa.Table:
-        """The rows of input `name` (optionally only some columns)."""
+        """The rows of input `name` (optionally only some columns); several artifacts are concatenated in order."""
         if name in self._given:
             table = self._given[name]
         else:
+            ids = self.ids.get(name, ())
+            if not ids:
+                raise ValueError(f"input {name!r} is missing")
             started = time.perf_counter()
-            table = TABLES.get(self._require_store(), self.require_id(name))
+            tables = [TABLES.get(self._require_store(), aid) for aid in ids]
+            table = tables[0] if len(tables) == 1 else pa.concat_tables(tables, promote_options="default")
             self.read_seconds += time.perf_counter() - started
         return table.select(list(columns)) if columns is not None else table
 
@@ -322,6 +341,9 @@ class StageRun:
     def table(self, store: Store, output: str | None = None) -> pa.Table:
         return TABLES.get(store, self.ids[output] if output else self.id)
 
+    def manifest(self, store: Store, output: str | None = None) -> Manifest:
+        return store.manifest(self.ids[output] if output else self.id)
+
 
 Listener = Callable[[StageRun], None]
 _listeners: list[Listener] = []
@@ -344,11 +366,14 @@ def run_stage(
     run_id: str,
     seed: int = 0,
     step: int | None = None,
-    inputs: Mapping[str, str | None] | None = None,
+    inputs: Mapping[str, InputRef] | None = None,
     params: Mapping[str, Any] | None = None,
 ) -> StageRun:
-    """Run `stage` unless its durable outputs are committed; return their ids either way."""
-    input_ids = {name: (inputs or {}).get(name) for name in stage.inputs}
+    """Run `stage` unless its durable outputs are committed; return their ids either way.
+
+    `inputs` maps each declared input name to an artifact id, a sequence of ids of one kind, or None.
+    """
+    input_ids = {name: input_ids_of((inputs or {}).get(name)) for name in stage.inputs}
     unknown = set(inputs or {}) - set(stage.inputs)
     if unknown:
         raise ValueError(f"stage {stage.name!r} has no inputs {sorted(unknown)}; it declares {list(stage.inputs)}")
@@ -371,27 +396,27 @@ def _build_and_commit(
     run_id: str,
     seed: int,
     step: int | None,
-    input_ids: dict[str, str | None],
+    input_ids: dict[str, tuple[str, ...]],
     params: dict[str, Any],
     ids: dict[str, str],
 ) -> StageRun:
     started_at = utc_now()
     reader = Inputs(store, input_ids)
-    previous = input_ids.get("state")
-    state = carried_state(store, previous) if stage.carries_state and previous is not None else None
+    previous = input_ids.get("state", ())
+    state = carried_state(store, previous[0]) if stage.carries_state and previous else None
     ctx = StageContext(run_id, seed, step, stage.name, input_ids, ids, params, state, store)
     started = time.perf_counter()
     products = _as_mapping(stage, stage.build(reader, cfg, ctx))
     built = time.perf_counter()
     record = {
         "outputs": dict(ids),
-        "inputs": dict(input_ids),
+        "inputs": {name: list(ids) for name, ids in input_ids.items()},
         "started_at": started_at,
         "read_seconds": round(reader.read_seconds, 6),
         "build_seconds": round(built - started - reader.read_seconds, 6),
     }
     settings = stage.identity(cfg, params)
-    parents = [aid for aid in input_ids.values() if aid is not None]
+    parents = [aid for ids in input_ids.values() for aid in ids]
     common = dict(
         run_id=run_id, stage=stage.name, parents=parents, code_version=stage.code_version, config=settings, step=step
     )

@@ -16,9 +16,9 @@ def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> Built:
     policy_ref = inputs.require_id("policy")
     engine = engine_for(cfg)
     engine.update_weights(inputs.load("policy", load_policy), policy_ref)
-    samples = engine.generate(
-        prompts, [s["n_rollouts"] for s in slots], cfg.sampling(ctx.derive_seed("rollout", ctx.step))
-    )
+    first_slot = min((s["slot"] for s in slots), default=0)  # > 0 for a refill round of dynamic sampling
+    seed = ctx.derive_seed("rollout", ctx.step, first_slot) if first_slot else ctx.derive_seed("rollout", ctx.step)
+    samples = engine.generate(prompts, [s["n_rollouts"] for s in slots], cfg.sampling(seed))
     rows = []
     for s in samples:
         slot = slots[s.prompt_index]

@@ -12,7 +12,11 @@ from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, carri
 
 
 def build(inputs: Inputs, cfg: SelectConfig, ctx: StageContext) -> Built:
-    """Inputs: the problems, their difficulty, and the strategy state after the previous step (none at first)."""
+    """Inputs: the problems, their difficulty, and the strategy state after the previous step (none at first).
+
+    params (refill rounds of dynamic sampling only): `round`, `count` (prompts to draw) and `first_slot`
+    (slots keep counting across a step's rounds, so (step, slot) names one group).
+    """
     pool = build_pool(
         inputs.rows("problems", ["problem_id", "split", "category", "domain"]),
         inputs.rows("difficulty", ["problem_id", "bin", "pass_rate"]),
@@ -22,12 +26,15 @@ def build(inputs: Inputs, cfg: SelectConfig, ctx: StageContext) -> Built:
     strategy = make_strategy(cfg)
     if inputs.id("state") is not None:
         strategy.load_state_dict(inputs.load("state", carried_state))
-    picks = strategy.select(pool, cfg.batch_size, random.Random(ctx.derive_seed("select", ctx.step)))
+    round_ = ctx.params.get("round", 0)
+    seed = ctx.derive_seed("select", ctx.step, round_) if round_ else ctx.derive_seed("select", ctx.step)
+    picks = strategy.select(pool, ctx.params.get("count", cfg.batch_size), random.Random(seed))
+    first = ctx.params.get("first_slot", 0)
     rows = [
         {
             "run_id": ctx.run_id,
             "step": ctx.step,
-            "slot": slot,
+            "slot": first + slot,
             "problem_id": pick.problem_id,
             "arm": pick.arm,
             "probability": pick.probability,

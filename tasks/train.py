@@ -16,7 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.storage.store import Store
-from rlvr.trainer.checkpoints import OPTIMIZER_FILE, TrainerState, is_weights_file, take_trainer_state
+from rlvr.trainer.checkpoints import (
+    OPTIMIZER_FILE,
+    TrainerState,
+    is_weights_file,
+    reference_policy,
+    take_trainer_state,
+)
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
 from rlvr.trainer.policy import optimizer_state_bytes, policy_files
@@ -53,9 +59,23 @@ def rollout_batch(rollouts: list[dict[str, Any]], score_of: Mapping[str, float])
 
 
 def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Built]:
-    """Inputs: the step's `rollouts` and `rewards`, and the `policy` to update (a TrainerState when given)."""
+    """Inputs: the step's `rollouts` and `rewards` (every round), the `policy` to update (a TrainerState when
+    given); with dynamic sampling the `groups` the filter kept (without it every group trains); with CLPO
+    the `restructured` labels (their KL weights); with `grpo.kl_beta` > 0 the `reference` checkpoint."""
     score_of = dict(zip(*inputs.table("rewards", ["rollout_id", "score"]).to_pydict().values()))
-    batch = rollout_batch(inputs.rows("rollouts"), score_of)
+    rollouts = inputs.rows("rollouts")
+    if inputs.ids.get("groups"):
+        kept = {r["slot"] for r in inputs.rows("groups", ["slot", "kept"]) if r["kept"]}
+        rollouts = [r for r in rollouts if r["slot"] in kept]
+    batch = rollout_batch(rollouts, score_of)
+    if inputs.ids.get("restructured"):
+        weight_of = dict(zip(*inputs.table("restructured", ["slot", "kl_weight"]).to_pydict().values()))
+        batch.kl_weights = [weight_of.get(slot, 1.0) for slot in sorted({r["slot"] for r in rollouts})]
+    reference = None
+    if cfg.grpo.kl_beta > 0:
+        if not inputs.ids.get("reference"):
+            raise ValueError("train.grpo.kl_beta > 0 needs a reference policy (the run's starting checkpoint)")
+        reference = inputs.load("reference", reference_policy)
 
     def take(store: Store, policy_ref: str) -> TrainerState:
         return take_trainer_state(store, policy_ref, lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
@@ -63,7 +83,7 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
     state: TrainerState = inputs.load("policy", take)
     assert state.optimizer is not None
     started = time.perf_counter()
-    stats = grpo_step(state.policy, state.optimizer, batch, cfg.grpo)
+    stats = grpo_step(state.policy, state.optimizer, batch, cfg.grpo, reference)
     compute_seconds = time.perf_counter() - started
     n_params = sum(p.numel() for p in state.policy.model.parameters())
     updates = int(stats["updates"])
@@ -82,6 +102,7 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
         "rollouts": len(batch.samples),
         "clip_fraction": stats["clip_fraction"],
         "kl": stats["kl"],
+        "ref_kl": stats["ref_kl"],
         "grad_norm": stats["grad_norm"],
         "lr": cfg.grpo.lr,
         "updates": updates,
@@ -103,7 +124,7 @@ TRAIN: Stage[TrainConfig] = Stage(
     code_version="2",
     section="train",
     config=TrainConfig,
-    inputs=("rollouts", "rewards", "policy"),
+    inputs=("rollouts", "rewards", "policy", "groups", "restructured", "reference"),
     outputs={"train_state": Output("train_state", transient=True), "train_steps": Output("train_steps")},
     build=build,
     identity=identity,

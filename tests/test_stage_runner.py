@@ -281,3 +281,16 @@ def test_prefect_task_per_stage_unless_inside_a_task(tmp_path, prefect_api):
     ids = pipeline()
     assert in_task[0].startswith("where") and in_task[1].startswith("step_task")
     assert len(set(ids)) == 2
+
+
+def test_an_input_may_name_several_artifacts_of_one_kind(store):
+    first, second = numbers_artifact(store, [1, 2], "numbers-a"), numbers_artifact(store, [3, 4], "numbers-b")
+    both = run_stage(
+        store, SPLIT, SplitConfig(), run_id="r", step=1, inputs={"state": None, "numbers": [first, second]}
+    )
+    assert store.read_table(both["evens"]).column("n").to_pylist() == [2, 4]  # read as one table, in order
+    assert store.manifest(both["odds"]).parents == [first, second]
+    one = run_stage(store, SPLIT, SplitConfig(), run_id="r", step=1, inputs={"state": None, "numbers": [first]})
+    assert one.ids == run_split(store, 1, first, None).ids  # a list of one is that one id
+    with pytest.raises(ValueError, match="names 2 artifacts; read it with table"):
+        Inputs(store, {"numbers": [first, second]}).id("numbers")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -50,7 +51,7 @@ def source_checkpoint(store: Store, policy_ref: str) -> str:
     """The checkpoint a chain of train steps started from (walking each step's input policy)."""
     ref = policy_ref
     while (manifest := store.manifest(ref)).kind == "train_steps":
-        ref = manifest.extra["stage_run"]["inputs"]["policy"]
+        ref = manifest.extra["stage_run"]["inputs"]["policy"][0]
     return ref
 
 
@@ -75,6 +76,16 @@ def load_policy(store: Store, policy_ref: str) -> Policy:
     if isinstance(live, TrainerState):
         return live.policy
     return policy_from_files(policy_files_of(store, policy_ref))
+
+
+@lru_cache(maxsize=2)
+def reference_policy(store: Store, policy_ref: str) -> Policy:
+    """A frozen policy to measure KL against (the RL run's starting checkpoint), loaded once per process:
+    a committed checkpoint never changes, so keeping it is always right."""
+    policy = policy_from_files(policy_files_of(store, policy_ref))
+    for parameter in policy.model.parameters():
+        parameter.requires_grad_(False)
+    return policy
 
 
 def take_trainer_state(store: Store, policy_ref: str, lr: float, weight_decay: float) -> TrainerState:

@@ -111,18 +111,36 @@ def clipped_surrogate_loss(
     unclipped = ratio * advantage
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantage
     per_token = -torch.minimum(unclipped, clipped)
-    if aggregation == "seq-mean-token-mean":
-        per_sequence = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-        loss = per_sequence.mean()
-    elif aggregation == "token-mean":
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
-    else:
-        raise ValueError(f"unknown aggregation '{aggregation}'; expected seq-mean-token-mean or token-mean")
+    loss = aggregate(per_token, mask, aggregation)
     with torch.no_grad():
         tokens = mask.sum().clamp(min=1)
         clip_fraction = ((clipped < unclipped).to(mask.dtype) * mask).sum() / tokens
         approx_kl = (((ratio - 1) - log_ratio) * mask).sum() / tokens
     return loss, {"clip_fraction": float(clip_fraction), "approx_kl": float(approx_kl)}
+
+
+def aggregate(per_token: Tensor, mask: Tensor, aggregation: Literal["seq-mean-token-mean", "token-mean"]) -> Tensor:
+    """A per-token loss [R, T] to a scalar: mean over each sequence's tokens then over sequences, or over
+    every token of the batch."""
+    if aggregation == "seq-mean-token-mean":
+        return ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+    if aggregation == "token-mean":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    raise ValueError(f"unknown aggregation '{aggregation}'; expected seq-mean-token-mean or token-mean")
+
+
+def reference_kl(
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    weights: Tensor,
+    aggregation: Literal["seq-mean-token-mean", "token-mean"],
+) -> Tensor:
+    """The KL-to-reference term: per token the k3 estimator D = π_ref/π_θ - log(π_ref/π_θ) - 1 (unbiased,
+    never negative), times each sample's weight (CLPO's difficulty-aware s(label)), aggregated like the loss."""
+    log_ratio = ref_logp - logp
+    per_token = (torch.exp(log_ratio) - log_ratio - 1) * weights.to(logp.dtype).unsqueeze(-1)
+    return aggregate(per_token, mask.to(logp.dtype), aggregation)
 
 
 class GRPOConfig(BaseModel):
@@ -148,6 +166,9 @@ class GRPOConfig(BaseModel):
     advantage_scale: Literal["std", "none"] = "std"
     aggregation: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean"
     temperature: float = Field(default=1.0, gt=0)
+    kl_beta: float = Field(
+        default=0.0, ge=0, description="β of the KL-to-reference term (k3); 0 leaves it out (no reference model)"
+    )
 
 
 @dataclass
@@ -158,6 +179,7 @@ class RolloutBatch:
     prompts: list[str]
     samples: list[Sample]
     rewards: list[float]
+    kl_weights: list[float] | None = None  # per prompt (group): the factor on β for its samples
 
 
 def _padded(rows: list[list[int]], pad_id: int, side: Literal["left", "right"]) -> Tensor:
@@ -177,6 +199,7 @@ class TrainingRows:
     advantages: Tensor  # [R]
     groups: Tensor  # [R] group (prompt) index of each row
     active_groups: Tensor  # the groups with a non-zero advantage
+    kl_weights: Tensor  # [R] the factor on β of each row (1 unless the batch gives weights)
 
 
 def batch_stats(rewards: Tensor, group_index: Tensor) -> dict[str, float]:
@@ -185,6 +208,7 @@ def batch_stats(rewards: Tensor, group_index: Tensor) -> dict[str, float]:
         "loss": 0.0,
         "clip_fraction": 0.0,
         "kl": 0.0,
+        "ref_kl": 0.0,
         "grad_norm": 0.0,
         "updates": 0.0,
         "mean_reward": float(rewards.mean()) if rewards.numel() else 0.0,
@@ -205,19 +229,29 @@ def training_rows(policy: Policy, batch: RolloutBatch, advantages: Tensor, group
     completion_ids = _padded([batch.samples[k].completion_ids for k in rows], pad_id, "right")
     lengths = torch.tensor([batch.samples[k].n_tokens for k in rows])
     mask = torch.arange(completion_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    return TrainingRows(prompt_ids, completion_ids, mask, advantages[rows], group_index[rows], active_groups)
+    per_group = batch.kl_weights or [1.0] * len(batch.prompts)
+    kl_weights = torch.tensor([per_group[batch.samples[k].prompt_index] for k in rows], dtype=torch.float32)
+    return TrainingRows(
+        prompt_ids, completion_ids, mask, advantages[rows], group_index[rows], active_groups, kl_weights
+    )
 
 
 def grpo_step(
-    policy: Policy, optimizer: torch.optim.Optimizer, batch: RolloutBatch, cfg: GRPOConfig
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    batch: RolloutBatch,
+    cfg: GRPOConfig,
+    reference: Policy | None = None,
 ) -> dict[str, float]:
     """One RL step: advantages per group, old logprobs once (no grad), then `cfg.minibatches` clipped
-    updates over the groups that carry signal.
+    updates over the groups that carry signal; with `cfg.kl_beta` > 0, plus β x the KL to `reference`.
 
-    Returns loss, clip_fraction, kl, grad_norm (means over the updates; grad_norm before clipping),
-    updates (0 when every group is uniform), mean_reward, reward_std (population, over all samples)
-    and effective_ratio.
+    Returns loss, clip_fraction, kl (k3 estimate of KL(π_old ‖ π_θ)), ref_kl (the reference term before
+    β), grad_norm (means over the updates; grad_norm before clipping), updates (0 when every group is
+    uniform), mean_reward, reward_std (population, over all samples) and effective_ratio.
     """
+    if cfg.kl_beta > 0 and reference is None:
+        raise ValueError("kl_beta > 0 needs the reference policy")
     if len(batch.samples) != len(batch.rewards):
         raise ValueError(f"{len(batch.samples)} samples but {len(batch.rewards)} rewards")
     rewards = torch.tensor(batch.rewards, dtype=torch.float32)
@@ -229,22 +263,23 @@ def grpo_step(
     rows = training_rows(policy, batch, advantages, group_index)
     if rows is None:
         return stats
-    stats.update(_clipped_updates(policy, optimizer, rows, cfg))
+    stats.update(_clipped_updates(policy, optimizer, rows, cfg, reference if cfg.kl_beta > 0 else None))
     return stats
 
 
 def _clipped_updates(
-    policy: Policy, optimizer: torch.optim.Optimizer, rows: TrainingRows, cfg: GRPOConfig
+    policy: Policy, optimizer: torch.optim.Optimizer, rows: TrainingRows, cfg: GRPOConfig, reference: Policy | None
 ) -> dict[str, float]:
     """`cfg.minibatches` updates, each on a contiguous slice of the active groups, against one set of
-    old logprobs; returns the mean loss, clip fraction, KL estimate and grad norm, and the update count."""
+    old logprobs (and reference logprobs when there is a KL term); returns the mean loss, clip fraction,
+    KL estimates and grad norm, and the update count."""
     model, pad_id = policy.model, policy.tokenizer.pad_token_id
+    everything = (rows.prompt_ids, rows.completion_ids, pad_id, rows.mask, cfg.temperature)
     with torch.no_grad():
-        old_logp, _ = completion_logprobs(
-            model, rows.prompt_ids, rows.completion_ids, pad_id, rows.mask, cfg.temperature
-        )
+        old_logp, _ = completion_logprobs(model, *everything)
+        ref_logp = completion_logprobs(reference.model, *everything)[0] if reference is not None else None
     slices = torch.tensor_split(rows.active_groups, min(cfg.minibatches, rows.active_groups.numel()))
-    totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0}
+    totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ref_kl": 0.0, "grad_norm": 0.0}
     for groups in slices:
         selected = torch.isin(rows.groups, groups)
         logp, token_mask = completion_logprobs(
@@ -264,6 +299,10 @@ def _clipped_updates(
             clip_high=cfg.clip_high,
             aggregation=cfg.aggregation,
         )
+        if ref_logp is not None:
+            ref_kl = reference_kl(logp, ref_logp[selected], token_mask, rows.kl_weights[selected], cfg.aggregation)
+            loss = loss + cfg.kl_beta * ref_kl
+            totals["ref_kl"] += ref_kl.item()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)

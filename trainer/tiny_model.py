@@ -74,7 +74,7 @@ def build_tiny_model(cfg: TinyModelConfig, seed: int) -> Qwen2ForCausalLM:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
-    model.to(torch.float32)
+    model.float()
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.bos_token_id = config.bos_token_id
     model.generation_config.eos_token_id = config.eos_token_id

@@ -7,6 +7,7 @@ whose `status` says what happened (ok, wrong, unparseable, timeout, error).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -30,11 +31,17 @@ class Score:
 
 
 class Verifier(ABC):
-    """Base class of every verifier. Subclasses set the class attributes and implement `score`."""
+    """Base class of every verifier. Subclasses set the class attributes and implement `score`.
+
+    `rewrite_templates` (optional): the prompts CLPO's policy rewriter uses for this domain, by mode
+    ("simplify", "diversify"), with `{question}` and `{answer}` fields; they say what a rewrite must
+    keep in this domain (the answer, a schema, function signatures).
+    """
 
     name: ClassVar[str]
     domain: ClassVar[str]
     version: ClassVar[str]
+    rewrite_templates: ClassVar[Mapping[str, str]] = {}
 
     @abstractmethod
     def score(self, response: str, reference: Any) -> Score:

@@ -45,10 +45,11 @@ import sqlite3
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from decimal import Decimal
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from rlvr.verifiers.base import Score, Verifier, non_text_error
 
@@ -364,6 +365,19 @@ class SqlVerifier(Verifier):
     name = "sql"
     domain = "sql"
     version = "1"
+
+    rewrite_templates: ClassVar[Mapping[str, str]] = {
+        "simplify": (
+            "Rewrite this database question so it is easier to turn into SQL: short sentences, every condition "
+            "stated explicitly, nothing added. The same tables, columns and result must answer it. Do not write "
+            "SQL and do not give the result.\nQuestion: {question}\nReference query: {answer}\nRewritten question:"
+        ),
+        "diversify": (
+            "Reword this database question: other words and sentence order, the same tables, columns, "
+            "conditions and result. Do not write SQL.\nQuestion: {question}\nReference query: {answer}\n"
+            "Reworded question:"
+        ),
+    }
 
     def score(self, response: str, reference: Any) -> Score:
         ref = _reference_dict(reference)

@@ -31,7 +31,8 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from rlvr.verifiers.base import Score, Verifier, non_text_error
 
@@ -165,6 +166,19 @@ class ToolCallVerifier(Verifier):
     name = "tool_call"
     domain = "tool_call"
     version = "1"
+
+    rewrite_templates: ClassVar[Mapping[str, str]] = {
+        "simplify": (
+            "Rewrite this request so the function call it needs is easier to see: short sentences, each argument "
+            "value stated plainly, the same functions and signatures, nothing added. Do not write the call.\n"
+            "Request: {question}\nExpected call: {answer}\nRewritten request:"
+        ),
+        "diversify": (
+            "Reword this request with other words and sentence order; it must need exactly the same function "
+            "calls with the same arguments. Do not write the call.\nRequest: {question}\nExpected call: {answer}"
+            "\nReworded request:"
+        ),
+    }
 
     def score(self, response: str, reference: Any) -> Score:
         gold = _gold_calls(reference)

@@ -1,0 +1,67 @@
+"""filter: dynamic sampling (DAPO): groups whose rewards are all equal give GRPO no gradient, so the
+step over-samples prompts, keeps the first `select.batch_size` groups with reward variance, and asks
+for refill rounds (new prompts) until it has them or `filter.max_refills` is reached.
+
+One run per round, deciding over every group of the step so far; its rows are the groups of its own
+round (a group's fate is settled when it is made: the first B groups with variance train), so the
+`filtered_groups` view has one row per group. Its manifest says whether a refill is wanted
+(`refill_prompts`) or the limit was hit (`limit_reached`: the step trains on fewer groups; the flow warns
+once).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from rlvr.curricula.filtering import DynamicSamplingConfig, filter_groups
+from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
+
+
+def build(inputs: Inputs, cfg: DynamicSamplingConfig, ctx: StageContext) -> Built:
+    """Inputs: the step's rollouts and rewards, every round so far. params: batch_size, refills_done and
+    first_slot (where this round's slots start)."""
+    score_of = dict(zip(*inputs.table("rewards", ["rollout_id", "score"]).to_pydict().values()))
+    by_slot: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in inputs.rows("rollouts", ["rollout_id", "slot", "sample_index", "problem_id"]):
+        by_slot[r["slot"]].append(r)
+    slots = sorted(by_slot)
+    groups = [[score_of[r["rollout_id"]] for r in sorted(by_slot[s], key=lambda r: r["sample_index"])] for s in slots]
+    decision = filter_groups(groups, ctx.params["batch_size"], ctx.params["refills_done"], cfg)
+    reason = {i: "kept" for i in decision.keep}
+    reason.update({i: "zero variance" for i in decision.zero_variance})
+    reason.update({i: "surplus" for i in decision.surplus})
+    first_slot = ctx.params.get("first_slot", 0)
+    rows = [
+        {
+            "run_id": ctx.run_id,
+            "step": ctx.step,
+            "round": ctx.params["refills_done"],
+            "slot": slot,
+            "problem_id": by_slot[slot][0]["problem_id"],
+            "rollouts": len(rewards),
+            "mean_reward": sum(rewards) / len(rewards) if rewards else 0.0,
+            "kept": reason.get(i) == "kept",
+            "reason": reason.get(i, "waiting for refill"),
+        }
+        for i, (slot, rewards) in enumerate(zip(slots, groups))
+        if slot >= first_slot
+    ]
+    extra = {
+        "refill_prompts": decision.refill_prompts,
+        "limit_reached": decision.limit_reached,
+        "effective_ratio": decision.effective_ratio,
+        "kept": len(decision.keep),
+    }
+    return Built(rows_to_table("filtered_groups", rows), extra=extra)
+
+
+FILTER: Stage[DynamicSamplingConfig] = Stage(
+    name="filter",
+    code_version="1",
+    section="filter",
+    config=DynamicSamplingConfig,
+    inputs=("rollouts", "rewards"),
+    outputs={"filtered_groups": Output("filtered_groups")},
+    build=build,
+)
