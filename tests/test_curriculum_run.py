@@ -52,7 +52,7 @@ def rows(store: Store, sql: str) -> list[dict]:
 
 
 def test_sec_values_follow_td0_and_carry_over(combo_run):
-    store, cfg = combo_run
+    store, _ = combo_run
     audit = rows(
         store,
         "SELECT step, arm, q_before, q_after, reward, pulls, probability FROM curriculum_state ORDER BY step, arm",
@@ -118,7 +118,7 @@ def test_filter_keeps_at_most_the_batch_and_train_sees_exactly_those(combo_run):
 
 
 def test_rewrites_are_labelled_verified_and_linked_to_their_parents(combo_run):
-    store, cfg = combo_run
+    store, _ = combo_run
     audit = rows(
         store,
         "SELECT accuracy, label, kl_weight, mode, rewrite_prompt, rewrite_accuracy, kept, reason FROM restructured",
