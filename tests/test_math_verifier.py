@@ -7,10 +7,14 @@ import json
 import threading
 import time
 from collections import Counter
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from rlvr.verifiers import math as math_module
 from rlvr.verifiers.math import MathVerifier, extract_answer, is_bare_answer, normalize_answer, simple_rational
 from rlvr.verifiers.pool import VerifierPool
 
@@ -202,6 +206,32 @@ def test_simple_rational_only_takes_plain_literals():
     assert simple_rational("1 2") is None
     assert simple_rational("1/0") is None
     assert simple_rational("0.5") is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    gold=st.fractions(min_value=-1000, max_value=1000, max_denominator=12),
+    offset=st.sampled_from([0, 0, 10**-7, 3 * 10**-7, 10**-6, 2 * 10**-6, 10**-5, 10**-3, 1]),
+    gold_form=st.sampled_from(["fraction", "decimal"]),
+    answer_form=st.sampled_from(["fraction", "decimal", "integer"]),
+    places=st.integers(1, 9),
+)
+def test_number_literals_decided_without_parsing_agree_with_math_verify(gold, offset, gold_form, answer_form, places):
+    """The shortcut for number literals reaches the verdict math-verify plus the exact re-check would."""
+    def literal(value, form):
+        if form == "decimal":
+            return f"{float(value):.{places}f}"
+        if form == "integer":
+            return str(round(value))
+        return f"{value.numerator}/{value.denominator}"
+
+    gold_text = literal(gold, gold_form)
+    answer = literal(gold + Fraction(offset).limit_denominator(10**9), answer_form)
+    decided = math_module._exact_verdict(gold_text, answer, None, answer)
+    if decided is not None:
+        found = math_module.Extraction(answer, "test")
+        full = math_module._compare(math_module.parse_answer(gold_text), math_module.parse_answer(answer), found)
+        assert decided == full, (gold_text, answer)
 
 
 def test_factorial_trap_is_wrong_and_the_true_identity_is_ok():

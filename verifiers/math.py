@@ -343,6 +343,9 @@ def is_bare_answer(text: str) -> bool:
     """
     if len(text) > BARE_ANSWER_CHARS or "\n" in text or not _MATH_STRUCTURE.search(text):
         return False
+    inner = normalize_answer(text) if in_math_mode(text) else text
+    if "$" in inner:  # several math spans, or math inside prose: math-verify reads those
+        return False
     return not _has_prose(text)
 
 
@@ -776,6 +779,45 @@ def _compare(gold: Any, pred: Any, found: Extraction) -> bool:
     return bool(equal) and confirm_equal(gold, pred)
 
 
+_DECIMAL_LITERAL = re.compile(r"[-+]?\d{1,1000}\.\d{1,1000}")
+DECIMAL_DISTINCT = Fraction(1, 10**6)  # math-verify rounds decimals to 6 places: further apart is unequal
+
+
+def _exact_number(text: str) -> tuple[Fraction, bool] | None:
+    """(exact value, whether it is a decimal) of an integer, fraction or decimal literal."""
+    value = simple_rational(text)
+    if value is not None:
+        return value, False
+    return (Fraction(text), True) if _DECIMAL_LITERAL.fullmatch(text) else None
+
+
+def _exact_verdict(gold_text: str, answer: str | None, pred: Any, text: str) -> bool | None:
+    """The verdict on two number literals without parsing them, or None when it needs math-verify.
+
+    Two integers or fractions are equal exactly when their values are: math-verify and
+    `confirm_equal` agree on that. With a decimal, equal values are equal, and values more than
+    1e-6 apart are unequal (math-verify compares decimals rounded to 6 places); closer ones go to
+    math-verify and the tolerance re-check. Most answers in RL are such literals. `answer`: a
+    marked answer's normalised text; else `pred` and `text`: what math-verify's extraction found.
+    """
+    gold = _exact_number(gold_text)
+    if gold is None:
+        return None
+    if answer is not None:
+        found = _exact_number(answer)
+    elif isinstance(pred, sympy.Rational):
+        found = Fraction(int(pred.p), int(pred.q)), False
+    elif isinstance(pred, sympy.Float) and _DECIMAL_LITERAL.fullmatch(text) and float(text) == float(pred):
+        found = Fraction(text), True  # the literal math-verify read as this float
+    else:
+        found = None
+    if found is None:
+        return None
+    if found[0] == gold[0] or not (found[1] or gold[1]):
+        return found[0] == gold[0]
+    return False if abs(found[0] - gold[0]) > DECIMAL_DISTINCT else None
+
+
 class MathVerifier(Verifier):
     name = "math"
     domain = "math"
@@ -795,18 +837,17 @@ class MathVerifier(Verifier):
     def _score(self, response: str, reference_text: str) -> Score:
         gold_text, gold_in_latex, gold = _gold(reference_text)
         found = _find(response)
-        pred = found.value
+        pred, answer = found.value, None
         if pred is None:
             answer = _answer_text(found)
             if gold is None and _same_text(answer, gold_text):
                 return self._verdict(True, found)
-            answer_value, gold_value = simple_rational(answer), simple_rational(gold_text)
-            if gold is None and answer_value is not None and gold_value is not None:
-                return self._verdict(answer_value == gold_value, found)
+        if gold is None and (exact := _exact_verdict(gold_text, answer, pred, found.text)) is not None:
+            return self._verdict(exact, found)
         if gold is None:
             gold = _parse_reference(gold_text, gold_in_latex, found.text)
         if pred is None:
-            pred = _parse_marked(answer, found)
+            pred = _parse_marked(answer or "", found)
         return self._verdict(_compare(gold, pred, found), found)
 
     @staticmethod
