@@ -1,0 +1,140 @@
+"""Curricula and rollout budgets side by side: uniform, SEC, Knapsack, SEC + Knapsack, dynamic sampling and
+CLPO on the same task, several seeds, compared at equal total rollouts.
+
+Each (method, seed) is a real `rlvr run` in its own store (two at a time, one per core). Figures, all read
+back from the stores with SQL:
+  - effective-gradient ratio: share of all generated groups (every round, before any filter) whose
+    rewards are not all equal;
+  - rollouts to target: generated rollouts (CLPO's rewrite checks included) up to the first evaluation at
+    or above the target held-out accuracy (None when never reached within the budget);
+  - accuracy at budget: held-out accuracy of the last evaluation before the method's rollouts exceed the
+    budget (uniform's total);
+  - wall time of the run.
+
+    python benchmarks/curriculum.py [--seeds 0 1 2] [--steps 300] [--target 0.6] [--set key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+METHODS: dict[str, list[str]] = {
+    "uniform": ["select.type=uniform", "allocate.type=uniform"],
+    "sec": ["select.type=sec", "allocate.type=uniform"],
+    "knapsack": ["select.type=uniform", "allocate.type=knapsack"],
+    "sec+knapsack": ["select.type=sec", "allocate.type=knapsack"],
+    "dynamic sampling": ["select.type=uniform", "allocate.type=uniform", "filter.enabled=true"],
+    "clpo": ["select.type=uniform", "allocate.type=uniform", "restructure.enabled=true"],
+}
+
+
+def run_one(root: Path, method: str, seed: int, steps: int, every: int, overrides: list[str]) -> float:
+    """One `rlvr run`; returns its wall seconds."""
+    store = root / f"{method.replace(' ', '_').replace('+', '_')}-{seed}"
+    sets = [*METHODS[method], f"seed={seed}", f"train.steps={steps}", f"evaluate.every={every}", *overrides]
+    command = [sys.executable, "-m", "rlvr.flows.cli", "run", "--store", str(store), "--run-id", "bench"]
+    for item in sets:
+        command += ["--set", item]
+    env = {**os.environ, "PREFECT_LOGGING_LEVEL": "ERROR"}
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"{method} seed {seed} failed: {result.stderr[-2000:]}")
+    return time.monotonic() - started
+
+
+def figures(root: Path, method: str, seed: int, budget: int | None, target: float) -> dict:
+    """The method's figures from its store (see the module docstring)."""
+    from rlvr.storage.store import Store
+    from rlvr.storage.views import query
+
+    store = Store.open(str(root / f"{method.replace(' ', '_').replace('+', '_')}-{seed}"))
+    groups = query(
+        store, "SELECT step, slot, count(*) AS n, min(score) <> max(score) AS mixed FROM rewards GROUP BY step, slot"
+    ).to_pylist()
+    per_step = {}
+    for g in groups:
+        per_step[g["step"]] = per_step.get(g["step"], 0) + g["n"]
+    checks = query(store, "SELECT step, count(rewrite_accuracy) AS n FROM restructured GROUP BY step").to_pylist()
+    config = json.loads(query(store, "SELECT config_json FROM config").column("config_json")[0].as_py())
+    rollouts_per_check = config["restructure"]["rollouts"]
+    for c in checks:
+        per_step[c["step"]] = per_step.get(c["step"], 0) + c["n"] * rollouts_per_check
+    cumulative, total = {}, 0
+    for step in sorted(per_step):
+        total += per_step[step]
+        cumulative[step] = total
+    evals = query(store, "SELECT step, accuracy FROM evals WHERE phase = 'rl' ORDER BY step").to_pylist()
+    within = [e for e in evals if budget is None or cumulative.get(e["step"], 0) <= budget]
+    reached = next((cumulative[e["step"]] for e in within if e["accuracy"] >= target), None)
+    return {
+        "effective_ratio": sum(g["mixed"] for g in groups) / len(groups),
+        "rollouts": total,
+        "rollouts_to_target": reached,
+        "accuracy": within[-1]["accuracy"] if within else None,
+    }
+
+
+def summarise(results: dict[str, list[dict]]) -> None:
+    print(f"{'method':18}{'eff. ratio':>12}{'rollouts to target':>22}{'acc at budget':>16}{'wall s':>9}")
+    for method, rows in results.items():
+        eff = statistics.mean(r["effective_ratio"] for r in rows)
+        reached = [r["rollouts_to_target"] for r in rows]
+        to_target = (
+            f"{statistics.mean(reached):.0f}"
+            if all(x is not None for x in reached)
+            else f"{sum(x is not None for x in reached)}/{len(reached)} seeds"
+        )
+        accs = [r["accuracy"] for r in rows if r["accuracy"] is not None]
+        acc = f"{statistics.mean(accs):.2f} ({min(accs):.2f}-{max(accs):.2f})" if accs else "n/a"
+        wall = statistics.mean(r["seconds"] for r in rows)
+        print(f"{method:18}{eff:>12.3f}{to_target:>22}{acc:>16}{wall:>9.0f}")
+    base = results["uniform"]
+    base_eff = statistics.mean(r["effective_ratio"] for r in base)
+    knap_eff = statistics.mean(r["effective_ratio"] for r in results["knapsack"])
+    print(f"knapsack / uniform effective-gradient ratio: {knap_eff / base_eff:.2f}x (target >= 1.20x)")
+    for method in ("sec", "knapsack", "sec+knapsack"):
+        pairs = [(m["rollouts_to_target"], u["rollouts_to_target"]) for m, u in zip(results[method], base)]
+        if all(m is not None and u is not None for m, u in pairs):
+            ratio = statistics.mean(m / u for m, u in pairs)
+            print(f"{method} rollouts to target / uniform: {ratio:.2f}x (target <= 0.80x)")
+        else:
+            print(f"{method} rollouts to target / uniform: not comparable, target not reached on every seed")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--every", type=int, default=20, help="evaluate every this many steps")
+    parser.add_argument("--target", type=float, default=0.6, help="held-out accuracy to reach")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--out", type=Path, default=None, help="keep the stores here (default: a temp dir)")
+    parser.add_argument("--parallel", type=int, default=2)
+    args = parser.parse_args()
+    root = args.out or Path(tempfile.mkdtemp(prefix="rlvr-curriculum-"))
+    jobs = [(m, s) for s in args.seeds for m in args.methods]
+    with ThreadPoolExecutor(args.parallel) as pool:
+        seconds = dict(zip(jobs, pool.map(lambda j: run_one(root, *j, args.steps, args.every, args.overrides), jobs)))
+    budgets = {s: figures(root, "uniform", s, None, args.target)["rollouts"] for s in args.seeds}
+    results = {
+        m: [{**figures(root, m, s, budgets[s], args.target), "seconds": seconds[(m, s)]} for s in args.seeds]
+        for m in args.methods
+    }
+    (root / "results.json").write_text(json.dumps(results, indent=2))
+    print(f"stores and results.json in {root}")
+    summarise(results)
+
+
+if __name__ == "__main__":
+    main()
