@@ -1,13 +1,32 @@
 """Math verifier: finds the final answer in a response and decides whether it equals the reference.
 
 Extraction, first rule that finds something wins:
-  1. the last `\\boxed{...}` (nested braces allowed; `\\fbox{...}` too),
-  2. the text after the last "answer is" / "answer:" (e.g. "The final answer is $\\frac12$."),
-  3. the rest of the line after the last "####" (GSM8K style),
-  4. the last **bold** span that holds a digit, a LaTeX command or a single letter,
-  5. the last number (thousands separators, decimals, fractions a/b or \\frac{a}{b}, percent).
-The extracted text is normalised (thousands separators, trailing units, scientific notation,
-Python-style `**`), then parsed and compared by math-verify on sympy.
+  1. Minerva's "The final answer is X. I hope it is correct." (math-verify's first priority),
+  2. the last `\\boxed{...}` (nested braces allowed; `\\fbox{...}` too); boxed answers just before it
+     that only "and", "or", commas or spacing separate from it make one list with it,
+  3. after the last "answer is" / "answer:": the math that follows (`$2$ and $3$` is one list), else
+     the words up to the end of the sentence; if those are prose, what math-verify's answer-anchored
+     patterns find in that line ("Final Answer: The volume is 120." gives 120),
+  4. the rest of the line after the last "####" (GSM8K style),
+  5. the last **bold** span that holds a digit, a LaTeX command or a single letter,
+  6. the whole response, when it is nothing but an answer (`12`, `(2, 5)`, `x >= 5`, `x^2+2x+1`),
+  7. without any of those: what math-verify's own LaTeX and expression extraction finds in the
+     response (its last 4,000 characters), in its priority order; a match it cannot parse
+     (`$-[0,1)$`) is `unparseable`, not a number picked out of it,
+  8. only when math-verify finds nothing: the last number.
+
+Reading: the reference and the answers of every rule but 7 are normalised (thousands separators,
+trailing units, scientific notation, Python-style `**`, `\\frac\\pi4`, `2(3)`) and parsed as LaTeX,
+so a bare `x^2+2x+1`, `[0,1)` or `x \\ge 5` keeps its meaning; a comma between digits is a decimal
+comma in plain text (`1000,99`, as math-verify reads plain text) and separates a list in LaTeX
+(`\\boxed{2,3}`). A long reference in prose is a worked solution: its answer is found as a response's.
+Before math-verify reads a response, a full stop inside the math (`$\\frac{1}{2}.$`) is moved out and
+`\\frac\\pi4` gets its braces; a number with thousands separators it found (`$12\\,345$`, which its
+LaTeX parser reads as 12+345) is read as one number.
+
+Comparison: two number literals (integers, fractions, decimals) are decided exactly when that
+settles it; otherwise math-verify's `verify` decides, with a relation and the set it describes
+comparable both ways (`x > 2` and `(2, \\infty)`).
 
 math-verify alone accepts some unequal answers: its numeric path compares `evalf(chop=True)` to 15
 digits, so 1/2004! "equals" 1/2006!, and it rounds floats to 6 decimal places, so 1e-7 "equals"
@@ -124,9 +143,11 @@ def _boxed_answers(text: str) -> list[tuple[int, int, str]]:
 
 
 # what may stand between boxed answers that together are one answer: "and", "or", commas, spacing
+_ANSWER_LABEL = r"[A-Za-z](?:_\{?\w{1,3}\}?)?\s*="  # the `y_2 =` of `y_1 = \boxed{..}, y_2 = \boxed{..}`
 _BOXED_SEPARATOR = re.compile(
-    r"(?:\s|[,;&]|\\\\|\$|\\[()\[\]]|\\q?quad\b|\\[,;:! ]|\\text\s*\{[^{}]{0,30}\}|\b(?:and|or)\b)*"
+    rf"(?:\s|[,;&]|\\\\|\$|\\[()\[\]]|\\q?quad\b|\\[,;:! ]|\\text\s*\{{[^{{}}]{{0,30}}\}}|\b(?:and|or)\b|{_ANSWER_LABEL})*"
 )
+_LABEL_BEFORE = re.compile(rf"(?<![A-Za-z\\])({_ANSWER_LABEL})\s*$")
 
 
 def _boxed_run(text: str, joined: Callable[[str], bool]) -> str | None:
@@ -139,7 +160,10 @@ def _boxed_run(text: str, joined: Callable[[str], bool]) -> str | None:
         if answer[1] > run[0][0] or not joined(text[answer[1]:run[0][0]]):
             break
         run.insert(0, answer)
-    return ", ".join(content for _, _, content in run)
+    if len(run) == 1:
+        return run[0][2]
+    labels = [_LABEL_BEFORE.search(text, max(0, start - 20), start) for start, _, _ in run]
+    return ", ".join((label.group(1) if label else "") + content for label, (_, _, content) in zip(labels, run))
 
 
 def _last_boxed(text: str) -> str | None:
