@@ -1,5 +1,5 @@
 """Per-problem outcome buffers: each problem's most recent outcomes, and the success-rate estimate
-Knapsack RL allocates on (algorithms: a buffer of the last 16 outcomes, valid once it holds 8).
+Knapsack RL allocates on (docs/methods.md#outcome-buffers: the last 16 outcomes, valid once it holds 8).
 
 Plain data, no I/O: the allocate stage fills it from the run's rewards (incrementally, or rebuilt by a
 query over the rewards view in a fresh process) and asks it for estimates.

@@ -1,8 +1,8 @@
-"""RuleReasoner's domain-aware dynamic sampling, DADS (algorithms.md §6.8): arms (domains, or whatever
+"""RuleReasoner's domain-aware dynamic sampling, DADS (docs/methods.md#dads): arms (domains, or whatever
 `select.arms` groups by) whose rewards are still low are drawn more often, from an EMA of each arm's
 mean reward.
 
-The paper's exact formula was not verified; this is the design document's reconstruction:
+The paper's exact formula was not verified; this is the reconstruction in docs/methods.md#dads:
 r̄ ← γ·r̄ + (1−γ)·mean reward, w ∝ exp((1 − r̄)/τ), an arm drawn from w, then a problem uniformly.
 Unlike SEC it rewards "not yet solved" rather than "learnable now", so it can chase arms that cannot be
 solved. Two guards bound that: r̄ is clipped to [0, 1] before weighting, so no arm weighs more than

@@ -1,4 +1,4 @@
-"""DAPO-style dynamic sampling (algorithms.md §6.2): a group whose rewards are all equal gives GRPO no
+"""DAPO-style dynamic sampling (docs/methods.md#dynamic-sampling): a group whose rewards are all equal gives GRPO no
 gradient, so over-sample prompts, keep only groups with reward variance, and refill until the batch has
 B of them or the refill limit is hit.
 

@@ -1,10 +1,10 @@
-"""Knapsack RL budget allocation (algorithms.md §5): rollouts move from prompts whose groups would come
+"""Knapsack RL budget allocation (docs/methods.md#knapsack-rl): rollouts move from prompts whose groups would come
 back all-correct or all-wrong to frontier prompts, keeping the step's total rollouts fixed.
 
 Each prompt is a knapsack item: cost = rollouts, value = P(a group of N has both outcomes) x InfoGain(p).
 The value functions are plain functions so the audit, the tests and other trainers can use them.
-Two solvers: `greedy`, the exact priority-queue allocation of §5.6 (the default), and `dp_reference`,
-the authors' dynamic programme with its quirk, kept for parity with their allocations.
+Two solvers: `greedy`, the exact priority-queue allocation (docs/methods.md#greedy-solver; the default), and
+`dp_reference`, the authors' dynamic programme with its quirk, kept for parity with their allocations.
 
 Decisions where the specification is silent (each follows the authors' code unless it would fail):
 - The frontier's need is Σ floor(min(max_n, cost_alpha(p̂))) over effective prompts, compared with the
@@ -105,7 +105,8 @@ def greedy_extra(p_hats: Sequence[float], min_n: int, max_n: int, budget: int) -
 
 
 def dp_reference_extra(p_hats: Sequence[float], min_n: int, max_n: int, budget: int) -> tuple[list[int], int]:
-    """The authors' multiple-choice knapsack DP (§5.5), quirk included; same result shape as `greedy_extra`.
+    """The authors' multiple-choice knapsack DP (docs/methods.md#reference-dp), quirk included; same result
+    shape as `greedy_extra`.
 
     Choice k in 1..max_n−min_n extra rollouts scores Value(k + min_n, p̂); the "no extra" choice scores
     0, not Value(min_n, p̂), which favours giving every frontier prompt at least one extra rollout.
@@ -162,7 +163,7 @@ def spread_evenly(counts: list[int], indices: Sequence[int], amount: int, flags:
 
 
 class KnapsackAllocator(BudgetAllocator):
-    """Knapsack RL allocation per algorithms.md §5.5, with the solver chosen by `solver`.
+    """Knapsack RL allocation per docs/methods.md#knapsack-allocation, with the solver chosen by `solver`.
 
     Allocation.value is Value(n, p̂) (None for a prompt with no estimate); details hold cost_alpha (None
     outside 0 < p̂ < 1) and marginal_value, the gain one more rollout would have added (None when unknown).

@@ -1,5 +1,6 @@
-"""Kimi k1.5 prioritized sampling (algorithms.md §6.7): problems the policy still fails are drawn more often,
-P(i) ∝ 1 − s_i, where s_i is the problem's success rate tracked from the run's own rollouts.
+"""Kimi k1.5 prioritized sampling (docs/methods.md#prioritized-sampling): problems the policy still fails
+are drawn more often, P(i) ∝ 1 − s_i, where s_i is the problem's success rate tracked from the run's own
+rollouts.
 
 Left as is, the rule gives never-solved problems (s = 0, zero GRPO gradient) the largest weight, so the
 weight is 1 − max(s_i, success_floor): no problem weighs more than one solved `success_floor` of the

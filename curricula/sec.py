@@ -1,4 +1,4 @@
-"""SEC, the Self-Evolving Curriculum (algorithms.md §3): a non-stationary bandit over arms (problem
+"""SEC, the Self-Evolving Curriculum (docs/methods.md#sec): a non-stationary bandit over arms (problem
 categories, difficulty bins or both) whose reward is the mean |advantage| the trainer already computes.
 
 Arm values follow TD(0), arms are drawn by a Boltzmann rule, then a problem uniformly within the arm.
@@ -106,7 +106,7 @@ def draw_arm_batch(
 
 
 class SecStrategy(SelectionStrategy):
-    """SEC as specified in algorithms.md §3.4.
+    """SEC as specified in docs/methods.md#sec.
 
     Q starts at 0 for every arm, including arms that first appear in a later pool, so the first batch
     is uniform over arms. `select` draws with `draw_arm_batch` (two rng calls per slot, see there) and

@@ -1,11 +1,11 @@
-"""MMR1 Variance-Aware Sampling (algorithms.md §6.5): part of each batch is drawn in proportion to a
+"""MMR1 Variance-Aware Sampling (docs/methods.md#vas): part of each batch is drawn in proportion to a
 problem's variance-promotion score, VPS = a·OVS + b·TDS, and the rest uniformly.
 
 OVS = p̂(1−p̂) is the outcome variance of the problem's latest group (the expected policy-gradient size is
 bounded below by the reward variance); TDS is the diversity of that group's responses, a tie-breaker
 favouring problems with varied solution paths. The paper's default weights, share and refresh period
-were not verified: the defaults here (equal weights, half the batch, refresh every step) are the design
-document's starting point, to be ablated. OVS lies in [0, 0.25] and TDS in [0, 1], so with equal
+were not verified: the defaults here (equal weights, half the batch, refresh every step) are the neutral
+starting point docs/methods.md#vas gives, to be ablated. OVS lies in [0, 0.25] and TDS in [0, 1], so with equal
 weights TDS moves VPS more than OVS does.
 """
 

@@ -60,7 +60,8 @@ def test_value_functions_by_hand():
     # One rollout, or none, never shows both outcomes; p̂ ∈ {0, 1} is worth nothing.
     assert p_nonzero(1, 0.3) == pytest.approx(0.0, abs=1e-16) and p_nonzero(0, 0.3) == 0.0
     assert value(8, 0.0) == 0.0 == value(8, 1.0)
-    # cost_α(0.5) = ln 0.1 / ln 0.5 = 3.3219...; cost_α(0.01) = ln 0.1 / ln 0.99 ≈ 229 (§5.4's example).
+    # cost_α(0.5) = ln 0.1 / ln 0.5 = 3.3219...; cost_α(0.01) = ln 0.1 / ln 0.99 ≈ 229 (the worked example of
+    # docs/methods.md#knapsack-value-and-cost).
     assert cost_alpha(0.5, 0.9) == pytest.approx(3.321928094887362)
     assert cost_alpha(0.01, 0.9) == pytest.approx(229.105, abs=1e-3)
     with pytest.raises(ValueError, match="cost_alpha needs 0 < p < 1, got 0.0"):

@@ -1,8 +1,8 @@
-"""GRPO (algorithms.md §6.1) with the §6.2/§6.3 variants chosen by config: group advantages, the
+"""GRPO (docs/methods.md#grpo) with the DAPO and Dr. GRPO variants chosen by config: group advantages, the
 clipped surrogate, and one RL step over a batch of rollouts.
 
 Variants: clip-higher = `clip_high > clip_low`; Dr. GRPO's advantages = `advantage_scale="none"`;
-DAPO's token-level loss = `aggregation="token-mean"`. No KL-to-reference term (β = 0, as §6.2 uses
+DAPO's token-level loss = `aggregation="token-mean"`. No KL-to-reference term (β = 0, as DAPO uses
 for verifiable rewards). Groups whose rewards are all equal have zero advantage and are left out of the
 update (zero-variance filtering without refill).
 """

@@ -1,8 +1,9 @@
 """The built-in tiny model: a character-level tokenizer and a small Qwen2 built from a config.
 
 It needs no download, so the whole pipeline (generation, GRPO, checkpoints) runs for real on a CPU
-machine with no hub access. Sizes follow docs/environment measurements: ~124k parameters, built in
-tens of milliseconds, one GRPO step in tens of milliseconds.
+machine with no hub access. Sizes follow what was measured on the project's 2-core CPU machines
+(2026-11-22): ~124k parameters, built in about 35 ms, one GRPO step (16 prompts x 8 samples: generate,
+loss, backward, AdamW) in 30-90 ms.
 """
 
 import torch

@@ -1,4 +1,5 @@
-"""The verifier contract (ARCHITECTURE §5): a verifier scores one response against one reference.
+"""The verifier contract (README "Add a verifier", docs/architecture.md): a verifier scores one response
+against one reference.
 
 A verifier never raises for bad input and never returns a silent zero: every outcome is a `Score`
 whose `status` says what happened (ok, wrong, unparseable, timeout, error).

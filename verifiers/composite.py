@@ -1,5 +1,6 @@
 """Composite verifiers: one reward made of other verifiers' scores, each kept as its own components so the
-trainer can normalise them separately (GDPO, algorithms.md §6.4) or gate one on another (§6.10).
+trainer can normalise them separately (GDPO, docs/methods.md#gdpo) or gate one on another
+(docs/methods.md#composites-and-gating).
 
 Spec (`CompositeVerifier.from_spec`):
   {"name": "math+format", "version": "1",

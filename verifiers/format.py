@@ -1,5 +1,5 @@
 """Format verifier: rewards the tag structure of a response (e.g. <think>...</think><answer>...</answer>),
-not its content; used alone or as the gate of a composite (algorithms.md §6.10).
+not its content; used alone or as the gate of a composite (docs/methods.md#format-reward).
 
 Reference (a dict, its JSON string, or None for the defaults):
   {"tags": ["think", "answer"], "require_order": true, "exactly_once": true}

@@ -1,5 +1,5 @@
 """SQL verifier: runs the predicted and the gold query on the database the reference names and compares
-their result sets (execution accuracy), with the partial-credit components of algorithms.md §6.11.
+their result sets (execution accuracy), with the partial-credit components of docs/methods.md#sql-partial-credit.
 
 Reference: `{"db": PATH, "sql": GOLD_SQL}` (a dict or its JSON string), optional `"dialect"`
 ("sqlite" or "duckdb"; by default from the extension: .duckdb is DuckDB, .db/.sqlite/.sqlite3 SQLite),

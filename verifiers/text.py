@@ -1,5 +1,5 @@
-"""Text verifier: normalised exact match, multiple choice, and BLEU against references (algorithms.md §6.13,
-BLEUBERI).
+"""Text verifier: normalised exact match, multiple choice, and BLEU against references
+(docs/methods.md#text-and-bleu, BLEUBERI).
 
 Reference: a plain string (exact mode, that string is the answer) or a dict / its JSON string:
   {"mode": "exact",  "answer": TEXT or [TEXT, ...]}     any of the answers, after normalisation

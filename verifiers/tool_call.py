@@ -1,4 +1,4 @@
-"""Tool-call verifier: the decomposed ToolRL reward of algorithms.md §6.12 on JSON function calls.
+"""Tool-call verifier: the decomposed ToolRL reward of docs/methods.md#toolrl on JSON function calls.
 
 Response: the calls as JSON, one object `{"name": ..., "arguments": {...}}` ("parameters" is read the
 same way; "arguments" may also be a JSON string, and an OpenAI-style `{"function": {...}}` wrapper is
@@ -119,7 +119,8 @@ def _multiset_jaccard(a: Counter, b: Counter) -> float:
 
 
 def tool_call_reward(predicted: list[Call], gold: list[Call], r_format: float) -> tuple[dict[str, float], bool]:
-    """The §6.12 components for parsed calls, and whether the prediction matches the gold exactly."""
+    """The ToolRL components (docs/methods.md#toolrl) for parsed calls, and whether the prediction matches
+    the gold exactly."""
     r_name = _multiset_jaccard(Counter(name for name, _ in predicted), Counter(name for name, _ in gold))
     taken: set[int] = set()
     r_param = 0.0
