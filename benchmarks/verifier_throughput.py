@@ -38,14 +38,15 @@ def make_inputs(n: int, seed: int = 0, marked: bool = True) -> list[tuple[str, s
             pairs.append((f"Dividing, the result is ${shown}$.", f"\\frac{{{a}}}{{{b}}}"))
         else:
             shown = a / 4 if right else a / 4 + 0.25
-            pairs.append((f"Computing carefully, {'the answer is' if marked else 'we get'} {shown}.", f"\\frac{{{a}}}{{4}}"))
+            pairs.append(
+                (f"Computing carefully, {'the answer is' if marked else 'we get'} {shown}.", f"\\frac{{{a}}}{{4}}")
+            )
     return pairs
 
 
 def main() -> None:
-    from math_verify import parse, verify
-
     import pyarrow as pa
+    from math_verify import parse, verify
 
     from rlvr.storage.store import Store
     from rlvr.verifiers import cache as cache_module
@@ -72,8 +73,16 @@ def main() -> None:
     store = Store.open(tempfile.mkdtemp(prefix="rlvr-bench-cache-"), create=True)
     cfg = VerifierConfig(verifier="math", workers=2)
     _, _, entries = score_cached(store, cfg, pairs)  # cold: fills the cache
-    store.write_artifact("reward_cache", "bench-reward-cache", pa.Table.from_pylist(entries), run_id="bench",
-                         stage="bench", parents=[], code_version="1", config={})
+    store.write_artifact(
+        "reward_cache",
+        "bench-reward-cache",
+        pa.Table.from_pylist(entries),
+        run_id="bench",
+        stage="bench",
+        parents=[],
+        code_version="1",
+        config={},
+    )
     cache_module._caches.clear()  # a fresh index: verdicts come from the store
     started = time.perf_counter()
     cached, hits, _ = score_cached(store, cfg, pairs)
@@ -81,8 +90,10 @@ def main() -> None:
 
     agree = sum((s.status == "ok") == bool(p) for s, p in zip(pooled, plain))
     same = sum((a.value, a.status) == (b.value, b.status) for a, b in zip(cached, pooled))
-    print(f"{len(pairs)} {kind} answers; pool verdicts agree with plain math-verify on {agree}; "
-          f"cached equal pooled on {same}; cache hits {sum(hits)}")
+    print(
+        f"{len(pairs)} {kind} answers; pool verdicts agree with plain math-verify on {agree}; "
+        f"cached equal pooled on {same}; cache hits {sum(hits)}"
+    )
     print(f"{'method':48}{'labels/s':>10}")
     print(f"{'plain math-verify parse+verify loop (peer)':48}{len(pairs) / t_plain:>10.0f}")
     print(f"{'VerifierPool(math, workers=2)':48}{len(pairs) / t_pool:>10.0f}")

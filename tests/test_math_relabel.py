@@ -8,10 +8,10 @@ the CLI, the views), as a user's store labelled by the old version would look.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pyarrow as pa
-import pytest
 
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
@@ -33,8 +33,14 @@ LABELLED_BY_VERSION_1 = [
     ("thousands", "In all 7,425,000 people came", "7425000", 1.0, "ok", "7,425,000"),
     ("decimal comma", "It costs 1000,99 euros", "1000.99", 0.0, "wrong", "99"),
     ("set", "The roots form the set $\\{1, 2\\}$", "\\{1,2\\}", 0.0, "wrong", "2"),
-    ("matrix", "We get $\\begin{pmatrix} 1 & 0 \\\\ 0 & 1 \\end{pmatrix}$",
-     "\\begin{pmatrix}1&0\\\\0&1\\end{pmatrix}", 0.0, "error", "1"),
+    (
+        "matrix",
+        "We get $\\begin{pmatrix} 1 & 0 \\\\ 0 & 1 \\end{pmatrix}$",
+        "\\begin{pmatrix}1&0\\\\0&1\\end{pmatrix}",
+        0.0,
+        "error",
+        "1",
+    ),
     ("tuple", "The point is $(3, -4)$", "(3,-4)", 0.0, "wrong", "-4"),
     ("degrees", "The angle measures $30^\\circ$", "30", 1.0, "ok", "30"),
     ("equation", "Solving gives $x = 7$", "7", 1.0, "ok", "7"),
@@ -72,23 +78,69 @@ def _write_store_labelled_by_version_1(root: str) -> str:
     problems, rollouts, rewards = [], [], []
     for i, (family, response, reference, score, status, extracted) in enumerate(LABELLED_BY_VERSION_1):
         problem_id, rollout_id = f"p{i:02d}", f"r{i:02d}"
-        problems.append({"problem_id": problem_id, "run_id": RUN, "split": "train", "domain": "math",
-                         "category": family, "prompt": f"question {i}", "answer": reference,
-                         "generator": "hand", "generator_version": "1", "params": "{}", "seed": 0,
-                         "source_index": i, "parent_problem_id": None, "derivation": None})
-        rollouts.append({"rollout_id": rollout_id, "run_id": RUN, "step": 0, "slot": i, "problem_id": problem_id,
-                         "sample_index": 0, "prompt": f"question {i}", "response": response,
-                         "completion_ids": [1, 2, 3], "n_tokens": 3, "finish_reason": "stop", "policy_id": "policy-0"})
-        rewards.append({"rollout_id": rollout_id, "run_id": RUN, "step": 0, "problem_id": problem_id,
-                        "verifier": "math", "verifier_version": "1", "score": score, "status": status,
-                        "extracted": extracted, "reason": "recorded from version 1",
-                        "components": '{"correct": %s}' % score, "cache_hit": False})
+        problems.append(
+            {
+                "problem_id": problem_id,
+                "run_id": RUN,
+                "split": "train",
+                "domain": "math",
+                "category": family,
+                "prompt": f"question {i}",
+                "answer": reference,
+                "generator": "hand",
+                "generator_version": "1",
+                "params": "{}",
+                "seed": 0,
+                "source_index": i,
+                "parent_problem_id": None,
+                "derivation": None,
+            }
+        )
+        rollouts.append(
+            {
+                "rollout_id": rollout_id,
+                "run_id": RUN,
+                "step": 0,
+                "slot": i,
+                "problem_id": problem_id,
+                "sample_index": 0,
+                "prompt": f"question {i}",
+                "response": response,
+                "completion_ids": [1, 2, 3],
+                "n_tokens": 3,
+                "finish_reason": "stop",
+                "policy_id": "policy-0",
+            }
+        )
+        rewards.append(
+            {
+                "rollout_id": rollout_id,
+                "run_id": RUN,
+                "step": 0,
+                "problem_id": problem_id,
+                "verifier": "math",
+                "verifier_version": "1",
+                "score": score,
+                "status": status,
+                "extracted": extracted,
+                "reason": "recorded from version 1",
+                "components": json.dumps({"correct": score}),
+                "cache_hit": False,
+            }
+        )
     common = {"run_id": RUN, "code_version": "1", "config": {}, "step": 0}
     store.write_artifact("problems", "problems-math-v1", _table(problems), stage="data", parents=[], **common)
-    store.write_artifact("rollouts", "rollouts-math-v1", _table(rollouts), stage="rollout",
-                         parents=["problems-math-v1"], **common)
-    store.write_artifact("rewards", "rewards-math-v1", _table(rewards), stage="label",
-                         parents=["rollouts-math-v1", "problems-math-v1"], **common)
+    store.write_artifact(
+        "rollouts", "rollouts-math-v1", _table(rollouts), stage="rollout", parents=["problems-math-v1"], **common
+    )
+    store.write_artifact(
+        "rewards",
+        "rewards-math-v1",
+        _table(rewards),
+        stage="label",
+        parents=["rollouts-math-v1", "problems-math-v1"],
+        **common,
+    )
     return "rewards-math-v1"
 
 
@@ -116,5 +168,7 @@ def test_relabel_shows_the_flips_from_version_1(tmp_path):
     assert {f["rollout_id"]: (f["old_status"], f["new_status"]) for f in flips} == EXPECTED_FLIPS
     assert {(f["old_verifier_version"], f["new_verifier_version"]) for f in flips} == {("1", MathVerifier.version)}
     assert {f["rollout_id"]: (f["old_score"], f["new_score"]) for f in flips}["r01"] == (1.0, 0.0)
-    relabelled = query(Store.open(root), "SELECT count(*) AS n, min(verifier_version) AS v FROM relabeled_rewards").to_pylist()
+    relabelled = query(
+        Store.open(root), "SELECT count(*) AS n, min(verifier_version) AS v FROM relabeled_rewards"
+    ).to_pylist()
     assert relabelled == [{"n": len(LABELLED_BY_VERSION_1), "v": MathVerifier.version}]

@@ -32,9 +32,23 @@ def test_case_file_covers_every_class():
     assert len(CASES) >= 150
     classes = Counter(case["class"] for case in CASES)
     for name in (
-        "extract-boxed", "extract-answer-is", "extract-hashes", "extract-bold", "extract-last-number",
-        "fraction", "decimal", "percent", "thousands", "set", "tuple", "interval", "expression",
-        "units", "latex", "trap", "unparseable",
+        "extract-boxed",
+        "extract-answer-is",
+        "extract-hashes",
+        "extract-bold",
+        "extract-last-number",
+        "fraction",
+        "decimal",
+        "percent",
+        "thousands",
+        "set",
+        "tuple",
+        "interval",
+        "expression",
+        "units",
+        "latex",
+        "trap",
+        "unparseable",
     ):
         assert classes[name] >= 3, name
     expected = Counter(case["expected"] for case in CASES)
@@ -56,8 +70,21 @@ def test_case(number, case_scores):
 CORPUS_FILE = Path(__file__).parent / "data" / "math_corpus.jsonl"
 CORPUS = [json.loads(line) for line in CORPUS_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
 CORPUS_FAMILIES = (
-    "interval", "inequality", "set", "tuple", "matrix", "percent", "units", "thousands", "decimal comma",
-    "frac", "sqrt", "degrees", "equation", "multiple answers", "plain text",
+    "interval",
+    "inequality",
+    "set",
+    "tuple",
+    "matrix",
+    "percent",
+    "units",
+    "thousands",
+    "decimal comma",
+    "frac",
+    "sqrt",
+    "degrees",
+    "equation",
+    "multiple answers",
+    "plain text",
 )
 
 
@@ -77,8 +104,10 @@ def test_corpus_covers_the_families():
 
 @pytest.mark.parametrize(
     "number",
-    [pytest.param(i, marks=pytest.mark.xfail(strict=True, reason=c["known_miss"])) if "known_miss" in c else i
-     for i, c in enumerate(CORPUS)],
+    [
+        pytest.param(i, marks=pytest.mark.xfail(strict=True, reason=c["known_miss"])) if "known_miss" in c else i
+        for i, c in enumerate(CORPUS)
+    ],
     ids=[f"{i + 1}-{c['family']}" for i, c in enumerate(CORPUS)],
 )
 def test_corpus_case(number, corpus_scores):
@@ -149,9 +178,19 @@ def test_math_verify_match_it_cannot_parse_is_unparseable_not_a_number():
 @pytest.mark.parametrize(
     "response, bare",
     [
-        ("x >= 5", True), ("(2, 5)", True), ("x^2+2x+1", True), ("\\frac{1}{2}", True), ("$[0,1)$", True),
-        ("2, 3", True), ("5\\text{ cm}", True), ("12", False), ("1 000", False), ("5 cm", False),
-        ("x is (2, 5)", False), ("(2,\n5)", False), ("(" + "1," * 150 + "1)", False),
+        ("x >= 5", True),
+        ("(2, 5)", True),
+        ("x^2+2x+1", True),
+        ("\\frac{1}{2}", True),
+        ("$[0,1)$", True),
+        ("2, 3", True),
+        ("5\\text{ cm}", True),
+        ("12", False),
+        ("1 000", False),
+        ("5 cm", False),
+        ("x is (2, 5)", False),
+        ("(2,\n5)", False),
+        ("(" + "1," * 150 + "1)", False),
     ],
 )
 def test_bare_answer(response, bare):
@@ -218,6 +257,7 @@ def test_simple_rational_only_takes_plain_literals():
 )
 def test_number_literals_decided_without_parsing_agree_with_math_verify(gold, offset, gold_form, answer_form, places):
     """The shortcut for number literals reaches the verdict math-verify plus the exact re-check would."""
+
     def literal(value, form):
         if form == "decimal":
             return f"{float(value):.{places}f}"
@@ -293,9 +333,7 @@ def test_numeric_references_are_accepted():
 
 def test_scores_in_a_non_main_thread():
     results = []
-    thread = threading.Thread(
-        target=lambda: results.append(MathVerifier().score("\\boxed{(x+1)^2}", "x^2+2x+1"))
-    )
+    thread = threading.Thread(target=lambda: results.append(MathVerifier().score("\\boxed{(x+1)^2}", "x^2+2x+1")))
     thread.start()
     thread.join(30)
     assert [score.status for score in results] == ["ok"]

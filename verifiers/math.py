@@ -47,10 +47,11 @@ import logging
 import math
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any
 
 import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -91,13 +92,13 @@ def _last_match(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
             break
         start = len(text) - window
         last = None
-        for last in pattern.finditer(text, start):
-            pass
+        for match in pattern.finditer(text, start):
+            last = match
         if last is not None and last.start() > start + 300:
             return last
     last = None
-    for last in pattern.finditer(text):
-        pass
+    for match in pattern.finditer(text):
+        last = match
     return last
 
 
@@ -109,7 +110,7 @@ def _braced_span(text: str, start: int) -> tuple[str, int] | None:
     if pos >= len(text):
         return None
     if text[pos] != "{":
-        token = re.match(r"[^\s$]+", text[pos:pos + MAX_ANSWER_CHARS])
+        token = re.match(r"[^\s$]+", text[pos : pos + MAX_ANSWER_CHARS])
         return (token.group(0), pos + token.end()) if token else None
     depth = 0
     end = min(len(text), pos + BOXED_SCAN_CHARS)
@@ -120,7 +121,7 @@ def _braced_span(text: str, start: int) -> tuple[str, int] | None:
         elif char == "}":
             depth -= 1
             if depth == 0:
-                return text[pos + 1:i], i + 1
+                return text[pos + 1 : i], i + 1
     return None
 
 
@@ -145,7 +146,8 @@ def _boxed_answers(text: str) -> list[tuple[int, int, str]]:
 # what may stand between boxed answers that together are one answer: "and", "or", commas, spacing
 _ANSWER_LABEL = r"[A-Za-z](?:_\{?\w{1,3}\}?)?\s*="  # the `y_2 =` of `y_1 = \boxed{..}, y_2 = \boxed{..}`
 _BOXED_SEPARATOR = re.compile(
-    rf"(?:\s|[,;&]|\\\\|\$|\\[()\[\]]|\\q?quad\b|\\[,;:! ]|\\text\s*\{{[^{{}}]{{0,30}}\}}|\b(?:and|or)\b|{_ANSWER_LABEL})*"
+    r"(?:\s|[,;&]|\\\\|\$|\\[()\[\]]|\\q?quad\b|\\[,;:! ]|\\text\s*\{[^{}]{0,30}\}|\b(?:and|or)\b"
+    rf"|{_ANSWER_LABEL})*"
 )
 _LABEL_BEFORE = re.compile(rf"(?<![A-Za-z\\])({_ANSWER_LABEL})\s*$")
 
@@ -157,7 +159,7 @@ def _boxed_run(text: str, joined: Callable[[str], bool]) -> str | None:
         return None
     run = [answers[-1]]
     for answer in reversed(answers[:-1]):
-        if answer[1] > run[0][0] or not joined(text[answer[1]:run[0][0]]):
+        if answer[1] > run[0][0] or not joined(text[answer[1] : run[0][0]]):
             break
         run.insert(0, answer)
     if len(run) == 1:
@@ -225,7 +227,7 @@ def _after_answer_is(text: str) -> str | None:
     last = _last_match(_ANSWER_IS, text)
     if last is None:
         return None
-    tail = text[last.end():last.end() + MAX_ANSWER_CHARS + 200].lstrip(" :\t")
+    tail = text[last.end() : last.end() + MAX_ANSWER_CHARS + 200].lstrip(" :\t")
     while tail.startswith("**"):  # "answer is **5**", or the end of a bold label: "**Answer:** 5"
         end = tail.find("**", 2)
         if end != -1 and not tail[2:3].isspace() and "\n" not in tail[2:end] and tail[2:end].strip():
@@ -235,7 +237,7 @@ def _after_answer_is(text: str) -> str | None:
     if math is not None:
         return math
     cut = _SENTENCE_END.search(tail)
-    answer = tail[:cut.start()] if cut else tail
+    answer = tail[: cut.start()] if cut else tail
     return answer if answer.strip() else None
 
 
@@ -243,7 +245,7 @@ def _after_hashes(text: str) -> str | None:
     idx = text.rfind("####")
     if idx == -1:
         return None
-    line = text[idx + 4:idx + 4 + MAX_ANSWER_CHARS + 200].split("\n", 1)[0]
+    line = text[idx + 4 : idx + 4 + MAX_ANSWER_CHARS + 200].split("\n", 1)[0]
     return line if line.strip() else None
 
 
@@ -299,7 +301,7 @@ def _math_verify_tail(text: str) -> str:
         return text
     start = len(text) - MATH_VERIFY_TAIL_CHARS
     line_start = text.find("\n", start, start + MATH_VERIFY_TAIL_CHARS // 2)
-    return text[line_start + 1 if line_start != -1 else start:]
+    return text[line_start + 1 if line_start != -1 else start :]
 
 
 def _is_value(item: Any) -> bool:
@@ -339,14 +341,17 @@ def math_verify_answer(text: str) -> Extraction | None:
     tail = _for_math_verify(_math_verify_tail(text))
     if _brace_depth(tail) > MAX_BRACE_DEPTH:
         return Extraction(tail[-200:], MATH_VERIFY_RULE, parsed=False)
-    found = parse(tail, extraction_config=_LATEX_AND_EXPR, fallback_mode="first_match",
-                  parsing_timeout=_step_timeout(), raise_on_error=True)
+    found = parse(
+        tail,
+        extraction_config=_LATEX_AND_EXPR,
+        fallback_mode="first_match",
+        parsing_timeout=_step_timeout(),
+        raise_on_error=True,
+    )
     value = next((item for item in found if _is_value(item)), None)
     matched = next((item.strip() for item in found if isinstance(item, str) and item.strip()), None)
-    if value is None and matched is None:
-        return None
     if value is None:
-        return Extraction(matched, MATH_VERIFY_RULE, parsed=False)
+        return None if matched is None else Extraction(matched, MATH_VERIFY_RULE, parsed=False)
     if matched is not None and _THOUSANDS.fullmatch(matched):
         return Extraction(matched, MATH_VERIFY_RULE)
     return Extraction(matched or str(value), MATH_VERIFY_RULE, _as_value(value))
@@ -440,7 +445,7 @@ def normalize_answer(answer: str) -> str:
         changed = False
         for opener, closer in _WRAPPERS:
             if len(text) >= len(opener) + len(closer) and text.startswith(opener) and text.endswith(closer):
-                text = text[len(opener):len(text) - len(closer)].strip()
+                text = text[len(opener) : len(text) - len(closer)].strip()
                 changed = True
         if text.endswith("."):
             text = text[:-1].rstrip()
@@ -452,7 +457,7 @@ def normalize_answer(answer: str) -> str:
     if text.count("$") == 1:  # a currency sign, not a math delimiter
         for currency in ("\\$", "$"):
             if text.startswith(currency):
-                text = text[len(currency):].strip()
+                text = text[len(currency) :].strip()
                 break
     text = text.replace("\u00b0", "")
     text = _UNBRACED_FRAC.sub(r"\\\1{\2}{\3}", text)
@@ -512,7 +517,9 @@ def in_math_mode(text: str) -> bool:
     text = text.strip()
     if text.startswith(("\\boxed", "\\fbox")):
         return True
-    return any(len(text) > 1 and text.startswith(opener) and text.endswith(closer) for opener, closer in _MATH_DELIMITERS)
+    return any(
+        len(text) > 1 and text.startswith(opener) and text.endswith(closer) for opener, closer in _MATH_DELIMITERS
+    )
 
 
 @lru_cache(maxsize=4096)
@@ -754,9 +761,13 @@ def _answer_text(found: Extraction) -> str:
     """The normalised text of an answer found by a marker or as a number, refused if too large to parse."""
     answer = normalize_answer(found.text)
     if len(answer) > MAX_ANSWER_CHARS:
-        raise _Settled("unparseable", found.text[:200], f"{found.rule}: answer longer than {MAX_ANSWER_CHARS} characters")
+        raise _Settled(
+            "unparseable", found.text[:200], f"{found.rule}: answer longer than {MAX_ANSWER_CHARS} characters"
+        )
     if _brace_depth(answer) > MAX_BRACE_DEPTH:
-        raise _Settled("unparseable", found.text[:200], f"{found.rule}: answer nested deeper than {MAX_BRACE_DEPTH} brackets")
+        raise _Settled(
+            "unparseable", found.text[:200], f"{found.rule}: answer nested deeper than {MAX_BRACE_DEPTH} brackets"
+        )
     return answer
 
 
@@ -768,7 +779,9 @@ def _parse_reference(gold_text: str, in_latex: bool, extracted: str) -> Any:
     except TimeoutException:
         raise _Settled("timeout", extracted, "parsing the reference timed out") from None
     except Exception as exc:
-        raise _Settled("error", extracted, f"reference could not be parsed: {type(exc).__name__}: {exc}"[:300]) from None
+        raise _Settled(
+            "error", extracted, f"reference could not be parsed: {type(exc).__name__}: {exc}"[:300]
+        ) from None
     if gold is None:
         raise _Settled("error", extracted, f"reference {gold_text[:60]!r} could not be parsed")
     return gold
@@ -781,7 +794,9 @@ def _parse_marked(answer: str, found: Extraction) -> Any:
     except TimeoutException:
         raise _Settled("timeout", found.text, f"{found.rule}: parsing the answer timed out") from None
     except Exception as exc:
-        raise _Settled("unparseable", found.text, f"{found.rule}: answer could not be parsed: {type(exc).__name__}") from None
+        raise _Settled(
+            "unparseable", found.text, f"{found.rule}: answer could not be parsed: {type(exc).__name__}"
+        ) from None
     if pred is None:
         raise _Settled("unparseable", found.text, f"{found.rule}: answer {found.text[:60]!r} could not be parsed")
     return pred
@@ -799,7 +814,9 @@ def _compare(gold: Any, pred: Any, found: Extraction) -> bool:
     except TimeoutException:
         raise _Settled("timeout", found.text, f"{found.rule}: comparison timed out") from None
     except Exception as exc:
-        raise _Settled("wrong", found.text, f"{found.rule}: not comparable with the reference ({type(exc).__name__})") from None
+        raise _Settled(
+            "wrong", found.text, f"{found.rule}: not comparable with the reference ({type(exc).__name__})"
+        ) from None
     return bool(equal) and confirm_equal(gold, pred)
 
 
@@ -850,7 +867,11 @@ class MathVerifier(Verifier):
     def score(self, response: str, reference: Any) -> Score:
         reference_text = _reference_text(reference)
         if reference_text is None:
-            return Score(0.0, "error", reason=f"math reference must be a non-empty string or a number, got {type(reference).__name__}")
+            return Score(
+                0.0,
+                "error",
+                reason=f"math reference must be a non-empty string or a number, got {type(reference).__name__}",
+            )
         if (problem := non_text_error(response)) is not None:
             return problem
         try:
