@@ -21,7 +21,12 @@ from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_
 def build(inputs: Inputs, cfg: DynamicSamplingConfig, ctx: StageContext) -> Built:
     """Inputs: the step's rollouts and rewards, every round so far. params: batch_size, refills_done and
     first_slot (where this round's slots start)."""
-    score_of = dict(zip(*inputs.table("rewards", ["rollout_id", "score"]).to_pydict().values()))
+    # Correctness, not the reward: a shaped reward (partial credit, a format bonus) can vary in a group
+    # that is all wrong, and such a group must still count as one without signal.
+    score_of = {
+        rid: float(status == "ok")
+        for rid, status in zip(*inputs.table("rewards", ["rollout_id", "status"]).to_pydict().values())
+    }
     by_slot: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in inputs.rows("rollouts", ["rollout_id", "slot", "sample_index", "problem_id"]):
         by_slot[r["slot"]].append(r)

@@ -2,9 +2,10 @@
 clipped surrogate, and one RL step over a batch of rollouts.
 
 Variants: clip-higher = `clip_high > clip_low`; Dr. GRPO's advantages = `advantage_scale="none"`;
-DAPO's token-level loss = `aggregation="token-mean"`. No KL-to-reference term (β = 0, as DAPO uses
-for verifiable rewards). Groups whose rewards are all equal have zero advantage and are left out of the
-update (zero-variance filtering without refill).
+DAPO's token-level loss = `aggregation="token-mean"`. The KL-to-reference term (k3, per-sample weights,
+docs/methods.md#kl-to-the-reference) is off by default (`kl_beta` 0, as DAPO uses for verifiable rewards);
+CLPO turns it on. Groups whose rewards are all equal have zero advantage and are left out of the update;
+dynamic sampling's refills are the filter stage's.
 """
 
 from dataclasses import dataclass
