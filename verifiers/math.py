@@ -736,6 +736,8 @@ def _gold(reference_text: str) -> tuple[str, bool, Any]:
             found = extract_answer(reference_text)
         except TimeoutException:
             raise _Settled("timeout", None, "finding the answer in the reference timed out") from None
+        except Exception as exc:
+            raise _Settled("error", None, f"reference: no answer found in it ({type(exc).__name__})") from None
         if found is not None and found.parsed:
             if found.value is not None:
                 return found.text, True, found.value
