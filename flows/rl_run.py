@@ -74,9 +74,10 @@ class Generated:
 def rl_step(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> tuple[StepRefs, dict[str, Any]]:
     """One RL step; returns the refs for the next step and the step's train_steps row.
 
-    The step's artifacts are committed as one group (`Store.batch`): a kill redoes the whole step.
+    The step's artifacts are committed as one group (`Store.batch`), in the background while the next
+    step computes; a kill redoes the steps not yet on disk.
     """
-    with open_store(store).batch():
+    with open_store(store).batch(background=True):
         return _step_stages(store, cfg, step, refs)
 
 
@@ -241,6 +242,7 @@ def rl_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     for first in range(1, cfg.train.steps + 1, size):
         refs = rl_steps(store, cfg, first, min(first + size - 1, cfg.train.steps), refs)
     _keep_newest_train_state(store, cfg.run_id, refs.policy_ref)
+    open_store(store).wait()
     return {"run_id": cfg.run_id, "config_id": config_id, "problems_id": problems, "policy_id": refs.policy_ref}
 
 

@@ -22,7 +22,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -173,6 +173,8 @@ class Store:
         self._root_path = root_path.rstrip("/")
         self._manifest_cache: dict[str, Manifest] = {}
         self._batch: _Batch | None = None
+        self._pending: list[tuple[_Batch, Future[None]]] = []  # batches committing in the background
+        self._committer: ThreadPoolExecutor | None = None
 
     @classmethod
     def open(cls, root: str, create: bool = False) -> Store:
@@ -265,10 +267,11 @@ class Store:
         if self._batch is not None:
             self._batch.manifests.append(manifest)  # written when the batch ends, after its data is durable
             return
+        self.wait()  # an artifact never reaches the disk before the batches committed ahead of it
         self._write_atomic(self.manifest_path(manifest.artifact_id), manifest.to_json().encode("utf-8"))
 
     @contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self, background: bool = False) -> Iterator[None]:
         """Commit everything written inside as one group (one RL step), for a fraction of the syncs.
 
         Inside, data files are written without their own fsync and manifests wait in memory (this
@@ -277,17 +280,43 @@ class Store:
         for inside. A kill before the end leaves data files without manifests, which do not exist
         for anyone and which `cleanup_uncommitted` removes: the group is redone on resume. A kill
         during the manifests leaves a prefix of them, and every artifact's inputs precede it.
-        Nested batches join the outer one.
+
+        `background`: the flush runs on one committer thread while the caller goes on (the next RL
+        step computes while this one's syncs run); batches commit in order, any commit outside a
+        batch first waits for them, and `wait()` drains them. Nested batches join the outer one.
         """
         if self._batch is not None:
             yield
             return
         self._batch = _Batch()
+        failed = True
         try:
             yield
+            failed = False
         finally:
             batch, self._batch = self._batch, None
-            self._flush(batch)
+            if background and not failed:
+                self._submit(batch)
+            else:
+                self.wait()
+                self._flush(batch)
+
+    def _submit(self, batch: _Batch) -> None:
+        if self._committer is None:
+            self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlvr-commit")
+        self._reap()
+        self._pending.append((batch, self._committer.submit(self._flush, batch)))
+
+    def _reap(self) -> None:
+        """Forget finished background commits (raising the error of a failed one)."""
+        while self._pending and self._pending[0][1].done():
+            self._pending.pop(0)[1].result()
+
+    def wait(self) -> None:
+        """Return once every batch committing in the background is on disk (raising if one failed)."""
+        while self._pending:
+            self._pending[0][1].result()
+            self._pending.pop(0)
 
     def _flush(self, batch: _Batch) -> None:
         """Data durable, then manifests durable, then renamed into place (the commit), then deletes."""
@@ -308,7 +337,7 @@ class Store:
             for manifest in batch.manifests:
                 self.fs.pipe_file(self.manifest_path(manifest.artifact_id), manifest.to_json().encode("utf-8"))
         for artifact_id in batch.deletes:
-            self.delete_artifact(artifact_id)
+            self._delete_now(artifact_id)
 
     def _sync(self, paths: Sequence[str]) -> None:
         """fsync these files (or directories) all at once: from threads, the file system groups them into
@@ -401,7 +430,9 @@ class Store:
 
         Inside `batch()`, an artifact committed in the batch exists for this process already.
         """
-        if self._batch is not None and any(m.artifact_id == artifact_id for m in self._batch.manifests):
+        batches = [self._batch] if self._batch is not None else []
+        batches += [batch for batch, _ in self._pending]
+        if any(m.artifact_id == artifact_id for batch in batches for m in batch.manifests):
             return True
         return bool(_NAME_RE.match(artifact_id)) and self.fs.exists(self.manifest_path(artifact_id))
 
@@ -492,6 +523,10 @@ class Store:
         if self._batch is not None:
             self._batch.deletes.append(artifact_id)
             return
+        self.wait()
+        self._delete_now(artifact_id)
+
+    def _delete_now(self, artifact_id: str) -> None:
         manifest = self.manifest(artifact_id)
         self.fs.rm(self.manifest_path(artifact_id))
         self._manifest_cache.pop(artifact_id, None)
@@ -507,6 +542,7 @@ class Store:
         Keeps committed shards of unfinished sharded artifacts: they are finished work that resume
         skips. Safe whenever no writer is active (it never touches a committed artifact).
         """
+        self.wait()
         removed = self._remove_temp_files(self.path("manifests")) + self._remove_temp_files(self.path("runs"))
         root = self.path("artifacts")
         if not self.fs.exists(root):

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pyarrow as pa
 import pytest
@@ -83,3 +84,43 @@ def test_a_kill_inside_a_batch_leaves_nothing_committed(tmp_path):
     leftovers = store.cleanup_uncommitted()
     assert any("a-1" in path for path in leftovers) and any("b-1" in path for path in leftovers)
     assert not os.path.exists(os.path.join(root, "artifacts", "test_rows", "a-1"))
+
+
+def test_background_batches_commit_in_order_and_before_anything_else(tmp_path, monkeypatch):
+    store = Store.open(str(tmp_path / "s"), create=True)
+    release = threading.Event()
+    flush = Store._flush
+
+    def slow_flush(self, batch):
+        release.wait(10)
+        flush(self, batch)
+
+    monkeypatch.setattr(Store, "_flush", slow_flush)
+    with store.batch(background=True):
+        write(store, "step1-1")
+    with store.batch(background=True):
+        write(store, "step2-1")
+    assert store.exists("step1-1") and store.exists("step2-1")  # this process already sees them
+    assert not on_disk(store, "step1-1") and not on_disk(store, "step2-1")
+    release.set()
+    write(store, "after-1")  # a commit outside a batch waits for the batches ahead of it
+    order = [
+        m.artifact_id
+        for m in sorted(
+            Store.open(store.root).manifests(), key=lambda m: os.path.getmtime(store.manifest_path(m.artifact_id))
+        )
+    ]
+    assert order == ["step1-1", "step2-1", "after-1"]
+
+
+def test_a_failed_background_commit_is_raised_by_the_next_wait(tmp_path, monkeypatch):
+    store = Store.open(str(tmp_path / "s"), create=True)
+
+    def broken_sync(self, paths):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Store, "_sync", broken_sync)
+    with store.batch(background=True):
+        write(store, "a-1")
+    with pytest.raises(OSError, match="disk full"):
+        store.wait()
