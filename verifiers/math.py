@@ -47,11 +47,11 @@ import logging
 import math
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any
+from typing import Any, ClassVar
 
 import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -865,6 +865,22 @@ class MathVerifier(Verifier):
     name = "math"
     domain = "math"
     version = "2"
+
+    # CLPO's policy rewriter (docs/methods.md#clpo): easier wording for hard problems, new wording for
+    # medium ones; the maths and the final answer stay, and the answer must not appear in the rewrite.
+    rewrite_templates: ClassVar[Mapping[str, str]] = {
+        "simplify": (
+            "Make this problem easier to read without changing it: shorter sentences, each condition stated "
+            "explicitly (for example x > 0), no new information. Keep every number, the question asked, the "
+            "instruction about the answer's form, and the answer. Never state the answer.\n"
+            "Problem: {question}\nAnswer (do not reveal): {answer}\nRewritten problem:"
+        ),
+        "diversify": (
+            "Rephrase this problem: other words, another order of its clauses, another sentence structure. "
+            "Add or drop no condition and change no mathematical content; the answer stays the same. Never "
+            "state the answer.\nProblem: {question}\nAnswer (do not reveal): {answer}\nRephrased problem:"
+        ),
+    }
 
     def score(self, response: str, reference: Any) -> Score:
         reference_text = _reference_text(reference)
