@@ -26,7 +26,8 @@ from rlvr.curricula.base import (
     arm_sizes,
     outcomes_by_arm,
 )
-from rlvr.curricula.sec import boltzmann_probabilities, draw_arm_batch, problems_by_arm, require_selectable
+from rlvr.curricula.sampling import draw_arm_batch, problems_by_arm, require_selectable
+from rlvr.curricula.sec import boltzmann_probabilities
 
 
 class DadsConfig(SelectConfig):

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from rlvr.curricula.base import Pick, PoolProblem, SelectConfig, SelectionStrategy, StepFeedback
-from rlvr.curricula.sec import draw_index, require_selectable
+from rlvr.curricula.sampling import draw_index, require_selectable
 
 
 class PrioritizedConfig(SelectConfig):

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from rlvr.curricula.base import Pick, PoolProblem, SelectConfig, SelectionStrategy, StepFeedback
 from rlvr.curricula.prioritized import success_rate
-from rlvr.curricula.sec import draw_index, require_selectable
+from rlvr.curricula.sampling import draw_index, require_selectable
 
 
 class VasConfig(SelectConfig):

@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
-from rlvr.trainer.checkpoints import policy_files_of
+from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext
+from rlvr.trainer.checkpoints import checkpoint_built, policy_files_of
 
 
 class CheckpointConfig(BaseModel):
@@ -20,16 +20,7 @@ class CheckpointConfig(BaseModel):
 def build(inputs: Inputs, cfg: CheckpointConfig, ctx: StageContext) -> Built:
     """Copy the weights named by the `policy` input (a train_steps id) into a permanent checkpoint."""
     files = inputs.load("policy", policy_files_of)
-    n_params = inputs.manifest("policy").extra.get("n_params", 0)
-    row = {
-        "run_id": ctx.run_id,
-        "step": ctx.step,
-        "artifact_id": ctx.output_ids["checkpoints"],
-        "stage": "checkpoint",
-        "policy_id": inputs.id("policy"),
-        "n_params": n_params,
-    }
-    return Built(rows_to_table("checkpoints", [row]), files=files, extra={"n_params": n_params})
+    return checkpoint_built(ctx, files, inputs.manifest("policy").extra.get("n_params", 0), inputs.id("policy"))
 
 
 def identity(cfg: CheckpointConfig, params: Mapping[str, Any]) -> dict[str, Any]:

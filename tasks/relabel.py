@@ -7,13 +7,8 @@ Verdicts the current version already gave come from the reward cache; the new on
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
-from typing import Any
-
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
-from rlvr.verifiers.cache import VerifierConfig, score_cached
-from rlvr.verifiers.registry import verifier_class
+from rlvr.verifiers.cache import VerifierConfig, score_rollouts, verifier_identity
 
 
 def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, Built]:
@@ -21,38 +16,23 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
     before = {r["rollout_id"]: r for r in inputs.rows("rewards")}
     rollouts = inputs.rows("rollouts", ["rollout_id", "problem_id", "response"])
     answer_of = dict(zip(*inputs.table("problems", ["problem_id", "answer"]).to_pydict().values()))
-    scores, hits, entries = score_cached(
-        ctx.store, cfg, [(r["response"], answer_of[r["problem_id"]]) for r in rollouts]
-    )
-    version = verifier_class(cfg.verifier).version
+    verdicts, entries = score_rollouts(ctx.store, cfg, rollouts, answer_of)
     rows, flips = [], []
-    for r, s, hit in zip(rollouts, scores, hits):
+    for r, v in zip(rollouts, verdicts):
         was = before[r["rollout_id"]]
-        rows.append(
-            {
-                **was,
-                "verifier": cfg.verifier,
-                "verifier_version": version,
-                "score": s.value,
-                "status": s.status,
-                "extracted": s.extracted,
-                "reason": s.reason,
-                "components": json.dumps(s.components, sort_keys=True),
-                "cache_hit": hit,
-            }
-        )
-        if (was["score"], was["status"]) != (s.value, s.status):
+        rows.append({**was, **v})
+        if (was["score"], was["status"]) != (v["score"], v["status"]):
             flips.append(
                 {
                     "rollout_id": r["rollout_id"],
                     "run_id": was["run_id"],
                     "step": was["step"],
                     "old_verifier_version": was["verifier_version"],
-                    "new_verifier_version": version,
+                    "new_verifier_version": v["verifier_version"],
                     "old_score": was["score"],
-                    "new_score": s.value,
+                    "new_score": v["score"],
                     "old_status": was["status"],
-                    "new_status": s.status,
+                    "new_status": v["status"],
                 }
             )
     return {
@@ -60,10 +40,6 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
         "relabeled_rewards": Built(rows_to_table("relabeled_rewards", rows)),
         "relabel_flips": Built(rows_to_table("relabel_flips", flips)),
     }
-
-
-def identity(cfg: VerifierConfig, params: Mapping[str, Any]) -> dict[str, Any]:
-    return {"verifier": cfg.verifier, "verifier_version": verifier_class(cfg.verifier).version}
 
 
 RELABEL: Stage[VerifierConfig] = Stage(
@@ -78,5 +54,5 @@ RELABEL: Stage[VerifierConfig] = Stage(
         "relabel_flips": Output("relabel_flips"),
     },
     build=build,
-    identity=identity,
+    identity=verifier_identity,
 )

@@ -20,6 +20,7 @@ from rlvr.trainer.checkpoints import (
     OPTIMIZER_FILE,
     TrainerState,
     is_weights_file,
+    parameter_count,
     reference_policy,
     take_trainer_state,
 )
@@ -85,7 +86,7 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
     started = time.perf_counter()
     stats = grpo_step(state.policy, state.optimizer, batch, cfg.grpo, reference)
     compute_seconds = time.perf_counter() - started
-    n_params = sum(p.numel() for p in state.policy.model.parameters())
+    n_params = parameter_count(state.policy)
     updates = int(stats["updates"])
     weights = {name: data for name, data in policy_files(state.policy).items() if is_weights_file(name)}
     files = {**weights, OPTIMIZER_FILE: optimizer_state_bytes(state.optimizer)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
-from rlvr.trainer.checkpoints import TrainerState, load_policy
+from rlvr.trainer.checkpoints import checkpoint_built, load_policy, parameter_count
 from rlvr.trainer.policy import make_optimizer, policy_files, policy_from_files
 from rlvr.trainer.sft import sft_warmstart
 
@@ -45,22 +45,10 @@ def build(inputs: Inputs, cfg: WarmstartConfig, ctx: StageContext) -> dict[str, 
         }
         for i, loss in enumerate(losses)
     ]
-    n_params = sum(p.numel() for p in policy.model.parameters())
-    checkpoint = {
-        "run_id": ctx.run_id,
-        "step": 0,
-        "artifact_id": ctx.output_ids["checkpoints"],
-        "stage": "warmstart",
-        "policy_id": inputs.id("policy"),
-        "n_params": n_params,
-    }
     return {
         "warmstart": Built(rows_to_table("warmstart", rows)),
-        "checkpoints": Built(
-            rows_to_table("checkpoints", [checkpoint]),
-            files=policy_files(policy),
-            extra={"n_params": n_params},
-            resident=TrainerState(policy, None),
+        "checkpoints": checkpoint_built(
+            ctx, policy_files(policy), parameter_count(policy), inputs.id("policy"), live=policy
         ),
     }
 

@@ -13,7 +13,8 @@ from pydantic import ValidationError
 
 from rlvr.curricula.base import PoolProblem, ProblemOutcome, StepFeedback
 from rlvr.curricula.registry import make_strategy
-from rlvr.curricula.sec import SecConfig, SecStrategy, boltzmann_probabilities, draw_index
+from rlvr.curricula.sampling import draw_index
+from rlvr.curricula.sec import SecConfig, SecStrategy, boltzmann_probabilities
 
 A = [PoolProblem("a1", "a"), PoolProblem("a2", "a")]
 B = [PoolProblem("b1", "b")]

@@ -14,13 +14,13 @@ from the store, so a fresh process (a resumed run) computes exactly what the ori
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-from rlvr.storage.stage import RESIDENTS
+from rlvr.storage.stage import RESIDENTS, Built, StageContext, rows_to_table
 from rlvr.storage.store import Store
 from rlvr.trainer.policy import Policy, load_optimizer_state, make_optimizer, policy_from_files
 
@@ -76,6 +76,28 @@ def load_policy(store: Store, policy_ref: str) -> Policy:
     if isinstance(live, TrainerState):
         return live.policy
     return policy_from_files(policy_files_of(store, policy_ref))
+
+
+def checkpoint_built(
+    ctx: StageContext, files: Mapping[str, bytes], n_params: int, policy_id: str | None, live: Policy | None = None
+) -> Built:
+    """The `checkpoints` output of the stage in `ctx`: one row naming the checkpoint and where it came
+    from, its model directory as files, the parameter count (later checkpoints copy it from the manifest),
+    and the live policy to keep in memory when the stage has one."""
+    row = {
+        "run_id": ctx.run_id,
+        "step": ctx.step or 0,
+        "artifact_id": ctx.output_ids["checkpoints"],
+        "stage": ctx.stage,
+        "policy_id": policy_id,
+        "n_params": n_params,
+    }
+    resident = TrainerState(live, None) if live is not None else None
+    return Built(rows_to_table("checkpoints", [row]), files=files, extra={"n_params": n_params}, resident=resident)
+
+
+def parameter_count(policy: Policy) -> int:
+    return sum(p.numel() for p in policy.model.parameters())
 
 
 @lru_cache(maxsize=2)

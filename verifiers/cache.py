@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -149,3 +149,36 @@ def score_cached(
             entries[keys[i]] = score_to_entry(keys[i], scored)
             cache.remember(keys[i], scored)
     return [s for s in scores if s is not None], hits, list(entries.values())
+
+
+def score_rollouts(
+    store: Store | None, cfg: VerifierConfig, rollouts: Sequence[dict[str, Any]], answer_of: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Verdict columns of a `rewards` row for each rollout (cache first, then the pool), and the new
+    cache entries. Rollouts need `response` and `problem_id`; `answer_of` maps problem ids to references."""
+    from rlvr.verifiers.registry import verifier_class
+
+    pairs = [(r["response"], answer_of[r["problem_id"]]) for r in rollouts]
+    scores, hits, entries = score_cached(store, cfg, pairs)
+    version = verifier_class(cfg.verifier).version
+    verdicts = [
+        {
+            "verifier": cfg.verifier,
+            "verifier_version": version,
+            "score": s.value,
+            "status": s.status,
+            "extracted": s.extracted,
+            "reason": s.reason,
+            "components": json.dumps(s.components, sort_keys=True),
+            "cache_hit": hit,
+        }
+        for s, hit in zip(scores, hits)
+    ]
+    return verdicts, entries
+
+
+def verifier_identity(cfg: VerifierConfig, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What decides a labelling stage's verdicts: the verifier and its version (not its pool settings)."""
+    from rlvr.verifiers.registry import verifier_class
+
+    return {"verifier": cfg.verifier, "verifier_version": verifier_class(cfg.verifier).version}
