@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from rlvr.storage.store import Store
+from rlvr.storage.views import query
 from tests.cli_helpers import REPO, cli_env, rlvr_command
 
 pytestmark = pytest.mark.slow
@@ -87,6 +88,19 @@ def final_weights(store: Path) -> bytes:
     return s.read_file(final.artifact_id, "model.safetensors")
 
 
+def decisions(store: Path) -> dict[str, list[dict]]:
+    """Every curriculum decision and training figure, in order: what must match, not just the ids."""
+    s = Store.open(str(store))
+    sql = {
+        "selections": "SELECT step, slot, problem_id, arm, probability FROM selections ORDER BY step, slot",
+        "allocations": 'SELECT step, slot, n_rollouts, p_hat, p_hat_source, "case", value FROM allocations '
+        "ORDER BY step, slot",
+        "curriculum_state": "SELECT step, arm, q_before, probability, q_after FROM curriculum_state ORDER BY step, arm",
+        "train_steps": "SELECT step, loss, mean_reward, effective_ratio FROM train_steps ORDER BY step",
+    }
+    return {name: query(s, text).to_pylist() for name, text in sql.items()}
+
+
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api):
     env = cli_env(PREFECT_API_URL=prefect_api)
     reference, killed = tmp_path / "reference", tmp_path / "killed"
@@ -112,5 +126,6 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api):
     ids = lambda root: sorted(m.artifact_id for m in Store.open(str(root)).manifests())  # noqa: E731
     assert ids(killed) == ids(reference)
     assert final_weights(killed) == final_weights(reference)
+    assert decisions(killed) == decisions(reference)
     runs = Store.open(str(killed)).read_run(RUN_ID)
     assert runs["status"] == "completed"
