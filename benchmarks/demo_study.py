@@ -67,19 +67,25 @@ def parse_seeds(text: str) -> list[int]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--categories", default=",".join(DEFAULT_CATEGORIES), help="skills categories (verifiers/skills.py)")
+    parser.add_argument(
+        "--categories", default=",".join(DEFAULT_CATEGORIES), help="skills categories (verifiers/skills.py)"
+    )
     parser.add_argument("--per-category", type=int, default=100, help="problems per category before the split")
     parser.add_argument("--digits", type=int, default=2)
     parser.add_argument("--test-fraction", type=float, default=0.2, help="held out from all training")
     parser.add_argument("--warmup-fraction", type=float, default=0.2, help="the warm start's own split")
-    parser.add_argument("--warmup-categories", default="", help="comma list; empty = every category of the warmup split")
+    parser.add_argument(
+        "--warmup-categories", default="", help="comma list; empty = every category of the warmup split"
+    )
     parser.add_argument("--seeds", default="0-9", help="model/RL seeds, e.g. 0-9 or 0,3,5")
     parser.add_argument("--splits", default="0,1", help="data seeds (generator draw and split)")
     parser.add_argument("--methods", default="uniform", help="comma list of uniform, sec, knapsack, sec+knapsack")
     parser.add_argument("--warmup-steps", type=int, default=80)
     parser.add_argument("--warmup-batch", type=int, default=64)
     parser.add_argument("--warmup-lr", type=float, default=3e-3)
-    parser.add_argument("--difficulty-k", type=int, default=8, help="samples per pool problem at temperature 1 (p-hat before history)")
+    parser.add_argument(
+        "--difficulty-k", type=int, default=8, help="samples per pool problem at temperature 1 (p-hat before history)"
+    )
     parser.add_argument("--rl-steps", type=int, default=600)
     parser.add_argument("--prompts", type=int, default=64, help="prompts per RL step")
     parser.add_argument("--samples", type=int, default=8, help="rollouts per prompt (total budget = prompts x samples)")
@@ -122,7 +128,9 @@ def run(args: argparse.Namespace, method: str, seed: int, split_seed: int) -> di
     problems = make_problems(args, split_seed)
     test = [p for p in problems if p["split"] == "test"]
     warm_categories = set(args.warmup_categories.split(",")) if args.warmup_categories else None
-    warmup = [p for p in problems if p["split"] == "warmup" and (warm_categories is None or p["category"] in warm_categories)]
+    warmup = [
+        p for p in problems if p["split"] == "warmup" and (warm_categories is None or p["category"] in warm_categories)
+    ]
     pool_problems = [p for p in problems if p["split"] in ("train", "warmup")]
     by_id = {p["problem_id"]: p for p in pool_problems}
 
@@ -130,30 +138,56 @@ def run(args: argparse.Namespace, method: str, seed: int, split_seed: int) -> di
     policy = init_policy(PolicyConfig(threads=1), seed=seed)
     acc_init, _ = evaluate(policy, test, args.max_new_tokens)
     if args.warmup_steps:
-        sft_warmstart(policy, make_optimizer(policy, lr=args.warmup_lr, weight_decay=0.0),
-                      [(p["prompt"], p["answer"]) for p in warmup], steps=args.warmup_steps,
-                      batch_size=args.warmup_batch, seed=seed)
+        sft_warmstart(
+            policy,
+            make_optimizer(policy, lr=args.warmup_lr, weight_decay=0.0),
+            [(p["prompt"], p["answer"]) for p in warmup],
+            steps=args.warmup_steps,
+            batch_size=args.warmup_batch,
+            seed=seed,
+        )
     acc_warm, cat_warm = evaluate(policy, test, args.max_new_tokens)
 
     # Difficulty: k samples per pool problem at temperature 1 (the difficulty stage's defaults).
     pool_sorted = sorted(pool_problems, key=lambda p: p["problem_id"])
-    difficulty_samples = sample(policy, [p["prompt"] for p in pool_sorted], [args.difficulty_k] * len(pool_sorted),
-                                max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, seed=seed * 7919 + 1)
+    difficulty_samples = sample(
+        policy,
+        [p["prompt"] for p in pool_sorted],
+        [args.difficulty_k] * len(pool_sorted),
+        max_new_tokens=args.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        seed=seed * 7919 + 1,
+    )
     passes = defaultdict(int)
     for s in difficulty_samples:
         passes[pool_sorted[s.prompt_index]["problem_id"]] += correct(s.text, pool_sorted[s.prompt_index]["answer"])
     p_difficulty = {p["problem_id"]: passes[p["problem_id"]] / args.difficulty_k for p in pool_sorted}
     setup_seconds = time.perf_counter() - started
 
-    pool = [PoolProblem(p["problem_id"], arm=p["category"], domain="arithmetic", category=p["category"],
-                        p_hat=p_difficulty[p["problem_id"]]) for p in pool_sorted]
+    pool = [
+        PoolProblem(
+            p["problem_id"],
+            arm=p["category"],
+            domain="arithmetic",
+            category=p["category"],
+            p_hat=p_difficulty[p["problem_id"]],
+        )
+        for p in pool_sorted
+    ]
     selector_name, _, allocator_name = method.partition("+")
     if selector_name == "knapsack":
         selector_name, allocator_name = "uniform", "knapsack"
-    strategy = (SecStrategy(SecConfig(batch_size=args.prompts, tau=args.sec_tau, alpha=args.sec_alpha))
-                if selector_name == "sec" else UniformStrategy(UniformConfig(batch_size=args.prompts)))
-    allocator = (KnapsackAllocator(KnapsackConfig(n=args.samples)) if allocator_name == "knapsack"
-                 else UniformBudget(UniformBudgetConfig(n=args.samples)))
+    strategy = (
+        SecStrategy(SecConfig(batch_size=args.prompts, tau=args.sec_tau, alpha=args.sec_alpha))
+        if selector_name == "sec"
+        else UniformStrategy(UniformConfig(batch_size=args.prompts))
+    )
+    allocator = (
+        KnapsackAllocator(KnapsackConfig(n=args.samples))
+        if allocator_name == "knapsack"
+        else UniformBudget(UniformBudgetConfig(n=args.samples))
+    )
     history: dict[str, deque] = defaultdict(lambda: deque(maxlen=16))
 
     cfg = GRPOConfig(lr=args.lr, clip_low=args.clip, clip_high=args.clip, minibatches=args.minibatches)
@@ -176,8 +210,15 @@ def run(args: argparse.Namespace, method: str, seed: int, split_seed: int) -> di
         allocations = allocator.allocate(picks, estimates, total_budget=args.prompts * args.samples)
         chosen = [by_id[pick.problem_id] for pick in picks]
         prompts = [p["prompt"] for p in chosen]
-        samples = sample(policy, prompts, [a.n for a in allocations], max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_p=1.0, seed=seed * 1_000_000 + step)
+        samples = sample(
+            policy,
+            prompts,
+            [a.n for a in allocations],
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=1.0,
+            seed=seed * 1_000_000 + step,
+        )
         rewards = [1.0 if correct(s.text, chosen[s.prompt_index]["answer"]) else 0.0 for s in samples]
         stats = grpo_step(policy, optimizer, RolloutBatch(prompts=prompts, samples=samples, rewards=rewards), cfg)
         group_index = torch.tensor([s.prompt_index for s in samples], dtype=torch.long)
@@ -188,7 +229,9 @@ def run(args: argparse.Namespace, method: str, seed: int, split_seed: int) -> di
             slot_rewards = tuple(rewards[k] for k in rows)
             history[pick.problem_id].extend(slot_rewards)
             arm_pulls[pick.arm] += 1
-            outcomes.append(ProblemOutcome(slot, pick.problem_id, pick.arm, slot_rewards, tuple(advantages[k] for k in rows)))
+            outcomes.append(
+                ProblemOutcome(slot, pick.problem_id, pick.arm, slot_rewards, tuple(advantages[k] for k in rows))
+            )
         strategy.observe(StepFeedback(step, pool, outcomes))
         rl_seconds += time.perf_counter() - tick
         rl_cpu_seconds += time.process_time() - cpu_tick
@@ -199,19 +242,36 @@ def run(args: argparse.Namespace, method: str, seed: int, split_seed: int) -> di
             acc, cats = evaluate(policy, test, args.max_new_tokens)
             curve.append(acc)
             if args.verbose:
-                print(f"    step {step:4d} acc {acc:.2f} reward {statistics.mean(rewards_window):.2f} "
-                      f"eff {statistics.mean(ratios_window):.2f} "
-                      + " ".join(f"{c}={v:.2f}" for c, v in cats.items()), flush=True)
+                print(
+                    f"    step {step:4d} acc {acc:.2f} reward {statistics.mean(rewards_window):.2f} "
+                    f"eff {statistics.mean(ratios_window):.2f} " + " ".join(f"{c}={v:.2f}" for c, v in cats.items()),
+                    flush=True,
+                )
             rewards_window, ratios_window = [], []
     acc_final, cat_final = evaluate(policy, test, args.max_new_tokens)
     if args.verbose:
         total_pulls = sum(arm_pulls.values())
-        print("    share of picks per category: "
-              + " ".join(f"{arm}={n / total_pulls:.2f}" for arm, n in sorted(arm_pulls.items())), flush=True)
+        print(
+            "    share of picks per category: "
+            + " ".join(f"{arm}={n / total_pulls:.2f}" for arm, n in sorted(arm_pulls.items())),
+            flush=True,
+        )
     return {
-        "method": method, "seed": seed, "split": split_seed, "init": acc_init, "warm": acc_warm, "final": acc_final,
-        "cat_warm": cat_warm, "cat_final": cat_final, "curve": curve, "ratio": statistics.mean(ratios_all),
-        "setup_s": setup_seconds, "rl_s": rl_seconds, "rl_cpu_s": rl_cpu_seconds, "n_test": len(test), "pulls": dict(arm_pulls),
+        "method": method,
+        "seed": seed,
+        "split": split_seed,
+        "init": acc_init,
+        "warm": acc_warm,
+        "final": acc_final,
+        "cat_warm": cat_warm,
+        "cat_final": cat_final,
+        "curve": curve,
+        "ratio": statistics.mean(ratios_all),
+        "setup_s": setup_seconds,
+        "rl_s": rl_seconds,
+        "rl_cpu_s": rl_cpu_seconds,
+        "n_test": len(test),
+        "pulls": dict(arm_pulls),
         "pipeline_s": PIPELINE_STARTUP_S + rl_cpu_seconds + args.rl_steps * PIPELINE_STEP_OVERHEAD_S,
     }
 
@@ -229,45 +289,65 @@ def steps_to(result: dict, target: float, every: int) -> int | None:
 def main() -> None:
     args = parse_args()
     seeds, splits = parse_seeds(args.seeds), parse_seeds(args.splits)
-    print(f"categories={args.categories} per_category={args.per_category} digits={args.digits} "
-          f"test={args.test_fraction} warmup={args.warmup_fraction} "
-          f"warm start={args.warmup_steps}x{args.warmup_batch}@{args.warmup_lr} on {args.warmup_categories or 'all'} "
-          f"rl={args.rl_steps}x{args.prompts}x{args.samples} T={args.temperature} lr={args.lr} "
-          f"updates={args.minibatches} tokens={args.max_new_tokens}", flush=True)
+    print(
+        f"categories={args.categories} per_category={args.per_category} digits={args.digits} "
+        f"test={args.test_fraction} warmup={args.warmup_fraction} "
+        f"warm start={args.warmup_steps}x{args.warmup_batch}@{args.warmup_lr} on {args.warmup_categories or 'all'} "
+        f"rl={args.rl_steps}x{args.prompts}x{args.samples} T={args.temperature} lr={args.lr} "
+        f"updates={args.minibatches} tokens={args.max_new_tokens}",
+        flush=True,
+    )
     torch.set_num_threads(1)
     by_method: dict[str, list[dict]] = {}
     for method in args.methods.split(","):
         results = by_method[method] = []
-        print(f"\n{method}: held-out greedy accuracy (test split) after warm start and after RL; ratio = mean share "
-              f"of groups with reward variance; rl_s / rl_cpu = plain-loop RL wall / CPU seconds (one thread: CPU seconds are what an idle core takes); pipe_s = estimated `rlvr run` seconds on an idle machine (45 s start-up + RL CPU + 0.1 s a step)")
-        print(f"{'split':>5} {'seed':>4} {'warm':>5} {'final':>5} {'ratio':>5} {'rl_s':>6} {'rl_cpu':>6} {'pipe_s':>6}  "
-              f"curve every {args.eval_every} steps / per category final (after warm start)", flush=True)
+        print(
+            f"\n{method}: held-out greedy accuracy (test split) after warm start and after RL; ratio = mean share "
+            f"of groups with reward variance; rl_s / rl_cpu = plain-loop RL wall / CPU seconds (one thread: CPU seconds are what an idle core takes); pipe_s = estimated `rlvr run` seconds on an idle machine (45 s start-up + RL CPU + 0.1 s a step)"
+        )
+        print(
+            f"{'split':>5} {'seed':>4} {'warm':>5} {'final':>5} {'ratio':>5} {'rl_s':>6} {'rl_cpu':>6} {'pipe_s':>6}  "
+            f"curve every {args.eval_every} steps / per category final (after warm start)",
+            flush=True,
+        )
         for split_seed in splits:
             for seed in seeds:
                 r = run(args, method, seed, split_seed)
                 results.append(r)
                 cats = " ".join(f"{c}={r['cat_final'][c]:.2f}({r['cat_warm'][c]:.2f})" for c in r["cat_final"])
                 mark = "" if passes_requirement(r) else "  FAIL"
-                print(f"{split_seed:>5} {seed:>4} {r['warm']:5.2f} {r['final']:5.2f} {r['ratio']:5.2f} {r['rl_s']:6.1f} {r['rl_cpu_s']:6.1f} "
-                      f"{r['pipeline_s']:6.0f}  [{' '.join(f'{a:.2f}' for a in r['curve'])}] {cats}{mark}", flush=True)
+                print(
+                    f"{split_seed:>5} {seed:>4} {r['warm']:5.2f} {r['final']:5.2f} {r['ratio']:5.2f} {r['rl_s']:6.1f} {r['rl_cpu_s']:6.1f} "
+                    f"{r['pipeline_s']:6.0f}  [{' '.join(f'{a:.2f}' for a in r['curve'])}] {cats}{mark}",
+                    flush=True,
+                )
 
-    print(f"\nsummary over {len(seeds)} seeds x {len(splits)} splits ({args.prompts * args.samples} rollouts a step for "
-          f"every method); steps to {args.target:.2f} = first evaluation at or above it, mean over the runs that got there")
-    print(f"{'method':>14} {'mean final':>10} {'min final':>9} {'pass':>5} {'ratio':>6} {'vs uniform':>10} "
-          f"{'steps to target':>15} {'reached':>7}")
+    print(
+        f"\nsummary over {len(seeds)} seeds x {len(splits)} splits ({args.prompts * args.samples} rollouts a step for "
+        f"every method); steps to {args.target:.2f} = first evaluation at or above it, mean over the runs that got there"
+    )
+    print(
+        f"{'method':>14} {'mean final':>10} {'min final':>9} {'pass':>5} {'ratio':>6} {'vs uniform':>10} "
+        f"{'steps to target':>15} {'reached':>7}"
+    )
     baseline = by_method.get("uniform")
     for method, results in by_method.items():
         ratio = statistics.mean(r["ratio"] for r in results)
         reached = [s for s in (steps_to(r, args.target, args.eval_every) for r in results) if s is not None]
         relative = f"{ratio / statistics.mean(r['ratio'] for r in baseline):10.2f}" if baseline else f"{'':>10}"
-        print(f"{method:>14} {statistics.mean(r['final'] for r in results):10.3f} {min(r['final'] for r in results):9.2f} "
-              f"{sum(map(passes_requirement, results)):>2}/{len(results):<2} {ratio:6.3f} {relative} "
-              f"{statistics.mean(reached) if reached else float('nan'):15.0f} {len(reached):>3}/{len(results):<3}")
+        print(
+            f"{method:>14} {statistics.mean(r['final'] for r in results):10.3f} {min(r['final'] for r in results):9.2f} "
+            f"{sum(map(passes_requirement, results)):>2}/{len(results):<2} {ratio:6.3f} {relative} "
+            f"{statistics.mean(reached) if reached else float('nan'):15.0f} {len(reached):>3}/{len(results):<3}"
+        )
     everything = [r for results in by_method.values() for r in results]
     worst = min(everything, key=lambda r: (passes_requirement(r), r["final"] - max(0.6, 2 * r["warm"])))
-    print(f"worst seed: {worst['method']} split {worst['split']} seed {worst['seed']}: {worst['warm']:.2f} -> "
-          f"{worst['final']:.2f} ({'passes' if passes_requirement(worst) else 'FAILS'} final >= 0.6 and >= 2x warm start; "
-          f"{sum(map(passes_requirement, everything))}/{len(everything)} runs pass)", flush=True)
+    print(
+        f"worst seed: {worst['method']} split {worst['split']} seed {worst['seed']}: {worst['warm']:.2f} -> "
+        f"{worst['final']:.2f} ({'passes' if passes_requirement(worst) else 'FAILS'} final >= 0.6 and >= 2x warm start; "
+        f"{sum(map(passes_requirement, everything))}/{len(everything)} runs pass)",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -147,14 +147,23 @@ def generate(spec: SkillsSpec, seed: int) -> list[dict[str, Any]]:
         space = [(prompt, answer) for prompt, answer in category_space(category, spec.digits) if prompt not in taken]
         taken.update(prompt for prompt, _ in space)
         rng = random.Random(f"{seed}/{category}")
-        drawn.append([(category, prompt, answer) for prompt, answer in rng.sample(space, min(spec.per_category, len(space)))])
-    rows = []
+        picked = rng.sample(space, min(spec.per_category, len(space)))
+        drawn.append([(category, prompt, answer) for prompt, answer in picked])
+    rows: list[dict[str, Any]] = []
     for position in range(max(len(d) for d in drawn)):
         for items in drawn:
             if position < len(items):
                 category, prompt, answer = items[position]
-                rows.append({"prompt": prompt, "answer": answer, "source_index": len(rows), "category": category,
-                             "domain": "arithmetic", "params": params})
+                rows.append(
+                    {
+                        "prompt": prompt,
+                        "answer": answer,
+                        "source_index": len(rows),
+                        "category": category,
+                        "domain": "arithmetic",
+                        "params": params,
+                    }
+                )
     return rows
 
 
