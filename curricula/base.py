@@ -93,7 +93,7 @@ class SelectConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    batch_size: int = Field(32, ge=1, description="prompts per RL step")
+    batch_size: int = Field(64, ge=1, description="prompts per RL step")
     splits: list[str] = Field(default_factory=lambda: ["train", "warmup"], description="splits the pool is drawn from")
     arms: str = Field(
         "category",
@@ -169,7 +169,7 @@ class AllocateConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    n: int = Field(16, ge=1, description="rollouts per prompt of the uniform reference; total budget = prompts x n")
+    n: int = Field(8, ge=1, description="rollouts per prompt of the uniform reference; total budget = prompts x n")
 
 
 class BudgetAllocator(ABC):

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlvr.storage.ids import row_id
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.verifiers.registry import get_verifier
-from rlvr.verifiers.sources import SOURCES, ArithmeticSourceConfig, SourceConfig
+from rlvr.verifiers.sources import SOURCES, SkillsSourceConfig, SourceConfig
 
 
 def _source_type() -> Any:
@@ -27,9 +27,9 @@ class SynthesizeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    source: SourceConfig = Field(default_factory=ArithmeticSourceConfig)
+    source: SourceConfig = Field(default_factory=SkillsSourceConfig)
     test_fraction: float = Field(0.2, ge=0.0, lt=1.0)
-    warmup_fraction: float = Field(0.3, ge=0.0, lt=1.0)
+    warmup_fraction: float = Field(0.2, ge=0.0, lt=1.0)
     max_prompt_chars: int = Field(48, ge=1)
     verifier: str = Field("arithmetic", description="the verifier a reference must satisfy to be accepted")
 
@@ -41,7 +41,7 @@ def synthesize_config_type() -> type[SynthesizeConfig]:
     return create_model(
         "SynthesizeConfig",
         __base__=SynthesizeConfig,
-        source=(_source_type(), Field(default_factory=ArithmeticSourceConfig)),
+        source=(_source_type(), Field(default_factory=SkillsSourceConfig)),
     )
 
 

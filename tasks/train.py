@@ -32,7 +32,7 @@ from rlvr.trainer.policy import optimizer_state_bytes, policy_files
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    steps: int = Field(400, ge=0, description="RL steps")
+    steps: int = Field(600, ge=0, description="RL steps")
     grpo: GRPOConfig = Field(default_factory=lambda: GRPOConfig(minibatches=2))
 
 

@@ -18,7 +18,7 @@ from rlvr.trainer.sft import sft_warmstart
 class WarmstartConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    steps: int = Field(60, ge=0, description="0 skips the warm start (the initial policy is used as is)")
+    steps: int = Field(80, ge=0, description="0 skips the warm start (the initial policy is used as is)")
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
     split: str = "warmup"

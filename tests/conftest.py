@@ -46,6 +46,7 @@ def tiny_config():
             "evaluate.every=3",
             "checkpoint.every=3",
             "flow.steps_per_subflow=3",
+            "synthesize.source.per_category=10",
         ] + list(extra)
         return load_config(None, overrides)
 

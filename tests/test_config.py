@@ -11,7 +11,7 @@ from rlvr.flows.config import RunConfig, load_config, parse_override
 def test_defaults_are_the_embedded_default():
     cfg = load_config()
     assert cfg.policy.model == "tiny"
-    assert cfg.synthesize.source.type == "arithmetic"
+    assert cfg.synthesize.source.type == "skills"
     assert cfg.select.type == "uniform" and cfg.allocate.type == "uniform" and cfg.rollout.type == "transformers"
     assert cfg.label.verifier == "arithmetic"
     assert cfg.run_id is None
@@ -48,6 +48,10 @@ def test_override_values_get_yaml_types():
         (
             "synthesize.source.digits=0",
             "config key 'synthesize.source.digits': Input should be greater than or equal to 1",
+        ),
+        (
+            "synthesize.source.categories=[copy,divide]",
+            "config key 'synthesize.source.categories': Value error, unknown categories ['divide']",
         ),
     ],
 )

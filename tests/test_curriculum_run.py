@@ -38,6 +38,7 @@ def combo_run(tmp_path_factory, prefect_api):
             "filter.max_refills=1",
             "restructure.enabled=true",
             "train.grpo.kl_beta=0.01",
+            "synthesize.source.type=arithmetic",
             "synthesize.source.terms=3",
             "synthesize.source.count=120",
         ],

@@ -34,6 +34,7 @@ OVERRIDES = [
     "evaluate.every=4",
     "checkpoint.every=4",
     "flow.steps_per_subflow=4",
+    "synthesize.source.per_category=10",
 ]
 
 

@@ -34,6 +34,7 @@ def finished_run(tmp_path_factory, prefect_api, request):
             "evaluate.every=3",
             "checkpoint.every=3",
             "flow.steps_per_subflow=3",
+            "synthesize.source.per_category=10",
         ],
     )
     summary = execute(root, cfg)
@@ -65,10 +66,10 @@ def test_rows_in_equal_accepted_plus_quarantined(finished_run):
     accepted = scalar(store, "SELECT count(*) AS n FROM problems")["n"]
     quarantined = scalar(store, "SELECT count(*) AS n FROM quarantine")["n"]
     rows_in = store.manifests(kind="problems")[0].extra["rows_in"]
-    assert accepted + quarantined == rows_in == 100
+    assert accepted + quarantined == rows_in == 80  # 8 skills categories x 10
     counts = query(store, "SELECT split, count(*) AS n FROM problems GROUP BY split").to_pylist()
     splits = {r["split"]: r["n"] for r in counts}
-    assert splits == {"test": 20, "warmup": 30, "train": 50}
+    assert splits == {"test": 16, "warmup": 16, "train": 48}
 
 
 def test_evals_checkpoints_runs(finished_run):

@@ -6,19 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from rlvr.trainer.tiny_model import VOCAB
 from rlvr.verifiers.arithmetic import ArithmeticVerifier
-from rlvr.verifiers.skills import (
-    CATEGORIES,
-    DEFAULT_CATEGORIES,
-    SkillsSource,
-    SkillsSourceConfig,
-    SkillsSpec,
-    category_space,
-    generate,
-)
+from rlvr.verifiers.skills import CATEGORIES, DEFAULT_CATEGORIES, SkillsSpec, category_space, generate, rewrite
+from rlvr.verifiers.sources import SOURCES, SkillsSource, SkillsSourceConfig
 
 ALL = SkillsSpec(categories=list(CATEGORIES), per_category=60)
 
@@ -92,3 +85,38 @@ def test_the_source_rows_pass_the_synthesize_checks():
     accepted, rejected = validate_rows(rows, "arithmetic", max_prompt_chars=48)
     assert rejected == [] and len(accepted) == len(rows) > 700
     assert SkillsSourceConfig(categories=["copy"], per_category=5).type == "skills"
+
+
+def test_the_source_is_registered_and_chosen_by_type():
+    cfg = TypeAdapter(SOURCES.config_type()).validate_python({"type": "skills", "categories": ["succ"], "per_category": 3})
+    source = SOURCES.make(cfg)
+    assert isinstance(source, SkillsSource)
+    assert [r["category"] for r in source.rows(0)] == ["succ"] * 3
+
+
+@pytest.mark.parametrize(
+    ("prompt", "mode", "expected"),
+    [
+        ("57+1=", "simplify", ("7+1=", "8")),
+        ("57*10=", "simplify", ("7*10=", "70")),
+        ("57-10=", "simplify", None),  # 7-10 would be negative
+        ("7+1=", "simplify", None),  # nothing smaller
+        ("12+12=", "simplify", None),  # double keeps its two equal operands
+        ("57+1=", "diversify", ("75+1=", "76")),
+        ("91-1=", "diversify", ("19-1=", "18")),
+        ("50*1=", "diversify", None),  # 05 has a leading zero
+        ("3+5=", "diversify", ("5+3=", "8")),
+        ("3*5=", "diversify", ("5*3=", "15")),
+        ("5-3=", "diversify", None),  # not commutative
+        ("4+4=", "diversify", None),
+        ("x+1=", "simplify", None),
+    ],
+)
+def test_rewrites_keep_the_rule_and_compute_the_new_answer(prompt, mode, expected):
+    assert rewrite(prompt, mode) == expected
+    assert SkillsSource(SkillsSourceConfig()).rewrite(prompt, "", mode) == expected
+
+
+def test_an_unknown_rewrite_mode_is_refused():
+    with pytest.raises(ValueError, match="unknown rewrite mode 'harder'"):
+        rewrite("57+1=", "harder")

@@ -74,6 +74,7 @@ def test_a_registered_strategy_runs_two_steps(tmp_path, prefect_api):
                 "difficulty.k=2",
                 "evaluate.every=2",
                 "checkpoint.every=2",
+                "synthesize.source.per_category=10",
             ],
         )
         root = str(tmp_path / "store")

@@ -37,7 +37,7 @@ class EngineConfig(BaseModel):
 
     max_new_tokens: int = Field(3, ge=1)
     temperature: float = Field(
-        2.5, gt=0, description="sampling temperature; hot sampling keeps groups mixed on the tiny default"
+        1.0, gt=0, description="sampling temperature (hotter sampling rarely produces a whole multi-digit answer)"
     )
     top_p: float = Field(1.0, gt=0, le=1)
 

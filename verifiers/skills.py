@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from rlvr.verifiers.sources import ProblemSource, SourceConfig
 
 GENERATOR_VERSION = "1"
 
@@ -167,21 +166,34 @@ def generate(spec: SkillsSpec, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-# --- the problem source the pipeline can select (`synthesize.source.type=skills`) ---------------
+_EXPRESSION = re.compile(r"^(\d+)([+\-*])(\d+)=$")
 
 
-class SkillsSourceConfig(SourceConfig, SkillsSpec):
-    """The skills generator: `categories`, `per_category` problems of each, operands of `digits` digits."""
+def rewrite(prompt: str, mode: str) -> tuple[str, str] | None:
+    """A procedural rewrite of a skills problem (CLPO), as (prompt, answer), or None when there is none.
 
-    type: Literal["skills"] = "skills"
-
-
-class SkillsSource(ProblemSource):
-    """Seeded skills problems, one category per rule; checked by the `arithmetic` verifier."""
-
-    type = "skills"
-    generator_version = GENERATOR_VERSION
-
-    def rows(self, seed: int) -> Iterable[dict[str, Any]]:
-        assert isinstance(self.cfg, SkillsSourceConfig)
-        return generate(SkillsSpec(**self.cfg.model_dump(exclude={"type"})), seed)
+    "simplify" keeps the rule and drops the operand's tens digit (`57+1=` -> `7+1=`); "diversify" keeps
+    the rule and the size of the numbers and changes the surface: the operand's digits reversed
+    (`57+1=` -> `75+1=`), or the two operands of a single-digit sum or product swapped (`3+5=` -> `5+3=`).
+    A rewrite that would leave the category's range (a negative answer, a leading zero) is None.
+    """
+    match = _EXPRESSION.match(prompt)
+    if match is None:
+        return None
+    left, op, right = int(match.group(1)), match.group(2), int(match.group(3))
+    if mode == "simplify":
+        changed = (left % 10, right) if left >= 10 and left != right else None
+    elif mode == "diversify":
+        if left >= 10 and left != right:
+            reversed_left = str(left)[::-1]
+            changed = (int(reversed_left), right) if not reversed_left.startswith("0") else None
+        else:
+            changed = (right, left) if op in "+*" and left < 10 and right < 10 else None
+    else:
+        raise ValueError(f"unknown rewrite mode {mode!r}; expected simplify or diversify")
+    if changed is None:
+        return None
+    a, b = changed
+    value = a + b if op == "+" else a - b if op == "-" else a * b
+    rewritten = f"{a}{op}{b}="
+    return (rewritten, str(value)) if value >= 0 and rewritten != prompt else None

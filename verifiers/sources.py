@@ -1,7 +1,7 @@
 """Problem sources: where a run's raw problems come from, chosen by `synthesize.source.type`.
 
 A source turns its config and a seed into problem rows. Procedural generators live beside the
-verifier that checks their answers (verifiers/arithmetic.py), as reasoning-gym pairs each task's
+verifier that checks their answers (verifiers/arithmetic.py, verifiers/skills.py), as reasoning-gym pairs each task's
 generator with its scorer; this module holds the interface, the registry and the adapters.
 
 A row is a dict with at least `prompt`, `answer` and `source_index` (its position in the source),
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rlvr.curricula.clpo import Rewrite, Rewriter, RewriteRequest
 from rlvr.plugins import TypedRegistry
+from rlvr.verifiers import skills
 from rlvr.verifiers.arithmetic import GENERATOR_VERSION, ArithmeticSpec, generate
 
 
@@ -92,6 +93,27 @@ class ArithmeticSource(ProblemSource):
             yield {**row, "category": category, "domain": "arithmetic", "params": params}
 
 
+class SkillsSourceConfig(SourceConfig, skills.SkillsSpec):
+    """The skills generator: `categories`, `per_category` problems of each, operands of `digits` digits."""
+
+    type: Literal["skills"] = "skills"
+
+
+class SkillsSource(ProblemSource):
+    """Seeded skills problems (verifiers/skills.py), one category per rule; checked by `arithmetic`.
+    Rewrites keep the rule: simplify drops the operand's tens digit, diversify reverses its digits."""
+
+    type = "skills"
+    generator_version = skills.GENERATOR_VERSION
+
+    def rows(self, seed: int) -> Iterable[dict[str, Any]]:
+        assert isinstance(self.cfg, SkillsSourceConfig)
+        return skills.generate(skills.SkillsSpec(**self.cfg.model_dump(exclude={"type"})), seed)
+
+    def rewrite(self, prompt: str, answer: str, mode: str) -> tuple[str, str] | None:
+        return skills.rewrite(prompt, mode)
+
+
 class ProceduralRewriter(Rewriter):
     """CLPO's rewriter for generator-backed domains: the problem source's own `rewrite`."""
 
@@ -160,3 +182,5 @@ SOURCES: TypedRegistry[ProblemSource] = TypedRegistry(
     "problem source", SourceConfig, ProblemSource, group="rlvr.sources"
 )
 SOURCES.register(ArithmeticSourceConfig, ArithmeticSource)
+SOURCES.register(SkillsSourceConfig, SkillsSource)
+SOURCES.default = "skills"  # the demo's task: a section without `type` is the skills generator
