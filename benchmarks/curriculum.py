@@ -39,7 +39,7 @@ METHODS: dict[str, list[str]] = {
 
 def run_one(root: Path, method: str, seed: int, steps: int, every: int, overrides: list[str]) -> float:
     """One `rlvr run`; returns its wall seconds."""
-    store = root / f"{method.replace(' ', '_').replace('+', '_')}-{seed}"
+    store = store_path(root, method, seed)
     sets = [*METHODS[method], f"seed={seed}", f"train.steps={steps}", f"evaluate.every={every}", *overrides]
     command = [sys.executable, "-m", "rlvr.flows.cli", "run", "--store", str(store), "--run-id", "bench"]
     for item in sets:
@@ -52,14 +52,33 @@ def run_one(root: Path, method: str, seed: int, steps: int, every: int, override
     return time.monotonic() - started
 
 
+def store_path(root: Path, method: str, seed: int) -> Path:
+    return root / f"{method.replace(' ', '_').replace('+', '_')}-{seed}"
+
+
+def run_seconds(root: Path, method: str, seed: int) -> float:
+    """The wall time of a finished run, from its run record (for --report)."""
+    from datetime import datetime
+
+    from rlvr.storage.store import Store
+
+    record = Store.open(str(store_path(root, method, seed))).read_run("bench") or {}
+    started, ended = record.get("created_at"), record.get("updated_at")
+    if not started or not ended:
+        raise SystemExit(f"{method} seed {seed}: no finished run in {store_path(root, method, seed)}")
+    return (datetime.fromisoformat(ended) - datetime.fromisoformat(started)).total_seconds()
+
+
 def figures(root: Path, method: str, seed: int, budget: int | None, target: float) -> dict:
     """The method's figures from its store (see the module docstring)."""
     from rlvr.storage.store import Store
     from rlvr.storage.views import query
 
-    store = Store.open(str(root / f"{method.replace(' ', '_').replace('+', '_')}-{seed}"))
+    store = Store.open(str(store_path(root, method, seed)))
     groups = query(
-        store, "SELECT step, slot, count(*) AS n, min(score) <> max(score) AS mixed FROM rewards GROUP BY step, slot"
+        store,
+        "SELECT r.step, o.slot, count(*) AS n, min(r.score) <> max(r.score) AS mixed "
+        "FROM rewards r JOIN rollouts o USING (rollout_id) GROUP BY r.step, o.slot",
     ).to_pylist()
     per_step = {}
     for g in groups:
@@ -121,11 +140,16 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--out", type=Path, default=None, help="keep the stores here (default: a temp dir)")
     parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--report", action="store_true", help="only read the finished stores under --out again")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="rlvr-curriculum-"))
     jobs = [(m, s) for s in args.seeds for m in args.methods]
-    with ThreadPoolExecutor(args.parallel) as pool:
-        seconds = dict(zip(jobs, pool.map(lambda j: run_one(root, *j, args.steps, args.every, args.overrides), jobs)))
+    if args.report:
+        seconds = {(m, s): run_seconds(root, m, s) for m, s in jobs}
+    else:
+        with ThreadPoolExecutor(args.parallel) as pool:
+            runs = pool.map(lambda j: run_one(root, *j, args.steps, args.every, args.overrides), jobs)
+            seconds = dict(zip(jobs, runs))
     budgets = {s: figures(root, "uniform", s, None, args.target)["rollouts"] for s in args.seeds}
     results = {
         m: [{**figures(root, m, s, budgets[s], args.target), "seconds": seconds[(m, s)]} for s in args.seeds]

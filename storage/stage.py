@@ -469,8 +469,9 @@ def _commit_built(
     if keeps_state and built.state is not None:
         extra["state"] = dict(built.state)
     if not store.exists(aid):
-        store.write_artifact(output.kind, aid, built.table, files=dict(built.files) or None, extra=extra, **common)
-        TABLES.put(store, aid, conform_to_schema(output.kind, built.table))
+        table = conform_to_schema(output.kind, built.table)
+        store.write_artifact(output.kind, aid, table, files=dict(built.files) or None, extra=extra, **common)
+        TABLES.put(store, aid, table)
     if built.resident is not None:
         RESIDENTS.keep(aid, built.resident)
 

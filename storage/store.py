@@ -19,12 +19,13 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from functools import lru_cache
 from typing import Any
@@ -118,6 +119,8 @@ def conform_to_schema(kind: str, table: pa.Table) -> pa.Table:
     schema = schema_for(kind)
     if schema is None:
         return table.replace_schema_metadata(None)
+    if table.schema.equals(schema, check_metadata=True):
+        return table  # already conformed (the runner conforms before it writes and caches)
     expected = schema.names
     actual = table.column_names
     missing = [name for name in expected if name not in actual]
@@ -173,6 +176,8 @@ class Store:
         self._root_path = root_path.rstrip("/")
         self._manifest_cache: dict[str, Manifest] = {}
         self._batch: _Batch | None = None
+        self._unwritten: dict[str, _Unwritten] = {}  # deferred writes of background batches, by artifact id
+        self._unwritten_lock = threading.Lock()
         self._pending: list[tuple[_Batch, Future[None]]] = []  # batches committing in the background
         self._committer: ThreadPoolExecutor | None = None
 
@@ -220,19 +225,21 @@ class Store:
 
     # ----- low-level writes ------------------------------------------------------------------------
 
-    def _write_atomic(self, path: str, data: bytes) -> None:
+    def _write_atomic(self, path: str, data: bytes, batch: _Batch | None = None) -> None:
         """Readers see the old file or the new one, never half of one.
 
         Locally: a temp file beside the target, fsync, rename (inside `batch()` the fsync is left to the
         batch's flush). On object stores a single put of the final object is already atomic.
+        `batch`: the group this write belongs to (default: the one open now, if any).
         """
+        batch = batch or self._batch
         if not self.is_local:
             self.fs.pipe_file(path, data)
             return
-        tmp = self._write_temp(path, data, sync=self._batch is None)
+        tmp = self._write_temp(path, data, sync=batch is None)
         os.replace(tmp, path)
-        if self._batch is not None:
-            self._batch.written.append(path)
+        if batch is not None:
+            batch.written.append(path)
 
     @staticmethod
     def _write_temp(path: str, data: bytes, sync: bool) -> str:
@@ -250,17 +257,45 @@ class Store:
             raise
         return tmp
 
-    def _write_part(self, kind: str, artifact_id: str, index: int, table: pa.Table) -> dict[str, Any]:
+    def _write_part(
+        self, kind: str, artifact_id: str, index: int, table: pa.Table, batch: _Batch | None = None
+    ) -> dict[str, Any]:
         data = parquet_bytes(table)
         name = part_name(index)
-        self._write_atomic(f"{self.artifact_dir(kind, artifact_id)}/{name}", data)
+        self._write_atomic(f"{self.artifact_dir(kind, artifact_id)}/{name}", data, batch)
         return {"path": name, "rows": table.num_rows, "bytes": len(data), "sha256": _sha256(data)}
 
-    def _write_binary(self, kind: str, artifact_id: str, name: str, data: bytes) -> dict[str, Any]:
+    def _write_binary(
+        self, kind: str, artifact_id: str, name: str, data: bytes, batch: _Batch | None = None
+    ) -> dict[str, Any]:
         _check_name("file name", name)
         relative = f"files/{name}"
-        self._write_atomic(f"{self.artifact_dir(kind, artifact_id)}/{relative}", data)
+        self._write_atomic(f"{self.artifact_dir(kind, artifact_id)}/{relative}", data, batch)
         return {"path": relative, "rows": None, "bytes": len(data), "sha256": _sha256(data)}
+
+    def _write_files(self, job: _Unwritten) -> Manifest:
+        """Write a single-part artifact's data; its manifest, listing the files written."""
+        kind, artifact_id = job.manifest.kind, job.manifest.artifact_id
+        entries = [self._write_part(kind, artifact_id, 0, job.table, job.batch)]
+        for name in sorted(job.files):
+            entries.append(self._write_binary(kind, artifact_id, name, job.files[name], job.batch))
+        seconds = job.manifest.seconds + time.monotonic() - job.queued
+        return replace(job.manifest, files=entries, seconds=seconds)
+
+    def _ensure_written(self, artifact_id: str) -> None:
+        """Write a deferred artifact's data now, in this thread, unless some thread already has; its
+        manifest then replaces the placeholder in the cache and in its batch."""
+        if not self._unwritten:
+            return
+        with self._unwritten_lock:
+            job = self._unwritten.pop(artifact_id, None)
+            if job is None:
+                return
+            manifest = self._write_files(job)
+            self._manifest_cache[artifact_id] = manifest
+            assert job.batch is not None
+            position = next(i for i, m in enumerate(job.batch.manifests) if m.artifact_id == artifact_id)
+            job.batch.manifests[position] = manifest
 
     def _commit_manifest(self, manifest: Manifest) -> None:
         self._manifest_cache[manifest.artifact_id] = manifest
@@ -288,7 +323,7 @@ class Store:
         if self._batch is not None:
             yield
             return
-        self._batch = _Batch()
+        self._batch = _Batch(defer_writes=background and self.is_local)
         failed = True
         try:
             yield
@@ -320,6 +355,8 @@ class Store:
 
     def _flush(self, batch: _Batch) -> None:
         """Data durable, then manifests durable, then renamed into place (the commit), then deletes."""
+        for artifact_id in batch.deferred:
+            self._ensure_written(artifact_id)
         if not batch.manifests and not batch.deletes:
             return
         self._sync(batch.written)
@@ -372,9 +409,6 @@ class Store:
         table = conform_to_schema(kind, table)
         if self.exists(artifact_id):
             return self.manifest(artifact_id)
-        entries = [self._write_part(kind, artifact_id, 0, table)]
-        for name in sorted(files or {}):
-            entries.append(self._write_binary(kind, artifact_id, name, (files or {})[name]))
         manifest = Manifest(
             artifact_id=artifact_id,
             kind=kind,
@@ -383,7 +417,7 @@ class Store:
             step=step,
             rows=table.num_rows,
             schema=str(table.schema),
-            files=entries,
+            files=[],
             parents=list(parents),
             code_version=code_version,
             config=dict(config),
@@ -391,7 +425,17 @@ class Store:
             seconds=time.monotonic() - started,
             extra=dict(extra or {}),
         )
+        job = _Unwritten(manifest, table, dict(files or {}), self._batch, time.monotonic())
+        if self._batch is None or not self._batch.defer_writes:
+            manifest = self._write_files(job)
+            self._commit_manifest(manifest)
+            return manifest
+        # Serialising and writing go to the committer thread. Until then the manifest lists no files;
+        # a reader in this process that needs them (manifest, read_table, read_file) writes them first.
         self._commit_manifest(manifest)
+        with self._unwritten_lock:
+            self._unwritten[artifact_id] = job
+        self._batch.deferred.append(artifact_id)
         return manifest
 
     def writer(
@@ -438,6 +482,7 @@ class Store:
 
     def manifest(self, artifact_id: str) -> Manifest:
         """The manifest of a committed artifact (cached: manifests never change)."""
+        self._ensure_written(artifact_id)
         cached = self._manifest_cache.get(artifact_id)
         if cached is not None:
             return cached
@@ -726,9 +771,22 @@ class ArtifactWriter:
 
 @dataclass
 class _Batch:
+    defer_writes: bool = False  # single-part artifacts are serialised and written by the committer thread
     written: list[str] = field(default_factory=list)
     manifests: list[Manifest] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)
     deletes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Unwritten:
+    """A single-part artifact whose manifest is committed in a batch and whose files are still to write."""
+
+    manifest: Manifest
+    table: pa.Table
+    files: dict[str, bytes]
+    batch: _Batch | None
+    queued: float
 
 
 def _open_new(path: str) -> Any:

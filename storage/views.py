@@ -82,8 +82,18 @@ def parquet_scan(paths: Iterable[str], extra_options: str = "") -> str:
     return f"read_parquet([{listed}], union_by_name = true{extra_options})"
 
 
-def _create_kind_view(con: duckdb.DuckDBPyConnection, kind: str, paths: list[str]) -> None:
-    con.execute(f"CREATE VIEW {_sql_identifier(kind)} AS SELECT * FROM {parquet_scan(paths)}")
+def _create_kind_view(con: duckdb.DuckDBPyConnection, kind: str, paths: list[str], store: Store) -> None:
+    """A view over these files. During a live run a transient artifact (the newest train_state, a
+    strategy's state) can be replaced between the manifest listing and this call: its files are gone
+    and so is its manifest, so the view leaves them out."""
+    try:
+        con.execute(f"CREATE VIEW {_sql_identifier(kind)} AS SELECT * FROM {parquet_scan(paths)}")
+    except duckdb.IOException:
+        present = [path for path in paths if store.fs.exists(path)]
+        if not present and kind in SCHEMAS:
+            _create_empty_view(con, kind, SCHEMAS[kind])
+        elif present:
+            con.execute(f"CREATE VIEW {_sql_identifier(kind)} AS SELECT * FROM {parquet_scan(present)}")
 
 
 def _create_empty_view(con: duckdb.DuckDBPyConnection, kind: str, schema: pa.Schema) -> None:
@@ -207,7 +217,7 @@ def connect(store: Store) -> duckdb.DuckDBPyConnection:
     for kind in sorted(set(SCHEMAS) | set(paths_by_kind)):
         paths = paths_by_kind.get(kind, [])
         if paths:
-            _create_kind_view(con, kind, paths)
+            _create_kind_view(con, kind, paths, store)
         elif kind in SCHEMAS:
             _create_empty_view(con, kind, SCHEMAS[kind])
     _create_table(con, "artifacts", _artifacts_table(manifests))
@@ -218,10 +228,19 @@ def connect(store: Store) -> duckdb.DuckDBPyConnection:
 
 
 def query(store: Store, sql: str) -> pa.Table:
-    """Run one SQL statement over the store's views and return the result as an Arrow table."""
-    con = connect(store)
-    try:
-        relation = con.sql(sql)
-        return relation.to_arrow_table() if relation is not None else pa.table({})
-    finally:
-        con.close()
+    """Run one SQL statement over the store's views and return the result as an Arrow table.
+
+    Over a live run, a file the snapshot listed can be deleted before the query reads it (a transient
+    artifact replaced by the next step's); the query is then asked once more over a fresh snapshot.
+    """
+    for attempt in (1, 2):
+        con = connect(store)
+        try:
+            relation = con.sql(sql)
+            return relation.to_arrow_table() if relation is not None else pa.table({})
+        except duckdb.IOException:
+            if attempt == 2:
+                raise
+        finally:
+            con.close()
+    raise AssertionError("unreachable")

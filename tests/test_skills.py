@@ -88,7 +88,9 @@ def test_the_source_rows_pass_the_synthesize_checks():
 
 
 def test_the_source_is_registered_and_chosen_by_type():
-    cfg = TypeAdapter(SOURCES.config_type()).validate_python({"type": "skills", "categories": ["succ"], "per_category": 3})
+    cfg = TypeAdapter(SOURCES.config_type()).validate_python(
+        {"type": "skills", "categories": ["succ"], "per_category": 3}
+    )
     source = SOURCES.make(cfg)
     assert isinstance(source, SkillsSource)
     assert [r["category"] for r in source.rows(0)] == ["succ"] * 3

@@ -576,3 +576,15 @@ def test_resolve_id_of_artifacts_and_rows(store: Store) -> None:
     with pytest.raises(ArtifactNotFound) as caught:
         resolve_id(store, "zzz")
     assert str(caught.value) == f"no artifact or row with id zzz in store {store.root}"
+
+
+def test_a_view_leaves_out_an_artifact_deleted_after_the_listing(tmp_path, monkeypatch):
+    """Querying a live run: the newest transient artifact can replace the one the listing saw."""
+    store = Store.open(str(tmp_path / "s"), create=True)
+    kept = write(store, "test_rows", pa.table({"x": [1, 2]}), config={"v": 1})
+    gone = write(store, "test_rows", pa.table({"x": [7]}), config={"v": 2})
+    listed = store.manifests()
+    store.delete_artifact(gone.artifact_id)
+    monkeypatch.setattr(store, "manifests", lambda *a, **k: listed)
+    assert query(store, "SELECT sum(x) AS s FROM test_rows").column("s").to_pylist() == [3]
+    assert store.exists(kept.artifact_id)

@@ -124,3 +124,46 @@ def test_a_failed_background_commit_is_raised_by_the_next_wait(tmp_path, monkeyp
         write(store, "a-1")
     with pytest.raises(OSError, match="disk full"):
         store.wait()
+
+
+def test_background_batches_write_data_on_the_committer_and_readers_never_see_a_missing_file(tmp_path, monkeypatch):
+    """In a background batch a single-part artifact's Parquet is written by the committer thread; a reader
+    in this process that needs it first (manifest, read_table, read_file) writes it itself, once."""
+    store = Store.open(str(tmp_path / "s"), create=True)
+    release = threading.Event()
+    flush = Store._flush
+
+    def slow_flush(self, batch):
+        release.wait(10)
+        flush(self, batch)
+
+    monkeypatch.setattr(Store, "_flush", slow_flush)
+    data_file = os.path.join(store.artifact_dir("test_rows", "late-1"), "part-00000.parquet")
+    with store.batch(background=True):
+        write(store, "late-1")
+        write(store, "read-1")
+        store.write_artifact(
+            "test_rows",
+            "blob-1",
+            pa.table({"x": [3]}),
+            run_id="r",
+            stage="s",
+            parents=[],
+            code_version="1",
+            config={},
+            files={"w.bin": b"weights"},
+        )
+        assert not os.path.exists(data_file)  # not written yet: nobody needed it
+        assert store.read_table("read-1").column("x").to_pylist() == [1, 2]  # written on demand
+    assert store.read_file("blob-1", "w.bin") == b"weights"  # its batch is still waiting to commit
+    assert not os.path.exists(data_file) and not on_disk(store, "late-1")
+    release.set()
+    store.wait()
+    assert os.path.exists(data_file)
+    reopened = Store.open(store.root)
+    for aid, rows in (("late-1", [1, 2]), ("read-1", [1, 2]), ("blob-1", [3])):
+        manifest = reopened.manifest(aid)
+        assert [f["path"] for f in manifest.table_files] == ["part-00000.parquet"]
+        assert reopened.read_table(aid).column("x").to_pylist() == rows
+        assert store.manifest(aid) == manifest  # the placeholder was replaced everywhere
+    assert reopened.read_file("blob-1", "w.bin") == b"weights"
