@@ -3,8 +3,8 @@
 Ours: the real pipeline (Prefect flow, a task run per step, Parquet artifacts and manifests, the reward
 cache and the verifier pool) for N RL steps of the default config; the stage_runs view splits each
 step into read / build / commit per stage, and what is left of the step's wall time is orchestration.
-Peer: the same model work (uniform pick, sample, verify, GRPO update) in a plain Python loop with no
-Prefect and no store.
+Peer: the same model work (uniform pick of the same number of prompts and rollouts, sample, verify, GRPO
+update) in a plain Python loop with no Prefect and no store.
 
     python benchmarks/step_overhead.py [--steps 60] [--set key=value ...]
 
@@ -27,6 +27,7 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_UI_ENABLED", "false")
 os.environ.setdefault("HF_HOME", os.path.join(_tmp, "hf"))
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
 WARMUP_STEPS = 5  # the first steps start the subflow, the verifier pool and the caches
 PER_STEP_STAGES = ("select", "allocate", "rollout", "label", "train", "update")
@@ -89,10 +90,11 @@ def plain_step_seconds(steps: int, overrides: list[str]) -> float:
     from rlvr.trainer.grpo import RolloutBatch, grpo_step
     from rlvr.trainer.policy import init_policy, make_optimizer
     from rlvr.trainer.sft import sft_warmstart
-    from rlvr.verifiers.arithmetic import ArithmeticSpec, ArithmeticVerifier, generate
+    from rlvr.verifiers.registry import get_verifier
+    from rlvr.verifiers.sources import SOURCES
 
     cfg = load_config(None, overrides)
-    problems = generate(ArithmeticSpec(), seed=0)
+    problems = list(SOURCES.make(cfg.synthesize.source).rows(0))
     answer = {p["prompt"]: p["answer"] for p in problems}
     pool = [PoolProblem(prompt, "all") for prompt in sorted(answer)]
     policy = init_policy(cfg.policy, seed=0)
@@ -100,13 +102,13 @@ def plain_step_seconds(steps: int, overrides: list[str]) -> float:
     sft_warmstart(
         policy,
         warm,
-        [(p["prompt"], p["answer"]) for p in problems[:30]],
+        [(p["prompt"], p["answer"]) for p in problems[: len(problems) // 5]],
         steps=cfg.warmstart.steps,
         batch_size=cfg.warmstart.batch_size,
         seed=0,
     )
     optimizer = make_optimizer(policy, lr=cfg.train.grpo.lr, weight_decay=0.0)
-    verifier, strategy = ArithmeticVerifier(), UniformStrategy(UniformConfig())
+    verifier, strategy = get_verifier(cfg.label.verifier), UniformStrategy(UniformConfig())
     started = time.perf_counter()
     for step in range(steps):
         if step == WARMUP_STEPS:

@@ -177,7 +177,6 @@ class Store:
         self._manifest_cache: dict[str, Manifest] = {}
         self._batch: _Batch | None = None
         self._unwritten: dict[str, _Unwritten] = {}  # deferred writes of background batches, by artifact id
-        self._unwritten_lock = threading.Lock()
         self._pending: list[tuple[_Batch, Future[None]]] = []  # batches committing in the background
         self._committer: ThreadPoolExecutor | None = None
 
@@ -279,23 +278,24 @@ class Store:
         entries = [self._write_part(kind, artifact_id, 0, job.table, job.batch)]
         for name in sorted(job.files):
             entries.append(self._write_binary(kind, artifact_id, name, job.files[name], job.batch))
-        seconds = job.manifest.seconds + time.monotonic() - job.queued
-        return replace(job.manifest, files=entries, seconds=seconds)
+        return replace(job.manifest, files=entries)
 
     def _ensure_written(self, artifact_id: str) -> None:
         """Write a deferred artifact's data now, in this thread, unless some thread already has; its
-        manifest then replaces the placeholder in the cache and in its batch."""
-        if not self._unwritten:
+        manifest then replaces the placeholder in the cache and in its batch. A thread waits only for
+        the artifact it asks for, never for the committer's other writes."""
+        job = self._unwritten.get(artifact_id)
+        if job is None:
             return
-        with self._unwritten_lock:
-            job = self._unwritten.pop(artifact_id, None)
-            if job is None:
-                return
-            manifest = self._write_files(job)
-            self._manifest_cache[artifact_id] = manifest
-            assert job.batch is not None
-            position = next(i for i, m in enumerate(job.batch.manifests) if m.artifact_id == artifact_id)
-            job.batch.manifests[position] = manifest
+        with job.lock:
+            if not job.done:
+                manifest = self._write_files(job)
+                self._manifest_cache[artifact_id] = manifest
+                assert job.batch is not None
+                position = next(i for i, m in enumerate(job.batch.manifests) if m.artifact_id == artifact_id)
+                job.batch.manifests[position] = manifest
+                job.done = True
+        self._unwritten.pop(artifact_id, None)
 
     def _commit_manifest(self, manifest: Manifest) -> None:
         self._manifest_cache[manifest.artifact_id] = manifest
@@ -425,16 +425,16 @@ class Store:
             seconds=time.monotonic() - started,
             extra=dict(extra or {}),
         )
-        job = _Unwritten(manifest, table, dict(files or {}), self._batch, time.monotonic())
+        job = _Unwritten(manifest, table, dict(files or {}), self._batch)
         if self._batch is None or not self._batch.defer_writes:
-            manifest = self._write_files(job)
+            manifest = replace(self._write_files(job), seconds=time.monotonic() - started)
             self._commit_manifest(manifest)
             return manifest
-        # Serialising and writing go to the committer thread. Until then the manifest lists no files;
-        # a reader in this process that needs them (manifest, read_table, read_file) writes them first.
+        # Serialising and writing go to the committer thread (the batch's flush, timed with it; the
+        # manifest's `seconds` are this thread's). Until then the manifest lists no files; a reader in
+        # this process that needs them (manifest, read_table, read_file) writes them first.
         self._commit_manifest(manifest)
-        with self._unwritten_lock:
-            self._unwritten[artifact_id] = job
+        self._unwritten[artifact_id] = job
         self._batch.deferred.append(artifact_id)
         return manifest
 
@@ -786,7 +786,8 @@ class _Unwritten:
     table: pa.Table
     files: dict[str, bytes]
     batch: _Batch | None
-    queued: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: bool = False
 
 
 def _open_new(path: str) -> Any:
