@@ -104,7 +104,7 @@ def figures(root: Path, method: str, seed: int, budget: int | None, target: floa
 
 
 def summarise(results: dict[str, list[dict]]) -> None:
-    print(f"{'method':18}{'eff. ratio':>12}{'rollouts to target':>22}{'acc at budget':>16}{'wall s':>9}")
+    print(f"{'method':18}{'eff. ratio':>12}{'rollouts to target':>22}{'acc at budget':>22}{'wall s':>9}")
     for method, rows in results.items():
         eff = statistics.mean(r["effective_ratio"] for r in rows)
         reached = [r["rollouts_to_target"] for r in rows]
@@ -116,7 +116,7 @@ def summarise(results: dict[str, list[dict]]) -> None:
         accs = [r["accuracy"] for r in rows if r["accuracy"] is not None]
         acc = f"{statistics.mean(accs):.2f} ({min(accs):.2f}-{max(accs):.2f})" if accs else "n/a"
         wall = statistics.mean(r["seconds"] for r in rows)
-        print(f"{method:18}{eff:>12.3f}{to_target:>22}{acc:>16}{wall:>9.0f}")
+        print(f"{method:18}{eff:>12.3f}{to_target:>22}{acc:>22}{wall:>9.0f}")
     base = results["uniform"]
     base_eff = statistics.mean(r["effective_ratio"] for r in base)
     knap_eff = statistics.mean(r["effective_ratio"] for r in results["knapsack"])
