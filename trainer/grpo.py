@@ -153,7 +153,7 @@ class GRPOConfig(BaseModel):
     `temperature`: logits are divided by it before the log-softmax of the loss. 1.0 (default) trains
     the untempered policy even when rollouts were sampled hotter (exploration); setting it to the
     sampling temperature makes the ratio exact against the sampled distribution (TRL/verl do this).
-    On the addition benchmark 1.0 did as well or better with rollouts at temperature 2.5.
+    On the earlier addition task 1.0 did as well or better with rollouts at temperature 2.5.
     """
 
     model_config = ConfigDict(extra="forbid")
