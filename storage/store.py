@@ -281,9 +281,9 @@ class Store:
         return replace(job.manifest, files=entries)
 
     def _ensure_written(self, artifact_id: str) -> None:
-        """Write a deferred artifact's data now, in this thread, unless some thread already has; its
-        manifest then replaces the placeholder in the cache and in its batch. A thread waits only for
-        the artifact it asks for, never for the committer's other writes."""
+        """Write a deferred artifact's data now, in this thread, unless some thread already has; its full
+        manifest (listing the files) then replaces the file-less one in the cache and in its batch. A
+        thread waits only for the artifact it asks for, never for the committer's other writes."""
         job = self._unwritten.get(artifact_id)
         if job is None:
             return

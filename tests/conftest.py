@@ -29,25 +29,27 @@ def prefect_api() -> str:
         yield PREFECT_API_URL.value()
 
 
+# A run small enough for the suite: every stage runs for real, in seconds (80 problems, 6 RL steps).
+TINY_OVERRIDES = [
+    "train.steps=6",
+    "select.batch_size=4",
+    "allocate.n=4",
+    "warmstart.steps=10",
+    "difficulty.k=2",
+    "difficulty.shard_size=16",
+    "evaluate.every=3",
+    "checkpoint.every=3",
+    "flow.steps_per_subflow=3",
+    "synthesize.source.per_category=10",
+]
+
+
 @pytest.fixture
 def tiny_config():
-    """A run small enough for the suite: every stage runs for real, in seconds."""
+    """The tiny run's config for a run id, with extra overrides after TINY_OVERRIDES."""
     from rlvr.flows.config import load_config
 
     def make(run_id: str, *extra: str):
-        overrides = [
-            f"run_id={run_id}",
-            "train.steps=6",
-            "select.batch_size=4",
-            "allocate.n=4",
-            "warmstart.steps=10",
-            "difficulty.k=2",
-            "difficulty.shard_size=16",
-            "evaluate.every=3",
-            "checkpoint.every=3",
-            "flow.steps_per_subflow=3",
-            "synthesize.source.per_category=10",
-        ] + list(extra)
-        return load_config(None, overrides)
+        return load_config(None, [f"run_id={run_id}", *TINY_OVERRIDES, *extra])
 
     return make

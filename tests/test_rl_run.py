@@ -8,6 +8,7 @@ from rlvr.flows.runner import execute
 from rlvr.storage.lineage import ancestors
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
+from tests.conftest import TINY_OVERRIDES
 
 pytestmark = pytest.mark.slow
 
@@ -21,22 +22,7 @@ def finished_run(tmp_path_factory, prefect_api, request):
     from rlvr.flows.config import load_config
 
     root = str(tmp_path_factory.mktemp("store"))
-    cfg = load_config(
-        None,
-        [
-            "run_id=tiny",
-            "train.steps=6",
-            "select.batch_size=4",
-            "allocate.n=4",
-            "warmstart.steps=10",
-            "difficulty.k=2",
-            "difficulty.shard_size=16",
-            "evaluate.every=3",
-            "checkpoint.every=3",
-            "flow.steps_per_subflow=3",
-            "synthesize.source.per_category=10",
-        ],
-    )
+    cfg = load_config(None, ["run_id=tiny", *TINY_OVERRIDES])
     summary = execute(root, cfg)
     return Store.open(root), cfg, summary
 

@@ -24,6 +24,19 @@ def on_disk(store: Store, aid: str) -> bool:
     return os.path.exists(store.manifest_path(aid))
 
 
+def hold_commits(monkeypatch) -> threading.Event:
+    """Make background commits wait until the returned event is set."""
+    release = threading.Event()
+    flush = Store._flush
+
+    def slow_flush(self, batch):
+        release.wait(10)
+        flush(self, batch)
+
+    monkeypatch.setattr(Store, "_flush", slow_flush)
+    return release
+
+
 def test_manifests_wait_for_the_end_of_the_batch(tmp_path):
     store = Store.open(str(tmp_path / "s"), create=True)
     with store.batch():
@@ -88,14 +101,7 @@ def test_a_kill_inside_a_batch_leaves_nothing_committed(tmp_path):
 
 def test_background_batches_commit_in_order_and_before_anything_else(tmp_path, monkeypatch):
     store = Store.open(str(tmp_path / "s"), create=True)
-    release = threading.Event()
-    flush = Store._flush
-
-    def slow_flush(self, batch):
-        release.wait(10)
-        flush(self, batch)
-
-    monkeypatch.setattr(Store, "_flush", slow_flush)
+    release = hold_commits(monkeypatch)
     with store.batch(background=True):
         write(store, "step1-1")
     with store.batch(background=True):
@@ -130,14 +136,7 @@ def test_background_batches_write_data_on_the_committer_and_readers_never_see_a_
     """In a background batch a single-part artifact's Parquet is written by the committer thread; a reader
     in this process that needs it first (manifest, read_table, read_file) writes it itself, once."""
     store = Store.open(str(tmp_path / "s"), create=True)
-    release = threading.Event()
-    flush = Store._flush
-
-    def slow_flush(self, batch):
-        release.wait(10)
-        flush(self, batch)
-
-    monkeypatch.setattr(Store, "_flush", slow_flush)
+    release = hold_commits(monkeypatch)
     data_file = os.path.join(store.artifact_dir("test_rows", "late-1"), "part-00000.parquet")
     with store.batch(background=True):
         write(store, "late-1")
@@ -165,5 +164,5 @@ def test_background_batches_write_data_on_the_committer_and_readers_never_see_a_
         manifest = reopened.manifest(aid)
         assert [f["path"] for f in manifest.table_files] == ["part-00000.parquet"]
         assert reopened.read_table(aid).column("x").to_pylist() == rows
-        assert store.manifest(aid) == manifest  # the placeholder was replaced everywhere
+        assert store.manifest(aid) == manifest  # the file-less manifest was replaced everywhere
     assert reopened.read_file("blob-1", "w.bin") == b"weights"
