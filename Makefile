@@ -31,7 +31,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@rm -rf build/typecheck && mkdir -p build/typecheck/rlvr
-	@for d in flows tasks storage verifiers trainer curricula; do ln -s "$(CURDIR)/$$d" build/typecheck/rlvr/$$d; done
+	@for d in flows tasks storage verifiers trainer curricula data; do ln -s "$(CURDIR)/$$d" build/typecheck/rlvr/$$d; done
 	@for f in rlvr/*.py; do ln -s "$(CURDIR)/$$f" build/typecheck/rlvr/; done
 	$(BIN)/mypy -p rlvr
 

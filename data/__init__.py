@@ -1,0 +1,1 @@
+"""Data preparation: reading users' files and datasets, deduplication, decontamination and export."""
