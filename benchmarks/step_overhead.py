@@ -94,7 +94,7 @@ def plain_step_seconds(steps: int, overrides: list[str]) -> float:
     from rlvr.verifiers.sources import SOURCES
 
     cfg = load_config(None, overrides)
-    problems = list(SOURCES.make(cfg.synthesize.source).rows(0))
+    problems = list(SOURCES.make(cfg.synthesize.sources[0]).rows(0))
     answer = {p["prompt"]: p["answer"] for p in problems}
     pool = [PoolProblem(prompt, "all") for prompt in sorted(answer)]
     policy = init_policy(cfg.policy, seed=0)
@@ -108,7 +108,10 @@ def plain_step_seconds(steps: int, overrides: list[str]) -> float:
         seed=0,
     )
     optimizer = make_optimizer(policy, lr=cfg.train.grpo.lr, weight_decay=0.0)
-    verifier, strategy = get_verifier(cfg.label.verifier), UniformStrategy(UniformConfig())
+    verifier, strategy = (
+        get_verifier(cfg.label.verifier or SOURCES.make(cfg.synthesize.sources[0]).verifier),
+        UniformStrategy(UniformConfig()),
+    )
     started = time.perf_counter()
     for step in range(steps):
         if step == WARMUP_STEPS:

@@ -142,7 +142,7 @@ def runs(store: str | None = StoreOption) -> None:
 
     found = open_existing(store)
     rows = [describe_run(r) for r in sorted(found.list_runs(), key=lambda r: r.get("created_at", ""))]
-    _print_rows(rows, ["run_id", "status", "steps", "created_at", "updated_at"], "table")
+    _print_rows(rows, ["run_id", "kind", "status", "steps", "created_at", "updated_at"], "table")
 
 
 @app.command()
@@ -204,7 +204,9 @@ def lineage(
 def relabel(
     target: str = typer.Argument(..., help="a rewards artifact id, or a run id (all its rewards)"),
     store: str | None = StoreOption,
-    verifier: str | None = typer.Option(None, "--verifier", help="verifier to use (default: the one that labelled)"),
+    verifier: str | None = typer.Option(
+        None, "--verifier", help="score every problem with this verifier (default: each problem's own)"
+    ),
     workers: int = typer.Option(2, "--workers", min=0, help="verifier worker processes"),
     timeout: float = typer.Option(5.0, "--timeout", help="hard wall-clock limit per answer, seconds"),
 ) -> None:
@@ -223,26 +225,20 @@ def relabel(
         targets = found.manifests(kind="rewards", run_id=target)
         if not targets:
             raise UserError(f"{target!r} is neither a rewards artifact nor a run with rewards in {found.root}")
-    names = {verifier} if verifier else _labelled_by(found, targets)
-    if len(names) != 1:
-        raise UserError(f"the rewards were labelled by several verifiers ({', '.join(sorted(names))}); pass --verifier")
-    name = names.pop()
-    verifier_class(name)
-    cfg = VerifierConfig(verifier=name, workers=workers, timeout_s=timeout)
+    if verifier:
+        verifier_class(verifier)  # an unknown name fails here, as one line
+    cfg = VerifierConfig(verifier=verifier, workers=workers, timeout_s=timeout)
     results = relabel_rewards(found.root, [m.artifact_id for m in targets], cfg)
     flips = [r for _, flips_id in results for r in found.read_table(flips_id).to_pylist()]
     up = sum(r["new_score"] > r["old_score"] for r in flips)
     down = sum(r["new_score"] < r["old_score"] for r in flips)
+    using = f"{verifier} v{verifier_class(verifier).version}" if verifier else "each problem's verifier"
     out.print(
-        f"relabelled {len(results)} rewards artifacts with {name} v{verifier_class(name).version}: "
+        f"relabelled {len(results)} rewards artifacts with {using} (current versions): "
         f"{len(flips)} verdicts flipped ({up} up, {down} down)"
     )
     _print_rows(flips[:20], ["rollout_id", "step", "old_score", "new_score", "old_status", "new_status"], "table")
     out.print(f'flip report: rlvr query "SELECT * FROM relabel_flips ORDER BY step" --store {found.root}')
-
-
-def _labelled_by(found, manifests) -> set[str]:
-    return {r["verifier"] for m in manifests for r in found.read_table(m.artifact_id, columns=["verifier"]).to_pylist()}
 
 
 @app.command()
@@ -276,6 +272,17 @@ def verify(
     with input.open(encoding="utf-8", errors="surrogateescape") as lines:
         for row in verify_lines(verifier, lines, workers=workers, timeout_s=timeout):
             print(json.dumps(row, default=str), flush=True)
+
+
+def _register_data_commands() -> None:
+    from rlvr.flows import data_commands
+
+    app.command()(data_commands.data)
+    app.command()(data_commands.difficulty)
+    app.command()(data_commands.export)
+
+
+_register_data_commands()
 
 
 def _print_rows(rows: list[dict[str, Any]], columns: list[str], format: str) -> None:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 import rlvr.tasks
 from rlvr import plugins
-from rlvr.errors import ConfigError
+from rlvr.errors import ConfigError, UserError
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table, run_stage
 from rlvr.storage.store import Store
@@ -57,6 +57,7 @@ class RunConfigBase(BaseModel):
 
     run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     seed: int = 0
+    data: str | None = Field(None, description="train on the problems of this data run (`rlvr data`) instead")
     flow: FlowConfig = Field(default_factory=FlowConfig)
 
     if TYPE_CHECKING:  # the stage sections exist only at run time
@@ -140,6 +141,10 @@ def _user_path(loc: tuple[Any, ...], tree: Any) -> list[str]:
     path: list[str] = []
     node = tree
     for part in loc:
+        if isinstance(node, list) and isinstance(part, int):
+            path.append(str(part))
+            node = node[part] if part < len(node) else None
+            continue
         if isinstance(node, dict) and part not in node and node.get("type", part) == part and path:
             continue  # a union tag, not a key the user wrote
         path.append(str(part))
@@ -175,10 +180,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for text in overrides or []:
         key, value = parse_override(text)
         _set_path(tree, key, value)
+    _one_source_as_list(tree)
     try:
         return run_config_type().model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, tree)) from None
+
+
+def _one_source_as_list(tree: dict[str, Any]) -> None:
+    """`synthesize.source` (one source) is shorthand for `synthesize.sources: [it]`; rewritten before
+    validation so an error names the key as it is stored (synthesize.sources.0.digits)."""
+    section = tree.get("synthesize")
+    if isinstance(section, dict) and "source" in section:
+        if "sources" in section:
+            raise ConfigError("give either synthesize.source (one) or synthesize.sources (a list), not both")
+        section["sources"] = [section.pop("source")]
 
 
 def config_from_json(text: str) -> Any:
@@ -206,6 +222,15 @@ CONFIG: Stage[RunConfigBase] = Stage(
     build=_config_build,
     identity=_config_identity,
 )
+
+
+def data_run_problems(store: Store, run_id: str) -> str:
+    """The problems artifact the synthesize stage of run `run_id` committed (a one-line error if none)."""
+    found = [m for m in store.manifests(kind="problems", run_id=run_id) if m.stage == "synthesize"]
+    if not found:
+        runs = ", ".join(sorted(r["run_id"] for r in store.list_runs())) or "none"
+        raise UserError(f"run {run_id!r} has no synthesized problems in {store.root}; runs there: {runs}")
+    return found[0].artifact_id
 
 
 def commit_config(store: Store, cfg: RunConfigBase) -> str:

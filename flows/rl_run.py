@@ -22,7 +22,7 @@ from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from rlvr.curricula.filtering import prompts_to_draw
-from rlvr.flows.config import RunConfigBase, commit_config
+from rlvr.flows.config import RunConfigBase, commit_config, data_run_problems
 from rlvr.flows.progress import report
 from rlvr.flows.stages import run
 from rlvr.storage.stage import open_store, prune_transient
@@ -91,7 +91,7 @@ def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> t
             RESTRUCTURE,
             cfg.restructure,
             inputs={"problems": refs.problems, **samples, "policy": refs.policy_ref},
-            params={"verifier": cfg.label, "rollout": cfg.rollout, "source": cfg.synthesize.source},
+            params={"verifier": cfg.label, "rollout": cfg.rollout, "sources": cfg.synthesize.sources},
             **at,
         )
     reference = refs.start_ref if cfg.train.grpo.kl_beta > 0 else None
@@ -223,8 +223,7 @@ def rl_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     assert cfg.run_id is not None
     at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
     config_id = commit_config(open_store(store), cfg)
-    report("stage", name="synthesize")
-    problems = run(SYNTHESIZE, cfg.synthesize, inputs={"config": config_id}, **at)["problems"]
+    problems = problems_of_run(store, cfg, config_id)
     initial = run(INITIALIZE, cfg.policy, inputs={"config": config_id}, params={"seed": cfg.seed}, step=0, **at).id
     refs = StepRefs(problems=(problems,), difficulty="", policy_ref=initial, start_ref=initial)
     report("eval", step=0, phase="init", accuracy=evaluate(store, cfg, 0, "init", refs))
@@ -244,6 +243,15 @@ def rl_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     _keep_newest_train_state(store, cfg.run_id, refs.policy_ref)
     open_store(store).wait()
     return {"run_id": cfg.run_id, "config_id": config_id, "problems_id": problems, "policy_id": refs.policy_ref}
+
+
+def problems_of_run(store: str, cfg: RunConfigBase, config_id: str) -> str:
+    """The run's problems: synthesized now, or those a data run made (`rlvr run --data RUN_ID`)."""
+    if cfg.data is None:
+        report("stage", name="synthesize")
+        at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
+        return run(SYNTHESIZE, cfg.synthesize, inputs={"config": config_id}, **at)["problems"]
+    return data_run_problems(open_store(store), cfg.data)
 
 
 def _keep_newest_train_state(store_root: str, run_id: str, policy_ref: str) -> None:

@@ -11,6 +11,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -34,30 +35,48 @@ def _record(store: Store, run_id: str, **fields: Any) -> None:
     store.write_run(record)
 
 
-def execute(store_root: str, cfg: Any) -> dict[str, Any]:
-    """Run (or continue) `cfg`'s run in the store at `store_root`; return the summary."""
-    store = Store.open(store_root, create=True)
-    configure_prefect(store)
-    from rlvr.flows.rl_run import rl_run  # after configure_prefect: Prefect reads settings on import
-
+def _tracked(store_root: str, cfg: Any, body: Callable[[], dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    """Run `body` with the run record kept up to date (running, then completed or failed)."""
+    store = Store.open(store_root)
     store.cleanup_uncommitted()
-    _record(store, cfg.run_id, status="running", store_root=store_root, config_json=cfg.model_dump_json(), error=None)
+    config_json = cfg.model_dump_json()
+    _record(store, cfg.run_id, status="running", store_root=store_root, config_json=config_json, error=None, **fields)
     started = time.monotonic()
     try:
-        result = rl_run(store_root, cfg)
+        result = body()
     except BaseException as exc:
         _record(store, cfg.run_id, status="failed", error=f"{type(exc).__name__}: {exc}"[:500])
         raise
     _record(store, cfg.run_id, status="completed", error=None)
-    return {**result, **accuracy_summary(store, cfg.run_id), "seconds": time.monotonic() - started, "store": store_root}
+    return {**result, "seconds": time.monotonic() - started, "store": store_root}
+
+
+def execute(store_root: str, cfg: Any) -> dict[str, Any]:
+    """Run (or continue) `cfg`'s run in the store at `store_root`; return the summary."""
+    configure_prefect(Store.open(store_root, create=True))
+    from rlvr.flows.rl_run import rl_run  # after configure_prefect: Prefect reads settings on import
+
+    summary = _tracked(store_root, cfg, lambda: rl_run(store_root, cfg), kind="rl")
+    return {**summary, **accuracy_summary(Store.open(store_root), cfg.run_id)}
+
+
+def execute_data(store_root: str, cfg: Any, policy: str | None = None) -> dict[str, Any]:
+    """Run (or continue) the data stages of `cfg` (`rlvr data`); difficulty too when `policy` is given."""
+    configure_prefect(Store.open(store_root, create=True))
+    from rlvr.flows.data_run import data_run
+
+    return _tracked(store_root, cfg, lambda: data_run(store_root, cfg, policy), kind="data", policy=policy)
 
 
 def resume(store_root: str, run_id: str) -> dict[str, Any]:
-    """Finish a failed or killed run from its last committed work."""
+    """Finish a failed or killed run (RL or data) from its last committed work."""
     from rlvr.flows.config import config_from_json
 
     record = resumable_run(Store.open(store_root), run_id)
-    return execute(store_root, config_from_json(record["config_json"]))
+    cfg = config_from_json(record["config_json"])
+    if record.get("kind") == "data":
+        return execute_data(store_root, cfg, record.get("policy"))
+    return execute(store_root, cfg)
 
 
 def resumable_run(store: Store, run_id: str) -> dict[str, Any]:
@@ -93,10 +112,12 @@ def accuracy_summary(store: Store, run_id: str) -> dict[str, Any]:
 
 def describe_run(record: dict[str, Any]) -> dict[str, Any]:
     config = json.loads(record.get("config_json") or "{}")
+    kind = record.get("kind", "rl")
     return {
         "run_id": record["run_id"],
+        "kind": kind,
         "status": run_status(record),
-        "steps": config.get("train", {}).get("steps"),
+        "steps": config.get("train", {}).get("steps") if kind == "rl" else None,
         "created_at": record.get("created_at"),
         "updated_at": record.get("updated_at"),
     }

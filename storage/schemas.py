@@ -23,7 +23,10 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("domain", _s),
             ("category", _s),
             ("prompt", _s),
+            ("reference", _s),
             ("answer", _s),
+            ("verifier", _s),
+            ("source", _s),
             ("generator", _s),
             ("generator_version", _s),
             ("params", _s),
@@ -31,9 +34,32 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("source_index", _i),
             ("parent_problem_id", _s),
             ("derivation", _s),
+            ("difficulty_label", _s),
         ]
     ),
-    "quarantine": pa.schema([("run_id", _s), ("stage", _s), ("source_index", _i), ("reason", _s), ("row_json", _s)]),
+    "quarantine": pa.schema(
+        [
+            ("run_id", _s),
+            ("stage", _s),
+            ("source", _s),
+            ("source_index", _i),
+            ("failed_check", _s),
+            ("reason", _s),
+            ("row_json", _s),
+        ]
+    ),
+    # Rows of the data stage merged into an earlier problem: exact (same normalised text) or near (MinHash).
+    "duplicates": pa.schema(
+        [
+            ("run_id", _s),
+            ("problem_id", _s),
+            ("duplicate_of", _s),
+            ("similarity", _f),
+            ("kind", _s),
+            ("source", _s),
+            ("source_index", _i),
+        ]
+    ),
     "warmstart": pa.schema([("run_id", _s), ("step", _i), ("loss", _f), ("examples", _i), ("lr", _f)]),
     "difficulty": pa.schema(
         [

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy
 from rlvr.trainer.generation import greedy
-from rlvr.verifiers.cache import VerifierConfig, score_cached
+from rlvr.verifiers.cache import VerifierConfig, score_cached, verifier_identity
 
 
 class EvaluateConfig(BaseModel):
@@ -22,15 +22,17 @@ class EvaluateConfig(BaseModel):
 
 
 def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
-    """params: `phase` (init, warmstart, rl) and `verifier` (the label section: the run's verifier)."""
+    """params: `phase` (init, warmstart, rl) and `verifier` (the label section: how answers are scored)."""
     verifier: VerifierConfig = ctx.params["verifier"]
-    problems = [p for p in inputs.rows("problems", ["split", "prompt", "answer"]) if p["split"] == cfg.split]
+    columns = ["split", "prompt", "reference", "verifier"]
+    problems = [p for p in inputs.rows("problems", columns) if p["split"] == cfg.split]
     if not problems:
         raise ValueError(f"evaluation split {cfg.split!r} has no problems")
     answers = greedy(
         inputs.load("policy", load_policy), [p["prompt"] for p in problems], max_new_tokens=cfg.max_new_tokens
     )
-    scores, _, _ = score_cached(ctx.store, verifier, [(a, p["answer"]) for a, p in zip(answers, problems)])
+    pairs = [(a, p["reference"]) for a, p in zip(answers, problems)]
+    scores, _, _ = score_cached(ctx.store, verifier, pairs, [p["verifier"] for p in problems])
     correct = sum(s.status == "ok" for s in scores)
     row = {
         "run_id": ctx.run_id,
@@ -46,18 +48,18 @@ def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
 
 
 def identity(cfg: EvaluateConfig, params: Mapping[str, Any]) -> dict[str, Any]:
-    """How often evaluations run does not change one, and only the verifier's name matters, not its pool."""
+    """How often evaluations run does not change one, and only the verifiers matter, not their pool."""
     return {
         "split": cfg.split,
         "max_new_tokens": cfg.max_new_tokens,
-        "verifier": params["verifier"].verifier,
+        **verifier_identity(params["verifier"]),
         "phase": params["phase"],
     }
 
 
 EVALUATE: Stage[EvaluateConfig] = Stage(
     name="evaluate",
-    code_version="1",
+    code_version="2",
     section="evaluate",
     config=EvaluateConfig,
     inputs=("policy", "problems"),

@@ -1,4 +1,4 @@
-"""label: score every rollout with the run's verifier (`label.verifier`); statuses, not silent zeros.
+"""label: score every rollout with its problem's verifier (or `label.verifier` for all); statuses, not silent zeros.
 
 Verdicts come from the store's reward cache when this (verifier version, response, reference) was
 scored before, otherwise from the verifier pool (worker processes with a hard timeout). The new
@@ -8,13 +8,13 @@ cacheable verdicts are committed as a `reward_cache` artifact beside the step's 
 from __future__ import annotations
 
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
-from rlvr.verifiers.cache import VerifierConfig, score_rollouts, verifier_identity
+from rlvr.verifiers.cache import VerifierConfig, problem_references, score_rollouts, verifier_identity
 
 
 def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, Built]:
     rollouts = inputs.rows("rollouts", ["rollout_id", "problem_id", "response"])
-    answer_of = dict(zip(*inputs.table("problems", ["problem_id", "answer"]).to_pydict().values()))
-    verdicts, entries = score_rollouts(ctx.store, cfg, rollouts, answer_of)
+    references = problem_references(inputs.table("problems", ["problem_id", "verifier", "reference"]))
+    verdicts, entries = score_rollouts(ctx.store, cfg, rollouts, references)
     rows = [
         {"rollout_id": r["rollout_id"], "run_id": ctx.run_id, "step": ctx.step, "problem_id": r["problem_id"], **v}
         for r, v in zip(rollouts, verdicts)
@@ -27,7 +27,7 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
 
 LABEL: Stage[VerifierConfig] = Stage(
     name="label",
-    code_version="2",
+    code_version="3",
     section="label",
     config=VerifierConfig,
     inputs=("rollouts", "problems"),

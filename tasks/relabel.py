@@ -8,15 +8,15 @@ Verdicts the current version already gave come from the reward cache; the new on
 from __future__ import annotations
 
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
-from rlvr.verifiers.cache import VerifierConfig, score_rollouts, verifier_identity
+from rlvr.verifiers.cache import VerifierConfig, problem_references, score_rollouts, verifier_identity
 
 
 def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, Built]:
     """Inputs: the old `rewards`, and the `rollouts` and `problems` it was labelled from."""
     before = {r["rollout_id"]: r for r in inputs.rows("rewards")}
     rollouts = inputs.rows("rollouts", ["rollout_id", "problem_id", "response"])
-    answer_of = dict(zip(*inputs.table("problems", ["problem_id", "answer"]).to_pydict().values()))
-    verdicts, entries = score_rollouts(ctx.store, cfg, rollouts, answer_of)
+    references = problem_references(inputs.table("problems", ["problem_id", "verifier", "reference"]))
+    verdicts, entries = score_rollouts(ctx.store, cfg, rollouts, references)
     rows, flips = [], []
     for r, v in zip(rollouts, verdicts):
         was = before[r["rollout_id"]]
@@ -44,7 +44,7 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
 
 RELABEL: Stage[VerifierConfig] = Stage(
     name="relabel",
-    code_version="2",
+    code_version="3",
     section=None,
     config=VerifierConfig,
     inputs=("rewards", "rollouts", "problems"),

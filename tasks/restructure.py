@@ -33,9 +33,21 @@ from rlvr.trainer.policy import Policy
 from rlvr.trainer.rewriting import PolicyRewriter
 from rlvr.verifiers.cache import VerifierConfig, score_cached
 from rlvr.verifiers.registry import verifier_class
-from rlvr.verifiers.sources import SOURCES, ProceduralRewriter
+from rlvr.verifiers.sources import ProceduralRewriter, make_sources
 
-PROBLEM_COLUMNS = ["problem_id", "split", "domain", "category", "prompt", "answer", "generator", "generator_version"]
+PROBLEM_COLUMNS = [
+    "problem_id",
+    "split",
+    "domain",
+    "category",
+    "prompt",
+    "reference",
+    "answer",
+    "verifier",
+    "source",
+    "generator",
+    "generator_version",
+]
 
 
 def group_accuracy(inputs: Inputs) -> list[tuple[int, str, float]]:
@@ -52,14 +64,14 @@ def group_accuracy(inputs: Inputs) -> list[tuple[int, str, float]]:
 
 def build(inputs: Inputs, cfg: RestructureConfig, ctx: StageContext) -> dict[str, Built]:
     """Inputs: the pool's problems, the step's rollouts and rewards (every round) and the policy.
-    params: `verifier` (label section), `rollout` (the engine that samples rewrites), `source` (for the
-    procedural rewriter)."""
+    params: `verifier` (label section), `rollout` (the engine that samples rewrites), `sources` (the
+    synthesize sources, for the procedural rewriter)."""
     pool = {p["problem_id"]: p for p in inputs.rows("problems", PROBLEM_COLUMNS)}
     groups = group_accuracy(inputs)
     requests = _requests(groups, pool, cfg)
     policy = inputs.load("policy", load_policy)
-    rewrites = _rewriter(cfg, policy, ctx).rewrite(requests)
-    verdicts = _verify(rewrites, requests, {p["prompt"] for p in pool.values()}, policy, cfg, ctx)
+    rewrites = _rewriter(cfg, pool, policy, ctx).rewrite(requests)
+    verdicts = _verify(rewrites, requests, pool, policy, cfg, ctx)
     new_problems, fate = [], {}
     for request, rewrite, (accuracy, reason) in zip(requests, rewrites, verdicts):
         kept = reason == "kept"
@@ -91,23 +103,26 @@ def _requests(
     return requests
 
 
-def _rewriter(cfg: RestructureConfig, policy: Policy, ctx: StageContext) -> Rewriter:
+def _rewriter(cfg: RestructureConfig, pool: dict[str, dict[str, Any]], policy: Policy, ctx: StageContext) -> Rewriter:
     if cfg.rewriter == "procedural":
-        return ProceduralRewriter(SOURCES.make(ctx.params["source"]))
-    verifier: VerifierConfig = ctx.params["verifier"]
-    templates = verifier_class(verifier.verifier).rewrite_templates
-    return PolicyRewriter(policy, lambda domain: templates, cfg.max_new_tokens)
+        return ProceduralRewriter(make_sources(ctx.params["sources"]), {pid: p["source"] for pid, p in pool.items()})
+    scoring: VerifierConfig = ctx.params["verifier"]
+    verifier_of_domain = {p["domain"] or "": scoring.verifier_of(p["verifier"]) for p in pool.values()}
+    return PolicyRewriter(
+        policy, lambda domain: verifier_class(verifier_of_domain[domain]).rewrite_templates, cfg.max_new_tokens
+    )
 
 
 def _verify(
     rewrites: list[Rewrite | None],
     requests: list[RewriteRequest],
-    pool_prompts: set[str],
+    pool: dict[str, dict[str, Any]],
     policy: Policy,
     cfg: RestructureConfig,
     ctx: StageContext,
 ) -> list[tuple[float | None, str]]:
     """(accuracy of the policy on the rewrite, why it is kept or not) per request."""
+    pool_prompts = {p["prompt"] for p in pool.values()}
     reasons: list[str | None] = []
     for rewrite in rewrites:
         if rewrite is None:
@@ -130,8 +145,10 @@ def _verify(
         engine.update_weights(policy, ctx.input_ids["policy"][0])
         sampling = engine_cfg.sampling(ctx.derive_seed("restructure", ctx.step))
         samples = engine.generate([r.prompt for _, r in todo], [cfg.rollouts] * len(todo), sampling)
-        pairs = [(s.text, todo[s.prompt_index][1].answer) for s in samples]
-        scores, _, _ = score_cached(ctx.store, ctx.params["verifier"], pairs)
+        parents = [pool[requests[i].problem_id] for i, _ in todo]
+        pairs = [(s.text, rewrite_reference(parents[s.prompt_index], todo[s.prompt_index][1])) for s in samples]
+        verifiers = [parents[s.prompt_index]["verifier"] for s in samples]
+        scores, _, _ = score_cached(ctx.store, ctx.params["verifier"], pairs, verifiers)
         for s, score in zip(samples, scores):
             index = todo[s.prompt_index][0]
             accuracy[index] = accuracy.get(index, 0.0) + (score.status == "ok") / cfg.rollouts
@@ -149,6 +166,11 @@ def _verify(
     return results
 
 
+def rewrite_reference(parent: dict[str, Any], rewrite: Rewrite) -> str:
+    """The reference of a rewrite: the parent's when the answer is kept, else the rewrite's answer."""
+    return parent["reference"] if rewrite.answer == parent["answer"] else rewrite.answer
+
+
 def _problem_row(parent: dict[str, Any], rewrite: Rewrite, mode: str, ctx: StageContext) -> dict[str, Any]:
     params = {"rewriter": "clpo", "mode": mode, "step": ctx.step, "policy": ctx.input_ids["policy"][0]}
     return {
@@ -158,7 +180,10 @@ def _problem_row(parent: dict[str, Any], rewrite: Rewrite, mode: str, ctx: Stage
         "domain": parent["domain"],
         "category": parent["category"],
         "prompt": rewrite.prompt,
+        "reference": rewrite_reference(parent, rewrite),
         "answer": rewrite.answer,
+        "verifier": parent["verifier"],
+        "source": parent["source"],
         "generator": parent["generator"],
         "generator_version": parent["generator_version"],
         "params": json.dumps(params, sort_keys=True),
@@ -166,6 +191,7 @@ def _problem_row(parent: dict[str, Any], rewrite: Rewrite, mode: str, ctx: Stage
         "source_index": -1,
         "parent_problem_id": parent["problem_id"],
         "derivation": mode,
+        "difficulty_label": None,
     }
 
 
@@ -208,7 +234,7 @@ def _audit_row(
 
 RESTRUCTURE: Stage[RestructureConfig] = Stage(
     name="restructure",
-    code_version="1",
+    code_version="2",
     section="restructure",
     config=RestructureConfig,
     inputs=("problems", "rollouts", "rewards", "policy"),

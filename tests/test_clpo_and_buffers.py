@@ -100,14 +100,16 @@ def test_arithmetic_rewrites_keep_the_value(prompt, mode, expected):
 
 
 def test_procedural_rewriter_answers_every_request_in_order():
-    rewriter = ProceduralRewriter(ArithmeticSource(ArithmeticSourceConfig()))
+    sources = {"sums": ArithmeticSource(ArithmeticSourceConfig())}
+    rewriter = ProceduralRewriter(sources, {"a": "sums", "b": "sums", "c": "sums", "d": "other"})
     requests = [
         RewriteRequest("a", "2+3+4=", "9", "arithmetic", "simplify"),
         RewriteRequest("b", "3+4=", "7", "arithmetic", "simplify"),
         RewriteRequest("c", "1+2=", "3", "arithmetic", "diversify"),
+        RewriteRequest("d", "1+2=", "3", "arithmetic", "diversify"),  # a source with no rewrite
     ]
     results = rewriter.rewrite(requests)
-    assert [(r.prompt, r.answer) if r else None for r in results] == [("5+4=", "9"), None, ("2+1=", "3")]
+    assert [(r.prompt, r.answer) if r else None for r in results] == [("5+4=", "9"), None, ("2+1=", "3"), None]
 
 
 def test_policy_rewriter_uses_the_domain_template_and_respects_the_context():

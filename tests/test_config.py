@@ -11,9 +11,9 @@ from rlvr.flows.config import RunConfig, load_config, parse_override
 def test_defaults_are_the_embedded_default():
     cfg = load_config()
     assert cfg.policy.model == "tiny"
-    assert cfg.synthesize.source.type == "skills"
+    assert [source.type for source in cfg.synthesize.sources] == ["skills"]
     assert cfg.select.type == "uniform" and cfg.allocate.type == "uniform" and cfg.rollout.type == "transformers"
-    assert cfg.label.verifier == "arithmetic"
+    assert cfg.label.verifier is None  # each problem's own verifier
     assert cfg.run_id is None
 
 
@@ -47,11 +47,11 @@ def test_override_values_get_yaml_types():
         ("rollout.temperature=hot", "config key 'rollout.temperature': Input should be a valid number"),
         (
             "synthesize.source.digits=0",
-            "config key 'synthesize.source.digits': Input should be greater than or equal to 1",
+            "config key 'synthesize.sources.0.digits': Input should be greater than or equal to 1",
         ),
         (
             "synthesize.source.categories=[copy,divide]",
-            "config key 'synthesize.source.categories': Value error, unknown categories ['divide']",
+            "config key 'synthesize.sources.0.categories': Value error, unknown categories ['divide']",
         ),
     ],
 )

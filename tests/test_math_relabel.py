@@ -86,7 +86,10 @@ def _write_store_labelled_by_version_1(root: str) -> str:
                 "domain": "math",
                 "category": family,
                 "prompt": f"question {i}",
+                "reference": reference,
                 "answer": reference,
+                "verifier": "math",
+                "source": "hand",
                 "generator": "hand",
                 "generator_version": "1",
                 "params": "{}",
@@ -94,6 +97,7 @@ def _write_store_labelled_by_version_1(root: str) -> str:
                 "source_index": i,
                 "parent_problem_id": None,
                 "derivation": None,
+                "difficulty_label": None,
             }
         )
         rollouts.append(
@@ -162,7 +166,7 @@ def test_relabel_shows_the_flips_from_version_1(tmp_path):
 
     assert result.returncode == 0, result.stderr
     up = sum(new == "ok" for _, new in EXPECTED_FLIPS.values())
-    summary = f"with math v{MathVerifier.version}: {len(EXPECTED_FLIPS)} verdicts flipped ({up} up, {len(EXPECTED_FLIPS) - up} down)"
+    summary = f"with math v{MathVerifier.version} (current versions): {len(EXPECTED_FLIPS)} verdicts flipped ({up} up, {len(EXPECTED_FLIPS) - up} down)"
     assert summary in re.sub(r"\s+", " ", result.stdout), result.stdout
     flips = query(Store.open(root), "SELECT * FROM relabel_flips ORDER BY rollout_id").to_pylist()
     assert {f["rollout_id"]: (f["old_status"], f["new_status"]) for f in flips} == EXPECTED_FLIPS

@@ -76,13 +76,13 @@ def test_unknown_or_repeated_categories_are_refused():
 
 def test_the_source_rows_pass_the_synthesize_checks():
     """What the pipeline's synthesize stage would do with the default source: nothing quarantined."""
-    from rlvr.tasks.synthesize import validate_rows
+    from rlvr.data.validate import validate
 
     source = SkillsSource(SkillsSourceConfig())
     rows = list(source.rows(0))
     assert rows == list(source.rows(0)) == generate(SkillsSpec(), 0)
     assert {r["category"] for r in rows} == set(DEFAULT_CATEGORIES)
-    accepted, rejected = validate_rows(rows, "arithmetic", max_prompt_chars=48)
+    accepted, rejected, _ = validate(rows, "skills", "arithmetic", max_prompt_chars=48)
     assert rejected == [] and len(accepted) == len(rows) > 700
     assert SkillsSourceConfig(categories=["copy"], per_category=5).type == "skills"
 

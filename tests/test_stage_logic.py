@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from rlvr.curricula.base import Estimate, Pick, PoolProblem
 from rlvr.curricula.uniform import UniformConfig, UniformStrategy
 from rlvr.curricula.uniform_budget import UniformBudget, UniformBudgetConfig
-from rlvr.tasks.synthesize import assign_splits, validate_rows
+from rlvr.data.validate import validate
+from rlvr.tasks.synthesize import assign_splits
 from rlvr.tasks.train import rollout_batch
 from rlvr.verifiers.arithmetic import ArithmeticSpec, ArithmeticVerifier, generate, space_size
 
@@ -50,21 +51,19 @@ def test_verifier_compares_whole_numbers_exactly():
 def test_validation_accounts_for_every_row():
     rows = [
         {"prompt": "1+1=", "answer": "2", "source_index": 0},
-        {"prompt": "1+1=", "answer": "2", "source_index": 1},
         {"prompt": "", "answer": "2", "source_index": 2},
         {"prompt": "9" * 60, "answer": "9", "source_index": 3},
         {"prompt": "2+2=", "answer": "four", "source_index": 4},
         {"prompt": "2+3=", "answer": "5", "source_index": 5},
     ]
-    accepted, rejected = validate_rows(rows, "arithmetic", max_prompt_chars=48)
-    assert [r["source_index"] for r in accepted] == [0, 5]
-    assert [r["reason"] for r in rejected] == [
-        "duplicate prompt",
-        "empty prompt",
-        "prompt longer than 48 characters",
-        "reference 'four' does not verify against itself with arithmetic",
+    accepted, rejected, read = validate(rows, "sums", "arithmetic", max_prompt_chars=48)
+    assert [c.source_index for c in accepted] == [0, 5]
+    assert [(r.check, r.reason) for r in rejected] == [
+        ("prompt", "empty prompt"),
+        ("prompt", "prompt is 60 characters; the limit (synthesize.max_prompt_chars) is 48"),
+        ("parse", "arithmetic: reference 'four' is not a plain number"),
     ]
-    assert len(accepted) + len(rejected) == len(rows)
+    assert len(accepted) + len(rejected) == read == len(rows)
 
 
 def test_splits_have_exact_sizes():

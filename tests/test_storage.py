@@ -219,6 +219,8 @@ def test_schema_check_casts_and_reorders_columns(store: Store) -> None:
             "source_index": pa.array([5, 6], pa.int32()),
             "run_id": table["run_id"],
             "stage": table["stage"],
+            "failed_check": table["failed_check"],
+            "source": table["source"],
             "row_json": pa.array([None, None], pa.null()),
         }
     )

@@ -1,8 +1,10 @@
 """Our verifiers as reward functions of other trainers: TRL's `reward_funcs` and verl's `compute_score`.
 
-Both score in-process by default (one verifier instance, `score_safely`, so a verifier exception is a
-0.0 reward, never a crashed training step). Pass a started `VerifierPool` to `trl_reward_func` to get
+Both score in-process by default (one verifier instance per name, `score_safely`, so a verifier exception
+is a 0.0 reward, never a crashed training step). Pass a started `VerifierPool` to `trl_reward_func` to get
 the pool's hard timeouts instead. Rewards are `Score.value`: timeout, error and unparseable are 0.0.
+The TRL reward routes each row by the dataset's `verifier` column when there is one, as verl routes by
+`data_source`; `rlvr.data.export` writes both layouts from the problems table.
 
 verl data sources: a `data_source` that is a registered verifier name uses that verifier; the data
 sets verl's own `default_compute_score` treats as math (GSM8K, MATH, MATH-500, DAPO, AIME, Numina)
@@ -53,37 +55,75 @@ def completion_text(completion: Any) -> str:
     return str(completion)
 
 
+def _reference_values(columns: dict[str, Any], reference_column: str, count: int) -> list[Any]:
+    """The references, one per completion. The default column "reference" (the problems table's) falls
+    back to "answer", the column name of TRL's own examples and of this adapter before mixed datasets."""
+    column = reference_column
+    if column == "reference" and column not in columns and "answer" in columns:
+        column = "answer"
+    if column not in columns:
+        available = ", ".join(sorted(k for k in columns if k not in ("completion_ids", "trainer_state"))) or "none"
+        raise UserError(f"reward column {reference_column!r} is not in the dataset; columns passed: {available}")
+    references = list(columns[column])
+    if len(references) != count:
+        raise UserError(f"{count} completions but {len(references)} values in column {column!r}")
+    return references
+
+
+def _row_verifier_names(columns: dict[str, Any], verifier_column: str | None, default: str, count: int) -> list[str]:
+    """The verifier of each row: the dataset's verifier column when it is passed, else `default` for all."""
+    if verifier_column is None or verifier_column not in columns:
+        return [default] * count
+    names = list(columns[verifier_column])
+    if len(names) != count:
+        raise UserError(f"{count} completions but {len(names)} values in column {verifier_column!r}")
+    for index, name in enumerate(names):
+        if not isinstance(name, str) or not name:
+            raise UserError(f"row {index} has no verifier in column {verifier_column!r} (got {name!r})")
+    return names
+
+
 def trl_reward_func(
     verifier_name: str = "math",
-    reference_column: str = "answer",
+    reference_column: str = "reference",
     pool: VerifierPool | None = None,
+    verifier_column: str | None = "verifier",
 ) -> Callable[..., list[float]]:
     """A function for `GRPOTrainer(reward_funcs=[...])`: one float per completion.
 
-    TRL calls it as `reward_func(prompts=..., completions=..., completion_ids=..., **dataset_columns)`;
-    the reference is `columns[reference_column]`, a list aligned with `completions`.
+    TRL calls it as `reward_func(prompts=..., completions=..., completion_ids=..., trainer_state=...,
+    **dataset_columns)`, each column a list aligned with `completions`. The reference is
+    `columns[reference_column]` ("reference", else "answer" when only that is passed). When the dataset
+    passes `verifier_column`, each row is scored by the verifier it names, so one reward function serves
+    a mixed-domain dataset (e.g. `rlvr export --format trl`); otherwise every row uses `verifier_name`.
+    Pass `verifier_column=None` to force `verifier_name` on every row.
+
+    A pool runs one verifier: with a verifier column, a row naming another verifier is a `UserError`
+    (no silent in-process fallback that would lose the pool's timeouts); use one reward function per pool.
     """
     if pool is not None and pool.spec != verifier_spec(verifier_name):
         raise UserError(f"the pool runs verifier {pool.spec!r}, not {verifier_name!r}")
-    verifier: Verifier = get_verifier(verifier_name)
+    verifiers: dict[str, Verifier] = {verifier_name: get_verifier(verifier_name)}
+
+    def verifier_for(name: str) -> Verifier:
+        if name not in verifiers:
+            verifiers[name] = get_verifier(name)  # UserError "unknown verifier 'x'; registered: ..."
+        return verifiers[name]
 
     def reward_func(
         prompts: list[Any] | None = None, completions: list[Any] | None = None, **columns: Any
     ) -> list[float]:
         completions = completions or []
-        if reference_column not in columns:
-            available = ", ".join(sorted(k for k in columns if k not in ("completion_ids", "trainer_state"))) or "none"
-            raise UserError(f"reward column {reference_column!r} is not in the dataset; columns passed: {available}")
-        references = list(columns[reference_column])
-        if len(references) != len(completions):
-            raise UserError(
-                f"{len(completions)} completions but {len(references)} values in column {reference_column!r}"
-            )
+        references = _reference_values(columns, reference_column, len(completions))
+        names = _row_verifier_names(columns, verifier_column, verifier_name, len(completions))
         responses = [completion_text(c) for c in completions]
         if pool is not None:
+            for name in sorted(set(names)):
+                if verifier_spec(name) != pool.spec:
+                    raise UserError(f"the pool runs verifier {pool.spec!r}, but a row names {name!r}")
             scores = pool.score_many(list(zip(responses, references)))
         else:
-            scores = [score_safely(verifier, r, ref) for r, ref in zip(responses, references)]
+            scores = [score_safely(verifier_for(n), r, ref) for n, r, ref in zip(names, responses, references)]
         return [float(score.value) for score in scores]
 
     reward_func.__name__ = f"{verifier_name}_reward"

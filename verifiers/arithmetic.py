@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlvr.verifiers.base import Score
+from rlvr.verifiers.base import MISSING_REFERENCE, Score, is_missing
 from rlvr.verifiers.math import MathVerifier
 
 _NUMBER = re.compile(r"[+-]?\d+(\.\d+)?")
@@ -55,6 +55,15 @@ class ArithmeticVerifier(MathVerifier):
         if got is None:
             return Score(0.0, "unparseable", {"correct": 0.0}, reason="response is not a plain number")
         return super().score(str(got), str(expected))
+
+    def reference_error(self, reference: Any) -> str | None:
+        """A plain number is always rewardable (by itself), so parsing it is the whole check; it must be
+        cheap, as the data stage checks every generated problem."""
+        if is_missing(reference):
+            return MISSING_REFERENCE
+        if parse_number(str(reference)) is None:
+            return f"reference {str(reference)[:40]!r} is not a plain number"
+        return None
 
 
 # --- the generator that goes with this verifier ----------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlvr.errors import UserError
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.store import Store
 from rlvr.verifiers.base import Score
@@ -104,43 +105,50 @@ CACHEABLE = frozenset({"ok", "wrong", "unparseable"})
 
 
 class VerifierConfig(BaseModel):
-    """Which verifier scores a run's answers and how it runs (the `label` section; evaluation uses it too)."""
+    """How answers are scored (the `label` section; difficulty, evaluation and CLPO use it too).
+
+    Every problem names its verifier (the `verifier` column of `problems`); `verifier` here, when set,
+    scores every problem with that one instead (e.g. `rlvr relabel --verifier math`).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    verifier: str = "arithmetic"
+    verifier: str | None = Field(None, description="None: each problem's own verifier; a name: that one for all")
     workers: int = Field(2, ge=0, description="verifier worker processes; 0 scores in-process, without a timeout")
     timeout_s: float = Field(5.0, gt=0, description="hard wall-clock limit per verdict")
     memory_mb: int = Field(2048, ge=64, description="address-space limit of each worker")
 
+    def verifier_of(self, problem_verifier: str | None) -> str:
+        """The verifier that scores a problem whose own verifier is `problem_verifier`."""
+        name = self.verifier or problem_verifier
+        if not name:
+            raise UserError("a problem names no verifier and label.verifier is not set")
+        return name
+
 
 def score_cached(
-    store: Store | None, cfg: VerifierConfig, pairs: Sequence[tuple[Any, Any]]
+    store: Store | None,
+    cfg: VerifierConfig,
+    pairs: Sequence[tuple[Any, Any]],
+    verifiers: Sequence[str | None] | None = None,
 ) -> tuple[list[Score], list[bool], list[dict[str, Any]]]:
-    """Scores of `pairs` (cache first, then the pool), whether each was a hit, and the new cache entries.
+    """Scores of `pairs` (response, reference), each with the verifier `cfg.verifier_of(verifiers[i])`
+    (cache first, then that verifier's pool), whether each was a hit, and the new cache entries.
+    Without `verifiers`, `cfg.verifier` scores every pair.
 
     `cfg.workers == 0` scores in this process (no timeout: only for verifiers that cannot hang).
     Without a store (a stage's build tested on its own) a process-local cache stands in.
     """
-    from rlvr.verifiers.pool import score_safely, shared_pool
-    from rlvr.verifiers.registry import get_verifier, verifier_class
-
-    verifier_name, workers = cfg.verifier, cfg.workers
-    version = verifier_class(verifier_name).version
-    keys = [cache_key(verifier_name, version, response, reference) for response, reference in pairs]
+    names = [cfg.verifier_of(name) for name in (verifiers or [None] * len(pairs))]
+    keys = [cache_key(name, version_of(name), response, reference) for name, (response, reference) in zip(names, pairs)]
     cache = reward_cache(store) if store is not None else _local_cache
     scores = cache.lookup(keys)
     hits = [score is not None for score in scores]
     misses = [i for i, score in enumerate(scores) if score is None]
-    if misses:
-        todo = [pairs[i] for i in misses]
-        if workers == 0:
-            verifier = get_verifier(verifier_name)
-            fresh = [score_safely(verifier, response, reference) for response, reference in todo]
-        else:
-            fresh = shared_pool(verifier_name, workers, cfg.timeout_s, cfg.memory_mb).score_many(todo)
-        for i, fresh_score in zip(misses, fresh):
-            scores[i] = fresh_score
+    for name in sorted({names[i] for i in misses}):
+        todo = [i for i in misses if names[i] == name]
+        for i, fresh in zip(todo, _score_fresh(cfg, name, [pairs[i] for i in todo])):
+            scores[i] = fresh
     entries: dict[CacheKey, dict[str, Any]] = {}
     for i in misses:
         scored = scores[i]
@@ -151,20 +159,40 @@ def score_cached(
     return [s for s in scores if s is not None], hits, list(entries.values())
 
 
-def score_rollouts(
-    store: Store | None, cfg: VerifierConfig, rollouts: Sequence[dict[str, Any]], answer_of: dict[str, Any]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Verdict columns of a `rewards` row for each rollout (cache first, then the pool), and the new
-    cache entries. Rollouts need `response` and `problem_id`; `answer_of` maps problem ids to references."""
+def _score_fresh(cfg: VerifierConfig, name: str, pairs: list[tuple[Any, Any]]) -> list[Score]:
+    """Verdicts of one verifier: in-process with `workers == 0`, else through its shared pool."""
+    from rlvr.verifiers.pool import score_safely, shared_pool
+    from rlvr.verifiers.registry import get_verifier
+
+    if cfg.workers == 0:
+        verifier = get_verifier(name)
+        return [score_safely(verifier, response, reference) for response, reference in pairs]
+    return shared_pool(name, cfg.workers, cfg.timeout_s, cfg.memory_mb).score_many(pairs)
+
+
+def version_of(name: str) -> str:
     from rlvr.verifiers.registry import verifier_class
 
-    pairs = [(r["response"], answer_of[r["problem_id"]]) for r in rollouts]
-    scores, hits, entries = score_cached(store, cfg, pairs)
-    version = verifier_class(cfg.verifier).version
+    return verifier_class(name).version
+
+
+def score_rollouts(
+    store: Store | None,
+    cfg: VerifierConfig,
+    rollouts: Sequence[dict[str, Any]],
+    problems: Mapping[str, tuple[str | None, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Verdict columns of a `rewards` row for each rollout (cache first, then the pool), and the new
+    cache entries. Rollouts need `response` and `problem_id`; `problems` maps problem ids to (verifier,
+    reference)."""
+    pairs = [(r["response"], problems[r["problem_id"]][1]) for r in rollouts]
+    verifiers = [problems[r["problem_id"]][0] for r in rollouts]
+    scores, hits, entries = score_cached(store, cfg, pairs, verifiers)
+    names = [cfg.verifier_of(name) for name in verifiers]
     verdicts = [
         {
-            "verifier": cfg.verifier,
-            "verifier_version": version,
+            "verifier": name,
+            "verifier_version": version_of(name),
             "score": s.value,
             "status": s.status,
             "extracted": s.extracted,
@@ -172,13 +200,20 @@ def score_rollouts(
             "components": json.dumps(s.components, sort_keys=True),
             "cache_hit": hit,
         }
-        for s, hit in zip(scores, hits)
+        for name, s, hit in zip(names, scores, hits)
     ]
     return verdicts, entries
 
 
-def verifier_identity(cfg: VerifierConfig, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """What decides a labelling stage's verdicts: the verifier and its version (not its pool settings)."""
-    from rlvr.verifiers.registry import verifier_class
+def problem_references(table: Any) -> dict[str, tuple[str | None, Any]]:
+    """problem_id -> (verifier, reference) from a `problems` table with those three columns."""
+    columns = table.select(["problem_id", "verifier", "reference"]).to_pydict()
+    return {pid: (v, ref) for pid, v, ref in zip(columns["problem_id"], columns["verifier"], columns["reference"])}
 
-    return {"verifier": cfg.verifier, "verifier_version": verifier_class(cfg.verifier).version}
+
+def verifier_identity(cfg: VerifierConfig, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What decides a labelling stage's verdicts: the override, if any, and the version of every verifier
+    a problem may name (not the pool settings)."""
+    from rlvr.verifiers.registry import registered
+
+    return {"verifier": cfg.verifier, "versions": {name: cls.version for name, cls in registered().items()}}

@@ -31,7 +31,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from rlvr.verifiers.base import Score, Status, Verifier, non_text_error
+from rlvr.verifiers.base import MISSING_REFERENCE, Score, Status, Verifier, is_missing, non_text_error, one_line
 from rlvr.verifiers.sandbox import ProgramResult, SandboxError, run_program
 
 DEFAULT_TIMEOUT_S = 2.0
@@ -87,7 +87,7 @@ def parse_reference(reference: Any) -> CodeReference:
     if isinstance(reference, str):
         try:
             reference = json.loads(reference)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ValueError(f"reference is not valid JSON: {exc}") from exc
     if not isinstance(reference, dict):
         raise ValueError(f"reference must be an object with 'tests' and/or 'asserts', got {type(reference).__name__}")
@@ -179,6 +179,22 @@ class CodeVerifier(Verifier):
     name = "code"
     domain = "code"
     version = "1"
+
+    def reference_error(self, reference: Any) -> str | None:
+        """The reference must parse and its asserts compile; nothing is run, so the check stays cheap and
+        never executes code from the data."""
+        if is_missing(reference):
+            return MISSING_REFERENCE
+        try:
+            spec = parse_reference(reference)
+        except ValueError as exc:
+            return one_line(f"bad code reference: {exc}")
+        for index, statement in enumerate(spec.asserts, 1):
+            try:
+                compile(statement, CHECK_FILE, "exec", dont_inherit=True)
+            except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+                return one_line(f"bad code reference: assert {index} does not compile: {type(exc).__name__}: {exc}")
+        return None
 
     def score(self, response: str, reference: Any) -> Score:
         if (problem := non_text_error(response)) is not None:

@@ -36,7 +36,7 @@ import json
 from typing import Any, ClassVar
 
 from rlvr.errors import UserError
-from rlvr.verifiers.base import Score, Verifier
+from rlvr.verifiers.base import Score, Verifier, one_line
 from rlvr.verifiers.format import FormatVerifier
 from rlvr.verifiers.math import MathVerifier
 
@@ -128,11 +128,23 @@ class CompositeVerifier(Verifier):
         if isinstance(reference, str):
             try:
                 keyed = json.loads(reference)
-            except ValueError:
+            except (ValueError, RecursionError):
                 keyed = None
         if isinstance(keyed, dict) and keyed and set(keyed) <= set(names):
             return {name: keyed.get(name) for name in names}
         return {name: (reference if index == 0 else None) for index, name in enumerate(names)}
+
+    def reference_error(self, reference: Any) -> str | None:
+        """Each part checks its own share of the reference; the first problem is named with its part."""
+        references = self._references(reference)
+        for name, verifier, _, _ in self.parts:
+            try:
+                problem = verifier.reference_error(references[name])
+            except Exception as exc:
+                problem = f"checking the reference raised {type(exc).__name__}: {exc}"
+            if problem is not None:
+                return one_line(f"{name}: {problem}")
+        return None
 
     def score(self, response: str, reference: Any) -> Score:
         references = self._references(reference)

@@ -59,7 +59,7 @@ def _options(reference: Any) -> tuple[list[str], bool, bool] | str:
     if isinstance(reference, str):
         try:
             reference = json.loads(reference) if reference.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             return "format reference is not JSON"
     if not isinstance(reference, dict):
         return 'format reference must be {"tags": [...], "require_order": bool, "exactly_once": bool} or null'
@@ -82,6 +82,11 @@ class FormatVerifier(Verifier):
     name = "format"
     domain = "format"
     version = "1"
+
+    def reference_error(self, reference: Any) -> str | None:
+        """Only the options need to parse; None and "" are the defaults, not a missing reference."""
+        options = _options(reference)
+        return options if isinstance(options, str) else None
 
     def score(self, response: str, reference: Any) -> Score:
         options = _options(reference)

@@ -57,7 +57,7 @@ import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
 
-from rlvr.verifiers.base import Score, Verifier, non_text_error
+from rlvr.verifiers.base import MISSING_REFERENCE, Score, Verifier, is_missing, non_text_error, one_line
 
 # We report timeouts and failures as statuses; math-verify's log lines would only repeat them.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -896,6 +896,30 @@ class MathVerifier(Verifier):
             return self._score(response, reference_text)
         except _Settled as settled:
             return settled.score
+
+    def reference_error(self, reference: Any) -> str | None:
+        """The reference read as `score` reads it (unboxed, a worked solution's answer found), parsed,
+        size-checked and compared with itself. Scoring its text against itself would prove little: an
+        identical response is accepted by its text before any parsing (so `\\frac{` would pass), and a
+        bare word ("B") is only found in a response inside `$...$` or `\\boxed{}`."""
+        if is_missing(reference):
+            return MISSING_REFERENCE
+        reference_text = _reference_text(reference)
+        if reference_text is None:
+            return f"math reference must be a non-empty string or a number, got {type(reference).__name__}"
+        try:
+            gold_text, in_latex, gold = _gold(reference_text)
+            if gold is None and _exact_number(gold_text) is not None:
+                return None  # a number literal is decided exactly, without math-verify
+            if gold is None:
+                gold = _parse_reference(gold_text, in_latex, gold_text[:200])
+            if not _compare(gold, gold, Extraction(gold_text[:200], "self-comparison")):
+                return f"reference {gold_text[:60]!r} does not equal itself under math-verify"
+        except _Settled as settled:
+            return one_line(settled.score.reason or settled.score.status)
+        except Exception as exc:
+            return one_line(f"checking the reference raised {type(exc).__name__}: {exc}")
+        return None
 
     def _score(self, response: str, reference_text: str) -> Score:
         gold_text, gold_in_latex, gold = _gold(reference_text)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from rlvr.verifiers.base import Score, Verifier, non_text_error
+from rlvr.verifiers.base import MISSING_REFERENCE, Score, Verifier, is_missing, non_text_error, one_line
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 COMPOSITE_DATASET = "composite"
@@ -61,7 +61,7 @@ def _reference_parts(reference: Any) -> tuple[str, dict[str, Any]] | str:
     if isinstance(reference, str):
         try:
             reference = json.loads(reference)
-        except ValueError:
+        except (ValueError, RecursionError):
             return "reference is not JSON"
     if not isinstance(reference, dict) or not isinstance(reference.get("entry"), dict):
         return 'reasoning_gym reference must be {"dataset": NAME, "entry": {question, answer, metadata}}'
@@ -87,6 +87,28 @@ class ReasoningGymVerifier(Verifier):
         dataset, entry = parts
         if (problem := non_text_error(response)) is not None:
             return problem
+        return self._score_entry(response, dataset, entry)
+
+    def reference_error(self, reference: Any) -> str | None:
+        """The entry's own answer, given in an <answer> tag, must earn 1.0 from the dataset's scorer.
+
+        An entry whose answer is null (datasets scored on metadata, where many answers are valid:
+        rush_hour, graph_color, ...) cannot be checked this way and is accepted."""
+        if is_missing(reference):
+            return MISSING_REFERENCE
+        parts = _reference_parts(reference)
+        if isinstance(parts, str):
+            return parts
+        dataset, entry = parts
+        answer = entry.get("answer")
+        if answer is None:
+            return None
+        score = self._score_entry(f"<answer>{answer}</answer>", dataset, entry)
+        if score.status == "ok":
+            return None
+        return one_line(f"the entry's own answer is not rewarded ({score.status}: {score.reason})")
+
+    def _score_entry(self, response: str, dataset: str, entry: dict[str, Any]) -> Score:
         answer = extract_answer(response)
         if answer is None:
             return Score(

@@ -1,25 +1,32 @@
-"""Problem sources: where a run's raw problems come from, chosen by `synthesize.source.type`.
+"""Problem sources: where a run's raw problems come from, a weighted list under `synthesize.sources`.
 
-A source turns its config and a seed into problem rows. Procedural generators live beside the
-verifier that checks their answers (verifiers/arithmetic.py, verifiers/skills.py), as reasoning-gym pairs each task's
-generator with its scorer; this module holds the interface, the registry and the adapters.
+A source turns its config and a seed into raw rows. Procedural generators live beside the verifier that
+checks their answers (verifiers/arithmetic.py, verifiers/skills.py; reasoning-gym pairs each generator
+with its scorer); users' files and Hugging Face datasets are read by rlvr.data.readers. This module
+holds the interface, the registry and the built-in sources.
 
-A row is a dict with at least `prompt`, `answer` and `source_index` (its position in the source),
-plus `category` (the arm a curriculum samples through), `domain` and `params` (the JSON of what made
-it). The synthesize stage validates, deduplicates and splits the rows; bad rows are quarantined.
+A raw row is a dict with `source_index` (its position in the source) and either `error` (a record that
+could not be read or mapped, quarantined with that reason; `error_check` names the check, default
+"read") or `prompt` and `reference` (or `answer`), plus optional `answer` (the plain answer text: a warm
+start's target), `verifier`, `domain`, `category` (the arm a curriculum samples through), `params` (JSON
+of what made it) and `difficulty_label`.
+The synthesize stage validates, deduplicates, decontaminates and splits the rows.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlvr.curricula.clpo import Rewrite, Rewriter, RewriteRequest
+from rlvr.data.readers import ColumnMapping, RawRecord
 from rlvr.plugins import TypedRegistry
 from rlvr.verifiers import skills
 from rlvr.verifiers.arithmetic import GENERATOR_VERSION, ArithmeticSpec, generate
@@ -30,12 +37,25 @@ class SourceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    name: str | None = Field(None, description="how problems and reports name the source (default: its type)")
+    weight: float = Field(1.0, gt=0, description="its share of `synthesize.size` (ignored when size is unset)")
+    verifier: str | None = Field(None, description="the verifier of its problems (default: the source's own)")
+
+
+SHARED_FIELDS = frozenset({"type", *SourceConfig.model_fields})
+
+
+def spec_of(cfg: SourceConfig) -> dict[str, Any]:
+    """The source-specific fields of a config (without type, name, weight, verifier)."""
+    return cfg.model_dump(exclude=set(SHARED_FIELDS))
+
 
 class ProblemSource(ABC):
     """Yields raw problem rows for a seed (the same rows for the same config and seed)."""
 
     type: ClassVar[str]
     generator_version: ClassVar[str] = "1"
+    default_verifier: ClassVar[str] = "math"
 
     def __init__(self, cfg: SourceConfig) -> None:
         self.cfg = cfg
@@ -49,6 +69,11 @@ class ProblemSource(ABC):
         domains): mode "simplify" (easier, e.g. a lower difficulty knob) or "diversify" (a new surface at
         the same difficulty), as (prompt, answer); None when the source has no such rewrite."""
         return None
+
+    @property
+    def verifier(self) -> str:
+        """The verifier of rows that name none."""
+        return self.cfg.verifier or self.default_verifier
 
 
 class ArithmeticSourceConfig(SourceConfig, ArithmeticSpec):
@@ -67,6 +92,7 @@ class ArithmeticSource(ProblemSource):
 
     type = "arithmetic"
     generator_version = GENERATOR_VERSION
+    default_verifier = "arithmetic"
 
     def rewrite(self, prompt: str, answer: str, mode: str) -> tuple[str, str] | None:
         parsed = parse_expression(prompt)
@@ -85,8 +111,7 @@ class ArithmeticSource(ProblemSource):
         return (rewritten, answer) if rewritten != prompt else None
 
     def rows(self, seed: int) -> Iterable[dict[str, Any]]:
-        assert isinstance(self.cfg, ArithmeticSourceConfig)
-        spec = ArithmeticSpec(**self.cfg.model_dump(exclude={"type"}))
+        spec = ArithmeticSpec(**spec_of(self.cfg))
         params = json.dumps(spec.model_dump(), sort_keys=True)
         category = f"d{spec.digits}t{spec.terms}"
         for row in generate(spec, seed):
@@ -105,29 +130,195 @@ class SkillsSource(ProblemSource):
 
     type = "skills"
     generator_version = skills.GENERATOR_VERSION
+    default_verifier = "arithmetic"
 
     def rows(self, seed: int) -> Iterable[dict[str, Any]]:
-        assert isinstance(self.cfg, SkillsSourceConfig)
-        return skills.generate(skills.SkillsSpec(**self.cfg.model_dump(exclude={"type"})), seed)
+        return skills.generate(skills.SkillsSpec(**spec_of(self.cfg)), seed)
 
     def rewrite(self, prompt: str, answer: str, mode: str) -> tuple[str, str] | None:
         return skills.rewrite(prompt, mode)
 
 
+class ReasoningGymSourceConfig(SourceConfig):
+    """reasoning-gym generators: each dataset a category, its config (difficulty knobs) as given.
+
+    `datasets` maps dataset names to their config keyword arguments, e.g. `{gcd: {max_value: 100}}`
+    (a list of names takes each dataset's defaults); `count` problems are drawn from each.
+    """
+
+    type: Literal["reasoning_gym"] = "reasoning_gym"
+    datasets: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"basic_arithmetic": dict[str, Any]()})
+    count: int = Field(100, ge=1, description="problems per dataset")
+
+    @field_validator("datasets", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            value = {name: {} for name in value}
+        if isinstance(value, Mapping):
+            from rlvr.verifiers.reasoning_gym import dataset_names
+
+            known = dataset_names()
+            unknown = [name for name in value if name not in known]
+            if unknown:
+                raise ValueError(f"unknown reasoning-gym datasets {unknown}; see `rlvr.verifiers.reasoning_gym`")
+            value = {name: dict(knobs or {}) for name, knobs in value.items()}
+        return value
+
+
+class ReasoningGymSource(ProblemSource):
+    """`count` problems of each configured reasoning-gym dataset, scored by that dataset's own scorer.
+
+    Each dataset draws from its own seed (derived from the run's seed and its name), so adding a dataset
+    leaves the others' problems alone. The reference is `{"dataset", "entry"}` as the verifier reads it.
+    """
+
+    type = "reasoning_gym"
+    default_verifier = "reasoning_gym"
+
+    def rows(self, seed: int) -> Iterable[dict[str, Any]]:
+        import reasoning_gym
+
+        assert isinstance(self.cfg, ReasoningGymSourceConfig)
+        index = 0
+        for name, knobs in self.cfg.datasets.items():
+            params = json.dumps({"dataset": name, **knobs}, sort_keys=True, default=str)
+            dataset_seed = int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:4], "big")
+            generator = reasoning_gym.create_dataset(name, size=self.cfg.count, seed=dataset_seed, **knobs)
+            for position in range(self.cfg.count):
+                entry = json.loads(json.dumps(generator[position], default=str))
+                yield {
+                    "source_index": index,
+                    "prompt": entry["question"],
+                    "reference": {"dataset": name, "entry": entry},
+                    "answer": str(entry.get("answer", "")),
+                    "category": name,
+                    "domain": "reasoning_gym",
+                    "params": params,
+                    "difficulty_label": _difficulty_label(entry),
+                }
+                index += 1
+
+
+def _difficulty_label(entry: Mapping[str, Any]) -> str | None:
+    """reasoning-gym's own difficulty metadata of an entry, as JSON (None when it has none)."""
+    metadata = entry.get("metadata")
+    difficulty = metadata.get("difficulty") if isinstance(metadata, Mapping) else None
+    return json.dumps(difficulty, sort_keys=True) if difficulty else None
+
+
+class ReaderSourceConfig(SourceConfig):
+    """What file and dataset sources share: which columns hold what, and how the answer is extracted."""
+
+    columns: ColumnMapping = Field(default_factory=lambda: ColumnMapping())
+    extract: Literal["none", "gsm8k", "boxed"] = Field("none", description="answer extraction from the reference")
+    domain: str = Field("", description="the domain of rows without a domain column")
+    category: str = Field("", description="the category of rows without a category column (default: the name)")
+
+
+class FileSourceConfig(ReaderSourceConfig):
+    """A local JSONL, JSON, CSV or Parquet file (format from the suffix unless given)."""
+
+    type: Literal["file"] = "file"
+    path: str
+    format: Literal["jsonl", "json", "csv", "parquet"] | None = None
+
+
+class DatasetSourceConfig(ReaderSourceConfig):
+    """A Hugging Face dataset: a `save_to_disk` folder, local data files, or a hub id (needs a network)."""
+
+    type: Literal["dataset"] = "dataset"
+    path: str
+    subset: str | None = Field(None, description="the dataset's configuration name (e.g. GSM8K's 'main')")
+    split: str = "train"
+    data_files: list[str] | None = None
+
+
+class ReaderSource(ProblemSource):
+    """Rows of a user's file or dataset, mapped by `columns`; a record that cannot be read or mapped is
+    an `error` row (quarantined with its reason), never a stop."""
+
+    @abstractmethod
+    def records(self) -> Iterable[RawRecord]:
+        """The source's records in order, each parsed or carrying why it could not be."""
+
+    def rows(self, seed: int) -> Iterable[dict[str, Any]]:
+        from rlvr.data.readers import map_record
+
+        assert isinstance(self.cfg, ReaderSourceConfig)
+        for record in self.records():
+            if record.values is None:
+                yield {"source_index": record.index, "error": record.error, "raw": record.raw}
+                continue
+            mapped = map_record(record.values, self.cfg.columns, self.cfg.extract)
+            if isinstance(mapped, str):
+                yield {"source_index": record.index, "error": mapped, "error_check": "fields", "raw": record.raw}
+                continue
+            if self.cfg.extract != "none" and "answer" not in mapped:
+                mapped["answer"] = mapped["reference"]
+            yield {
+                "domain": self.cfg.domain,
+                "category": self.cfg.category or self.cfg.name or "",
+                **mapped,
+                "source_index": record.index,
+                "params": json.dumps(spec_of(self.cfg), sort_keys=True, default=str),
+            }
+
+
+class FileSource(ReaderSource):
+    type = "file"
+
+    def records(self) -> Iterable[RawRecord]:
+        from rlvr.data.readers import read_records
+
+        assert isinstance(self.cfg, FileSourceConfig)
+        return read_records(Path(self.cfg.path), self.cfg.format)
+
+
+class DatasetSource(ReaderSource):
+    type = "dataset"
+
+    def records(self) -> Iterable[RawRecord]:
+        from rlvr.data.readers import read_dataset
+
+        assert isinstance(self.cfg, DatasetSourceConfig)
+        return read_dataset(self.cfg.path, name=self.cfg.subset, split=self.cfg.split, data_files=self.cfg.data_files)
+
+
 class ProceduralRewriter(Rewriter):
-    """CLPO's rewriter for generator-backed domains: the problem source's own `rewrite`."""
+    """CLPO's rewriter for generator-backed domains: the `rewrite` of the source each problem came from
+    (`source_of` maps problem ids to source names; a problem of an unknown source gets no rewrite)."""
 
     name = "procedural"
 
-    def __init__(self, source: ProblemSource) -> None:
-        self.source = source
+    def __init__(self, sources: Mapping[str, ProblemSource], source_of: Mapping[str, str]) -> None:
+        self.sources = sources
+        self.source_of = source_of
 
     def rewrite(self, requests: Sequence[RewriteRequest]) -> list[Rewrite | None]:
         results: list[Rewrite | None] = []
         for request in requests:
-            made = self.source.rewrite(request.prompt, request.answer, request.mode)
+            source = self.sources.get(self.source_of.get(request.problem_id, ""))
+            made = source.rewrite(request.prompt, request.answer, request.mode) if source else None
             results.append(Rewrite(*made) if made is not None else None)
         return results
+
+
+def source_names(configs: Sequence[SourceConfig]) -> list[str]:
+    """Each source's name: its `name`, else its type, numbered when a type repeats (file, file-2)."""
+    names: list[str] = []
+    for cfg in configs:
+        base = cfg.name or str(getattr(cfg, "type", "source"))
+        name, n = base, 2
+        while name in names:
+            name, n = f"{base}-{n}", n + 1
+        names.append(name)
+    return names
+
+
+def make_sources(configs: Sequence[SourceConfig]) -> dict[str, ProblemSource]:
+    """The configured sources by name, in config order."""
+    return {name: SOURCES.make(cfg) for name, cfg in zip(source_names(configs), configs)}
 
 
 _TOKEN = re.compile(r"^(-?\d+)((?:[+\-*]\d+)*)=$")
@@ -183,4 +374,7 @@ SOURCES: TypedRegistry[ProblemSource] = TypedRegistry(
 )
 SOURCES.register(ArithmeticSourceConfig, ArithmeticSource)
 SOURCES.register(SkillsSourceConfig, SkillsSource)
+SOURCES.register(ReasoningGymSourceConfig, ReasoningGymSource)
+SOURCES.register(FileSourceConfig, FileSource)
+SOURCES.register(DatasetSourceConfig, DatasetSource)
 SOURCES.default = "skills"  # the demo's task: a section without `type` is the skills generator

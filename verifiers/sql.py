@@ -51,7 +51,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar
 
-from rlvr.verifiers.base import Score, Verifier, non_text_error
+from rlvr.verifiers.base import MISSING_REFERENCE, Score, Verifier, is_missing, non_text_error, self_check_error
 
 STATEMENT_TIMEOUT_S = 2.0
 MAX_ROWS = 100_000
@@ -352,7 +352,7 @@ def _reference_dict(reference: Any) -> dict | None:
     if isinstance(reference, str):
         try:
             reference = json.loads(reference)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return reference if isinstance(reference, dict) else None
 
@@ -423,6 +423,15 @@ class SqlVerifier(Verifier):
         return self._score_prediction(
             predicted_sql, gold_tokens, gold_rows, schema, ordered, dialect, db, float(timeout_s)
         )
+
+    def reference_error(self, reference: Any) -> str | None:
+        """The gold query, given as the response, must match its own result: running it on its database
+        catches a missing file and a refused, failing or timed-out gold query."""
+        if is_missing(reference):
+            return MISSING_REFERENCE
+        ref = _reference_dict(reference)
+        gold_sql = ref.get("sql") if ref is not None else None
+        return self_check_error(self, gold_sql if isinstance(gold_sql, str) else "", reference)
 
     @staticmethod
     def _score_prediction(

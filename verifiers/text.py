@@ -33,7 +33,7 @@ import re
 import unicodedata
 from typing import Any
 
-from rlvr.verifiers.base import Score, Status, Verifier, non_text_error
+from rlvr.verifiers.base import MISSING_REFERENCE, Score, Status, Verifier, is_missing, non_text_error, self_check_error
 
 DEFAULT_BLEU_THRESHOLD = 0.5
 MODES = ("exact", "choice", "bleu")
@@ -88,7 +88,7 @@ def _reference_dict(reference: Any) -> dict[str, Any] | str:
         if reference.lstrip().startswith("{"):
             try:
                 parsed = json.loads(reference)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return "text reference looks like JSON but does not parse"
             reference = parsed
         else:
@@ -109,6 +109,22 @@ def _strings(value: Any) -> list[str] | None:
     return None
 
 
+def _gold_letter(ref: dict[str, Any]) -> str | None:
+    """The choice-mode answer as a capital letter ("(b)" is B), or None when it is not one letter."""
+    gold = ref.get("answer")
+    gold_match = _REFERENCE_LETTER.fullmatch(gold) if isinstance(gold, str) else None
+    return gold_match.group(1).upper() if gold_match else None
+
+
+def _correct_response(ref: dict[str, Any]) -> str:
+    """What a correct response to a reference says: its letter, or its first answer or reference text that
+    normalisation leaves non-empty ("" when the reference has none, which `score` then reports)."""
+    if ref["mode"] == "choice":
+        return _gold_letter(ref) or ""
+    texts = _strings(ref.get("references", ref.get("answer")) if ref["mode"] == "bleu" else ref.get("answer"))
+    return next((text for text in texts or [] if normalize_text(text)), "")
+
+
 class TextVerifier(Verifier):
     name = "text"
     domain = "text"
@@ -125,6 +141,16 @@ class TextVerifier(Verifier):
         if ref["mode"] == "bleu":
             return self._bleu(response, ref)
         return self._exact(response, ref)
+
+    def reference_error(self, reference: Any) -> str | None:
+        """The reference's own answer (letter, text) must score ok: it checks the mode's fields and, for
+        BLEU, that the threshold can be reached."""
+        if is_missing(reference):
+            return MISSING_REFERENCE
+        ref = _reference_dict(reference)
+        if isinstance(ref, str):
+            return ref
+        return self_check_error(self, _correct_response(ref), ref)
 
     @staticmethod
     def _exact(response: str, ref: dict[str, Any]) -> Score:
@@ -143,11 +169,9 @@ class TextVerifier(Verifier):
 
     @staticmethod
     def _choice(response: str, ref: dict[str, Any]) -> Score:
-        gold = ref.get("answer")
-        gold_match = _REFERENCE_LETTER.fullmatch(gold) if isinstance(gold, str) else None
-        if gold_match is None:
+        gold_letter = _gold_letter(ref)
+        if gold_letter is None:
             return Score(0.0, "error", reason='choice mode needs "answer": one letter A-Z')
-        gold_letter = gold_match.group(1).upper()
         letter = extract_choice(response)
         if letter is None:
             return Score(0.0, "unparseable", {"correct": 0.0}, reason="no choice letter found")

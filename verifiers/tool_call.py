@@ -34,7 +34,15 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from rlvr.verifiers.base import Score, Verifier, non_text_error
+from rlvr.verifiers.base import (
+    MISSING_REFERENCE,
+    Score,
+    Verifier,
+    is_missing,
+    non_text_error,
+    one_line,
+    self_check_error,
+)
 
 _TOOL_CALL_TAG = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _JSON_FENCE = re.compile(r"```[ \t]*json[^\n]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -151,6 +159,14 @@ def tool_call_reward(predicted: list[Call], gold: list[Call], r_format: float) -
     return components, exact
 
 
+def render_calls(calls: list[Call]) -> str:
+    """Calls as the JSON list a response holds them in."""
+    return json.dumps([{"name": name, "arguments": args} for name, args in calls], ensure_ascii=False)
+
+
+BAD_REFERENCE = 'tool_call reference must be a list of {"name": ..., "arguments": {...}} calls or its JSON string'
+
+
 def _gold_calls(reference: Any) -> list[Call] | None:
     if isinstance(reference, str):
         try:
@@ -181,15 +197,23 @@ class ToolCallVerifier(Verifier):
         ),
     }
 
+    def reference_error(self, reference: Any) -> str | None:
+        """The gold calls, rendered as a response's JSON list, must score ok against the reference."""
+        if is_missing(reference):
+            return MISSING_REFERENCE
+        gold = _gold_calls(reference)
+        if gold is None:
+            return BAD_REFERENCE
+        try:
+            response = render_calls(gold)
+        except (TypeError, ValueError, RecursionError) as exc:
+            return one_line(f"reference arguments are not JSON-serialisable: {exc}")
+        return self_check_error(self, response, reference)
+
     def score(self, response: str, reference: Any) -> Score:
         gold = _gold_calls(reference)
         if gold is None:
-            return Score(
-                0.0,
-                "error",
-                reason='tool_call reference must be a list of {"name": ..., "arguments": {...}} calls '
-                "or its JSON string",
-            )
+            return Score(0.0, "error", reason=BAD_REFERENCE)
         if (problem := non_text_error(response)) is not None:
             return problem
         unparseable = {"r_format": 0.0, "r_name": 0.0, "r_param": 0.0, "r_value": 0.0, "r_correct": -3.0}
@@ -209,9 +233,7 @@ class ToolCallVerifier(Verifier):
         r_format = 1.0 if malformed == 0 else 0.0
         components, exact = tool_call_reward(predicted, gold, r_format)
         value = (components["r_format"] + components["r_correct"] + 3) / 7
-        extracted = json.dumps([{"name": name, "arguments": args} for name, args in predicted], ensure_ascii=False)[
-            :2000
-        ]
+        extracted = render_calls(predicted)[:2000]
         if exact and r_format == 1.0:
             return Score(value, "ok", components, extracted, "every call matches")
         reason = f"{len(predicted)} calls vs {len(gold)} gold calls"

@@ -1,0 +1,180 @@
+"""The data commands of the CLI: `rlvr data`, `rlvr difficulty`, `rlvr export` (registered in flows/cli.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from rlvr.errors import UserError
+
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+
+def input_source(path: Path, verifier: str | None) -> dict[str, Any]:
+    """The source config of `rlvr data --input PATH`: a file, or a folder `datasets` can load."""
+    if not path.exists():
+        raise UserError(f"input {str(path)!r} does not exist")
+    source: dict[str, Any] = {"type": "dataset" if path.is_dir() else "file", "path": str(path), "name": path.stem}
+    if verifier:
+        source["verifier"] = verifier
+    return source
+
+
+def data_config(input: Path | None, config: Path | None, verifier: str | None, overrides: list[str]) -> Any:
+    """The run config of a data run: the full form from --config, or one source from --input."""
+    from rlvr.flows.config import load_config
+
+    if (input is None) == (config is None):
+        raise UserError("give exactly one of --input FILE or --config FILE.yaml")
+    if verifier and input is None:
+        raise UserError("--verifier goes with --input; in a config, set it on each source")
+    cfg = load_config(config, overrides)
+    if input is not None:
+        source = input_source(input, verifier)
+        cfg = load_config(None, [*overrides, f"synthesize.sources=[{json.dumps(source)}]"])
+    return cfg
+
+
+def data(
+    input: Path | None = typer.Option(
+        None, "--input", help="one JSONL, JSON, CSV or Parquet file, or a datasets folder"
+    ),
+    config: Path | None = typer.Option(None, "--config", help="YAML with a synthesize section (sources, ...)"),
+    verifier: str | None = typer.Option(None, "--verifier", help="the verifier of --input rows without one"),
+    policy: str | None = typer.Option(None, "--policy", help='estimate difficulty with a checkpoint id, or "init"'),
+    store: str | None = typer.Option(None, "--store", help="store root (default $RLVR_STORE or ./rlvr-store)"),
+    run_id: str | None = typer.Option(None, "--run-id", help="name the data run (default: a new timestamped id)"),
+    set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set synthesize.size=5000"),
+) -> None:
+    """Run the data stages alone: read the sources, validate, deduplicate, decontaminate, split (+ difficulty)."""
+    from rlvr.flows.cli import store_root
+    from rlvr.flows.prefect_env import configure_prefect
+    from rlvr.storage.store import Store
+
+    root = store_root(store)
+    configure_prefect(Store(root))
+    from rlvr.flows.runner import execute_data, new_run_id
+
+    cfg = data_config(input, config, verifier, [*set_, *([f"run_id={run_id}"] if run_id else [])])
+    if cfg.run_id is None:
+        cfg = cfg.model_copy(update={"run_id": new_run_id().replace("run-", "data-", 1)})
+    if Store(root).read_run(cfg.run_id) is not None:
+        raise UserError(f"run {cfg.run_id!r} already exists in {root}; continue it with `rlvr resume {cfg.run_id}`")
+    summary = _with_status(lambda: execute_data(root, cfg, policy))
+    print_data_summary(Store.open(root), summary)
+
+
+def _with_status(start: Any) -> Any:
+    """Run `start` under a live line that says which data phase and shard is running."""
+    from rlvr.flows import progress
+
+    with err.status("starting") as status:
+
+        def listener(event: str, fields: dict[str, Any]) -> None:
+            if event == "stage":
+                status.update(fields["name"])
+            elif event == "data":
+                where = f" ({fields['source']})" if "source" in fields else f" ({fields.get('rows', 0)} rows)"
+                status.update(f"synthesize: {fields['phase']}{where}")
+            elif event == "shard":
+                status.update(f"{fields['stage']}: shard {fields['done']}/{fields['total']}")
+
+        progress.listen(listener)
+        try:
+            return start()
+        finally:
+            progress.stop_listening(listener)
+
+
+def source_table(counts: dict[str, dict[str, Any]]) -> Table:
+    table = Table("source", "read", "accepted", "quarantined", "by check", "duplicates", "contaminated")
+    for name, c in counts.items():
+        checks = ", ".join(f"{k} {v}" for k, v in c["by_check"].items()) or "-"
+        row = [c["read"], c["accepted"], c["quarantined"], checks, c["duplicates"], c["contaminated"]]
+        table.add_row(name, *(str(v) for v in row))
+    return table
+
+
+def difficulty_histogram(store: Any, difficulty_id: str) -> Table:
+    rows = store.read_table(difficulty_id, columns=["bin", "posterior_mean"]).to_pylist()
+    bins: dict[int, list[float]] = {}
+    for row in rows:
+        bins.setdefault(row["bin"], []).append(row["posterior_mean"])
+    table = Table("bin", "problems", "mean pass rate (posterior)", "")
+    top = max((len(v) for v in bins.values()), default=1)
+    for b in sorted(bins):
+        values = bins[b]
+        table.add_row(str(b), str(len(values)), f"{sum(values) / len(values):.2f}", "#" * round(30 * len(values) / top))
+    return table
+
+
+def print_data_summary(store: Any, summary: dict[str, Any]) -> None:
+    """Per source counts (the invariant holds: read = accepted + quarantined + duplicates), then difficulty."""
+    counts = store.manifest(summary["problems_id"]).extra["counts"]
+    read = sum(c["read"] for c in counts.values())
+    kept = sum(c["accepted"] for c in counts.values())
+    out.print(f"\n[bold]data run {summary['run_id']} completed[/bold] in {summary['seconds']:.0f} s")
+    out.print(source_table(counts))
+    out.print(f"rows read {read} = accepted {kept} + quarantined + duplicates (checked per source)")
+    if summary.get("difficulty_id"):
+        out.print(difficulty_histogram(store, summary["difficulty_id"]))
+    root, run = store.root, summary["run_id"]
+    sql = f"SELECT source, failed_check, reason FROM quarantine WHERE run_id = '{run}'"
+    out.print(f'quarantine: rlvr query "{sql}" --store {root}')
+    out.print(f"train on it: rlvr run --set data={run} --store {root}")
+
+
+def difficulty(
+    run_id: str = typer.Argument(..., help="the run whose problems to score (a data run or an RL run)"),
+    policy: str | None = typer.Option(None, "--policy", help="a checkpoint id (checkpoints or train_steps artifact)"),
+    labels: bool = typer.Option(False, "--labels", help="from the problems' difficulty labels (e.g. MATH levels)"),
+    store: str | None = typer.Option(None, "--store", help="store root (default $RLVR_STORE or ./rlvr-store)"),
+    set_: list[str] = typer.Option([], "--set", help="override a difficulty key, e.g. --set difficulty.k=16"),
+) -> None:
+    """Re-estimate a run's difficulty with another checkpoint: a new artifact; the old one stays queryable."""
+    from rlvr.flows.cli import open_existing
+    from rlvr.flows.prefect_env import configure_prefect
+
+    found = open_existing(store)
+    configure_prefect(found)
+    from rlvr.flows.config import config_from_json, data_run_problems, load_config
+    from rlvr.flows.data_run import difficulty_run
+
+    if (policy is None) == (not labels):
+        raise UserError("give exactly one of --policy CHECKPOINT_ID or --labels")
+    record = found.read_run(run_id)
+    if record is None:
+        raise UserError(f"unknown run id {run_id!r} in store {found.root}")
+    cfg = config_from_json(record["config_json"])
+    if set_:
+        section = load_config(None, set_).difficulty
+        cfg = cfg.model_copy(update={"difficulty": section})
+    problems = data_run_problems(found, run_id)
+    difficulty_id = str(_with_status(lambda: difficulty_run(found.root, cfg, problems, policy)))
+    out.print(f"difficulty {difficulty_id} of run {run_id} " + (f"under policy {policy}" if policy else "from labels"))
+    out.print(difficulty_histogram(found, difficulty_id))
+    out.print(f"rlvr query \"SELECT policy_id, bin, count(*) FROM difficulty WHERE run_id = '{run_id}' GROUP BY ALL\"")
+
+
+def export(
+    run_id: str = typer.Argument(..., help="the run whose synthesized problems to export"),
+    format: str = typer.Option(..., "--format", help="verl, trl or jsonl"),
+    out_dir: Path = typer.Option(..., "--out", help="folder for the files (one per split)"),
+    split: str | None = typer.Option(None, "--split", help="only this split (train, warmup or test)"),
+    store: str | None = typer.Option(None, "--store", help="store root (default $RLVR_STORE or ./rlvr-store)"),
+) -> None:
+    """Write a run's problems for another trainer: verl's Parquet layout, a TRL dataset, or plain JSONL."""
+    from rlvr.data.export import export_problems
+    from rlvr.flows.cli import open_existing
+    from rlvr.flows.config import data_run_problems
+
+    found = open_existing(store)
+    problems = found.read_table(data_run_problems(found, run_id))
+    for path in export_problems(problems, format, out_dir, split):
+        out.print(f"wrote {path}")

@@ -1,0 +1,63 @@
+"""The data stages alone as a Prefect flow (`rlvr data`): config -> synthesize [-> initialize] [-> difficulty].
+
+A data run is a run like any other (its own run id, config artifact and run record), so its problems
+can be queried, exported (`rlvr export`) and trained on later (`rlvr run --data RUN_ID`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from rlvr.errors import UserError
+from rlvr.flows.config import RunConfigBase, commit_config
+from rlvr.flows.progress import report
+from rlvr.flows.stages import run
+from rlvr.storage.stage import open_store
+from rlvr.tasks.difficulty import DIFFICULTY, DIFFICULTY_FROM_LABELS
+from rlvr.tasks.initialize import INITIALIZE
+from rlvr.tasks.synthesize import SYNTHESIZE
+
+INIT_POLICY = "init"  # `--policy init`: the run's own starting policy (`policy` section), built or loaded
+
+
+@flow(name="data-run", validate_parameters=False)
+def data_run(store: str, cfg: RunConfigBase, policy: str | None) -> dict[str, Any]:
+    """Synthesize the problems and, given a policy (a checkpoint id or "init"), estimate their difficulty."""
+    assert cfg.run_id is not None
+    at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
+    config_id = commit_config(open_store(store), cfg)
+    report("stage", name="synthesize")
+    problems = run(SYNTHESIZE, cfg.synthesize, inputs={"config": config_id}, **at)["problems"]
+    result: dict[str, Any] = {"run_id": cfg.run_id, "config_id": config_id, "problems_id": problems}
+    if policy is not None:
+        if policy == INIT_POLICY:
+            policy = run(
+                INITIALIZE, cfg.policy, inputs={"config": config_id}, params={"seed": cfg.seed}, step=0, **at
+            ).id
+        result["difficulty_id"] = estimate_difficulty(store, cfg, problems, policy)
+    open_store(store).wait()
+    return result
+
+
+def estimate_difficulty(store: str, cfg: RunConfigBase, problems: str, policy: str) -> str:
+    """A `difficulty` artifact of `problems` under `policy` (a checkpoints or train_steps artifact id)."""
+    found = open_store(store)
+    if not found.exists(policy) or found.manifest(policy).kind not in ("checkpoints", "train_steps"):
+        kind = found.manifest(policy).kind if found.exists(policy) else "no artifact"
+        raise UserError(f'policy {policy!r} is {kind}; give a checkpoint id (rlvr query "SELECT * FROM checkpoints")')
+    report("stage", name="difficulty")
+    inputs = {"problems": problems, "policy": policy}
+    at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
+    return run(DIFFICULTY, cfg.difficulty, inputs=inputs, params={"verifier": cfg.label}, **at).id
+
+
+@flow(name="difficulty", validate_parameters=False)
+def difficulty_run(store: str, cfg: RunConfigBase, problems: str, policy: str | None) -> str:
+    """`rlvr difficulty`: one more difficulty artifact of the run's problems, under another policy (or
+    from the problems' metadata labels when `policy` is None)."""
+    if policy is not None:
+        return estimate_difficulty(store, cfg, problems, policy)
+    at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
+    return run(DIFFICULTY_FROM_LABELS, cfg.difficulty, inputs={"problems": problems}, **at).id
