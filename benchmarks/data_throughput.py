@@ -1,7 +1,7 @@
 """Data stage throughput: 100,000+ problems from 20+ reasoning-gym datasets plus arithmetic, generated,
 validated (every reference checked by its verifier), deduplicated (exact and MinHash near) and committed.
 
-    python benchmarks/data_throughput.py [--per-dataset 4300] [--arithmetic 5000]
+    python benchmarks/data_throughput.py [--per-dataset 4400] [--arithmetic 5000]
 
 Prints problems/s per phase (generate, validate, deduplicate, split + commit) and the whole
 `synthesize` stage as the pipeline runs it (one `run_stage` into a temp store). Target: under 60 s on
@@ -75,7 +75,7 @@ def whole_stage(cfg) -> tuple[float, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--per-dataset", type=int, default=4300)
+    parser.add_argument("--per-dataset", type=int, default=4400)
     parser.add_argument("--arithmetic", type=int, default=5000)
     args = parser.parse_args()
     from rlvr.flows.config import load_config

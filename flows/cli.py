@@ -44,6 +44,7 @@ def run(
     config: Path | None = typer.Option(None, "--config", help="YAML file with config sections"),
     store: str | None = StoreOption,
     run_id: str | None = typer.Option(None, "--run-id", help="name the run (default: a new timestamped id)"),
+    data: str | None = typer.Option(None, "--data", help="train on the problems of this data run (`rlvr data`)"),
     set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set train.steps=200"),
 ) -> None:
     """Run the RL pipeline end to end: synthesize, warm start, difficulty, RL steps, evaluate, checkpoint."""
@@ -55,7 +56,12 @@ def run(
     from rlvr.flows.config import load_config
     from rlvr.flows.runner import execute, new_run_id
 
-    cfg = load_config(config, [*set_, *([f"run_id={run_id}"] if run_id else [])])
+    extra = [*([f"run_id={run_id}"] if run_id else []), *([f"data={data}"] if data else [])]
+    cfg = load_config(config, [*set_, *extra])
+    if cfg.data is not None:
+        from rlvr.flows.config import data_run_problems
+
+        data_run_problems(Store(root), cfg.data)  # an unknown data run fails here, as one line
     if cfg.run_id is None:
         cfg = cfg.model_copy(update={"run_id": new_run_id()})
     if Store(root).read_run(cfg.run_id) is not None:

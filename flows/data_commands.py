@@ -12,7 +12,7 @@ from rich.table import Table
 
 from rlvr.errors import UserError
 
-out = Console(soft_wrap=True)
+out = Console(soft_wrap=True, width=max(120, Console().width))  # the summary table needs the room
 err = Console(stderr=True, soft_wrap=True)
 
 
@@ -71,29 +71,34 @@ def data(
 
 
 def _with_status(start: Any) -> Any:
-    """Run `start` under a live line that says which data phase and shard is running."""
+    """Run `start` under a progress bar: the data phase running, and shards done of a sharded stage."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     from rlvr.flows import progress
 
-    with err.status("starting") as status:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    bar = Progress(*columns, console=err)
+    task = bar.add_task("starting", total=None)
 
-        def listener(event: str, fields: dict[str, Any]) -> None:
-            if event == "stage":
-                status.update(fields["name"])
-            elif event == "data":
-                where = f" ({fields['source']})" if "source" in fields else f" ({fields.get('rows', 0)} rows)"
-                status.update(f"synthesize: {fields['phase']}{where}")
-            elif event == "shard":
-                status.update(f"{fields['stage']}: shard {fields['done']}/{fields['total']}")
+    def listener(event: str, fields: dict[str, Any]) -> None:
+        if event == "stage":
+            bar.update(task, description=fields["name"], total=None, completed=0)
+        elif event == "data":
+            where = fields.get("source") or f"{fields.get('rows', 0)} rows"
+            bar.update(task, description=f"synthesize: {fields['phase']} ({where})")
+        elif event == "shard":
+            bar.update(task, description=f"{fields['stage']} shards", total=fields["total"], completed=fields["done"])
 
-        progress.listen(listener)
-        try:
+    progress.listen(listener)
+    try:
+        with bar:
             return start()
-        finally:
-            progress.stop_listening(listener)
+    finally:
+        progress.stop_listening(listener)
 
 
 def source_table(counts: dict[str, dict[str, Any]]) -> Table:
-    table = Table("source", "read", "accepted", "quarantined", "by check", "duplicates", "contaminated")
+    table = Table("source", "read", "accepted", "quarantined", "by check", "duplicates", "contaminated", expand=False)
     for name, c in counts.items():
         checks = ", ".join(f"{k} {v}" for k, v in c["by_check"].items()) or "-"
         row = [c["read"], c["accepted"], c["quarantined"], checks, c["duplicates"], c["contaminated"]]
@@ -101,33 +106,51 @@ def source_table(counts: dict[str, dict[str, Any]]) -> Table:
     return table
 
 
+def _histogram_rows(store: Any, difficulty_id: str) -> list[dict[str, Any]]:
+    """(source, bin, problems, mean posterior) of a difficulty artifact, sources from its problems input."""
+    manifest = store.manifest(difficulty_id)
+    problems_id = manifest.extra["stage_run"]["inputs"]["problems"][0]
+    source_of = dict(zip(*store.read_table(problems_id, columns=["problem_id", "source"]).to_pydict().values()))
+    groups: dict[tuple[str, int], list[float]] = {}
+    for row in store.read_table(difficulty_id, columns=["problem_id", "bin", "posterior_mean"]).to_pylist():
+        groups.setdefault((source_of[row["problem_id"]], row["bin"]), []).append(row["posterior_mean"])
+    return [
+        {"source": source, "bin": b, "n": len(values), "mean": sum(values) / len(values)}
+        for (source, b), values in sorted(groups.items())
+    ]
+
+
 def difficulty_histogram(store: Any, difficulty_id: str) -> Table:
-    rows = store.read_table(difficulty_id, columns=["bin", "posterior_mean"]).to_pylist()
-    bins: dict[int, list[float]] = {}
-    for row in rows:
-        bins.setdefault(row["bin"], []).append(row["posterior_mean"])
-    table = Table("bin", "problems", "mean pass rate (posterior)", "")
-    top = max((len(v) for v in bins.values()), default=1)
-    for b in sorted(bins):
-        values = bins[b]
-        table.add_row(str(b), str(len(values)), f"{sum(values) / len(values):.2f}", "#" * round(30 * len(values) / top))
+    """Problems per difficulty bin (of the posterior mean pass rate) per source, and each source's mean."""
+    rows = _histogram_rows(store, difficulty_id)
+    width = max((r["bin"] for r in rows), default=0) + 1
+    table = Table("source", *(f"bin {b}" for b in range(width)), "mean pass rate (posterior)")
+    for source in sorted({r["source"] for r in rows}):
+        mine = {r["bin"]: r for r in rows if r["source"] == source}
+        total = sum(r["n"] for r in mine.values())
+        mean = sum(r["mean"] * r["n"] for r in mine.values()) / total
+        table.add_row(source, *(str(mine[b]["n"]) if b in mine else "0" for b in range(width)), f"{mean:.2f}")
     return table
+
+
+SUMMED = ("read", "accepted", "quarantined", "duplicates")
 
 
 def print_data_summary(store: Any, summary: dict[str, Any]) -> None:
     """Per source counts (the invariant holds: read = accepted + quarantined + duplicates), then difficulty."""
     counts = store.manifest(summary["problems_id"]).extra["counts"]
-    read = sum(c["read"] for c in counts.values())
-    kept = sum(c["accepted"] for c in counts.values())
+    read, kept, quarantined, duplicates = (sum(c[k] for c in counts.values()) for k in SUMMED)
     out.print(f"\n[bold]data run {summary['run_id']} completed[/bold] in {summary['seconds']:.0f} s")
     out.print(source_table(counts))
-    out.print(f"rows read {read} = accepted {kept} + quarantined + duplicates (checked per source)")
+    out.print(
+        f"rows read {read} = accepted {kept} + quarantined {quarantined} + duplicates {duplicates} (checked per source)"
+    )
     if summary.get("difficulty_id"):
         out.print(difficulty_histogram(store, summary["difficulty_id"]))
     root, run = store.root, summary["run_id"]
     sql = f"SELECT source, failed_check, reason FROM quarantine WHERE run_id = '{run}'"
     out.print(f'quarantine: rlvr query "{sql}" --store {root}')
-    out.print(f"train on it: rlvr run --set data={run} --store {root}")
+    out.print(f"train on it: rlvr run --data {run} --store {root}")
 
 
 def difficulty(

@@ -94,7 +94,7 @@ def test_malformed_rows_are_quarantined_and_the_command_exits_0(malformed_run):
     lines = {line.split("│")[1].strip(): line for line in done.stdout.splitlines() if line.count("│") > 6}
     assert [c.strip() for c in lines["jsonl"].split("│")[2:5]] == ["13", "2", "10"]
     assert [c.strip() for c in lines["csv"].split("│")[2:5]] == ["5", "3", "2"]
-    assert "rows read 18 = accepted 5" in done.stdout
+    assert "rows read 18 = accepted 5 + quarantined 12 + duplicates 1" in done.stdout
 
 
 def test_invariant_rows_read_equal_accepted_quarantined_duplicates(malformed_run):
@@ -284,7 +284,7 @@ def test_mixed_domains_train_end_to_end_each_scored_by_its_verifier(tmp_path, pr
 
 @pytest.mark.slow
 def test_data_difficulty_export_and_training_on_a_data_run(tmp_path, prefect_api):
-    """`rlvr data --input --policy init`, `rlvr difficulty` with another checkpoint, `rlvr export`, `rlvr run --set data=`."""
+    """`rlvr data --input --policy init`, `rlvr run --data`, `rlvr difficulty` with another checkpoint, `rlvr export`."""
     from datasets import load_dataset
 
     from tests.cli_helpers import cli_env
@@ -298,10 +298,13 @@ def test_data_difficulty_export_and_training_on_a_data_run(tmp_path, prefect_api
         "--run-id", "sums", "--store", store, "--set", "difficulty.k=2", env=env,
     )  # fmt: skip
     assert made.returncode == 0, made.stderr[-2000:]
-    assert "rows read 60 = accepted 60" in made.stdout and "mean pass rate" in made.stdout
+    assert (
+        "rows read 60 = accepted 60 + quarantined 0 + duplicates 0" in made.stdout
+        and "mean pass rate (posterior)" in made.stdout
+    )
 
     small = [arg for key in TRAIN_SMALL for arg in ("--set", key)]
-    trained = rlvr("run", "--run-id", "on-sums", "--store", store, "--set", "data=sums", *small, env=env)
+    trained = rlvr("run", "--run-id", "on-sums", "--store", store, "--data", "sums", *small, env=env)
     assert trained.returncode == 0, trained.stderr[-2000:]
     opened = Store.open(store)
     problems = query(opened, "SELECT DISTINCT run_id FROM problems").column("run_id").to_pylist()
