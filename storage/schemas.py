@@ -221,6 +221,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("clip_fraction", _f),
             ("kl", _f),
             ("ref_kl", _f),
+            ("entropy", _f),
             ("grad_norm", _f),
             ("lr", _f),
             ("updates", _i),

@@ -8,6 +8,7 @@ and the reference the next step's policy is named by).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -36,13 +37,19 @@ class TrainConfig(BaseModel):
     grpo: GRPOConfig = Field(default_factory=lambda: GRPOConfig(minibatches=2))
 
 
-def rollout_batch(rollouts: list[dict[str, Any]], score_of: Mapping[str, float]) -> RolloutBatch:
-    """Group the step's rollouts by batch slot (one GRPO group per slot)."""
+def rollout_batch(
+    rollouts: list[dict[str, Any]],
+    score_of: Mapping[str, float],
+    components_of: Mapping[str, dict[str, float]] | None = None,
+) -> RolloutBatch:
+    """Group the step's rollouts by batch slot (one GRPO group per slot); with `components_of`, each sample's
+    reward components too (GDPO normalises them separately)."""
     slots = sorted({r["slot"] for r in rollouts})
     index_of = {slot: i for i, slot in enumerate(slots)}
     prompts = [""] * len(slots)
     samples, rewards = [], []
-    for r in sorted(rollouts, key=lambda r: (r["slot"], r["sample_index"])):
+    ordered = sorted(rollouts, key=lambda r: (r["slot"], r["sample_index"]))
+    for r in ordered:
         i = index_of[r["slot"]]
         prompts[i] = r["prompt"]
         samples.append(
@@ -56,7 +63,30 @@ def rollout_batch(rollouts: list[dict[str, Any]], score_of: Mapping[str, float])
             )
         )
         rewards.append(score_of[r["rollout_id"]])
-    return RolloutBatch(prompts=prompts, samples=samples, rewards=rewards)
+    components = None if components_of is None else [components_of[r["rollout_id"]] for r in ordered]
+    return RolloutBatch(prompts=prompts, samples=samples, rewards=rewards, components=components)
+
+
+def reward_components(inputs: Inputs) -> dict[str, dict[str, float]]:
+    """rollout_id -> its reward components, parsed from the `rewards` artifact's JSON `components` column."""
+    table = inputs.table("rewards", ["rollout_id", "components"]).to_pydict()
+    return {rid: json.loads(text or "{}") for rid, text in zip(table["rollout_id"], table["components"])}
+
+
+def rollout_max_new_tokens(inputs: Inputs) -> int:
+    """The rollouts' sampling limit, from the rollout stage's config recorded in each rollouts manifest (the
+    largest when refill rounds differ): token-sum's constant and the overlong penalty's L_max."""
+    if inputs.store is None:
+        raise ValueError("the rollouts' max_new_tokens is read from their manifests; these inputs have no store")
+    limits: list[int] = []
+    for aid in inputs.ids.get("rollouts", ()):
+        limit = inputs.store.manifest(aid).config.get("max_new_tokens")
+        if not isinstance(limit, int):
+            raise ValueError(f"rollouts {aid} do not record max_new_tokens (the rollout stage's config)")
+        limits.append(limit)
+    if not limits:
+        raise ValueError("input 'rollouts' is missing")
+    return max(limits)
 
 
 def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Built]:
@@ -68,7 +98,10 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
     if inputs.ids.get("groups"):
         kept = {r["slot"] for r in inputs.rows("groups", ["slot", "kept"]) if r["kept"]}
         rollouts = [r for r in rollouts if r["slot"] in kept]
-    batch = rollout_batch(rollouts, score_of)
+    components_of = reward_components(inputs) if cfg.grpo.advantage_components is not None else None
+    batch = rollout_batch(rollouts, score_of, components_of)
+    if cfg.grpo.needs_max_length:
+        batch.max_new_tokens = rollout_max_new_tokens(inputs)
     if inputs.ids.get("restructured"):
         weight_of = dict(zip(*inputs.table("restructured", ["slot", "kl_weight"]).to_pydict().values()))
         batch.kl_weights = [weight_of.get(slot, 1.0) for slot in sorted({r["slot"] for r in rollouts})]
@@ -104,6 +137,7 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
         "clip_fraction": stats["clip_fraction"],
         "kl": stats["kl"],
         "ref_kl": stats["ref_kl"],
+        "entropy": stats["entropy"],
         "grad_norm": stats["grad_norm"],
         "lr": cfg.grpo.lr,
         "updates": updates,
@@ -122,7 +156,7 @@ def identity(cfg: TrainConfig, params: Mapping[str, Any]) -> dict[str, Any]:
 
 TRAIN: Stage[TrainConfig] = Stage(
     name="train",
-    code_version="2",
+    code_version="3",
     section="train",
     config=TrainConfig,
     inputs=("rollouts", "rewards", "policy", "groups", "restructured", "reference"),

@@ -1,36 +1,43 @@
-"""GRPO (docs/methods.md#grpo) with the DAPO and Dr. GRPO variants chosen by config: group advantages, the
-clipped surrogate, and one RL step over a batch of rollouts.
+"""GRPO (docs/methods.md#grpo) and its variants, each chosen by `GRPOConfig`: group advantages, the clipped
+surrogate, the loss aggregations, and one RL step over a batch of rollouts.
 
-Variants: clip-higher = `clip_high > clip_low`; Dr. GRPO's advantages = `advantage_scale="none"`;
-DAPO's token-level loss = `aggregation="token-mean"`. The KL-to-reference term (k3, per-sample weights,
-docs/methods.md#kl-to-the-reference) is off by default (`kl_beta` 0, as DAPO uses for verifiable rewards);
-CLPO turns it on. Groups whose rewards are all equal have zero advantage and are left out of the update;
-dynamic sampling's refills are the filter stage's.
+Variants: clip-higher = `clip_high > clip_low`; Dr. GRPO = `advantage_scale="none"` with
+`aggregation="token-sum"`; DAPO = `aggregation="token-mean"`, clip-higher and `overlong` shaping; Lite PPO's
+group-mean batch-std advantages = `advantage_scale="batch"`; GDPO = `advantage_components`; dual-clip PPO =
+`dual_clip`; a truncated importance weight = `ratio_cap`; `advantage_clip` bounds |A|. The KL-to-reference
+term (k3, per-sample weights, docs/methods.md#kl-to-the-reference) is off by default (`kl_beta` 0, as DAPO
+uses for verifiable rewards); CLPO turns it on. Groups whose advantages are all zero are left out of the
+update; dynamic sampling's refills are the filter stage's. Every default reproduces plain GRPO.
 """
 
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.policy import Policy
+
+Aggregation = Literal["seq-mean-token-mean", "token-mean", "token-sum"]
+AdvantageScale = Literal["std", "batch", "none"]
+Overlong = Literal["none", "mask", "penalty"]
 
 
 def group_advantages(
     rewards: Tensor,
     group_index: Tensor,
     *,
-    scale: Literal["std", "none"] = "std",
+    scale: AdvantageScale = "std",
     eps: float = 1e-6,
 ) -> Tensor:
-    """A_i = (r_i - mean_g) / (std_g + eps) for the group g of sample i (scale="none": r_i - mean_g).
+    """A_i = (r_i - mean_g) / (std_g + eps) for the group g of sample i; scale="batch": divided by the std
+    of every reward of the batch instead (Lite PPO: robust when a group's std is tiny); "none": r_i - mean_g.
 
-    std_g is the population std (divide by the group size, not size - 1): every group's advantages
-    then have unit variance whatever its size, which keeps ragged groups on one scale; a group of one
-    gets 0. Groups are identified by any non-negative ids, in any order.
+    Stds are population stds (divide by the count, not count - 1): every group's advantages then have
+    unit variance whatever its size, which keeps ragged groups on one scale; a group of one gets 0. Groups
+    are identified by any non-negative ids, in any order.
     """
     rewards = rewards.to(torch.float64)
     n_groups = int(group_index.max()) + 1 if group_index.numel() else 0
@@ -40,8 +47,47 @@ def group_advantages(
     centered = rewards - means[group_index]
     if scale == "none":
         return centered.to(torch.float32)
+    if scale == "batch":
+        return (centered / (rewards.std(correction=0) + eps)).to(torch.float32)
     variances = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, centered**2) / sizes.clamp(min=1)
     return (centered / (variances.sqrt()[group_index] + eps)).to(torch.float32)
+
+
+def gdpo_advantages(
+    components: Tensor,
+    group_index: Tensor,
+    weights: Tensor,
+    *,
+    scale: AdvantageScale = "std",
+    eps: float = 1e-6,
+) -> Tensor:
+    """GDPO (docs/methods.md#gdpo): each reward component [N, K] normalised within its group on its own
+    (`group_advantages` with `scale`), S_i = Σ_k w_k A_i^(k), then A_i = S_i / (std_batch S + eps).
+
+    Normalising each component separately keeps reward combinations apart that one normalised sum would
+    map to the same advantages; the batch std makes the scale independent of K. GDPO also subtracts
+    mean_batch S, but every A^(k) is centred within its group, so that mean is 0 up to rounding, and
+    subtracting the rounding would give groups whose rewards are all equal a spurious non-zero advantage.
+    """
+    per_component = [
+        group_advantages(components[:, k], group_index, scale=scale, eps=eps) for k in range(components.shape[1])
+    ]
+    combined = (torch.stack(per_component, dim=1).to(torch.float64) * weights.to(torch.float64)).sum(dim=1)
+    return (combined / (combined.std(correction=0) + eps)).to(torch.float32)
+
+
+def overlong_penalty(n_tokens: Tensor, max_length: int, buffer: int) -> Tensor:
+    """DAPO's soft overlong punishment, added to the reward: 0 up to max_length - buffer tokens, then
+    falling linearly to -1 at max_length (a truncated response gets -1):
+    R_len = clamp(((max_length - buffer) - |y|) / buffer, -1, 0).
+
+    It teaches the policy to finish before the limit without the all-or-nothing cliff of rewarding a
+    truncated response 0.
+    """
+    if not 1 <= buffer <= max_length:
+        raise ValueError(f"overlong_buffer must be between 1 and the max length {max_length}, got {buffer}")
+    start = max_length - buffer
+    return ((start - n_tokens.to(torch.float32)) / buffer).clamp(min=-1.0, max=0.0)
 
 
 def effective_ratio(rewards: Tensor, group_index: Tensor) -> float:
@@ -56,6 +102,20 @@ def effective_ratio(rewards: Tensor, group_index: Tensor) -> float:
     lowest = torch.full((n_groups,), float("inf"), dtype=torch.float64).scatter_reduce(0, group_index, rewards, "amin")
     present = torch.bincount(group_index, minlength=n_groups) > 0
     return float(((highest > lowest) & present).sum() / present.sum())
+
+
+def _next_token_log_probs(
+    model: torch.nn.Module, prompt_ids: Tensor, completion_ids: Tensor, pad_id: int, temperature: float
+) -> Tensor:
+    """log π(· | prompt, earlier completion tokens) over the vocabulary at every completion position [R, T, V]."""
+    prompt_attention = (prompt_ids != pad_id).long()
+    attention = torch.cat([prompt_attention, torch.ones_like(completion_ids)], dim=1)
+    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids).logits
+    prompt_length, completion_length = prompt_ids.shape[1], completion_ids.shape[1]
+    next_token_logits = logits[:, prompt_length - 1 : prompt_length - 1 + completion_length].float() / temperature
+    return torch.log_softmax(next_token_logits, dim=-1)
 
 
 def completion_logprobs(
@@ -77,15 +137,20 @@ def completion_logprobs(
     """
     if completion_mask is None:
         completion_mask = completion_ids != pad_id
-    prompt_attention = (prompt_ids != pad_id).long()
-    attention = torch.cat([prompt_attention, torch.ones_like(completion_ids)], dim=1)
-    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids).logits
-    prompt_length, completion_length = prompt_ids.shape[1], completion_ids.shape[1]
-    next_token_logits = logits[:, prompt_length - 1 : prompt_length - 1 + completion_length].float() / temperature
-    logp = torch.log_softmax(next_token_logits, dim=-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    log_probs = _next_token_log_probs(model, prompt_ids, completion_ids, pad_id, temperature)
+    logp = log_probs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
     return logp, completion_mask.to(logp.dtype)
+
+
+def completion_logprobs_and_entropy(
+    model: torch.nn.Module, prompt_ids: Tensor, completion_ids: Tensor, pad_id: int, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """`completion_logprobs` (same numbers) and the entropy -Σ_v π log π of the next-token distribution at
+    each completion position [R, T], from one forward pass; entropy collapse is GRPO's best-known failure."""
+    log_probs = _next_token_log_probs(model, prompt_ids, completion_ids, pad_id, temperature)
+    logp = log_probs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+    return logp, entropy
 
 
 def clipped_surrogate_loss(
@@ -96,38 +161,63 @@ def clipped_surrogate_loss(
     *,
     clip_low: float,
     clip_high: float,
-    aggregation: Literal["seq-mean-token-mean", "token-mean"],
+    aggregation: Aggregation,
+    dual_clip: float | None = None,
+    ratio_cap: float | None = None,
+    max_length: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO/GRPO loss = -min(ρ A, clip(ρ, 1 - clip_low, 1 + clip_high) A), ρ = exp(logp - old_logp).
+    """PPO/GRPO loss ℓ = -min(ρ A, clip(ρ, 1 - clip_low, 1 + clip_high) A), ρ = exp(logp - old_logp),
+    aggregated over the real tokens (`aggregate`; "token-sum" needs `max_length`).
 
-    aggregation: "seq-mean-token-mean" averages tokens within each sequence, then sequences (GRPO's
-    1/G Σ 1/|o_i|); "token-mean" averages all tokens of the batch (DAPO; long answers weigh per token).
-    stats: clip_fraction = share of tokens where the clipped term is the one taken (no gradient there);
-    approx_kl = token mean of (ρ - 1) - log ρ, the k3 estimate of KL(π_old ‖ π_θ).
+    dual_clip c (> 1): for A < 0 the objective is max(min(...), c A), so a token whose ratio has grown
+    far past the clip costs at most c |A| and gives no gradient (dual-clip PPO; without it ρ A is unbounded).
+    ratio_cap C (> 1 + clip_high): the unclipped term uses ρ' = ρ · sg(min(ρ, C) / ρ), whose value is
+    min(ρ, C) and whose gradient is min(ρ, C) A ∇log π: a truncated importance weight (TIS-style) that
+    keeps a bounded gradient where dual clip drops it. With C above the upper clip it only ever acts on A < 0.
+    stats: clip_fraction = share of tokens whose gradient a clip removes (the clipped term or the dual-clip
+    bound is the one taken); approx_kl = token mean of (ρ - 1) - log ρ, the k3 estimate of KL(π_old ‖ π_θ).
     """
+    if ratio_cap is not None and ratio_cap <= 1.0 + clip_high:
+        raise ValueError(f"ratio_cap {ratio_cap} must exceed 1 + clip_high = {1.0 + clip_high}")
     mask = mask.to(logp.dtype)
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
     advantage = advantages.to(logp.dtype).unsqueeze(-1)
-    unclipped = ratio * advantage
+    weight = ratio if ratio_cap is None else ratio * (ratio.clamp(max=ratio_cap) / ratio).detach()
+    unclipped = weight * advantage
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantage
-    per_token = -torch.minimum(unclipped, clipped)
-    loss = aggregate(per_token, mask, aggregation)
+    objective = torch.minimum(unclipped, clipped)
+    cut = clipped < unclipped
+    if dual_clip is not None:
+        bound = dual_clip * advantage
+        bounded = (advantage < 0) & (bound > objective)
+        objective = torch.where(bounded, bound, objective)
+        cut = cut | bounded
+    loss = aggregate(-objective, mask, aggregation, max_length)
     with torch.no_grad():
         tokens = mask.sum().clamp(min=1)
-        clip_fraction = ((clipped < unclipped).to(mask.dtype) * mask).sum() / tokens
+        clip_fraction = (cut.to(mask.dtype) * mask).sum() / tokens
         approx_kl = (((ratio - 1) - log_ratio) * mask).sum() / tokens
     return loss, {"clip_fraction": float(clip_fraction), "approx_kl": float(approx_kl)}
 
 
-def aggregate(per_token: Tensor, mask: Tensor, aggregation: Literal["seq-mean-token-mean", "token-mean"]) -> Tensor:
-    """A per-token loss [R, T] to a scalar: mean over each sequence's tokens then over sequences, or over
-    every token of the batch."""
+def aggregate(per_token: Tensor, mask: Tensor, aggregation: Aggregation, max_length: int | None = None) -> Tensor:
+    """A per-token loss [R, T] to a scalar (docs/methods.md#loss-aggregation).
+
+    "seq-mean-token-mean": mean over each sequence's tokens, then over sequences (GRPO);
+    "token-mean": mean over every token of the batch (DAPO); "token-sum": the sum over every token divided
+    by the constant R x max_length (Dr. GRPO: no length normalisation, so no length bias, and the scale
+    does not move with the batch's lengths).
+    """
     if aggregation == "seq-mean-token-mean":
         return ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
     if aggregation == "token-mean":
         return (per_token * mask).sum() / mask.sum().clamp(min=1)
-    raise ValueError(f"unknown aggregation '{aggregation}'; expected seq-mean-token-mean or token-mean")
+    if aggregation == "token-sum":
+        if max_length is None:
+            raise ValueError("aggregation 'token-sum' needs max_length (the rollouts' max_new_tokens)")
+        return (per_token * mask).sum() / (per_token.shape[0] * max_length)
+    raise ValueError(f"unknown aggregation '{aggregation}'; expected seq-mean-token-mean, token-mean or token-sum")
 
 
 def reference_kl(
@@ -135,17 +225,18 @@ def reference_kl(
     ref_logp: Tensor,
     mask: Tensor,
     weights: Tensor,
-    aggregation: Literal["seq-mean-token-mean", "token-mean"],
+    aggregation: Aggregation,
+    max_length: int | None = None,
 ) -> Tensor:
     """The KL-to-reference term: per token the k3 estimator D = π_ref/π_θ - log(π_ref/π_θ) - 1 (unbiased,
     never negative), times each sample's weight (CLPO's difficulty-aware s(label)), aggregated like the loss."""
     log_ratio = ref_logp - logp
     per_token = (torch.exp(log_ratio) - log_ratio - 1) * weights.to(logp.dtype).unsqueeze(-1)
-    return aggregate(per_token, mask.to(logp.dtype), aggregation)
+    return aggregate(per_token, mask.to(logp.dtype), aggregation, max_length)
 
 
 class GRPOConfig(BaseModel):
-    """One RL step's optimisation settings.
+    """One RL step's optimisation settings; every default gives plain GRPO (docs/methods.md#grpo has the table).
 
     `lr` and `weight_decay` are for `make_optimizer` (grpo_step uses the optimizer it is given).
     `minibatches`: gradient updates per RL step, each on a contiguous slice of the step's groups, all
@@ -162,25 +253,55 @@ class GRPOConfig(BaseModel):
     weight_decay: float = Field(default=0.0, ge=0)
     clip_low: float = Field(default=0.2, ge=0, lt=1)
     clip_high: float = Field(default=0.2, ge=0)
+    dual_clip: float | None = Field(default=None, gt=1, description="c of dual-clip PPO: A < 0 costs at most c|A|")
+    ratio_cap: float | None = Field(
+        default=None, description="truncate the unclipped term's ratio at this value (detached weight); > 1 + clip_high"
+    )
     minibatches: int = Field(default=1, ge=1)
     max_grad_norm: float = Field(default=1.0, gt=0)
-    advantage_scale: Literal["std", "none"] = "std"
-    aggregation: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean"
+    advantage_scale: AdvantageScale = "std"
+    advantage_components: dict[str, float] | None = Field(
+        default=None,
+        min_length=1,
+        description="GDPO: reward component name -> weight; each is normalised in its group on its own",
+    )
+    advantage_clip: float | None = Field(default=None, gt=0, description="clamp advantages to [-c, c]")
+    aggregation: Aggregation = "seq-mean-token-mean"
+    overlong: Overlong = "none"
+    overlong_buffer: int | None = Field(
+        default=None, ge=1, description="tokens before the max length where the penalty ramps"
+    )
     temperature: float = Field(default=1.0, gt=0)
     kl_beta: float = Field(
         default=0.0, ge=0, description="β of the KL-to-reference term (k3); 0 leaves it out (no reference model)"
     )
 
+    @model_validator(mode="after")
+    def _consistent(self) -> "GRPOConfig":
+        if self.ratio_cap is not None and self.ratio_cap <= 1.0 + self.clip_high:
+            raise ValueError(f"ratio_cap must exceed 1 + clip_high = {1.0 + self.clip_high}")
+        if self.overlong == "penalty" and self.overlong_buffer is None:
+            raise ValueError('overlong="penalty" needs overlong_buffer (tokens of the linear ramp)')
+        return self
+
+    @property
+    def needs_max_length(self) -> bool:
+        """Whether a step needs the rollouts' max_new_tokens (the token-sum constant, the penalty's L_max)."""
+        return self.aggregation == "token-sum" or self.overlong == "penalty"
+
 
 @dataclass
 class RolloutBatch:
     """The rollouts of one RL step: `samples[k].prompt_index` indexes `prompts` (= the group), and
-    `rewards[k]` is the reward of `samples[k]`."""
+    `rewards[k]` is the reward of `samples[k]`; `components[k]` its reward components (GDPO) and
+    `max_new_tokens` the sampling limit (token-sum's constant and the overlong penalty's L_max)."""
 
     prompts: list[str]
     samples: list[Sample]
     rewards: list[float]
     kl_weights: list[float] | None = None  # per prompt (group): the factor on β for its samples
+    components: list[dict[str, float]] | None = None
+    max_new_tokens: int | None = None
 
 
 def _padded(rows: list[list[int]], pad_id: int, side: Literal["left", "right"]) -> Tensor:
@@ -210,6 +331,7 @@ def batch_stats(rewards: Tensor, group_index: Tensor) -> dict[str, float]:
         "clip_fraction": 0.0,
         "kl": 0.0,
         "ref_kl": 0.0,
+        "entropy": 0.0,
         "grad_norm": 0.0,
         "updates": 0.0,
         "mean_reward": float(rewards.mean()) if rewards.numel() else 0.0,
@@ -218,12 +340,59 @@ def batch_stats(rewards: Tensor, group_index: Tensor) -> dict[str, float]:
     }
 
 
-def training_rows(policy: Policy, batch: RolloutBatch, advantages: Tensor, group_index: Tensor) -> TrainingRows | None:
-    """The rows of the groups whose advantages are not all zero, or None when there is none."""
-    active_groups = torch.unique(group_index[advantages != 0])
+def component_matrix(components: list[dict[str, float]], weights: dict[str, float]) -> tuple[Tensor, Tensor]:
+    """The named reward components of every sample [N, K] and their weights [K].
+
+    A sample without a component scores 0 on it (a verdict that errored has no parts and a 0 reward);
+    a name that no sample has is a configuration mistake (a typo would otherwise train on zeros).
+    """
+    names = list(weights)
+    missing = [name for name in names if not any(name in parts for parts in components)]
+    if missing:
+        seen = sorted({name for parts in components for name in parts})
+        raise ValueError(f"advantage_components {missing} are in no reward; the rewards have {seen}")
+    values = torch.tensor([[parts.get(name, 0.0) for name in names] for parts in components], dtype=torch.float64)
+    return values, torch.tensor([weights[name] for name in names], dtype=torch.float64)
+
+
+def step_advantages(batch: RolloutBatch, rewards: Tensor, group_index: Tensor, cfg: GRPOConfig) -> Tensor:
+    """Every sample's advantage under `cfg`: the overlong penalty joins the reward (as one more component
+    of weight 1 under GDPO), then group / batch / GDPO normalisation, then the advantage clip."""
+    penalty = None
+    if cfg.overlong == "penalty":
+        assert batch.max_new_tokens is not None and cfg.overlong_buffer is not None  # checked by grpo_step
+        n_tokens = torch.tensor([s.n_tokens for s in batch.samples])
+        penalty = overlong_penalty(n_tokens, batch.max_new_tokens, cfg.overlong_buffer)
+    if cfg.advantage_components is not None:
+        if batch.components is None or len(batch.components) != len(batch.samples):
+            raise ValueError("advantage_components needs the reward components of every sample")
+        values, weights = component_matrix(batch.components, cfg.advantage_components)
+        if penalty is not None:
+            values = torch.cat([values, penalty.unsqueeze(1).to(values.dtype)], dim=1)
+            weights = torch.cat([weights, torch.ones(1, dtype=weights.dtype)])
+        advantages = gdpo_advantages(values, group_index, weights, scale=cfg.advantage_scale)
+    else:
+        advantages = group_advantages(
+            rewards if penalty is None else rewards + penalty, group_index, scale=cfg.advantage_scale
+        )
+    if cfg.advantage_clip is not None:
+        advantages = advantages.clamp(-cfg.advantage_clip, cfg.advantage_clip)
+    return advantages
+
+
+def training_rows(
+    policy: Policy, batch: RolloutBatch, advantages: Tensor, group_index: Tensor, trainable: Tensor | None = None
+) -> TrainingRows | None:
+    """The rows of the groups whose advantages are not all zero, or None when there is none.
+
+    `trainable` [N] (default all) leaves samples out of the loss, e.g. truncated ones under
+    `overlong="mask"`; they still counted in their group's mean and std (the advantages are given).
+    """
+    keep = torch.ones_like(group_index, dtype=torch.bool) if trainable is None else trainable
+    active_groups = torch.unique(group_index[(advantages != 0) & keep])
     if active_groups.numel() == 0:
         return None
-    rows = torch.isin(group_index, active_groups).nonzero().squeeze(1).tolist()
+    rows = (torch.isin(group_index, active_groups) & keep).nonzero().squeeze(1).tolist()
     pad_id = policy.tokenizer.pad_token_id
     prompt_tokens = policy.tokenizer(batch.prompts)["input_ids"]
     prompt_ids = _padded([prompt_tokens[batch.samples[k].prompt_index] for k in rows], pad_id, "left")
@@ -237,6 +406,15 @@ def training_rows(policy: Policy, batch: RolloutBatch, advantages: Tensor, group
     )
 
 
+def _check_step(batch: RolloutBatch, cfg: GRPOConfig, reference: Policy | None) -> None:
+    if cfg.kl_beta > 0 and reference is None:
+        raise ValueError("kl_beta > 0 needs the reference policy")
+    if len(batch.samples) != len(batch.rewards):
+        raise ValueError(f"{len(batch.samples)} samples but {len(batch.rewards)} rewards")
+    if cfg.needs_max_length and batch.max_new_tokens is None:
+        raise ValueError("aggregation 'token-sum' and overlong 'penalty' need the batch's max_new_tokens")
+
+
 def grpo_step(
     policy: Policy,
     optimizer: torch.optim.Optimizer,
@@ -244,73 +422,124 @@ def grpo_step(
     cfg: GRPOConfig,
     reference: Policy | None = None,
 ) -> dict[str, float]:
-    """One RL step: advantages per group, old logprobs once (no grad), then `cfg.minibatches` clipped
-    updates over the groups that carry signal; with `cfg.kl_beta` > 0, plus β x the KL to `reference`.
+    """One RL step: advantages (`step_advantages`), old logprobs once (no grad), then `cfg.minibatches`
+    clipped updates over the groups that carry signal; with `cfg.kl_beta` > 0, plus β x the KL to `reference`.
 
     Returns loss, clip_fraction, kl (k3 estimate of KL(π_old ‖ π_θ)), ref_kl (the reference term before
-    β), grad_norm (means over the updates; grad_norm before clipping), updates (0 when every group is
-    uniform), mean_reward, reward_std (population, over all samples) and effective_ratio.
+    β), grad_norm (means over the updates; grad_norm before clipping), entropy (token mean of π_old's
+    entropy on the trained tokens), updates (0 when every group is uniform), mean_reward, reward_std
+    (population, over all samples, of the verifier's rewards before any overlong penalty) and effective_ratio.
     """
-    if cfg.kl_beta > 0 and reference is None:
-        raise ValueError("kl_beta > 0 needs the reference policy")
-    if len(batch.samples) != len(batch.rewards):
-        raise ValueError(f"{len(batch.samples)} samples but {len(batch.rewards)} rewards")
+    _check_step(batch, cfg, reference)
     rewards = torch.tensor(batch.rewards, dtype=torch.float32)
     group_index = torch.tensor([s.prompt_index for s in batch.samples], dtype=torch.long)
     stats = batch_stats(rewards, group_index)
     if not batch.samples:
         return stats
-    advantages = group_advantages(rewards, group_index, scale=cfg.advantage_scale)
-    rows = training_rows(policy, batch, advantages, group_index)
+    advantages = step_advantages(batch, rewards, group_index, cfg)
+    trainable = None
+    if cfg.overlong == "mask":
+        trainable = torch.tensor([s.finish_reason != "length" for s in batch.samples], dtype=torch.bool)
+    rows = training_rows(policy, batch, advantages, group_index, trainable)
     if rows is None:
         return stats
-    stats.update(_clipped_updates(policy, optimizer, rows, cfg, reference if cfg.kl_beta > 0 else None))
+    reference = reference if cfg.kl_beta > 0 else None
+    stats.update(_clipped_updates(policy, optimizer, rows, cfg, reference, batch.max_new_tokens))
     return stats
 
 
 def _clipped_updates(
-    policy: Policy, optimizer: torch.optim.Optimizer, rows: TrainingRows, cfg: GRPOConfig, reference: Policy | None
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    rows: TrainingRows,
+    cfg: GRPOConfig,
+    reference: Policy | None,
+    max_length: int | None,
 ) -> dict[str, float]:
     """`cfg.minibatches` updates, each on a contiguous slice of the active groups, against one set of
     old logprobs (and reference logprobs when there is a KL term); returns the mean loss, clip fraction,
-    KL estimates and grad norm, and the update count."""
+    KL estimates and grad norm, π_old's token-mean entropy, and the update count."""
     model, pad_id = policy.model, policy.tokenizer.pad_token_id
-    everything = (rows.prompt_ids, rows.completion_ids, pad_id, rows.mask, cfg.temperature)
     with torch.no_grad():
-        old_logp, _ = completion_logprobs(model, *everything)
-        ref_logp = completion_logprobs(reference.model, *everything)[0] if reference is not None else None
+        old_logp, entropy = completion_logprobs_and_entropy(
+            model, rows.prompt_ids, rows.completion_ids, pad_id, cfg.temperature
+        )
+        ref_logp = None
+        if reference is not None:
+            everything = (rows.prompt_ids, rows.completion_ids, pad_id, rows.mask, cfg.temperature)
+            ref_logp = completion_logprobs(reference.model, *everything)[0]
+        mean_entropy = float((entropy * rows.mask).sum() / rows.mask.sum().clamp(min=1))
     slices = torch.tensor_split(rows.active_groups, min(cfg.minibatches, rows.active_groups.numel()))
     totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ref_kl": 0.0, "grad_norm": 0.0}
     for groups in slices:
         selected = torch.isin(rows.groups, groups)
-        logp, token_mask = completion_logprobs(
-            model,
-            rows.prompt_ids[selected],
-            rows.completion_ids[selected],
-            pad_id,
-            rows.mask[selected],
-            cfg.temperature,
-        )
-        loss, loss_stats = clipped_surrogate_loss(
-            logp,
-            old_logp[selected],
-            rows.advantages[selected],
-            token_mask,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            aggregation=cfg.aggregation,
-        )
-        if ref_logp is not None:
-            ref_kl = reference_kl(logp, ref_logp[selected], token_mask, rows.kl_weights[selected], cfg.aggregation)
-            loss = loss + cfg.kl_beta * ref_kl
-            totals["ref_kl"] += ref_kl.item()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        optimizer.step()
-        totals["loss"] += loss.item()
-        totals["clip_fraction"] += loss_stats["clip_fraction"]
-        totals["kl"] += loss_stats["approx_kl"]
-        totals["grad_norm"] += grad_norm.item()
+        for name, value in _update(policy, optimizer, rows, selected, old_logp, ref_logp, cfg, max_length).items():
+            totals[name] += value
     optimizer.zero_grad(set_to_none=True)
-    return {**{name: value / len(slices) for name, value in totals.items()}, "updates": float(len(slices))}
+    averages = {name: value / len(slices) for name, value in totals.items()}
+    return {**averages, "entropy": mean_entropy, "updates": float(len(slices))}
+
+
+def minibatch_loss(
+    policy: Policy,
+    rows: TrainingRows,
+    selected: Tensor,
+    old_logp: Tensor,
+    ref_logp: Tensor | None,
+    cfg: GRPOConfig,
+    max_length: int | None,
+) -> tuple[Tensor, Tensor | None, dict[str, float]]:
+    """The loss of the `selected` rows (the clipped surrogate plus β x the reference KL when there is a
+    reference), the KL term alone (before β; None without a reference) and the surrogate's stats.
+    Shared by the single-process update and the data-parallel one (trainer/distributed.py)."""
+    logp, token_mask = completion_logprobs(
+        policy.model,
+        rows.prompt_ids[selected],
+        rows.completion_ids[selected],
+        policy.tokenizer.pad_token_id,
+        rows.mask[selected],
+        cfg.temperature,
+    )
+    loss, loss_stats = clipped_surrogate_loss(
+        logp,
+        old_logp[selected],
+        rows.advantages[selected],
+        token_mask,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        aggregation=cfg.aggregation,
+        dual_clip=cfg.dual_clip,
+        ratio_cap=cfg.ratio_cap,
+        max_length=max_length,
+    )
+    if ref_logp is None:
+        return loss, None, loss_stats
+    kl_term = reference_kl(logp, ref_logp[selected], token_mask, rows.kl_weights[selected], cfg.aggregation, max_length)
+    return loss + cfg.kl_beta * kl_term, kl_term, loss_stats
+
+
+def _update(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    rows: TrainingRows,
+    selected: Tensor,
+    old_logp: Tensor,
+    ref_logp: Tensor | None,
+    cfg: GRPOConfig,
+    max_length: int | None,
+) -> dict[str, float]:
+    """One gradient update on the `selected` rows; returns its loss, clip fraction, KL estimates and grad norm."""
+    model = policy.model
+    loss, kl_term, loss_stats = minibatch_loss(policy, rows, selected, old_logp, ref_logp, cfg, max_length)
+    ref_kl = kl_term.item() if kl_term is not None else 0.0
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    optimizer.step()
+    return {
+        "loss": loss.item(),
+        "clip_fraction": loss_stats["clip_fraction"],
+        "kl": loss_stats["approx_kl"],
+        "ref_kl": ref_kl,
+        "grad_norm": grad_norm.item(),
+    }

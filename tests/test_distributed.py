@@ -1,0 +1,162 @@
+"""Data-parallel GRPO: two gloo processes give the parameters one process gets on the whole batch.
+
+The batch is ragged on purpose (groups of 1-5 samples, completions of 1-6 tokens, one uniform group and one
+group of one that carry no signal), so that in every minibatch the two ranks hold different numbers of
+sequences and of tokens: a plain gradient average would then differ from the single-process gradient.
+
+Tolerances. The two runs sum the same float32 terms in a different order (per-rank partial sums, then the
+all-reduce): gradients agree to ~1e-6 relative. With plain SGD the parameters are linear in the gradients,
+so they must agree within `ATOL` = 1e-6 while the step moves them by ~1e-3 (measured: 4e-9 apart). AdamW
+divides by sqrt(v) + 1e-8, which turns float noise in a gradient that is ~0 (the k_proj biases: softmax
+ignores them) into a visible step: through AdamW the parameters agree only to a few 1e-3 x lr (measured: up
+to 2.3e-3 x lr), so the torchrun test allows 2e-2 x lr there and also compares AdamW's first moment, which is
+linear in the gradients (measured 5e-9 apart, allowed 1e-7 + 1e-4 relative)."""
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlvr.trainer.distributed import distributed_grpo_step, run_torchrun, shard_plan
+from rlvr.trainer.generation import Sample
+from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
+from rlvr.trainer.policy import (
+    Policy,
+    PolicyConfig,
+    init_policy,
+    load_optimizer_state,
+    make_optimizer,
+    policy_from_files,
+)
+
+ATOL = 1e-6
+DIGITS = list(range(4, 14))  # token ids of "0".."9" in the tiny vocabulary
+EOS = 2
+
+
+def ragged_batch(seed: int, sizes: list[int], uniform: tuple[int, ...] = ()) -> RolloutBatch:
+    """Group g has sizes[g] samples of 1-6 tokens (odd samples end in eos, the others ran out of length);
+    rewards in {0, 0.5, 1}, all 1 in the groups of `uniform`."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [f"{g % 10}+{(3 * g + 1) % 10}=" if g % 2 else f"{g}{g}+{g}=" for g in range(len(sizes))]
+    samples, rewards = [], []
+    for group, size in enumerate(sizes):
+        for index in range(size):
+            length = int(torch.randint(1, 7, (1,), generator=generator))
+            ids = [DIGITS[int(t)] for t in torch.randint(0, 10, (length,), generator=generator)]
+            if index % 2:
+                ids[-1] = EOS
+            samples.append(Sample(group, index, ids, "", len(ids), "stop" if ids[-1] == EOS else "length"))
+            reward = 1.0 if group in uniform else float(torch.randint(0, 3, (1,), generator=generator)) / 2
+            rewards.append(reward)
+    return RolloutBatch(prompts=prompts, samples=samples, rewards=rewards, max_new_tokens=6)
+
+
+# Groups 0, 1, 3, 5 carry signal (3, 5, 4, 3 samples); 2 is uniform and 4 is a group of one.
+BATCH = ragged_batch(0, [3, 5, 2, 4, 1, 3], uniform=(2,))
+WEIGHTED = dataclasses.replace(BATCH, kl_weights=[0.5, 1.0, 1.0, 2.0, 1.0, 0.5])  # CLPO's per-group β factors
+ONE_GROUP = ragged_batch(1, [4, 2], uniform=(1,))  # one active group: the second rank holds nothing
+SCENARIOS: dict[str, tuple[RolloutBatch, GRPOConfig]] = {
+    "seq-mean": (BATCH, GRPOConfig(lr=1e-2, minibatches=2, aggregation="seq-mean-token-mean")),
+    "token-mean": (BATCH, GRPOConfig(lr=1e-2, minibatches=2, aggregation="token-mean", weight_decay=0.1)),
+    "token-sum": (BATCH, GRPOConfig(lr=1e-2, minibatches=2, aggregation="token-sum", advantage_scale="none")),
+    "kl": (WEIGHTED, GRPOConfig(lr=1e-2, aggregation="token-mean", kl_beta=0.5, clip_high=0.3, dual_clip=3.0)),
+    "overlong-mask": (BATCH, GRPOConfig(lr=1e-2, minibatches=2, overlong="mask", advantage_scale="batch")),
+    "idle-rank": (ONE_GROUP, GRPOConfig(lr=1e-2, minibatches=2)),
+}
+
+
+def _fresh(cfg: GRPOConfig, optimizer: str = "sgd") -> tuple[Policy, torch.optim.Optimizer, Policy | None]:
+    """The tiny policy (seed 0), its optimizer, and a different reference (seed 1) when there is a KL term."""
+    policy = init_policy(PolicyConfig(), seed=0)
+    reference = init_policy(PolicyConfig(), seed=1) if cfg.kl_beta > 0 else None
+    if optimizer == "sgd":
+        return policy, torch.optim.SGD(policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay), reference
+    return policy, make_optimizer(policy, cfg.lr, cfg.weight_decay), reference
+
+
+def _assert_same_parameters(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float) -> None:
+    initial = init_policy(PolicyConfig(), seed=0).model.state_dict()
+    assert got.keys() == expected.keys()
+    moved = max(float((expected[name] - initial[name]).abs().max()) for name in expected)
+    assert moved > 100 * atol  # the step moved the parameters far more than the tolerance
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _assert_same_stats(got: dict[str, float], expected: dict[str, float]) -> None:
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """One rank: every scenario from the same initial policy; rank 0 saves what it got."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        for name, (batch, cfg) in SCENARIOS.items():
+            policy, optimizer, reference = _fresh(cfg)
+            stats = distributed_grpo_step(policy, optimizer, batch, cfg, reference)
+            if rank == 0:
+                torch.save({"state": policy.model.state_dict(), "stats": stats}, Path(out_dir) / f"{name}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> dict[str, dict]:
+    """Every scenario on two spawned gloo ranks (one spawn for all: starting a process costs seconds)."""
+    with tempfile.TemporaryDirectory(prefix="rlvr-dp-test-") as tmp:
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "store"), tmp), nprocs=2, join=True)
+        return {name: torch.load(Path(tmp) / f"{name}.pt") for name in SCENARIOS}
+
+
+def test_shards_are_whole_groups_with_unequal_counts():
+    plan = shard_plan(torch.tensor([0, 1, 3, 5]), torch.tensor([9.0, 20, 5, 14, 2, 10]), minibatches=2, world_size=2)
+    assert [[owned.tolist() for owned in minibatch] for minibatch in plan] == [[[1], [0]], [[3], [5]]]
+    sizes = {0: 3, 1: 5, 3: 4, 5: 3}
+    assert all(sizes[int(a)] != sizes[int(b)] for (a,), (b,) in plan)  # the share weighting matters
+    # More ranks than groups: the extra ranks get none, and every group is somewhere exactly once.
+    plan = shard_plan(torch.tensor([2, 7, 9]), torch.ones(10), minibatches=1, world_size=4)
+    assert sorted(torch.cat(plan[0]).tolist()) == [2, 7, 9] and plan[0][3].numel() == 0
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_two_gloo_processes_match_one_process_on_the_whole_batch(two_rank_results, scenario):
+    batch, cfg = SCENARIOS[scenario]
+    policy, optimizer, reference = _fresh(cfg)
+    expected_stats = grpo_step(policy, optimizer, batch, cfg, reference)
+    result = two_rank_results[scenario]
+    _assert_same_parameters(result["state"], policy.model.state_dict(), ATOL)
+    _assert_same_stats(result["stats"], expected_stats)
+
+
+@pytest.mark.slow
+def test_torchrun_launcher_matches_one_process_and_resumes_the_optimizer(tmp_path):
+    """The production path: `torchrun -m rlvr.trainer.distributed` with AdamW, on the second step of a run
+    (the optimizer state of the first goes in), against the same two steps in one process; nothing is
+    written under $HOME."""
+    cfg = GRPOConfig(lr=1e-3, minibatches=2, aggregation="token-mean", weight_decay=0.1)
+    policy, optimizer, _ = _fresh(cfg, optimizer="adamw")
+    grpo_step(policy, optimizer, ragged_batch(7, [2, 3, 4]), cfg)
+    home = tmp_path / "home"
+    files, optimizer_bytes, stats = run_torchrun(
+        policy, optimizer, BATCH, cfg, nproc=2, env={**os.environ, "HOME": str(home)}
+    )
+    expected_stats = grpo_step(policy, optimizer, BATCH, cfg)
+    updated = policy_from_files(files)
+    _assert_same_parameters(updated.model.state_dict(), policy.model.state_dict(), atol=2e-2 * cfg.lr)
+    _assert_same_stats(stats, expected_stats)
+    resumed = make_optimizer(updated, cfg.lr, cfg.weight_decay)
+    load_optimizer_state(resumed, optimizer_bytes)
+    got_state, expected_state = resumed.state_dict()["state"], optimizer.state_dict()["state"]
+    assert got_state.keys() == expected_state.keys()
+    for index, expected in expected_state.items():
+        assert got_state[index]["step"] == expected["step"] == 4  # two minibatches on each batch
+        torch.testing.assert_close(got_state[index]["exp_avg"], expected["exp_avg"], atol=1e-7, rtol=1e-4)
+    assert not home.exists()
