@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load as safetensors_load
 
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.storage.store import Store
@@ -25,9 +26,10 @@ from rlvr.trainer.checkpoints import (
     reference_policy,
     take_trainer_state,
 )
+from rlvr.trainer.distributed import run_torchrun
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
-from rlvr.trainer.policy import optimizer_state_bytes, policy_files
+from rlvr.trainer.policy import load_optimizer_state, optimizer_state_bytes, policy_files
 
 
 class TrainConfig(BaseModel):
@@ -35,6 +37,9 @@ class TrainConfig(BaseModel):
 
     steps: int = Field(600, ge=0, description="RL steps")
     grpo: GRPOConfig = Field(default_factory=lambda: GRPOConfig(minibatches=2))
+    data_parallel: int = Field(
+        1, ge=1, description="processes sharing each update, launched with torchrun (gloo on CPU, nccl on GPU)"
+    )
 
 
 def rollout_batch(
@@ -89,6 +94,21 @@ def rollout_max_new_tokens(inputs: Inputs) -> int:
     return max(limits)
 
 
+def update_policy(state: TrainerState, batch: RolloutBatch, cfg: TrainConfig, reference: Any) -> dict[str, float]:
+    """One GRPO step in this process, or across `cfg.data_parallel` torchrun processes (whose updated
+    weights and optimizer state are loaded back into the live trainer state)."""
+    assert state.optimizer is not None
+    if cfg.data_parallel == 1:
+        return grpo_step(state.policy, state.optimizer, batch, cfg.grpo, reference)
+    files, optimizer_bytes, stats = run_torchrun(
+        state.policy, state.optimizer, batch, cfg.grpo, reference, nproc=cfg.data_parallel
+    )
+    weights = safetensors_load(files["model.safetensors"])
+    state.policy.model.load_state_dict(weights, strict=False)  # tied weights are stored once
+    load_optimizer_state(state.optimizer, optimizer_bytes)
+    return stats
+
+
 def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Built]:
     """Inputs: the step's `rollouts` and `rewards` (every round), the `policy` to update (a TrainerState when
     given); with dynamic sampling the `groups` the filter kept (without it every group trains); with CLPO
@@ -117,7 +137,7 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
     state: TrainerState = inputs.load("policy", take)
     assert state.optimizer is not None
     started = time.perf_counter()
-    stats = grpo_step(state.policy, state.optimizer, batch, cfg.grpo, reference)
+    stats = update_policy(state, batch, cfg, reference)
     compute_seconds = time.perf_counter() - started
     n_params = parameter_count(state.policy)
     updates = int(stats["updates"])
