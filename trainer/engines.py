@@ -10,6 +10,7 @@ engine; an engine that keeps its own copy of the weights (vLLM, a remote server)
 from __future__ import annotations
 
 import atexit
+import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,34 @@ class SamplingParams:
     temperature: float
     top_p: float
     seed: int
+
+
+def request_seed(seed: int, prompt_index: int) -> int:
+    """The seed of one prompt's request in engines that send a request per prompt (vLLM, a server):
+    distinct per prompt and the same in every process, so the same seed gives the same samples however
+    the requests are batched or ordered."""
+    return random.Random(f"{seed}:{prompt_index}").getrandbits(31)
+
+
+def eos_ids(policy: Policy) -> set[int]:
+    """Every token id the policy treats as end-of-sequence (its generation config may list several)."""
+    eos = policy.model.generation_config.eos_token_id
+    if eos is None:
+        eos = policy.tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return {int(token) for token in eos} if isinstance(eos, list) else {int(eos)}
+
+
+def with_eos(ids: Sequence[int], stopped: bool, policy: Policy) -> list[int]:
+    """`ids` ending with the eos when the completion stopped, as the transformers engine gives them: the
+    loss must train the stop. Engines that send no stop strings read "stop" as end-of-sequence; a backend
+    that leaves that token out of its ids (or a re-tokenized text) gets the tokenizer's eos appended."""
+    ids = [int(token) for token in ids]
+    eos = policy.tokenizer.eos_token_id
+    if stopped and eos is not None and (not ids or ids[-1] not in eos_ids(policy)):
+        ids.append(int(eos))
+    return ids
 
 
 class EngineConfig(BaseModel):
@@ -120,3 +149,8 @@ def close_engines() -> None:
 
 
 ENGINES.register(TransformersEngineConfig, TransformersEngine)
+
+# The other built-in engines live in their own modules, which import this one and register themselves;
+# importing them here makes `rollout.type=openai|vllm` known wherever the registry is. Neither imports vllm.
+import rlvr.trainer.remote  # noqa: E402
+import rlvr.trainer.vllm_engine  # noqa: E402, F401

@@ -1,0 +1,301 @@
+"""Rollout engines chosen by `rollout.type`: the `openai` engine against a real HTTP server (the tiny model
+behind `http.server`, sampled with our transformers engine), and the registry wiring of `openai` and `vllm`."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlvr.errors import UserError
+from rlvr.trainer.engines import ENGINES, SamplingParams, TransformersEngine, TransformersEngineConfig, request_seed
+from rlvr.trainer.generation import Sample, sample
+from rlvr.trainer.policy import Policy, PolicyConfig, init_policy, policy_from_files
+from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig
+from rlvr.trainer.vllm_engine import VLLMEngineConfig
+
+PROMPTS = ["1+2=", "3+4=", "5+5=", "9-2="]
+
+
+# --- the server ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerState:
+    """What the server does (`fail_first` 503s, `delay_s` per request, token ids or not, an API key)
+    and what it saw (requests, the most in flight at once, reloaded directories)."""
+
+    policy: Policy
+    fail_first: int = 0
+    delay_s: float = 0.0
+    token_ids: bool = True
+    api_key: str | None = None
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    failed: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+    reloads: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sampling_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def completions_answer(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
+    """`n` seeded samples of one prompt, as OpenAI's completions endpoint answers (torch's RNG is
+    process-global, hence the lock: requests may overlap, sampling may not)."""
+    with state.sampling_lock:
+        samples = sample(
+            state.policy,
+            [body["prompt"]],
+            [int(body["n"])],
+            max_new_tokens=int(body["max_tokens"]),
+            temperature=float(body["temperature"]),
+            top_p=float(body["top_p"]),
+            seed=int(body["seed"]),
+        )
+    choices = []
+    for s in samples:
+        choice: dict[str, Any] = {"index": s.sample_index, "text": s.text, "finish_reason": s.finish_reason}
+        if state.token_ids and body.get("return_token_ids"):
+            choice["token_ids"] = s.completion_ids
+        choices.append(choice)
+    return {"object": "text_completion", "model": "tiny", "choices": choices[::-1]}  # any order: index says
+
+
+def reload_answer(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
+    """The `sync=reload` hook: serve the checkpoint directory the engine wrote."""
+    assert body["method"] == "reload_directory"
+    path = Path(body["args"][0])
+    files = {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    with state.sampling_lock:
+        state.policy = policy_from_files(files, source=str(path))
+    state.reloads.append(str(path))
+    return {"results": [None]}
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: Server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def reply(self, status: int, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def authorized(self) -> bool:
+        key = self.server.state.api_key
+        return key is None or self.headers.get("Authorization") == f"Bearer {key}"
+
+    def do_GET(self) -> None:
+        if not self.authorized():
+            return self.reply(401, {"error": "bad key"})
+        self.reply(200, {"data": [{"id": "tiny"}]} if self.path == "/v1/models" else {"error": "no route"})
+
+    def do_POST(self) -> None:
+        state = self.server.state
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if not self.authorized():
+            return self.reply(401, {"error": "bad key"})
+        with state.lock:
+            state.requests.append(body)
+            if state.failed < state.fail_first:
+                state.failed += 1
+                return self.reply(503, {"error": "warming up"})
+            state.in_flight += 1
+            state.max_in_flight = max(state.max_in_flight, state.in_flight)
+        try:
+            time.sleep(state.delay_s)
+            routes = {"/v1/completions": completions_answer, "/collective_rpc": reload_answer}
+            self.reply(200, routes[self.path](state, body))
+        finally:
+            with state.lock:
+                state.in_flight -= 1
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, state: ServerState) -> None:
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.state = state
+
+
+@pytest.fixture
+def policy() -> Policy:
+    return init_policy(PolicyConfig(), seed=0)
+
+
+@pytest.fixture
+def server(policy: Policy) -> Iterator[tuple[str, ServerState]]:
+    """(base_url ending in /v1, the server's state), on a free localhost port."""
+    state = ServerState(policy=policy)
+    httpd = Server(state)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    host, port = httpd.server_address[:2]
+    yield f"http://{host!s}:{port}/v1", state
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def engine_at(url: str, policy: Policy, **settings: Any) -> OpenAIEngine:
+    engine = OpenAIEngine(OpenAIEngineConfig(base_url=url, backoff_s=0.01, **settings))
+    engine.update_weights(policy, "policy-0")
+    return engine
+
+
+SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0, top_p=1.0, seed=7)
+
+
+# --- the tests ----------------------------------------------------------------------------------
+
+
+def test_samples_are_the_servers_grouped_by_prompt(server, policy) -> None:
+    url, state = server
+    counts = [3, 0, 8, 5]
+    samples = engine_at(url, policy).generate(PROMPTS, counts, SAMPLING)
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [
+        (i, k) for i, n in enumerate(counts) for k in range(n)
+    ]
+    assert len(state.requests) == 3  # one request per prompt with samples, `n` of them
+    assert {r["model"] for r in state.requests} == {"tiny"}  # asked /v1/models, as cfg.model is empty
+    for index in (0, 2, 3):  # exactly what transformers gives for the request's seed
+        expected = sample(
+            policy,
+            [PROMPTS[index]],
+            [counts[index]],
+            max_new_tokens=4,
+            temperature=1.0,
+            top_p=1.0,
+            seed=request_seed(7, index),
+        )
+        assert [s for s in samples if s.prompt_index == index] == [
+            type(e)(index, e.sample_index, e.completion_ids, e.text, e.n_tokens, e.finish_reason) for e in expected
+        ]
+    assert {s.finish_reason for s in samples} == {"stop", "length"}
+    for s in samples:
+        assert s.n_tokens == len(s.completion_ids) <= 4
+        assert (s.finish_reason == "stop") == (s.completion_ids[-1] == policy.tokenizer.eos_token_id)
+        assert s.text == policy.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
+    assert engine_at(url, policy).generate(PROMPTS, counts, SAMPLING) == samples  # same seed, same samples
+
+
+def test_text_is_retokenized_when_the_server_gives_no_ids(server, policy) -> None:
+    url, state = server
+    with_ids = engine_at(url, policy).generate(PROMPTS, [8] * 4, SAMPLING)
+    state.token_ids = False
+    retokenized = engine_at(url, policy).generate(PROMPTS, [8] * 4, SAMPLING)
+    special = set(policy.tokenizer.all_special_ids)
+
+    def printable(s: Sample) -> bool:  # every token shows in the text (the random model also emits <pad>, <unk>)
+        return not special & set(s.completion_ids[:-1] if s.finish_reason == "stop" else s.completion_ids)
+
+    round_trips = [(a, b) for a, b in zip(with_ids, retokenized) if printable(a)]
+    assert len(round_trips) >= 8 and {a.finish_reason for a, _ in round_trips} == {"stop", "length"}
+    for a, b in round_trips:
+        assert (b.completion_ids, b.finish_reason, b.text) == (a.completion_ids, a.finish_reason, a.text)
+
+
+def test_requests_run_concurrently(server, policy) -> None:
+    url, state = server
+    state.delay_s = 0.3  # long enough for all four requests to be in the server at once
+    engine_at(url, policy, concurrency=4).generate(PROMPTS, [2] * 4, SAMPLING)
+    assert state.max_in_flight == 4
+
+
+def test_503s_are_retried_then_answered(server, policy) -> None:
+    url, state = server
+    state.fail_first = 2
+    samples = engine_at(url, policy, concurrency=1, max_retries=2).generate(PROMPTS[:1], [2], SAMPLING)
+    assert len(samples) == 2 and len(state.requests) == 3
+
+
+def test_a_server_that_keeps_failing_is_one_user_error(server, policy) -> None:
+    url, state = server
+    state.fail_first = 100
+    with pytest.raises(UserError, match=r"failed after 2 tries \(HTTP 503: .*warming up") as caught:
+        engine_at(url, policy, max_retries=1).generate(PROMPTS[:1], [2], SAMPLING)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_slow_server_times_out(server, policy) -> None:
+    url, state = server
+    state.delay_s = 2.0
+    start = time.perf_counter()
+    with pytest.raises(UserError, match=r"failed after 2 tries \(timed out after 0.2s\)"):
+        engine_at(url, policy, model="tiny", timeout_s=0.2, max_retries=1).generate(PROMPTS[:1], [1], SAMPLING)
+    assert time.perf_counter() - start < 1.5
+
+
+def test_an_unreachable_server_is_one_user_error(policy) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    with pytest.raises(UserError) as caught:
+        engine_at(url, policy, model="tiny", max_retries=2).generate(PROMPTS[:1], [1], SAMPLING)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert f"{url}/completions failed after 3 tries (ConnectError" in message
+    assert "rollout.base_url" in message
+
+
+def test_the_api_key_comes_from_the_named_environment_variable(server, policy, monkeypatch) -> None:
+    url, state = server
+    state.api_key = "s3cret"
+    monkeypatch.setenv("RLVR_TEST_KEY", "s3cret")
+    assert len(engine_at(url, policy, api_key_env="RLVR_TEST_KEY").generate(PROMPTS[:1], [1], SAMPLING)) == 1
+    with pytest.raises(UserError, match="HTTP 401"):
+        engine_at(url, policy).generate(PROMPTS[:1], [1], SAMPLING)
+    monkeypatch.delenv("RLVR_TEST_KEY")
+    with pytest.raises(UserError, match="RLVR_TEST_KEY.*not set"):
+        engine_at(url, policy, api_key_env="RLVR_TEST_KEY")
+
+
+def test_reload_sync_serves_each_new_policy(server, policy, tmp_path) -> None:
+    url, state = server
+    state.policy = init_policy(PolicyConfig(), seed=1)  # the server starts on other weights
+    engine = engine_at(url, policy, sync="reload", sync_dir=str(tmp_path))
+    assert state.reloads == [str(tmp_path / "policy-0")]
+    ours = sample(policy, PROMPTS[:1], [8], max_new_tokens=4, temperature=1.0, top_p=1.0, seed=request_seed(7, 0))
+    assert [s.completion_ids for s in engine.generate(PROMPTS[:1], [8], SAMPLING)] == [s.completion_ids for s in ours]
+    engine.update_weights(policy, "policy-0")  # same reference: nothing to send
+    engine.update_weights(init_policy(PolicyConfig(), seed=2), "run/step 1")
+    assert state.reloads[1:] == [str(tmp_path / "run_step_1")]
+    assert [p.name for p in tmp_path.iterdir()] == ["run_step_1"]  # only the served checkpoint is kept
+
+
+def test_reload_needs_a_directory() -> None:
+    with pytest.raises(ValueError, match="sync_dir"):
+        OpenAIEngineConfig(sync="reload")
+
+
+def test_rollout_type_chooses_the_engine(tiny_config) -> None:
+    cfg = tiny_config(
+        "engines", "rollout.type=openai", "rollout.base_url=http://10.0.0.5:8000/v1", "rollout.concurrency=3"
+    )
+    assert isinstance(cfg.rollout, OpenAIEngineConfig)
+    assert (cfg.rollout.base_url, cfg.rollout.concurrency, cfg.rollout.sync) == ("http://10.0.0.5:8000/v1", 3, "none")
+    assert isinstance(tiny_config("engines", "rollout.type=vllm").rollout, VLLMEngineConfig)
+    assert isinstance(tiny_config("engines").rollout, TransformersEngineConfig)
+    assert isinstance(ENGINES.make(TransformersEngineConfig()), TransformersEngine)
+    assert {"openai", "transformers", "vllm"} <= set(ENGINES.names())
+
+
+def test_registering_the_engines_does_not_import_vllm() -> None:
+    """This module imported both engines' configs; only starting the `vllm` engine imports vllm."""
+    ENGINES.config_type()
+    assert "vllm" not in sys.modules

