@@ -45,6 +45,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/verifier_throughput.py
 	$(BIN)/python benchmarks/code_verifier_throughput.py
 
+# rlvr run vs TRL's GRPOTrainer (issue 9); TRL gets its own venv under benchmarks/out on first use.
+.PHONY: bench-trl
+bench-trl: $(STAMP)
+	$(BIN)/python benchmarks/trainer_vs_trl.py
+
 clean:
 	rm -rf $(VENV) $(STORE) .pytest_cache .venv-vllm
 
