@@ -40,7 +40,7 @@ def _generate(policy: Policy, prompts: list[str], max_new_tokens: int, **samplin
     """New tokens per prompt row, cut after the first eos (the eos is kept)."""
     if not prompts:
         return []
-    encoded = policy.tokenizer(prompts, return_tensors="pt", padding=True)
+    encoded = policy.tokenizer(prompts, return_tensors="pt", padding=True).to(policy.model.device)
     with torch.no_grad():
         output = policy.model.generate(  # type: ignore[operator]  # GenerationMixin, not a module attribute
             **encoded,

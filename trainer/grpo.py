@@ -401,9 +401,9 @@ def training_rows(
     mask = torch.arange(completion_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
     per_group = batch.kl_weights or [1.0] * len(batch.prompts)
     kl_weights = torch.tensor([per_group[batch.samples[k].prompt_index] for k in rows], dtype=torch.float32)
-    return TrainingRows(
-        prompt_ids, completion_ids, mask, advantages[rows], group_index[rows], active_groups, kl_weights
-    )
+    tensors = (prompt_ids, completion_ids, mask, advantages[rows], group_index[rows], active_groups, kl_weights)
+    device = next(policy.model.parameters()).device  # built on the CPU; the model may sit on a GPU
+    return TrainingRows(*(t.to(device) for t in tensors))
 
 
 def _check_step(batch: RolloutBatch, cfg: GRPOConfig, reference: Policy | None) -> None:
