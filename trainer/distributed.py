@@ -35,6 +35,7 @@ from rlvr.trainer.grpo import (
     batch_stats,
     completion_logprobs,
     completion_logprobs_and_entropy,
+    loss_share,
     minibatch_loss,
     step_advantages,
     training_rows,
@@ -152,16 +153,9 @@ def _global_counts(
 
 
 def _share(shard: Shard, selected: Tensor, totals: Tensor, cfg: GRPOConfig) -> float:
-    """This rank's share of a minibatch's loss: its aggregate is a mean over its own sequences
-    (seq-mean-token-mean; token-sum divides by the sequence count too) or its own tokens (token-mean),
-    so weighting it by own / whole count makes the ranks' sum the whole minibatch's aggregate."""
-    if cfg.aggregation == "token-mean":
-        own, whole = float(shard.rows.mask[selected].sum()), float(totals[1])
-    elif cfg.aggregation in ("seq-mean-token-mean", "token-sum"):
-        own, whole = float(selected.sum()), float(totals[0])
-    else:  # a new aggregation needs its own share here, or the ranks' sum is not the whole batch's loss
-        raise ValueError(f"no data-parallel weighting for aggregation '{cfg.aggregation}'")
-    return own / max(whole, 1.0)
+    """This rank's share of a minibatch's loss (`loss_share`, as micro-batches are weighted): weighted by it,
+    the ranks' losses sum to the whole minibatch's aggregate. `totals` = (sequences, tokens) of the minibatch."""
+    return loss_share(shard.rows.mask[selected], float(totals[0]), float(totals[1]), cfg.aggregation)
 
 
 def _shard_loss(

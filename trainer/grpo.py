@@ -245,6 +245,13 @@ class GRPOConfig(BaseModel):
     the untempered policy even when rollouts were sampled hotter (exploration); setting it to the
     sampling temperature makes the ratio exact against the sampled distribution (TRL/verl do this).
     On the earlier addition task 1.0 did as well or better with rollouts at temperature 2.5.
+    `micro_batch_tokens`: gradient accumulation. Each minibatch's rows go through forward and backward in
+    micro-batches of at most this many padded tokens (rows x (prompt width + completion width), the widths
+    of the step's padded tensors, which is what the forward pass holds in memory); a row wider than the budget
+    is a micro-batch of its own. Rows are split regardless of groups (advantages are already computed), each
+    micro-batch's loss is weighted by its share of the minibatch (`loss_share`), and the minibatch still makes
+    one clipped optimizer step: the update is the unsplit one up to float summation order. None: one forward
+    and backward per minibatch.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -274,6 +281,9 @@ class GRPOConfig(BaseModel):
     temperature: float = Field(default=1.0, gt=0)
     kl_beta: float = Field(
         default=0.0, ge=0, description="β of the KL-to-reference term (k3); 0 leaves it out (no reference model)"
+    )
+    micro_batch_tokens: int | None = Field(
+        default=None, ge=1, description="padded tokens per forward/backward; None: the whole minibatch at once"
     )
 
     @model_validator(mode="after")
@@ -518,6 +528,58 @@ def minibatch_loss(
     return loss + cfg.kl_beta * kl_term, kl_term, loss_stats
 
 
+def loss_share(part_mask: Tensor, whole_sequences: float, whole_tokens: float, aggregation: Aggregation) -> float:
+    """The weight on a part's aggregate (`part_mask` [r, T] its rows' real tokens) so that the parts of a
+    minibatch sum to the whole minibatch's aggregate: the aggregate is a mean over the part's own sequences
+    (seq-mean-token-mean; token-sum divides by the row count too) or its own tokens (token-mean), so own /
+    whole count. Used by micro-batches here and by the data-parallel ranks (trainer/distributed.py)."""
+    if aggregation == "token-mean":
+        own, whole = float(part_mask.sum()), whole_tokens
+    elif aggregation in ("seq-mean-token-mean", "token-sum"):
+        own, whole = float(part_mask.shape[0]), whole_sequences
+    else:  # a new aggregation needs its own share here, or the parts' sum is not the whole minibatch's loss
+        raise ValueError(f"no split weighting for aggregation '{aggregation}'")
+    return own / max(whole, 1.0)
+
+
+def micro_batches(rows: TrainingRows, selected: Tensor, budget: int | None) -> list[Tensor]:
+    """The `selected` rows [R] (bool) as consecutive micro-batches (bool masks) of at most `budget` padded
+    tokens each, at least one row each; `budget` None: the whole selection at once. Every row has the same
+    padded width (the step's), so the budget is a row count; groups may straddle micro-batches."""
+    if budget is None:
+        return [selected]
+    width = rows.prompt_ids.shape[1] + rows.completion_ids.shape[1]
+    indices = selected.nonzero().squeeze(1)
+    chunks = torch.split(indices, max(1, budget // width))
+    return [torch.zeros_like(selected).index_fill_(0, chunk, True) for chunk in chunks]
+
+
+def _accumulate_gradients(
+    policy: Policy,
+    rows: TrainingRows,
+    selected: Tensor,
+    old_logp: Tensor,
+    ref_logp: Tensor | None,
+    cfg: GRPOConfig,
+    max_length: int | None,
+) -> dict[str, float]:
+    """Backward of the `selected` rows' loss, one micro-batch at a time (gradients add up), each weighted by
+    its `loss_share`; returns the minibatch's loss, clip fraction, KL and reference KL (token-weighted where
+    the stat is a token mean). With one micro-batch every weight is exactly 1: the unsplit numbers."""
+    whole_sequences, whole_tokens = float(selected.sum()), float(rows.mask[selected].sum())
+    totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ref_kl": 0.0}
+    for part in micro_batches(rows, selected, cfg.micro_batch_tokens):
+        loss, kl_term, loss_stats = minibatch_loss(policy, rows, part, old_logp, ref_logp, cfg, max_length)
+        share = loss_share(rows.mask[part], whole_sequences, whole_tokens, cfg.aggregation)
+        (share * loss).backward()
+        token_share = float(rows.mask[part].sum()) / max(whole_tokens, 1.0)
+        totals["loss"] += share * loss.item()
+        totals["ref_kl"] += share * kl_term.item() if kl_term is not None else 0.0
+        totals["clip_fraction"] += token_share * loss_stats["clip_fraction"]
+        totals["kl"] += token_share * loss_stats["approx_kl"]
+    return totals
+
+
 def _update(
     policy: Policy,
     optimizer: torch.optim.Optimizer,
@@ -528,18 +590,10 @@ def _update(
     cfg: GRPOConfig,
     max_length: int | None,
 ) -> dict[str, float]:
-    """One gradient update on the `selected` rows; returns its loss, clip fraction, KL estimates and grad norm."""
-    model = policy.model
-    loss, kl_term, loss_stats = minibatch_loss(policy, rows, selected, old_logp, ref_logp, cfg, max_length)
-    ref_kl = kl_term.item() if kl_term is not None else 0.0
+    """One gradient update on the `selected` rows (accumulated over micro-batches when `cfg.micro_batch_tokens`
+    is set); returns its loss, clip fraction, KL estimates and grad norm."""
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    stats = _accumulate_gradients(policy, rows, selected, old_logp, ref_logp, cfg, max_length)
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), cfg.max_grad_norm)
     optimizer.step()
-    return {
-        "loss": loss.item(),
-        "clip_fraction": loss_stats["clip_fraction"],
-        "kl": loss_stats["approx_kl"],
-        "ref_kl": ref_kl,
-        "grad_norm": grad_norm.item(),
-    }
+    return {**stats, "grad_norm": grad_norm.item()}
