@@ -183,7 +183,7 @@ def _json_kind(value: Any) -> str:
 
 
 def _lone_surrogate(value: Any) -> str | None:
-    """The first lone surrogate in a parsed JSON value's strings and keys (from a `\\udXXX` escape)."""
+    """The first lone surrogate in a parsed JSON value's strings and keys (from a JSON escape such as `\\ud800`)."""
     if isinstance(value, str):
         found = _LONE_SURROGATE.search(value)
         return found.group() if found else None

@@ -32,13 +32,11 @@ from rlvr.trainer.grpo import (
     GRPOConfig,
     RolloutBatch,
     TrainingRows,
-    batch_stats,
     completion_logprobs,
     completion_logprobs_and_entropy,
     loss_share,
     minibatch_loss,
-    step_advantages,
-    training_rows,
+    step_rows,
 )
 from rlvr.trainer.policy import (
     Policy,
@@ -72,30 +70,6 @@ def shard_plan(active_groups: Tensor, group_cost: Tensor, minibatches: int, worl
             loads[rank] += float(group_cost[group])
         plan.append([torch.tensor(sorted(groups_of_rank), dtype=torch.long) for groups_of_rank in owned])
     return plan
-
-
-def step_rows(
-    policy: Policy, batch: RolloutBatch, cfg: GRPOConfig, reference: Policy | None
-) -> tuple[dict[str, float], TrainingRows | None]:
-    """grpo_step's first half on the whole batch: its checks, its batch stats, and the rows that carry signal
-    (advantages as `step_advantages` gives them, truncated samples out under overlong="mask"). Every rank
-    computes the same, from the same batch: no model call, so it costs a tokenization."""
-    if cfg.kl_beta > 0 and reference is None:
-        raise ValueError("kl_beta > 0 needs the reference policy")
-    if len(batch.samples) != len(batch.rewards):
-        raise ValueError(f"{len(batch.samples)} samples but {len(batch.rewards)} rewards")
-    if cfg.needs_max_length and batch.max_new_tokens is None:
-        raise ValueError("aggregation 'token-sum' and overlong 'penalty' need the batch's max_new_tokens")
-    rewards = torch.tensor(batch.rewards, dtype=torch.float32)
-    group_index = torch.tensor([s.prompt_index for s in batch.samples], dtype=torch.long)
-    stats = batch_stats(rewards, group_index)
-    if not batch.samples:
-        return stats, None
-    advantages = step_advantages(batch, rewards, group_index, cfg)
-    trainable = None
-    if cfg.overlong == "mask":
-        trainable = torch.tensor([s.finish_reason != "length" for s in batch.samples], dtype=torch.bool)
-    return stats, training_rows(policy, batch, advantages, group_index, trainable)
 
 
 @dataclass

@@ -416,13 +416,28 @@ def training_rows(
     return TrainingRows(*(t.to(device) for t in tensors))
 
 
-def _check_step(batch: RolloutBatch, cfg: GRPOConfig, reference: Policy | None) -> None:
+def step_rows(
+    policy: Policy, batch: RolloutBatch, cfg: GRPOConfig, reference: Policy | None
+) -> tuple[dict[str, float], TrainingRows | None]:
+    """A step's first half on the whole batch: its checks, its batch stats, and the rows that carry signal
+    (advantages as `step_advantages` gives them, truncated samples out under overlong="mask"; None when no
+    group carries signal). No model call: data-parallel ranks each compute the same from the same batch."""
     if cfg.kl_beta > 0 and reference is None:
         raise ValueError("kl_beta > 0 needs the reference policy")
     if len(batch.samples) != len(batch.rewards):
         raise ValueError(f"{len(batch.samples)} samples but {len(batch.rewards)} rewards")
     if cfg.needs_max_length and batch.max_new_tokens is None:
         raise ValueError("aggregation 'token-sum' and overlong 'penalty' need the batch's max_new_tokens")
+    rewards = torch.tensor(batch.rewards, dtype=torch.float32)
+    group_index = torch.tensor([s.prompt_index for s in batch.samples], dtype=torch.long)
+    stats = batch_stats(rewards, group_index)
+    if not batch.samples:
+        return stats, None
+    advantages = step_advantages(batch, rewards, group_index, cfg)
+    trainable = None
+    if cfg.overlong == "mask":
+        trainable = torch.tensor([s.finish_reason != "length" for s in batch.samples], dtype=torch.bool)
+    return stats, training_rows(policy, batch, advantages, group_index, trainable)
 
 
 def grpo_step(
@@ -440,17 +455,7 @@ def grpo_step(
     entropy on the trained tokens), updates (0 when every group is uniform), mean_reward, reward_std
     (population, over all samples, of the verifier's rewards before any overlong penalty) and effective_ratio.
     """
-    _check_step(batch, cfg, reference)
-    rewards = torch.tensor(batch.rewards, dtype=torch.float32)
-    group_index = torch.tensor([s.prompt_index for s in batch.samples], dtype=torch.long)
-    stats = batch_stats(rewards, group_index)
-    if not batch.samples:
-        return stats
-    advantages = step_advantages(batch, rewards, group_index, cfg)
-    trainable = None
-    if cfg.overlong == "mask":
-        trainable = torch.tensor([s.finish_reason != "length" for s in batch.samples], dtype=torch.bool)
-    rows = training_rows(policy, batch, advantages, group_index, trainable)
+    stats, rows = step_rows(policy, batch, cfg, reference)
     if rows is None:
         return stats
     reference = reference if cfg.kl_beta > 0 else None
