@@ -36,7 +36,7 @@ PER_STEP_STAGES = ("select", "allocate", "rollout", "label", "train", "update")
 def pipeline_run(steps: int, overrides: list[str]) -> tuple[float, list[dict], float]:
     """Seconds per RL step in steady state, the stage_runs rows of the timed steps, and the seconds the
     end-of-step group commits took (`Store.batch`: syncs, manifests, deferred deletes) over those steps."""
-    from rlvr.flows import progress
+    from rlvr import progress
     from rlvr.flows.config import load_config
     from rlvr.flows.runner import execute
     from rlvr.storage.store import Store

@@ -87,7 +87,7 @@ def resume(run_id: str = typer.Argument(..., help="the run to finish"), store: s
 def _run_with_progress(start, cfg) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rlvr.flows import progress
+    from rlvr import progress
 
     steps = cfg.train.steps if cfg is not None else 0
     state: dict[str, Any] = {"reward": float("nan"), "accuracy": float("nan")}

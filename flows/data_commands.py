@@ -34,11 +34,9 @@ def data_config(input: Path | None, config: Path | None, verifier: str | None, o
         raise UserError("give exactly one of --input FILE or --config FILE.yaml")
     if verifier and input is None:
         raise UserError("--verifier goes with --input; in a config, set it on each source")
-    cfg = load_config(config, overrides)
-    if input is not None:
-        source = input_source(input, verifier)
-        cfg = load_config(None, [*overrides, f"synthesize.sources=[{json.dumps(source)}]"])
-    return cfg
+    if input is None:
+        return load_config(config, overrides)
+    return load_config(None, [*overrides, f"synthesize.sources=[{json.dumps(input_source(input, verifier))}]"])
 
 
 def data(
@@ -74,7 +72,7 @@ def _with_status(start: Any) -> Any:
     """Run `start` under a progress bar: the data phase running, and shards done of a sharded stage."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rlvr.flows import progress
+    from rlvr import progress
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     bar = Progress(*columns, console=err)

@@ -12,8 +12,8 @@ from prefect import flow
 
 from rlvr.errors import UserError
 from rlvr.flows.config import RunConfigBase, commit_config
-from rlvr.flows.progress import report
 from rlvr.flows.stages import run
+from rlvr.progress import report
 from rlvr.storage.stage import open_store
 from rlvr.tasks.difficulty import DIFFICULTY, DIFFICULTY_FROM_LABELS
 from rlvr.tasks.initialize import INITIALIZE

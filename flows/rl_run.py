@@ -23,8 +23,8 @@ from prefect.cache_policies import NONE
 
 from rlvr.curricula.filtering import prompts_to_draw
 from rlvr.flows.config import RunConfigBase, commit_config, data_run_problems
-from rlvr.flows.progress import report
 from rlvr.flows.stages import run
+from rlvr.progress import report
 from rlvr.storage.stage import open_store, prune_transient
 from rlvr.tasks.allocate import ALLOCATE
 from rlvr.tasks.checkpoint import CHECKPOINT

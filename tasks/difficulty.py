@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlvr.flows.progress import report
+from rlvr.progress import report
 from rlvr.storage.stage import Built, Inputs, Output, Sharded, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy
 from rlvr.trainer.generation import sample

@@ -1,4 +1,7 @@
-"""Progress of a running flow, for the CLI's progress bar. The flow reports; whoever listens draws."""
+"""Progress of running work, for the CLI's progress bars: flows and stages report; whoever listens draws.
+
+It sits in the package root because flows and stage builds (tasks/) both report, and a task module must not
+import the flows."""
 
 from __future__ import annotations
 
