@@ -215,6 +215,27 @@ def test_sample_is_seeded_ragged_and_leaves_global_rng_alone(policy):
     assert sample(policy, prompts, [0, 0, 0], seed=11, **kwargs) == []
 
 
+def test_shared_prompt_cache_draws_the_same_tokens_as_plain_generate(policy, monkeypatch):
+    """Prompts of different lengths (left padding), ragged groups, top-p: the per-prompt cache changes no token."""
+    import random
+
+    from rlvr.trainer import generation
+
+    rng = random.Random(0)
+    cases = []
+    for _ in range(12):
+        prompts = [f"{rng.randint(0, 999)}+{rng.randint(0, 9)}=" for _ in range(rng.randint(1, 8))]
+        cases.append((prompts, [rng.randint(0, 6) for _ in prompts]))
+    kwargs = dict(max_new_tokens=5, temperature=1.3, top_p=0.9)
+    encoded = policy.tokenizer(["1+1=", "1+1=", "22+3="], return_tensors="pt", padding=True)
+    cache = generation._shared_prompt_cache(policy, encoded["input_ids"], encoded["attention_mask"])
+    assert cache is not None and cache.get_seq_length() == encoded["input_ids"].shape[1] - 1
+    with_cache = [[s.completion_ids for s in sample(policy, p, c, seed=i, **kwargs)] for i, (p, c) in enumerate(cases)]
+    monkeypatch.setattr(generation, "_shared_prompt_cache", lambda *args: None)
+    plain = [[s.completion_ids for s in sample(policy, p, c, seed=i, **kwargs)] for i, (p, c) in enumerate(cases)]
+    assert with_cache == plain
+
+
 def test_completion_logprobs_ignore_left_padding(policy):
     tokenizer, model = policy.tokenizer, policy.model
     alone = torch.tensor([tokenizer("3+4=")["input_ids"]])

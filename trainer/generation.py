@@ -5,7 +5,7 @@ why it ended, so that rewards, length statistics and the loss all see the same c
 """
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -47,6 +47,7 @@ def _generate(policy: Policy, prompts: list[str], max_new_tokens: int, **samplin
             max_new_tokens=max_new_tokens,
             pad_token_id=policy.tokenizer.pad_token_id,
             eos_token_id=sorted(_eos_ids(policy)),
+            past_key_values=_shared_prompt_cache(policy, encoded["input_ids"], encoded["attention_mask"]),
             **sampling,
         )
     new_tokens = output[:, encoded["input_ids"].shape[1] :].tolist()
@@ -56,6 +57,32 @@ def _generate(policy: Policy, prompts: list[str], max_new_tokens: int, **samplin
         end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
         completions.append(row[:end])
     return completions
+
+
+def _shared_prompt_cache(policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+    """The key/value cache of every row's prompt but its last token, computed once per distinct prompt and
+    copied to the rows that share it; None when no prompt repeats (or prompts are one token long).
+
+    A GRPO batch samples each prompt many times; `generate` given this cache runs only the last prompt token
+    and the new ones per row, so the prompt's forward pass is paid once per group instead of once per sample.
+    The rows' token ids, mask and positions are the ones `generate` itself would use, so sampling draws the
+    same tokens (asserted against the uncached path in tests/test_trainer.py).
+    """
+    if input_ids.shape[1] < 2:
+        return None
+    distinct, row_to_distinct = torch.unique(input_ids, dim=0, return_inverse=True)
+    if distinct.shape[0] == input_ids.shape[0] or not policy.model.config.use_cache:
+        return None
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    first_row = torch.full((distinct.shape[0],), input_ids.shape[0], device=input_ids.device)
+    first_row = first_row.scatter_reduce(0, row_to_distinct, rows, reduce="amin")  # one row per distinct prompt
+    mask = attention_mask[first_row, :-1]
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    prefix = policy.model(
+        input_ids=input_ids[first_row, :-1], attention_mask=mask, position_ids=positions, use_cache=True
+    ).past_key_values
+    prefix.batch_select_indices(row_to_distinct)
+    return prefix
 
 
 def _decode(policy: Policy, ids: list[int]) -> str:
