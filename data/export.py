@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from rlvr.chat import as_messages, chat_messages
 from rlvr.errors import UserError
 from rlvr.verifiers.registry import registered
 
@@ -55,22 +56,6 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "jsonl": ("problem_id", "split"),
 }
 _SPLIT_NAME = re.compile(r"[A-Za-z0-9_-]+")  # split names become file names
-
-
-def chat_messages(prompt: str) -> list[dict[str, str]] | None:
-    """The messages of a chat prompt (JSON list of {role, content}), or None for a text prompt."""
-    if not prompt.lstrip().startswith("["):
-        return None
-    try:
-        parsed = json.loads(prompt)
-    except ValueError:
-        return None
-    if not parsed or not all(isinstance(m, dict) and "role" in m for m in parsed):
-        return None
-    for position, message in enumerate(parsed):
-        if not (isinstance(message["role"], str) and isinstance(message.get("content"), str)):
-            raise UserError(f"chat prompt message {position} needs a string role and content: {prompt[:80]!r}")
-    return [{"role": m["role"], "content": m["content"]} for m in parsed]
 
 
 def _check_input(problems: pa.Table, fmt: str) -> None:
@@ -107,16 +92,12 @@ def _split_rows(problems: pa.Table, split: str) -> list[dict[str, Any]]:
     return problems.filter(pc.equal(problems.column("split"), split)).sort_by("problem_id").to_pylist()
 
 
-def _messages(prompt: str) -> list[dict[str, str]]:
-    return chat_messages(prompt) or [{"role": "user", "content": prompt}]
-
-
 def verl_table(rows: list[dict[str, Any]], split: str) -> pa.Table:
     """verl's RL dataset layout (see the module docstring) for one split's problems, in file order."""
     records = [
         {
             "data_source": row["verifier"],
-            "prompt": _messages(row["prompt"]),
+            "prompt": as_messages(row["prompt"]),
             "ability": row["domain"],
             "reward_model": {"style": "rule", "ground_truth": row["reference"]},
             "extra_info": {"split": split, "index": index, "problem_id": row["problem_id"]},
@@ -129,7 +110,7 @@ def verl_table(rows: list[dict[str, Any]], split: str) -> pa.Table:
 def trl_table(rows: list[dict[str, Any]], conversational: bool) -> pa.Table:
     """A GRPOTrainer dataset: the prompt plus the columns our TRL reward function reads."""
     if conversational:
-        prompts = pa.array([_messages(row["prompt"]) for row in rows], type=MESSAGES_TYPE)
+        prompts = pa.array([as_messages(row["prompt"]) for row in rows], type=MESSAGES_TYPE)
     else:
         prompts = pa.array([row["prompt"] for row in rows], type=pa.string())
     columns = {"prompt": prompts}

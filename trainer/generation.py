@@ -10,6 +10,7 @@ from typing import Any, Literal
 import torch
 
 from rlvr.trainer.policy import Policy
+from rlvr.trainer.prompts import prompt_ids
 
 
 @dataclass
@@ -40,7 +41,8 @@ def _generate(policy: Policy, prompts: list[str], max_new_tokens: int, **samplin
     """New tokens per prompt row, cut after the first eos (the eos is kept)."""
     if not prompts:
         return []
-    encoded = policy.tokenizer(prompts, return_tensors="pt", padding=True).to(policy.model.device)
+    encoded = policy.tokenizer.pad({"input_ids": prompt_ids(policy.tokenizer, prompts)}, return_tensors="pt")
+    encoded = encoded.to(policy.model.device)
     with torch.no_grad():
         output = policy.model.generate(  # type: ignore[operator]  # GenerationMixin, not a module attribute
             **encoded,

@@ -17,6 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
+from rlvr.trainer import prompts
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.policy import Policy
 
@@ -404,7 +405,7 @@ def training_rows(
         return None
     rows = (torch.isin(group_index, active_groups) & keep).nonzero().squeeze(1).tolist()
     pad_id = policy.tokenizer.pad_token_id
-    prompt_tokens = policy.tokenizer(batch.prompts)["input_ids"]
+    prompt_tokens = prompts.prompt_ids(policy.tokenizer, batch.prompts)
     prompt_ids = _padded([prompt_tokens[batch.samples[k].prompt_index] for k in rows], pad_id, "left")
     completion_ids = _padded([batch.samples[k].completion_ids for k in rows], pad_id, "right")
     lengths = torch.tensor([batch.samples[k].n_tokens for k in rows])

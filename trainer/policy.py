@@ -30,14 +30,17 @@ class PolicyConfig(BaseModel):
     """Which model to start from and how many CPU threads torch may use.
 
     `model`: "tiny" (built in, no download), a local Hugging Face model directory, or a hub id that is
-    already in the local Hugging Face cache (nothing is downloaded). `threads` is fixed, not "all
-    cores", because CPU matmul results depend on the thread count: a fixed count keeps runs
-    bit-identical across machines and processes.
+    already in the local Hugging Face cache (nothing is downloaded). `checkpoint`: the id of a
+    `checkpoints` artifact in the same store to start from instead (it overrides `model`; the run's
+    initial checkpoint then has it as its parent, so lineage crosses runs; recurring schedules set it).
+    `threads` is fixed, not "all cores", because CPU matmul results depend on the thread count: a
+    fixed count keeps runs bit-identical across machines and processes.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     model: str = "tiny"
+    checkpoint: str | None = None
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     threads: int = Field(default=1, ge=1)
 

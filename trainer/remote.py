@@ -42,6 +42,7 @@ from rlvr.errors import UserError
 from rlvr.trainer.engines import ENGINES, EngineConfig, RolloutEngine, SamplingParams, request_seed, with_eos
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.policy import Policy, policy_files
+from rlvr.trainer.prompts import prompt_text
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,8 @@ class OpenAIEngine(RolloutEngine):
             return []
         self._served_model()
         with ThreadPoolExecutor(max_workers=min(self.cfg.concurrency, len(jobs))) as pool:
-            groups = list(pool.map(lambda index: self._complete(index, prompts[index], counts[index], sampling), jobs))
+            texts = {index: prompt_text(self._policy.tokenizer, prompts[index]) for index in jobs}
+            groups = list(pool.map(lambda index: self._complete(index, texts[index], counts[index], sampling), jobs))
         return [sample for group in groups for sample in group]
 
     def _served_model(self) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from rlvr.curricula.clpo import Rewrite, Rewriter, RewriteRequest
 from rlvr.trainer.generation import greedy
 from rlvr.trainer.policy import Policy
+from rlvr.trainer.prompts import prompt_ids
 
 
 class PolicyRewriter(Rewriter):
@@ -45,5 +46,5 @@ class PolicyRewriter(Rewriter):
     def _fits(self, prompt: str) -> bool:
         """Whether prompt + completion stay within the model's positions (a small model's may be short)."""
         limit = getattr(self.policy.model.config, "max_position_embeddings", None)
-        length = len(self.policy.tokenizer(prompt)["input_ids"])
+        length = len(prompt_ids(self.policy.tokenizer, [prompt])[0])
         return limit is None or length + self.max_new_tokens <= limit

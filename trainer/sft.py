@@ -6,6 +6,7 @@ start on a few examples teaches the answer format (answer then eos) so that RL h
 
 import torch
 
+from rlvr.trainer import prompts
 from rlvr.trainer.grpo import completion_logprobs
 from rlvr.trainer.policy import Policy
 
@@ -27,7 +28,7 @@ def sft_warmstart(
         raise ValueError("sft_warmstart needs at least one (prompt, answer) example")
     tokenizer, model = policy.tokenizer, policy.model
     pad_id = tokenizer.pad_token_id
-    prompt_tokens = tokenizer([prompt for prompt, _ in examples])["input_ids"]
+    prompt_tokens = prompts.prompt_ids(tokenizer, [prompt for prompt, _ in examples])
     answer_tokens = [
         ids + [tokenizer.eos_token_id]
         for ids in tokenizer([answer for _, answer in examples], add_special_tokens=False)["input_ids"]

@@ -30,6 +30,7 @@ from rlvr.errors import UserError
 from rlvr.trainer.engines import ENGINES, EngineConfig, RolloutEngine, SamplingParams, request_seed, with_eos
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.policy import Policy, policy_files
+from rlvr.trainer.prompts import prompt_text
 
 
 class VLLMEngineConfig(EngineConfig):
@@ -115,7 +116,8 @@ class VLLMEngine(RolloutEngine):
             )
             for index in jobs
         ]
-        outputs = self.llm.generate([prompts[index] for index in jobs], params, use_tqdm=False)
+        texts = [prompt_text(self._policy.tokenizer, prompts[index]) for index in jobs]
+        outputs = self.llm.generate(texts, params, use_tqdm=False)
         return [sample for index, output in zip(jobs, outputs) for sample in self._samples(index, output)]
 
     def _samples(self, prompt_index: int, output: Any) -> list[Sample]:

@@ -1,0 +1,57 @@
+"""Chat models read prompts through their own chat template, everywhere the trainer tokenizes a prompt."""
+
+import json
+
+import pytest
+import torch
+
+from rlvr.trainer.generation import Sample, sample
+from rlvr.trainer.grpo import RolloutBatch, training_rows
+from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
+from rlvr.trainer.prompts import prompt_ids, prompt_text
+from rlvr.trainer.tiny_model import VOCAB, build_tiny_tokenizer
+
+# Built from the tiny tokenizer's characters only: "*" opens a system turn, "-" a user turn, "=" the answer.
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}*{% else %}-{% endif %}{{ m.content }}"
+    "{% endfor %}{% if add_generation_prompt %}={% endif %}"
+)
+CHAT = json.dumps([{"role": "system", "content": "1"}, {"role": "user", "content": "3+4="}])
+
+
+def ids(text: str) -> list[int]:
+    """The tiny vocabulary's ids of single characters (and the bos token)."""
+    return [VOCAB.index(token) for token in (["<s>"] if text.startswith("<s>") else []) + list(text.removeprefix("<s>"))]
+
+
+@pytest.fixture
+def chat_policy() -> Policy:
+    policy = init_policy(PolicyConfig(), seed=0)
+    policy.tokenizer.chat_template = TEMPLATE
+    return policy
+
+
+def test_template_renders_text_and_chat_prompts_with_one_bos(chat_policy):
+    tokenizer = chat_policy.tokenizer
+    assert prompt_text(tokenizer, "3+4=") == "<s>-3+4=="
+    assert prompt_ids(tokenizer, ["3+4=", CHAT]) == [ids("<s>-3+4=="), ids("<s>*1-3+4==")]
+
+
+def test_without_a_template_text_is_read_as_is_and_a_chat_is_joined():
+    tokenizer = build_tiny_tokenizer()
+    assert prompt_text(tokenizer, CHAT) == "1\n3+4="
+    assert prompt_ids(tokenizer, ["3+4=", CHAT]) == [ids("<s>3+4="), ids("<s>13+4=")]
+    assert prompt_ids(tokenizer, ["3+4="]) == [tokenizer("3+4=")["input_ids"]]
+
+
+def test_rollouts_and_loss_rows_condition_on_the_templated_prompt(chat_policy):
+    plain = init_policy(PolicyConfig(), seed=0)  # same weights, no template: given the rendered text itself
+    kwargs = dict(max_new_tokens=4, temperature=1.0, top_p=1.0, seed=3)
+    templated = sample(chat_policy, ["3+4=", "1+1="], [3, 2], **kwargs)
+    assert templated == sample(plain, ["-3+4==", "-1+1=="], [3, 2], **kwargs)
+
+    samples = [Sample(0, 0, [VOCAB.index("7")], "7", 1, "length"), Sample(0, 1, [VOCAB.index("8")], "8", 1, "length")]
+    batch = RolloutBatch(prompts=[CHAT], samples=samples, rewards=[1.0, 0.0])
+    rows = training_rows(chat_policy, batch, torch.tensor([1.0, -1.0]), torch.tensor([0, 0]))
+    assert rows is not None
+    assert rows.prompt_ids.tolist() == [ids("<s>*1-3+4==")] * 2

@@ -1,0 +1,43 @@
+"""What the model sees of a problem's prompt: a chat model's own chat template, or the text as it is.
+
+A problem's prompt is plain text or a chat (the JSON text of a list of {role, content} messages, see
+rlvr/chat.py). A tokenizer with a chat template (an instruct or chat model) gets the conversation through
+that template with the assistant's turn opened (`add_generation_prompt`), a text prompt being one user
+message, so rollouts, the loss, the warm start and evaluations all condition on the same tokens. A model
+without a template (a base model, the tiny built-in one) reads the text as it is, a chat's messages joined
+by newlines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from rlvr.chat import as_messages, chat_messages
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def prompt_text(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
+    """The prompt as the model reads it, as text (for engines that take text: a server's completions API)."""
+    if has_chat_template(tokenizer):
+        return str(tokenizer.apply_chat_template(as_messages(prompt), add_generation_prompt=True, tokenize=False))
+    messages = chat_messages(prompt)
+    return prompt if messages is None else "\n".join(m["content"] for m in messages)
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[list[int]]:
+    """The token ids of each prompt as the model reads it.
+
+    A template's text already holds its special tokens, so it is tokenized without adding more (no second
+    BOS); plain text gets the tokenizer's usual special tokens.
+    """
+    if not prompts:
+        return []
+    if has_chat_template(tokenizer):
+        texts = [prompt_text(tokenizer, prompt) for prompt in prompts]
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return [list(ids) for ids in tokenizer([prompt_text(tokenizer, prompt) for prompt in prompts])["input_ids"]]
