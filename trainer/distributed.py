@@ -37,6 +37,7 @@ from rlvr.trainer.grpo import (
     loss_share,
     minibatch_loss,
     step_rows,
+    training_precision,
 )
 from rlvr.trainer.policy import (
     Policy,
@@ -215,13 +216,16 @@ def distributed_grpo_step(
     cost = torch.bincount(rows.groups, weights=rows.mask.sum(dim=1).to(torch.float64) + 1)
     plan = shard_plan(rows.active_groups, cost, cfg.minibatches, world_size)
     reference = reference if cfg.kl_beta > 0 else None
-    shard = _shard(policy, rows, torch.cat([owned[rank] for owned in plan]), cfg, reference)
-    counts = _global_counts(shard, plan, rank, next(policy.model.parameters()).device, group)
     totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ref_kl": 0.0, "grad_norm": 0.0}
-    for m, owned in enumerate(plan):
-        update = _minibatch_update(policy, optimizer, shard, owned[rank], counts[m], cfg, batch.max_new_tokens, group)
-        for name, value in update.items():
-            totals[name] += value
+    with training_precision(policy, cfg):
+        shard = _shard(policy, rows, torch.cat([owned[rank] for owned in plan]), cfg, reference)
+        counts = _global_counts(shard, plan, rank, next(policy.model.parameters()).device, group)
+        for m, owned in enumerate(plan):
+            update = _minibatch_update(
+                policy, optimizer, shard, owned[rank], counts[m], cfg, batch.max_new_tokens, group
+            )
+            for name, value in update.items():
+                totals[name] += value
     optimizer.zero_grad(set_to_none=True)
     stats.update({name: value / len(plan) for name, value in totals.items()})
     stats["entropy"] = float(counts[-1, 0]) / max(float(counts[-1, 1]), 1.0)

@@ -10,6 +10,8 @@ uses for verifiable rewards); CLPO turns it on. Groups whose advantages are all 
 update; dynamic sampling's refills are the filter stage's. Every default reproduces plain GRPO.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -113,7 +115,7 @@ def _next_token_log_probs(
     attention = torch.cat([prompt_attention, torch.ones_like(completion_ids)], dim=1)
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids).logits
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False).logits
     prompt_length, completion_length = prompt_ids.shape[1], completion_ids.shape[1]
     next_token_logits = logits[:, prompt_length - 1 : prompt_length - 1 + completion_length].float() / temperature
     return torch.log_softmax(next_token_logits, dim=-1)
@@ -246,6 +248,8 @@ class GRPOConfig(BaseModel):
     the untempered policy even when rollouts were sampled hotter (exploration); setting it to the
     sampling temperature makes the ratio exact against the sampled distribution (TRL/verl do this).
     On the earlier addition task 1.0 did as well or better with rollouts at temperature 2.5.
+    `autocast` and `gradient_checkpointing` are for large models on a GPU (`training_precision`); both run on
+    the CPU too, where bf16 is slower than float32.
     `micro_batch_tokens`: gradient accumulation. Each minibatch's rows go through forward and backward in
     micro-batches of at most this many padded tokens (rows x (prompt width + completion width), the widths
     of the step's padded tensors, which is what the forward pass holds in memory); a row wider than the budget
@@ -285,6 +289,12 @@ class GRPOConfig(BaseModel):
     )
     micro_batch_tokens: int | None = Field(
         default=None, ge=1, description="padded tokens per forward/backward; None: the whole minibatch at once"
+    )
+    autocast: Literal["none", "bf16"] = Field(
+        default="none", description="bf16: the step's forward passes under torch.autocast (weights stay float32)"
+    )
+    gradient_checkpointing: bool = Field(
+        default=False, description="recompute activations in backward instead of keeping them (less memory)"
     )
 
     @model_validator(mode="after")
@@ -417,6 +427,31 @@ def training_rows(
     return TrainingRows(*(t.to(device) for t in tensors))
 
 
+@contextmanager
+def training_precision(policy: Policy, cfg: GRPOConfig) -> Iterator[None]:
+    """The step's forward and backward passes under `cfg.autocast` and `cfg.gradient_checkpointing`.
+
+    Checkpointing works only in training mode, so the model is put in it for the step, with its dropout
+    modules kept in eval mode: the loss must see the same network the sampler did (the policy stays in eval
+    mode otherwise, see trainer/policy.py). Both are undone on exit, also after an error.
+    """
+    model = policy.model
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.eval()
+    device_type = next(model.parameters()).device.type
+    try:
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
+            yield
+    finally:
+        if cfg.gradient_checkpointing:
+            model.activation_checkpointing_disable()
+            model.eval()
+
+
 def step_rows(
     policy: Policy, batch: RolloutBatch, cfg: GRPOConfig, reference: Policy | None
 ) -> tuple[dict[str, float], TrainingRows | None]:
@@ -460,7 +495,8 @@ def grpo_step(
     if rows is None:
         return stats
     reference = reference if cfg.kl_beta > 0 else None
-    stats.update(_clipped_updates(policy, optimizer, rows, cfg, reference, batch.max_new_tokens))
+    with training_precision(policy, cfg):
+        stats.update(_clipped_updates(policy, optimizer, rows, cfg, reference, batch.max_new_tokens))
     return stats
 
 
