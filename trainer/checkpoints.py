@@ -22,6 +22,7 @@ import torch
 
 from rlvr.storage.stage import RESIDENTS, Built, StageContext, rows_to_table
 from rlvr.storage.store import Store
+from rlvr.trainer.lora import ADAPTER_FILE
 from rlvr.trainer.policy import Policy, load_optimizer_state, make_optimizer, policy_from_files
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -39,7 +40,7 @@ def weights_artifact(store: Store, policy_ref: str) -> str:
 
 def is_weights_file(name: str) -> bool:
     """Files that change as the policy trains (the rest of a model directory is config and tokenizer)."""
-    return name.endswith(".safetensors") or name.endswith(".safetensors.index.json")
+    return name.endswith((".safetensors", ".safetensors.index.json", ADAPTER_FILE))
 
 
 def _files(store: Store, artifact_id: str, keep: Callable[[str], bool]) -> dict[str, bytes]:

@@ -20,6 +20,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.utils import logging as transformers_logging
 
 from rlvr.errors import UserError
+from rlvr.trainer.lora import (
+    ADAPTER_FILE,
+    SETTINGS_FILE,
+    LoraSettings,
+    adapter_state,
+    add_lora,
+    has_lora,
+    merged_state,
+    restore_lora,
+    settings_bytes,
+    settings_of,
+)
 from rlvr.trainer.tiny_model import TinyModelConfig, build_tiny_model, build_tiny_tokenizer
 
 # Checkpoints are written and read every RL step; per-call progress bars would flood the console.
@@ -43,6 +55,7 @@ class PolicyConfig(BaseModel):
     checkpoint: str | None = None
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     threads: int = Field(default=1, ge=1)
+    lora: LoraSettings | None = Field(default=None, description="train LoRA adapters only (peft; trainer/lora.py)")
 
 
 @dataclass
@@ -85,7 +98,14 @@ def _looks_like_path(name: str) -> bool:
 
 
 def init_policy(cfg: PolicyConfig, seed: int) -> Policy:
-    """The starting policy of a run. `seed` only matters for the tiny model (its random init)."""
+    """The starting policy of a run. `seed` draws the tiny model's initial weights and LoRA's A matrices."""
+    policy = _base_policy(cfg, seed)
+    if cfg.lora is not None:
+        add_lora(policy.model, cfg.lora, seed)
+    return policy
+
+
+def _base_policy(cfg: PolicyConfig, seed: int) -> Policy:
     set_threads(cfg.threads)
     if cfg.model == "tiny":
         return _prepare(build_tiny_model(cfg.tiny, seed), build_tiny_tokenizer(), "tiny")
@@ -149,6 +169,8 @@ _static_files: "WeakKeyDictionary[PreTrainedModel, dict[str, bytes]]" = WeakKeyD
 def policy_files(policy: Policy) -> dict[str, bytes]:
     """The files of a `from_pretrained`-loadable directory (config, safetensors weights, tokenizer,
     generation config). Tied embeddings are stored once, as `save_pretrained` does."""
+    if has_lora(policy.model):
+        return _lora_files(policy)
     static = _static_files.get(policy.model)
     if static is not None:
         return {**static, "model.safetensors": weights_bytes(policy.model)}
@@ -156,6 +178,21 @@ def policy_files(policy: Policy) -> dict[str, bytes]:
     if "model.safetensors" in files:  # single-file weights: later calls take the fast path
         _static_files[policy.model] = {k: v for k, v in files.items() if k != "model.safetensors"}
     return files
+
+
+def _lora_files(policy: Policy) -> dict[str, bytes]:
+    """`policy_files` of an adapted model: merged weights as `model.safetensors`, adapters beside them."""
+    static = _static_files.get(policy.model)
+    if static is None:
+        saved = _saved_files(policy)
+        static = {name: data for name, data in saved.items() if not name.endswith(".safetensors")}
+        static[SETTINGS_FILE] = settings_bytes(settings_of(policy.model))
+        _static_files[policy.model] = static
+    return {
+        **static,
+        "model.safetensors": safetensors_save(merged_state(policy.model), metadata={"format": "pt"}),
+        ADAPTER_FILE: safetensors_save(adapter_state(policy.model)),
+    }
 
 
 def policy_from_files(files: dict[str, bytes], *, source: str = "files", threads: int = 1) -> Policy:
@@ -169,12 +206,17 @@ def policy_from_files(files: dict[str, bytes], *, source: str = "files", threads
             target = Path(tmp) / name
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
-        return _load_directory(tmp, source, local_files_only=True)
+        policy = _load_directory(tmp, source, local_files_only=True)
+    if SETTINGS_FILE in files:
+        restore_lora(policy.model, files)
+    return policy
 
 
 def make_optimizer(policy: Policy, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW over the model's parameters (a tied embedding is one parameter, updated once)."""
-    return torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=weight_decay)
+    """AdamW over the model's trainable parameters (a tied embedding is one parameter, updated once; under
+    LoRA only the adapters)."""
+    trainable = [p for p in policy.model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> bytes:
