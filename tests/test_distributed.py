@@ -68,6 +68,8 @@ SCENARIOS: dict[str, tuple[RolloutBatch, GRPOConfig]] = {
     "kl": (WEIGHTED, GRPOConfig(lr=1e-2, aggregation="token-mean", kl_beta=0.5, clip_high=0.3, dual_clip=3.0)),
     "overlong-mask": (BATCH, GRPOConfig(lr=1e-2, minibatches=2, overlong="mask", advantage_scale="batch")),
     "idle-rank": (ONE_GROUP, GRPOConfig(lr=1e-2, minibatches=2)),
+    # micro-batches of one row each (the budget is below a row's padded width) inside each rank's shard
+    "micro-batched": (BATCH, GRPOConfig(lr=1e-2, minibatches=2, aggregation="token-mean", micro_batch_tokens=1)),
 }
 
 

@@ -35,6 +35,7 @@ from rlvr.trainer.grpo import (
     completion_logprobs,
     completion_logprobs_and_entropy,
     loss_share,
+    micro_batches,
     minibatch_loss,
     step_rows,
     training_precision,
@@ -172,18 +173,20 @@ def _minibatch_update(
     max_length: int | None,
     group: dist.ProcessGroup | None,
 ) -> dict[str, float]:
-    """One update on a minibatch: local weighted loss and backward, gradients summed, global-norm clip, step.
+    """One update on a minibatch: local weighted loss and backward (in micro-batches of at most
+    `cfg.micro_batch_tokens` padded tokens), gradients summed, global-norm clip, step.
     `totals` = (sequences, tokens) of the whole minibatch; the stats returned are the whole minibatch's."""
     reduced = torch.zeros(4, dtype=torch.float64, device=totals.device)  # loss, ref_kl, clip x tokens, kl x tokens
     optimizer.zero_grad(set_to_none=True)
     if shard is not None and groups.numel():
         selected = torch.isin(shard.rows.groups, groups.to(shard.rows.groups.device))
-        share = _share(shard, selected, totals, cfg)
-        loss, ref_kl, stats = _shard_loss(policy, shard, selected, share, cfg, max_length)
-        loss.backward()
-        tokens = float(shard.rows.mask[selected].sum())
-        parts = [loss.item(), ref_kl.item(), stats["clip_fraction"] * tokens, stats["approx_kl"] * tokens]
-        reduced += torch.tensor(parts, dtype=torch.float64, device=totals.device)
+        for part in micro_batches(shard.rows, selected, cfg.micro_batch_tokens):  # gradients add up
+            share = _share(shard, part, totals, cfg)
+            loss, ref_kl, stats = _shard_loss(policy, shard, part, share, cfg, max_length)
+            loss.backward()
+            tokens = float(shard.rows.mask[part].sum())
+            parts = [loss.item(), ref_kl.item(), stats["clip_fraction"] * tokens, stats["approx_kl"] * tokens]
+            reduced += torch.tensor(parts, dtype=torch.float64, device=totals.device)
     sum_gradients(policy.model, group)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), cfg.max_grad_norm)
     optimizer.step()
