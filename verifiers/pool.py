@@ -13,22 +13,36 @@ So `score_many` always returns one Score per input, in input order, whatever a s
 
 Inside a worker, exceptions raised by the verifier become status "error" with the exception type and
 message as reason (`score_safely`); the adapters use the same function when scoring in-process.
+
+Workers never re-import the main module (multiprocessing's default for forkserver and spawn), so a script
+that calls the Python API without an `if __name__ == "__main__":` guard neither re-runs itself in every
+worker nor fails. The one exception is a verifier class defined in `__main__`: its workers need the
+script, so they import it when it has that guard, and the pool scores in-process (no hard timeout, one
+warning) when it has none (or there is no file to import: a notebook).
 """
 
 from __future__ import annotations
 
+import ast
 import atexit
+import logging
 import multiprocessing
 import resource
 import signal
+import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from multiprocessing import spawn
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 from rlvr.verifiers.base import Score, Verifier
 from rlvr.verifiers.registry import get_verifier, verifier_spec
+
+log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 60.0  # a worker that has not loaded its verifier by then is killed
 MAX_FAILED_STARTS = 3  # consecutive start failures after which the remaining calls are failed
@@ -38,6 +52,44 @@ PIPELINE_DEPTH = 2  # calls queued per worker; the deadline applies to the one i
 
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(["rlvr.verifiers.registry"])
+
+# multiprocessing tells every forkserver/spawn child to re-import the parent's main module before it runs
+# anything. Workers started while `_launching.without_main` is set (this thread only) are told not to.
+_launching = threading.local()
+_stdlib_preparation_data = spawn.get_preparation_data
+
+
+def _preparation_data(name: str) -> dict[str, Any]:
+    data = _stdlib_preparation_data(name)
+    if getattr(_launching, "without_main", False):
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+    return data
+
+
+if getattr(spawn.get_preparation_data, "__module__", None) != __name__:  # once, even if this module is reloaded
+    spawn.get_preparation_data = _preparation_data
+
+
+def main_is_guarded() -> bool:
+    """Whether the main module is a file whose top level has an `if __name__ == "__main__":` block, so a
+    worker may import it without re-running the script."""
+    main = sys.modules.get("__main__")
+    path = getattr(getattr(main, "__spec__", None), "origin", None) or getattr(main, "__file__", None)
+    try:
+        tree = ast.parse(Path(str(path)).read_bytes()) if path else None
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return tree is not None and any(isinstance(node, ast.If) and _is_main_test(node.test) for node in tree.body)
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s.id for s in sides if isinstance(s, ast.Name)]
+    values = [s.value for s in sides if isinstance(s, ast.Constant)]
+    return names == ["__name__"] and values == ["__main__"]
 
 
 def score_safely(verifier: Verifier, response: Any, reference: Any) -> Score:
@@ -126,6 +178,10 @@ class VerifierPool:
         self._slots: list[_Worker] = []
         self._failed_starts = 0
         self._start_failure = ""
+        # Only a verifier defined in the main module needs the main module in its workers.
+        self._needs_main = self.spec.startswith("__main__:")
+        self.in_process = self._needs_main and not main_is_guarded()
+        self._local: Verifier | None = None
 
     def __enter__(self) -> VerifierPool:
         self.start()
@@ -135,6 +191,15 @@ class VerifierPool:
         self.close()
 
     def start(self) -> None:
+        if self.in_process:
+            if self._local is None:
+                log.warning(
+                    'verifier %s is defined in a script without an `if __name__ == "__main__":` guard: '
+                    "scoring in this process, without the pool's hard timeout and memory limit",
+                    self.spec,
+                )
+                self._local = get_verifier(self.spec)
+            return
         while len(self._slots) < self.workers:
             self._slots.append(self._start_worker())
 
@@ -146,7 +211,11 @@ class VerifierPool:
         process = _context.Process(
             target=_worker_main, args=(child_end, self.spec, self.memory_mb), daemon=True, name=f"verifier-{self.spec}"
         )
-        process.start()
+        _launching.without_main = not self._needs_main
+        try:
+            process.start()
+        finally:
+            _launching.without_main = False
         child_end.close()
         return _Worker(process=process, conn=parent_end, started_at=time.monotonic())
 
@@ -179,6 +248,8 @@ class VerifierPool:
         """One Score per (response, reference) pair, in the same order, whatever the calls do."""
         if not self._slots:
             self.start()
+        if self._local is not None:
+            return [score_safely(self._local, response, reference) for response, reference in pairs]
         results: list[Score | None] = [None] * len(pairs)
         pending: deque[int] = deque(range(len(pairs)))
 
