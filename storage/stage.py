@@ -14,7 +14,9 @@ the rows (and files) of each output; it never touches the store itself. The runn
 - carried state: a stage with `carries_state` gets the previous step's state dict and returns the
   next one, which is kept in its first output's manifest;
 - transient outputs (the trainer state) replace the run's previous one once committed;
-- progress: a "stage_run" event per run, for the CLI's progress bar.
+- progress: a "stage_run" event per run, for the CLI's progress bar;
+- failures: an exception out of a build or commit carries the stage and step (`failed_stage`), and
+  OpenLineage START/COMPLETE/FAIL events go out around each run that does work (rlvr/openlineage_events.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, Generic, TypeVar
 import pyarrow as pa
 from pydantic import BaseModel
 
+from rlvr.openlineage_events import stage_events
 from rlvr.storage.ids import artifact_id, derive_seed
 from rlvr.storage.schemas import OPEN_KINDS, schema_for
 from rlvr.storage.store import Manifest, Store, conform_to_schema, utc_now
@@ -196,6 +199,10 @@ class TableCache:
             self._tables.move_to_end(key)
         return table
 
+    def peek(self, store: Store, artifact_id: str) -> pa.Table | None:
+        """The table if it is in memory, else None (never reads the store)."""
+        return self._tables.get((store.root, artifact_id))
+
     def put(self, store: Store, artifact_id: str, table: pa.Table) -> None:
         key = (store.root, artifact_id)
         if key in self._tables or table.nbytes > self.max_bytes:
@@ -345,6 +352,11 @@ class StageRun:
         return store.manifest(self.ids[output] if output else self.id)
 
 
+def failed_stage(exc: BaseException) -> tuple[str, int | None] | None:
+    """The stage (and step) whose build or commit raised `exc`, as the runner noted it on the exception."""
+    return getattr(exc, "rlvr_stage", None)
+
+
 Listener = Callable[[StageRun], None]
 _listeners: list[Listener] = []
 
@@ -383,7 +395,17 @@ def run_stage(
     if all(store.exists(aid) for aid in durable):
         result = StageRun(stage.name, step, ids, skipped=True)
     else:
-        result = _build_and_commit(store, stage, cfg, run_id, seed, step, input_ids, params, ids)
+        inputs_read = [aid for refs in input_ids.values() for aid in refs]
+        try:
+            with stage_events(store, stage.name, run_id, step, inputs_read, list(ids.values()), stage.code_version):
+                result = _build_and_commit(store, stage, cfg, run_id, seed, step, input_ids, params, ids)
+        except BaseException as exc:
+            if failed_stage(exc) is None:
+                try:
+                    exc.rlvr_stage = (stage.name, step)  # type: ignore[attr-defined]
+                except AttributeError:
+                    pass
+            raise
     for listener in list(_listeners):
         listener(result)
     return result

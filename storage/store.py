@@ -10,6 +10,11 @@ its own marker, so a crash loses at most the shard in flight. Layout under the r
     artifacts/<kind>/<artifact_id>/_shards/part-00003.json   shard commit marker (sharded writes)
     artifacts/<kind>/<artifact_id>/files/<name>        binary files (model weights, ...)
     runs/<run_id>.json                                 run record (mutable, replaced atomically)
+    indexes/<kind>/0000000042.json                     append-only log of the kind's commits (INDEXED_KINDS)
+
+On an object store (s3://...) each object is written by one PUT, which is atomic, so there is no temp
+file and no rename; the manifest is still PUT last. Reads never trust a listing this process cached:
+another process may have committed since.
 """
 
 from __future__ import annotations
@@ -44,10 +49,15 @@ STORE_FORMAT = 1
 RUN_STATUSES = ("running", "failed", "completed")
 # These names are catalog views in DuckDB, so no artifact kind may take them.
 RESERVED_KINDS = frozenset({"artifacts", "lineage", "runs", "stage_runs"})
+# Kinds whose readers poll for new artifacts (the reward cache, at every labelling call): each commit also
+# appends the artifact id to an index log, so a reader asks for the next entry (one GET on an object
+# store) instead of listing every manifest of the store.
+INDEXED_KINDS = frozenset({"reward_cache"})
 
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _SHARD_MARKER_RE = re.compile(r"^part-(\d{5})\.json$")
+_INDEX_ENTRY_RE = re.compile(r"^(\d{10})\.json$")
 _TMP_MARK = ".tmp-"
 _HASH_CHUNK = 1 << 20
 _MAX_SHARD_INDEX = 99_999
@@ -179,21 +189,27 @@ class Store:
         self._unwritten: dict[str, _Unwritten] = {}  # deferred writes of background batches, by artifact id
         self._pending: list[tuple[_Batch, Future[None]]] = []  # batches committing in the background
         self._committer: ThreadPoolExecutor | None = None
+        self._index_next: dict[str, int] = {}  # per indexed kind: where this process appends next
+        self._index_lock = threading.RLock()  # index_end takes it inside _append_index
 
     @classmethod
     def open(cls, root: str, create: bool = False) -> Store:
         """Open an existing store; only `create=True` makes a new one, so a typo never starts an empty store."""
-        store = cls(root)
+        try:
+            store = cls(root)
+        except (ImportError, ValueError) as exc:  # an unknown protocol, or its fsspec package is missing
+            raise UserError(f"cannot use {root} as a store: {exc}") from None
         marker = store.path("STORE")
-        if not store.fs.exists(marker):
-            if not create:
-                raise StoreNotFound(
-                    f"no store at {root}; create one with `rlvr run --store {root}` "
-                    f"or `rlvr data --store {root}`, or pass the right --store / RLVR_STORE"
-                )
-            store._write_atomic(marker, canonical_json({"format": STORE_FORMAT}).encode())
-            return store
-        found = json.loads(store.fs.cat_file(marker)).get("format")
+        with _reaching(root):
+            if not store.fs.exists(marker):
+                if not create:
+                    raise StoreNotFound(
+                        f"no store at {root}; create one with `rlvr run --store {root}` "
+                        f"or `rlvr data --store {root}`, or pass the right --store / RLVR_STORE"
+                    )
+                store._write_atomic(marker, canonical_json({"format": STORE_FORMAT}).encode())
+                return store
+            found = json.loads(store.fs.cat_file(marker)).get("format")
         if found != STORE_FORMAT:
             raise UserError(f"store at {root} has format {found}; this version reads format {STORE_FORMAT}")
         return store
@@ -304,6 +320,7 @@ class Store:
             return
         self.wait()  # an artifact never reaches the disk before the batches committed ahead of it
         self._write_atomic(self.manifest_path(manifest.artifact_id), manifest.to_json().encode("utf-8"))
+        self._append_index([manifest])
 
     @contextmanager
     def batch(self, background: bool = False) -> Iterator[None]:
@@ -323,7 +340,7 @@ class Store:
         if self._batch is not None:
             yield
             return
-        self._batch = _Batch(defer_writes=background and self.is_local)
+        self._batch = _Batch(defer_writes=background)
         failed = True
         try:
             yield
@@ -373,6 +390,7 @@ class Store:
         else:
             for manifest in batch.manifests:
                 self.fs.pipe_file(self.manifest_path(manifest.artifact_id), manifest.to_json().encode("utf-8"))
+        self._append_index(batch.manifests)
         for artifact_id in batch.deletes:
             self._delete_now(artifact_id)
 
@@ -478,7 +496,13 @@ class Store:
         batches += [batch for batch, _ in self._pending]
         if any(m.artifact_id == artifact_id for batch in batches for m in batch.manifests):
             return True
-        return bool(_NAME_RE.match(artifact_id)) and self.fs.exists(self.manifest_path(artifact_id))
+        if not _NAME_RE.match(artifact_id):
+            return False
+        if self.is_local:
+            return os.path.exists(self.manifest_path(artifact_id))
+        # An object store answers with one GET, never from a listing cached by this process (another
+        # process may have committed since), and the manifest read is the one a caller asks for next.
+        return self._fetch_manifest(artifact_id) is not None
 
     def manifest(self, artifact_id: str) -> Manifest:
         """The manifest of a committed artifact (cached: manifests never change)."""
@@ -486,14 +510,19 @@ class Store:
         cached = self._manifest_cache.get(artifact_id)
         if cached is not None:
             return cached
-        try:
-            if not _NAME_RE.match(artifact_id):
-                raise FileNotFoundError(artifact_id)
-            text = self.fs.cat_file(self.manifest_path(artifact_id))
-        except FileNotFoundError:
+        manifest = self._fetch_manifest(artifact_id) if _NAME_RE.match(artifact_id) else None
+        if manifest is None:
             raise ArtifactNotFound(
                 f'no artifact {artifact_id} in store {self.root}; list them with `rlvr query "select * from artifacts"`'
-            ) from None
+            )
+        return manifest
+
+    def _fetch_manifest(self, artifact_id: str) -> Manifest | None:
+        """Read a manifest from the store (not the cache) and cache it; None when it is not committed."""
+        try:
+            text = read_whole(self.fs, self.manifest_path(artifact_id))
+        except FileNotFoundError:
+            return None
         manifest = Manifest.from_json(text)
         self._manifest_cache[artifact_id] = manifest
         return manifest
@@ -501,10 +530,13 @@ class Store:
     def manifests(self, kind: str | None = None, run_id: str | None = None) -> list[Manifest]:
         """Every committed artifact (optionally of one kind / run), oldest first.
 
-        The manifests directory is listed once per call; only manifests not seen before are read.
+        The manifests directory is listed once per call; only manifests not seen before are read, and on
+        an object store they are fetched concurrently (one round trip each would dominate a query).
         """
+        ids = self._committed_ids()
+        self._fetch_manifests([aid for aid in ids if aid not in self._manifest_cache])
         found: list[Manifest] = []
-        for artifact_id in self._committed_ids():
+        for artifact_id in ids:
             try:
                 manifest = self.manifest(artifact_id)
             except ArtifactNotFound:  # deleted between the listing and the read
@@ -513,13 +545,95 @@ class Store:
                 found.append(manifest)
         return sorted(found, key=lambda m: (m.created_at, m.artifact_id))
 
+    def _fetch_manifests(self, artifact_ids: Sequence[str]) -> None:
+        """Read these manifests into the cache in one concurrent batch (object stores); a missing one is skipped."""
+        if self.is_local or len(artifact_ids) < 2:
+            return
+        paths = {self.manifest_path(aid): aid for aid in artifact_ids}
+        fetched = self.fs.cat(list(paths), on_error="omit", start=0)  # start=0: see read_whole
+        for path, text in fetched.items():
+            aid = paths.get(self.fs._strip_protocol(path))
+            if aid is not None and isinstance(text, bytes):
+                self._manifest_cache[aid] = Manifest.from_json(text)
+
     def _committed_ids(self) -> list[str]:
         directory = self.path("manifests")
         self.fs.invalidate_cache(directory)
-        if not self.fs.exists(directory):
+        try:  # one listing (asking whether the folder exists first would be another round trip)
+            names = [_basename(p) for p in self.fs.ls(directory, detail=False)]
+        except FileNotFoundError:
             return []
-        names = [_basename(p) for p in self.fs.ls(directory, detail=False)]
         return [name[: -len(".json")] for name in names if name.endswith(".json")]
+
+    # ----- index logs (INDEXED_KINDS) ---------------------------------------------------------------
+    #
+    # indexes/<kind>/ holds one small object per commit of the kind, numbered 0, 1, 2, ... in commit
+    # order. A writer creates the next number exclusively (a conditional PUT on S3, a hard link locally)
+    # and takes the one after when another writer got there first, so the numbers have no gaps and a
+    # reader that has read up to n asks for n, n+1, ... until one is missing. The log is a hint, never
+    # the truth (the manifests are): a kill between a manifest and its entry leaves an artifact only a
+    # listing finds, which costs a reader speed (the reward cache scores again), never correctness.
+
+    def _index_path(self, kind: str, position: int) -> str:
+        return self.path("indexes", kind, f"{position:010d}.json")
+
+    def index_end(self, kind: str) -> int:
+        """The position after the last entry of `kind`'s index log (one listing of the log)."""
+        directory = self.path("indexes", kind)
+        self.fs.invalidate_cache(directory)
+        found = (_INDEX_ENTRY_RE.match(_basename(path)) for path in self.fs.find(directory))
+        end = max((int(match.group(1)) for match in found if match), default=-1) + 1
+        with self._index_lock:  # where this process's next append starts, without a listing of its own
+            self._index_next[kind] = max(self._index_next.get(kind, 0), end)
+        return end
+
+    def read_index(self, kind: str, start: int) -> tuple[list[str], int]:
+        """The ids `kind`'s index log holds from position `start` on, and the position after them.
+
+        One read per entry plus one for the first missing position: no listing.
+        """
+        ids: list[str] = []
+        position = start
+        while True:
+            try:
+                ids.append(json.loads(read_whole(self.fs, self._index_path(kind, position)))["artifact_id"])
+            except FileNotFoundError:
+                break
+            except (ValueError, KeyError):  # an entry still being written (a store without atomic puts)
+                break
+            position += 1
+        return ids, position
+
+    def _append_index(self, manifests: Sequence[Manifest]) -> None:
+        """Log the commits of indexed kinds, after their manifests are written."""
+        for manifest in manifests:
+            if manifest.kind not in INDEXED_KINDS:
+                continue
+            entry = canonical_json({"artifact_id": manifest.artifact_id}).encode("utf-8")
+            with self._index_lock:
+                position = self._index_next.get(manifest.kind)
+                if position is None:
+                    position = self.index_end(manifest.kind)
+                while not self._create_new(self._index_path(manifest.kind, position), entry):
+                    position += 1
+                self._index_next[manifest.kind] = position + 1
+
+    def _create_new(self, path: str, data: bytes) -> bool:
+        """Write `path` only if it does not exist yet, atomically; False when it already did."""
+        if not self.is_local:
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                return False
+            return True
+        tmp = self._write_temp(path, data, sync=False)  # an index entry is a hint: no fsync
+        try:
+            os.link(tmp, path)  # fails if `path` exists: the local form of S3's If-None-Match
+        except FileExistsError:
+            return False
+        finally:
+            os.remove(tmp)
+        return True
 
     def read_table(self, artifact_id: str, columns: Sequence[str] | None = None) -> pa.Table:
         """All rows of a committed artifact, parts concatenated in order."""
@@ -536,8 +650,9 @@ class Store:
     def _read_part(self, path: str, columns: list[str] | None) -> pa.Table:
         if self.is_local:
             return pq.ParquetFile(path).read(columns=columns)
-        with self.fs.open(path, "rb") as handle:
-            return pq.ParquetFile(handle).read(columns=columns)
+        # One GET of the whole part: a Parquet reader on a remote file handle costs a HEAD and several
+        # ranged GETs, each a round trip, for files that are a step's worth of rows.
+        return pq.ParquetFile(pa.BufferReader(read_whole(self.fs, path))).read(columns=columns)
 
     def file_path(self, artifact_id: str, name: str) -> str:
         """The fs path of a binary file of a committed artifact (e.g. to hand to a model loader)."""
@@ -576,10 +691,11 @@ class Store:
         self.fs.rm(self.manifest_path(artifact_id))
         self._manifest_cache.pop(artifact_id, None)
         directory = self.artifact_dir(manifest.kind, artifact_id)
-        if self.fs.exists(f"{directory}/_shards"):
-            self.fs.rm(f"{directory}/_shards", recursive=True)
-        if self.fs.exists(directory):
-            self.fs.rm(directory, recursive=True)
+        for path in (f"{directory}/_shards", directory):
+            try:  # one request where asking first would be two (on an object store, each a round trip)
+                self.fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                continue
 
     def cleanup_uncommitted(self) -> list[str]:
         """Remove what crashed writers left behind; returns the removed paths.
@@ -588,7 +704,11 @@ class Store:
         skips. Safe whenever no writer is active (it never touches a committed artifact).
         """
         self.wait()
-        removed = self._remove_temp_files(self.path("manifests")) + self._remove_temp_files(self.path("runs"))
+        self.fs.invalidate_cache()  # list what is there now, not what this process saw earlier
+        temp_dirs = [self.path("manifests"), self.path("runs")] + [
+            self.path("indexes", kind) for kind in sorted(INDEXED_KINDS)
+        ]
+        removed = [path for directory in temp_dirs for path in self._remove_temp_files(directory)]
         root = self.path("artifacts")
         if not self.fs.exists(root):
             return removed
@@ -724,8 +844,10 @@ class ArtifactWriter:
         if self.store.exists(self.artifact_id):
             return
         marker_path = self._marker_path(index)
-        if self.store.fs.exists(marker_path):
+        try:
             self.store.fs.rm(marker_path)
+        except FileNotFoundError:
+            pass
         entry = self.store._write_part(self.kind, self.artifact_id, index, table)
         marker = {**entry, "index": index, "schema": str(table.schema)}
         self.store._write_atomic(marker_path, canonical_json(marker).encode("utf-8"))
@@ -812,32 +934,56 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def _file_checksum(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, str]:
+@contextmanager
+def _reaching(root: str) -> Iterator[None]:
+    """A store that cannot be reached (no bucket, no credentials, no server) is one line, not a traceback."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as exc:
+        reason = (str(exc).strip().splitlines() or [""])[0] or type(exc).__name__
+        hint = ""
+        if root.startswith(("s3://", "s3a://")):
+            hint = (
+                "; the bucket must exist, and s3fs reads AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or a profile)"
+                " and, for an S3-compatible server, AWS_ENDPOINT_URL"
+            )
+        raise UserError(f"cannot reach the store at {root}: {reason}{hint}") from exc
+
+
+def read_whole(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
+    """A whole (non-empty) file in one request. A plain `cat_file` on s3fs asks for the size first (a
+    HEAD, to split large downloads); a range from byte 0 needs no size. For the store's small files."""
+    return bytes(fs.cat_file(path, start=0))
+
+
+def _file_checksum(fs: fsspec.AbstractFileSystem, path: str, size: int) -> str | None:
+    """The sha256 of the file, or None when its size is not `size` (a file cut short by a crash)."""
+    if not isinstance(fs, LocalFileSystem):
+        data = read_whole(fs, path)
+        return _sha256(data) if len(data) == size else None
+    if fs.size(path) != size:
+        return None
     digest = hashlib.sha256()
-    size = 0
     with fs.open(path, "rb") as handle:
         while chunk := handle.read(_HASH_CHUNK):
             digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
+    return digest.hexdigest()
 
 
 def valid_shards(fs: fsspec.AbstractFileSystem, artifact_dir: str) -> dict[int, dict[str, Any]]:
     """The shard markers of an artifact directory whose data file exists and matches, by index."""
     markers_dir = f"{artifact_dir}/_shards"
-    if not fs.exists(markers_dir):
-        return {}
+    fs.invalidate_cache(markers_dir)  # shards another process (a killed run) wrote count too
     valid: dict[int, dict[str, Any]] = {}
-    for marker_path in sorted(fs.ls(markers_dir, detail=False)):
+    for marker_path in sorted(fs.find(markers_dir)):  # [] when there is no such directory
         match = _SHARD_MARKER_RE.match(_basename(marker_path))
         if match is None:
             continue
         try:
-            marker = json.loads(fs.cat_file(marker_path))
-            data_path = f"{artifact_dir}/{marker['path']}"
-            if fs.size(data_path) != marker["bytes"]:
-                continue
-            if _file_checksum(fs, data_path) == (marker["bytes"], marker["sha256"]):
+            marker = json.loads(read_whole(fs, marker_path))
+            if _file_checksum(fs, f"{artifact_dir}/{marker['path']}", marker["bytes"]) == marker["sha256"]:
                 valid[int(match.group(1))] = marker
         except (FileNotFoundError, KeyError, ValueError):
             continue
@@ -856,9 +1002,46 @@ def _pid_alive(pid: Any) -> bool:
     return True
 
 
+HEARTBEAT_TIMEOUT_ENV = "RLVR_HEARTBEAT_TIMEOUT_S"
+DEFAULT_HEARTBEAT_TIMEOUT_S = 600.0
+
+
+def heartbeat_timeout_s() -> float:
+    """How long a running run may go without a heartbeat before it counts as dead (RLVR_HEARTBEAT_TIMEOUT_S)."""
+    raw = os.environ.get(HEARTBEAT_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_HEARTBEAT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UserError(f"{HEARTBEAT_TIMEOUT_ENV}={raw!r}: give a number of seconds greater than 0")
+    return value
+
+
+def run_death(record: Mapping[str, Any], now: datetime | None = None) -> str | None:
+    """Why a run recorded as running is dead, or None: its process on this host is gone, or (any host)
+    its heartbeat is older than `heartbeat_timeout_s()`. Records without a heartbeat get only the first check."""
+    if record.get("status") != "running":
+        return None
+    pid, host = record.get("pid"), record.get("host")
+    if host == socket.gethostname() and not _pid_alive(pid):
+        return f"process {pid} on {host} ended without finishing the run (killed or crashed)"
+    beat = record.get("heartbeat_at")
+    if not beat:
+        return None
+    try:
+        age = ((now or datetime.now(UTC)) - datetime.fromisoformat(str(beat))).total_seconds()
+    except (TypeError, ValueError):
+        return None
+    limit = heartbeat_timeout_s()
+    if age > limit:
+        return f"no heartbeat from process {pid} on {host} for {age:.0f} s (limit {limit:g} s, {HEARTBEAT_TIMEOUT_ENV})"
+    return None
+
+
 def run_status(record: Mapping[str, Any]) -> str:
-    """The run's real status: a "running" run whose process on this host is gone has failed."""
+    """The run's real status: a "running" run whose process is gone (`run_death`) has failed."""
     status = str(record.get("status"))
-    if status == "running" and record.get("host") == socket.gethostname() and not _pid_alive(record.get("pid")):
-        return "failed"
-    return status
+    return "failed" if run_death(record) is not None else status

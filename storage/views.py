@@ -2,18 +2,27 @@
 
 Views list the files named in manifests and nothing else (no globbing), so uncommitted or half-written
 files can never show up in a query. DuckDB scans the Parquet files itself; nothing is loaded into Python.
+
+A store on object storage (s3://...) is read through its fsspec filesystem: DuckDB's own httpfs
+extension for 2.0 installs only from extensions.duckdb.org, not from a package index. `StoreFiles`
+puts that filesystem in front of DuckDB so each committed part costs one GET (see its docstring).
 """
 
 from __future__ import annotations
 
+import io
 import json
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any
 
 import duckdb
+import fsspec
 import pyarrow as pa
 
 from rlvr.storage.schemas import SCHEMAS
-from rlvr.storage.store import Manifest, Store, run_status
+from rlvr.storage.store import Manifest, Store, read_whole, run_status
 
 _ARTIFACTS_SCHEMA = pa.schema(
     [
@@ -55,16 +64,127 @@ def _sql_identifier(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+class StoreFiles(fsspec.AbstractFileSystem):
+    """What DuckDB sees of a store on object storage: its fsspec filesystem, reading each committed
+    Parquet part whole, in one request, and keeping the bytes for the connection's life.
+
+    Through the plain filesystem DuckDB asks for each file's existence, size, modification time and
+    several byte ranges, one round trip each: four HEADs and two or three GETs per file on S3, and again
+    at every query, because a view binds anew. A committed part never changes, so one GET answers all
+    of them. The parts of one view (`read_together`) are fetched concurrently the first time DuckDB
+    opens any of them: it reads every one to bind the view. Past `max_bytes` held, files are read
+    through the filesystem as they are.
+    """
+
+    cachable = False  # one per connection: fsspec must not hand the same instance to another
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, max_bytes: int = 512 << 20) -> None:
+        super().__init__()
+        self.protocol = fs.protocol  # DuckDB routes the URLs of this protocol here
+        self.fs = fs
+        self.max_bytes = max_bytes
+        self._held: dict[str, bytes] = {}
+        self._held_bytes = 0
+        self._together: dict[str, tuple[str, ...]] = {}
+        self._sizes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def read_together(self, sizes: Mapping[str, int]) -> None:
+        """These files (URL -> size in bytes, from their manifests) are read together: one view's parts."""
+        group = tuple(self._strip(path) for path in sizes)
+        for path, size in zip(group, sizes.values()):
+            self._together[path] = group
+            self._sizes[path] = size
+
+    def _strip(self, path: str) -> str:
+        return str(self.fs._strip_protocol(path))
+
+    def _load(self, path: str) -> bytes | None:
+        """The bytes of the file at `path` (stripped), fetched with its group if not held; None when
+        it is too large to hold. Raises FileNotFoundError."""
+        with self._lock:
+            if path in self._held:
+                return self._held[path]
+            if self._sizes.get(path, 0) > self.max_bytes - self._held_bytes:
+                return None
+            group = [p for p in self._together.get(path, (path,)) if p not in self._held]
+            budget = self.max_bytes - self._held_bytes
+            if len(group) > 1 and sum(self._sizes.get(p, budget) for p in group) <= budget:
+                fetched = self.fs.cat(group, on_error="omit", start=0)  # start=0: see read_whole
+            else:
+                fetched = {path: read_whole(self.fs, path)}
+            for name, data in fetched.items():
+                name = self._strip(name)
+                if isinstance(data, bytes) and len(data) <= self.max_bytes - self._held_bytes:
+                    self._held[name] = data
+                    self._held_bytes += len(data)
+            if path not in fetched and path not in self._held:
+                raise FileNotFoundError(path)
+            return self._held.get(path, fetched.get(path))
+
+    # ----- what DuckDB calls ---------------------------------------------------------------------------
+
+    def _strip_protocol(self, path: str) -> str:
+        return self._strip(path)
+
+    def unstrip_protocol(self, name: str) -> str:
+        return str(self.fs.unstrip_protocol(name))
+
+    def glob(self, path: str, **kwargs: Any) -> Any:
+        stripped = self._strip(path)
+        if any(char in stripped for char in "*?["):  # a pattern, not one of our files
+            return self.fs.glob(path, **kwargs)
+        return [stripped] if self.exists(stripped) else []
+
+    def exists(self, path: str, **kwargs: Any) -> bool:
+        try:
+            self._load(self._strip(path))
+        except (FileNotFoundError, IsADirectoryError):
+            return bool(self.fs.exists(path))  # a directory, or a file written since
+        return True
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        stripped = self._strip(path)
+        data = self._load(stripped)
+        if data is None:
+            return dict(self.fs.info(path, **kwargs))
+        return {"name": stripped, "size": len(data), "type": "file"}
+
+    def size(self, path: str) -> int:
+        return int(self.info(path)["size"])
+
+    def modified(self, path: str) -> datetime:
+        if self._load(self._strip(path)) is None:
+            return self.fs.modified(path)
+        return datetime.fromtimestamp(0, UTC)  # immutable: the same bytes whenever it is asked
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
+        return self.fs.ls(path, detail=detail, **kwargs)
+
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        if mode == "rb":
+            data = self._load(self._strip(path))
+            if data is not None:
+                return io.BytesIO(data)
+        return self.fs.open(path, mode, **kwargs)
+
+
 def duckdb_connection(store: Store) -> duckdb.DuckDBPyConnection:
     """A fresh in-memory connection that can read the store's files.
 
-    For a non-local store DuckDB reads through the store's own fsspec filesystem
-    (`register_filesystem`, checked to work with fsspec's memory filesystem).
+    For a non-local store DuckDB reads through the store's own fsspec filesystem, behind `StoreFiles`
+    (`register_filesystem`; tested with fsspec's memory filesystem and with s3fs on a local S3 server).
     """
+    return _connection(store)[0]
+
+
+def _connection(store: Store) -> tuple[duckdb.DuckDBPyConnection, StoreFiles | None]:
     con = duckdb.connect(":memory:")
-    if not store.is_local:
-        con.register_filesystem(store.fs)
-    return con
+    if store.is_local:
+        return con, None
+    files = StoreFiles(store.fs)
+    con.register_filesystem(files)
+    return con, files
 
 
 def data_paths(store: Store, manifest: Manifest) -> list[str]:
@@ -204,20 +324,61 @@ def _runs_table(records: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=_RUNS_SCHEMA)
 
 
-def connect(store: Store) -> duckdb.DuckDBPyConnection:
+def _tables_named(con: duckdb.DuckDBPyConnection, sql: str) -> set[str] | None:
+    """The tables and views a SELECT statement names, from DuckDB's parser (nothing is bound), or None
+    when the statement may read any of them: it does not parse as SELECT statements, or it uses a
+    table function, SHOW TABLES or another schema (information_schema, ...)."""
+    try:
+        tree = json.loads(con.execute("SELECT json_serialize_sql($1)", [sql]).fetchall()[0][0])
+    except duckdb.Error:
+        return None
+    if tree.get("error"):
+        return None
+    names: set[str] = set()
+    pending: list[Any] = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            pending.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        if kind == "TABLE_FUNCTION" or (kind == "SHOW_REF" and node.get("table_name")):
+            return None
+        if kind == "BASE_TABLE":
+            if node.get("schema_name") not in ("", "main") or node.get("catalog_name") not in ("", None):
+                return None
+            names.add(str(node["table_name"]).lower())  # a CTE's name too: it just matches no view
+        pending.extend(node.values())
+    return names
+
+
+def connect(store: Store, sql: str | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with one view per artifact kind plus `artifacts`, `lineage`, `stage_runs` and `runs`.
 
-    It is a snapshot: artifacts committed after this call appear on the next `connect`.
+    It is a snapshot: artifacts committed after this call appear on the next `connect`. The manifests are
+    listed and read once. A view binds by reading the footers of all its files, so given the `sql` it
+    will run, only the views that statement reads are made (the others would cost a read of every file
+    in the store, a request each on object storage).
     """
-    con = duckdb_connection(store)
+    con, files = _connection(store)
     manifests = store.manifests()
-    paths_by_kind: dict[str, list[str]] = {}
+    parts_by_kind: dict[str, dict[str, int]] = {}
     for manifest in manifests:
-        paths_by_kind.setdefault(manifest.kind, []).extend(data_paths(store, manifest))
-    for kind in sorted(set(SCHEMAS) | set(paths_by_kind)):
-        paths = paths_by_kind.get(kind, [])
-        if paths:
-            _create_kind_view(con, kind, paths, store)
+        paths = data_paths(store, manifest)
+        sizes = [entry["bytes"] for entry in manifest.table_files]
+        parts_by_kind.setdefault(manifest.kind, {}).update(zip(paths, sizes))
+    kinds = sorted(set(SCHEMAS) | set(parts_by_kind))
+    wanted = _tables_named(con, sql) if sql is not None else None
+    for kind in kinds:
+        if wanted is not None and kind not in wanted:
+            continue
+        parts = parts_by_kind.get(kind, {})
+        if parts:
+            if files is not None:
+                files.read_together(parts)
+            _create_kind_view(con, kind, list(parts), store)
         elif kind in SCHEMAS:
             _create_empty_view(con, kind, SCHEMAS[kind])
     _create_table(con, "artifacts", _artifacts_table(manifests))
@@ -234,7 +395,7 @@ def query(store: Store, sql: str) -> pa.Table:
     artifact replaced by the next step's); the query is then asked once more over a fresh snapshot.
     """
     for attempt in (1, 2):
-        con = connect(store)
+        con = connect(store, sql)
         try:
             relation = con.sql(sql)
             return relation.to_arrow_table() if relation is not None else pa.table({})

@@ -4,6 +4,10 @@ Labelling the same answer to the same problem again (common in RL: a policy repe
 lookup, not a verifier call; after a verifier upgrade the version changes, so only the new version's
 verdicts are computed. Cache entries are `reward_cache` artifacts written by the stages that label;
 the in-memory index of a process loads each committed cache artifact once.
+
+Finding new cache artifacts must not cost a listing of the store per labelling call (on object storage
+a listing of every manifest is many requests, and grows with the run): the first lookup in a process
+lists once, later ones read only the store's reward_cache index log from where they stopped.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.errors import UserError
+from rlvr.storage.errors import ArtifactNotFound
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.store import Store
 from rlvr.verifiers.base import Score
 
 CacheKey = tuple[str, str, str, str]
+CACHE_KIND = "reward_cache"
 
 
 def text_hash(text: Any) -> str:
@@ -62,18 +68,35 @@ class RewardCache:
         self.store = store
         self._index: dict[CacheKey, Score] = {}
         self._loaded: set[str] = set()
+        self._log_position: int | None = None  # how far the store's reward_cache log has been read
 
     def refresh(self) -> None:
-        """Index the cache artifacts committed since the last refresh."""
-        if self.store is None:
+        """Index the cache artifacts committed since the last refresh (by any process).
+
+        The first refresh notes where the log ends, then lists every committed cache artifact, in that
+        order: an artifact committed in between is in the listing or past that position, never lost.
+        """
+        store = self.store
+        if store is None:
             return
-        for manifest in self.store.manifests(kind="reward_cache"):
-            if manifest.artifact_id in self._loaded:
-                continue
-            for entry in self.store.read_table(manifest.artifact_id).to_pylist():
-                key = (entry["verifier"], entry["verifier_version"], entry["response_hash"], entry["reference_hash"])
-                self._index[key] = entry_to_score(entry)
-            self._loaded.add(manifest.artifact_id)
+        if self._log_position is None:
+            self._log_position = store.index_end(CACHE_KIND)
+            ids = [m.artifact_id for m in store.manifests(kind=CACHE_KIND)]
+        else:
+            ids, self._log_position = store.read_index(CACHE_KIND, self._log_position)
+        for artifact_id in ids:
+            if artifact_id not in self._loaded:
+                self._load(store, artifact_id)
+
+    def _load(self, store: Store, artifact_id: str) -> None:
+        try:
+            entries = store.read_table(artifact_id).to_pylist()
+        except ArtifactNotFound:  # deleted since it was logged
+            return
+        for entry in entries:
+            key = (entry["verifier"], entry["verifier_version"], entry["response_hash"], entry["reference_hash"])
+            self._index[key] = entry_to_score(entry)
+        self._loaded.add(artifact_id)
 
     def lookup(self, keys: Sequence[CacheKey]) -> list[Score | None]:
         self.refresh()
