@@ -21,7 +21,9 @@ CHAT = json.dumps([{"role": "system", "content": "1"}, {"role": "user", "content
 
 def ids(text: str) -> list[int]:
     """The tiny vocabulary's ids of single characters (and the bos token)."""
-    return [VOCAB.index(token) for token in (["<s>"] if text.startswith("<s>") else []) + list(text.removeprefix("<s>"))]
+    return [
+        VOCAB.index(token) for token in (["<s>"] if text.startswith("<s>") else []) + list(text.removeprefix("<s>"))
+    ]
 
 
 @pytest.fixture

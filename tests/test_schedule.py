@@ -1,0 +1,300 @@
+"""Recurring pipelines: firings named NAME-<timestamp>, each continuing from the newest checkpoint, and
+overlapping firings skipped and recorded; the acceptance test serves a real schedule on a real local
+Prefect server (`prefect server start`) started here."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+
+import httpx
+import pytest
+from packaging.version import Version
+
+from rlvr.errors import UserError
+from rlvr.flows.schedule import (
+    Firing,
+    check_name,
+    final_checkpoint,
+    firing_config,
+    firing_run_id,
+    firings,
+    pipeline_runs,
+    record_firing,
+)
+from rlvr.flows.ui import free_port, healthy
+from rlvr.storage.lineage import ancestors
+from rlvr.storage.stage import run_stage
+from rlvr.storage.store import Store
+from rlvr.storage.views import query
+from rlvr.tasks.initialize import INITIALIZE
+from rlvr.trainer.policy import PolicyConfig
+from tests.cli_helpers import cli_env, rlvr, rlvr_command
+from tests.test_cli import assert_one_line_error
+
+WEIGHTS = "model.safetensors"
+
+
+def initial_checkpoint(store: Store, run_id: str, seed: int, checkpoint: str | None = None) -> str:
+    cfg = PolicyConfig(checkpoint=checkpoint)
+    inputs = {"checkpoint": checkpoint} if checkpoint else {}
+    return run_stage(store, INITIALIZE, cfg, run_id=run_id, seed=seed, step=0, inputs=inputs, params={"seed": seed}).id
+
+
+def test_firing_run_ids_are_the_name_and_the_utc_firing_time():
+    assert firing_run_id("nightly", datetime(2026, 11, 24, 3, 0, 5, tzinfo=UTC)) == "nightly-20261124-030005"
+    plus_two = timezone(timedelta(hours=2))
+    assert firing_run_id("nightly", datetime(2026, 11, 24, 5, 0, 5, tzinfo=plus_two)) == "nightly-20261124-030005"
+    assert check_name("a.b_c-1") == "a.b_c-1"
+    for bad in ("a/b", "-x", "x" * 49, ""):
+        with pytest.raises(UserError, match="bad schedule name"):
+            check_name(bad)
+
+
+def test_a_run_can_start_from_another_runs_checkpoint(tmp_path):
+    store = Store.open(str(tmp_path / "s"), create=True)
+    earlier = initial_checkpoint(store, "earlier", seed=3)
+    continued = initial_checkpoint(store, "later", seed=7, checkpoint=earlier)
+    fresh = initial_checkpoint(store, "fresh", seed=7)
+    assert store.read_file(continued, WEIGHTS) == store.read_file(earlier, WEIGHTS)
+    assert store.read_file(fresh, WEIGHTS) != store.read_file(earlier, WEIGHTS)  # seed 7 alone gives other weights
+    assert store.manifest(continued).parents == [earlier]
+    assert earlier in {m.artifact_id for m in ancestors(store, continued)}
+    row = query(store, f"SELECT run_id, policy_id FROM checkpoints WHERE artifact_id = '{continued}'").to_pylist()
+    assert row == [{"run_id": "later", "policy_id": earlier}]
+
+
+def test_a_lora_run_from_a_full_checkpoint_gets_fresh_adapters_and_keeps_them_when_continued(tmp_path):
+    from rlvr.trainer.checkpoints import load_policy
+    from rlvr.trainer.lora import ADAPTER_FILE, LoraSettings, has_lora
+
+    store = Store.open(str(tmp_path / "s"), create=True)
+    full = initial_checkpoint(store, "full", seed=3)
+    lora = PolicyConfig(checkpoint=full, lora=LoraSettings(r=4))
+    adapted = run_stage(
+        store, INITIALIZE, lora, run_id="lora", seed=5, step=0, inputs={"checkpoint": full}, params={"seed": 5}
+    ).id
+    assert has_lora(load_policy(store, adapted).model)
+    adapter = store.read_file(adapted, ADAPTER_FILE)
+    again = run_stage(
+        store,
+        INITIALIZE,
+        lora.model_copy(update={"checkpoint": adapted}),
+        run_id="lora-2",
+        seed=9,  # another seed would draw other fresh adapters: the checkpoint's are kept instead
+        step=0,
+        inputs={"checkpoint": adapted},
+        params={"seed": 9},
+    ).id
+    assert store.read_file(again, ADAPTER_FILE) == adapter
+
+
+def test_a_bad_starting_checkpoint_is_a_one_line_error(tmp_path):
+    store = Store.open(str(tmp_path / "s"), create=True)
+    with pytest.raises(UserError, match="'checkpoints-0000' is no artifact in store"):
+        initial_checkpoint(store, "r", seed=0, checkpoint="checkpoints-0000")
+    firing = Firing(
+        schedule="p", run_id="p-20261124-030000", scheduled_at="t", outcome="skipped", reason="x", flow_run_id="f"
+    )
+    other = record_firing(store, firing)
+    with pytest.raises(UserError, match=f"{other!r} is a firings artifact"):
+        initial_checkpoint(store, "r", seed=0, checkpoint=other)
+    with pytest.raises(UserError, match="does not start from checkpoints"):  # a flow that does not pass the input
+        run_stage(store, INITIALIZE, PolicyConfig(checkpoint=other), run_id="r", step=0, params={"seed": 0})
+
+
+def test_each_firing_continues_from_the_newest_completed_run_of_its_pipeline(tmp_path):
+    from rlvr.flows.config import load_config
+
+    store = Store.open(str(tmp_path / "s"), create=True)
+    checkpoints = {}
+    for run_id, status in [
+        ("pipe-20261124-030000", "completed"),
+        ("pipe-20261124-040000", "failed"),  # newer, but failed: not a starting point
+        ("pipeline-20261124-045000", "completed"),  # another pipeline
+        ("pipe-manual", "completed"),  # not a firing of pipe
+    ]:
+        checkpoints[run_id] = initial_checkpoint(store, run_id, seed=len(checkpoints))
+        store.write_run({"run_id": run_id, "status": status, "config_json": "{}"})
+    assert [r["run_id"] for r in pipeline_runs(store, "pipe")] == ["pipe-20261124-030000", "pipe-20261124-040000"]
+    assert final_checkpoint(store, "pipe-20261124-030000") == checkpoints["pipe-20261124-030000"]
+
+    config_json = load_config(None, ["warmstart.steps=5", "train.steps=3"]).model_dump_json()
+    cfg = firing_config(store, "pipe", config_json, "pipe-20261124-050000")
+    assert (cfg.run_id, cfg.policy.checkpoint, cfg.warmstart.steps, cfg.train.steps) == (
+        "pipe-20261124-050000",
+        checkpoints["pipe-20261124-030000"],
+        0,  # the warm start begins a pipeline; a continuing firing skips it
+        3,
+    )
+    first = firing_config(store, "pipe", config_json, "pipe-20261124-020000")  # older than every run
+    assert (first.policy.checkpoint, first.warmstart.steps) == (None, 5)
+
+
+def test_firings_are_recorded_once_per_flow_run_and_outcome(tmp_path):
+    store = Store.open(str(tmp_path / "s"), create=True)
+    start = initial_checkpoint(store, "p-20261124-030000", seed=0)
+    at = dict(schedule="p", reason="r", flow_run_id="f2")
+    started = Firing(
+        run_id="p-20261124-030005", scheduled_at="2026-11-24T03:00:05", outcome="started", start_checkpoint=start, **at
+    )
+    skipped = Firing(
+        run_id="p-20261124-030010",
+        scheduled_at="2026-11-24T03:00:10",
+        outcome="skipped",
+        blocked_by="p-20261124-030005",
+        schedule="p",
+        reason="previous run p-20261124-030005 still running",
+        flow_run_id="f3",
+    )
+    ids = {record_firing(store, f) for f in (skipped, started, started, skipped)}
+    assert len(ids) == 2 == len(store.manifests(kind="firings"))
+    rows = firings(store, "p")
+    assert [(r["run_id"], r["outcome"], r["blocked_by"]) for r in rows] == [
+        ("p-20261124-030005", "started", None),
+        ("p-20261124-030010", "skipped", "p-20261124-030005"),
+    ]
+    assert store.manifest(record_firing(store, started)).parents == [start]
+    assert firings(store, "other") == []
+
+
+def test_schedule_arguments_are_checked_before_anything_starts(tmp_path):
+    store = str(tmp_path / "s")
+    assert_one_line_error(rlvr("schedule", "p", "--store", store), "give one of --interval SECONDS or --cron EXPR")
+    both = rlvr("schedule", "p", "--interval", "5", "--cron", "0 3 * * *", "--store", store)
+    assert_one_line_error(both, "give one of --interval SECONDS or --cron EXPR")
+    assert_one_line_error(rlvr("schedule", "--list", "--pause", "--store", store), "choose one of --list, --pause")
+    assert_one_line_error(rlvr("schedule", "--pause", "--store", store), "name the schedule")
+    assert_one_line_error(rlvr("schedule", "p", "--pause", "--interval", "5", "--store", store), "--pause takes no")
+    too_often = rlvr("schedule", "p", "--interval", "0.5", "--store", store)
+    assert too_often.returncode == 2 and "greater than or equal to 1" in too_often.stderr
+
+
+# ----- the acceptance test: a real Prefect server, a served interval schedule -------------------------
+
+PIPELINE = """\
+train: {steps: 2}
+warmstart: {steps: 0}
+select: {batch_size: 4}
+allocate: {n: 2}
+difficulty: {k: 2, shard_size: 16}
+evaluate: {every: 2}
+checkpoint: {every: 2}
+flow: {steps_per_subflow: 2}
+synthesize: {source: {type: skills, per_category: 6}}
+"""
+
+
+def require_a_scheduler_that_can_insert_runs() -> None:
+    """Prefect 3.8.8's scheduler fails every pass with SQLAlchemy 2.1 ("Can't evaluate bulk DML statement"),
+    so no firing would ever be created; say so at once instead of timing out."""
+    version = importlib.metadata.version("sqlalchemy")
+    if Version(version) >= Version("2.1"):
+        pytest.fail(f"SQLAlchemy {version} breaks Prefect 3.8.8's scheduler service; install 'sqlalchemy<2.1'")
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    """`prefect server start` on localhost (its own home and database), as a user would run it."""
+    require_a_scheduler_that_can_insert_runs()
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = free_port()
+    env = cli_env(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_SERVER_UI_ENABLED="false")
+    env.pop("PREFECT_API_URL", None)
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    with open(home / "server.log", "wb") as log:
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while not healthy(url):
+        assert server.poll() is None and time.monotonic() < deadline, (home / "server.log").read_text()[-2000:]
+        time.sleep(0.5)
+    yield f"{url}/api"
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def wait_for(condition, timeout: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, (
+            f"timed out waiting for {what}; rlvr schedule said:\n{log.read_text()[-3000:]}"
+        )
+        time.sleep(2)
+
+
+@pytest.mark.slow
+def test_an_interval_schedule_continues_from_checkpoints_and_skips_overlapping_firings(prefect_server, tmp_path):
+    root = str(tmp_path / "store")
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(PIPELINE)
+    env = cli_env(PREFECT_API_URL=prefect_server)
+    log = tmp_path / "schedule.log"
+    args = ["schedule", "pipe", "--interval", "4", "--config", str(config), "--store", root]
+    with open(log, "wb") as out:
+        serving = subprocess.Popen(rlvr_command(*args), env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+
+        def progress() -> tuple[int, int]:
+            store = Store.open(root) if (Path(root) / "STORE").exists() else None
+            if store is None:
+                return 0, 0
+            done = [r for r in pipeline_runs(store, "pipe") if r["status"] == "completed"]
+            return len(done), sum(f["outcome"] == "skipped" for f in firings(store, "pipe"))
+
+        wait_for(lambda: progress()[0] >= 2 and progress()[1] >= 1, 300, "two runs and a skip", log)
+        listed = rlvr("schedule", "--list", "--store", root, env={**env, "COLUMNS": "250"})
+        assert listed.returncode == 0, listed.stderr
+        row = next(line for line in listed.stdout.splitlines() if "pipe" in line)
+        assert re.search(r"every 4 s.*active.*yes", row), listed.stdout
+        paused = rlvr("schedule", "pipe", "--pause", "--store", root, env=env)
+        assert paused.returncode == 0 and "schedule pipe paused" in paused.stdout, paused.stderr
+        deployment = httpx.get(f"{prefect_server}/deployments/name/rlvr-pipeline/pipe").json()
+        assert deployment["paused"] is True
+    finally:
+        serving.send_signal(signal.SIGTERM)
+        assert serving.wait(timeout=60) == 0, log.read_text()[-3000:]
+    assert "stopped serving pipe" in log.read_text()
+
+    store = Store.open(root)
+    runs = [r for r in pipeline_runs(store, "pipe") if r["status"] == "completed"]
+    assert all(re.fullmatch(r"pipe-\d{8}-\d{6}", r["run_id"]) for r in runs)
+    first, second = runs[0]["run_id"], runs[1]["run_id"]
+    first_final = final_checkpoint(store, first)
+    assert json.loads(runs[0]["config_json"])["policy"]["checkpoint"] is None
+    assert json.loads(runs[1]["config_json"])["policy"]["checkpoint"] == first_final
+
+    # The second run's initial checkpoint is the first run's final one: same weights, linked by lineage.
+    start = query(store, f"SELECT artifact_id FROM checkpoints WHERE run_id = '{second}' AND stage = 'initialize'")
+    second_start = start.to_pylist()[0]["artifact_id"]
+    assert store.manifest(second_start).parents[-1] == first_final
+    assert store.read_file(second_start, WEIGHTS) == store.read_file(first_final, WEIGHTS)
+    came_from = {(m.run_id, m.stage) for m in ancestors(store, second_start)}
+    assert {(first, "checkpoint"), (first, "synthesize"), (second, "config")} <= came_from
+    # ... and the second run re-synthesized its data and re-estimated difficulty with that checkpoint.
+    difficulty = [m for m in store.manifests(kind="difficulty", run_id=second)]
+    assert difficulty and second_start in difficulty[0].parents
+    assert store.manifests(kind="problems", run_id=second)
+
+    recorded = firings(store, "pipe")
+    started = {f["run_id"]: f for f in recorded if f["outcome"] == "started"}
+    assert started[first]["start_checkpoint"] is None and started[second]["start_checkpoint"] == first_final
+    skips = [f for f in recorded if f["outcome"] == "skipped"]
+    skipped_ids = {f["run_id"] for f in skips}
+    for skip in skips:  # blocked by an earlier firing that ran (the last one may have been cancelled at the stop)
+        assert skip["blocked_by"] < skip["run_id"] and skip["blocked_by"] not in skipped_ids, skip
+        assert f"previous run {skip['blocked_by']} still running" in skip["reason"]
+    while_first_ran = [f for f in skips if first < f["run_id"] < second]
+    assert while_first_ran and {f["blocked_by"] for f in while_first_ran} == {first}
+    assert all(store.read_run(f["run_id"]) is None for f in skips)  # a skipped firing never became a run
+    named = httpx.post(
+        f"{prefect_server}/flow_runs/filter", json={"flow_runs": {"name": {"any_": [skips[0]["run_id"]]}}}
+    ).json()
+    assert [(r["state_type"], r["run_count"]) for r in named] == [("CANCELLED", 0)]
