@@ -142,13 +142,45 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 @app.command()
-def runs(store: str | None = StoreOption) -> None:
-    """List the runs in the store with their status (running, failed, completed)."""
+def runs(
+    store: str | None = StoreOption,
+    format: str = typer.Option("table", "--format", help="table or json (one object per run, every field)"),
+) -> None:
+    """List the runs: status, progress, last held-out accuracy, heartbeat; why and where failed runs failed,
+    and the command that resumes them. A run whose process died shows as failed."""
     from rlvr.flows.runner import describe_run
 
+    if format not in ("table", "json"):
+        raise UserError(f"unknown format {format!r}; use table or json")
     found = open_existing(store)
-    rows = [describe_run(r) for r in sorted(found.list_runs(), key=lambda r: r.get("created_at", ""))]
-    _print_rows(rows, ["run_id", "kind", "status", "steps", "created_at", "updated_at"], "table")
+    root = store_root(store)
+    rows = [describe_run(r, root) for r in sorted(found.list_runs(), key=lambda r: r.get("created_at", ""))]
+    if format == "json":
+        _print_rows(rows, [], "json")
+        return
+    columns = ["run_id", "status", "progress", "accuracy", "heartbeat", "started"]
+    cells = [
+        [
+            *(str(r[c]) for c in columns[:3]),
+            "" if r["accuracy"] is None else f"{r['accuracy']:.2f}",
+            r["heartbeat"],
+            str(r["created_at"] or "")[5:16].replace("T", " "),  # month-day hour:minute, UTC
+        ]
+        for r in rows
+    ]
+    from rich import box
+
+    table = Table(box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)  # room for long run ids
+    table.add_column("run_id", no_wrap=True, min_width=max([6, *(len(line[0]) for line in cells)]))  # never cut
+    for column in columns[1:]:
+        table.add_column(column, no_wrap=True)
+    for line in cells:
+        table.add_row(*line)
+    out.print(table)
+    for r in rows:
+        if r["status"] == "failed":
+            out.print(f"{r['run_id']} failed in {r['failed_stage']}: {r['reason']}", markup=False, highlight=False)
+            out.print(f"  resume: {r['resume']}", markup=False, highlight=False)
 
 
 @app.command()
@@ -164,7 +196,7 @@ def query(
 
     if format not in ("table", "csv", "json"):
         raise UserError(f"unknown format {format!r}; use table, csv or json")
-    con = connect(open_existing(store))
+    con = connect(open_existing(store), sql)
     try:
         result = con.execute(sql)
         columns = [d[0] for d in result.description] if result.description else []
@@ -278,6 +310,110 @@ def verify(
     with input.open(encoding="utf-8", errors="surrogateescape") as lines:
         for row in verify_lines(verifier, lines, workers=workers, timeout_s=timeout):
             print(json.dumps(row, default=str), flush=True)
+
+
+@app.command()
+def schedule(
+    name: str | None = typer.Argument(None, help="the pipeline's name; its runs are NAME-<UTC timestamp>"),
+    cron: str | None = typer.Option(None, "--cron", help="fire on this cron expression, in UTC ('0 3 * * *')"),
+    interval: float | None = typer.Option(None, "--interval", min=1, help="fire every SECONDS"),
+    config: Path | None = typer.Option(None, "--config", help="YAML file with the pipeline's config sections"),
+    set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set train.steps=200"),
+    store: str | None = StoreOption,
+    list_: bool = typer.Option(False, "--list", help="list the store's schedules"),
+    pause: bool = typer.Option(False, "--pause", help="pause schedule NAME"),
+    resume_: bool = typer.Option(False, "--resume", help="resume schedule NAME"),
+) -> None:
+    """Run a pipeline on a schedule through Prefect: each firing continues from the newest checkpoint.
+
+    Serving runs until Ctrl-C. Without PREFECT_API_URL it starts a Prefect server on the store's database.
+    """
+    from rlvr.flows.ui import point_prefect_at_store, ui_url_of
+    from rlvr.storage.store import Store
+
+    modes = [flag for flag, on in (("--list", list_), ("--pause", pause), ("--resume", resume_)) if on]
+    if len(modes) > 1:
+        raise UserError(f"choose one of {', '.join(modes)}")
+    serving = not modes
+    if (interval is None) == (cron is None) and serving:
+        raise UserError("give one of --interval SECONDS or --cron EXPR (or --list, --pause NAME, --resume NAME)")
+    if not serving and (interval is not None or cron is not None or config is not None or set_):
+        raise UserError(f"{modes[0]} takes no --interval, --cron, --config or --set")
+    if name is None and not list_:
+        raise UserError(f"name the schedule: rlvr schedule NAME {modes[0] if modes else '--interval SECONDS'} ...")
+    root = _absolute_root(store_root(store))
+    found = Store.open(root, create=serving)
+    config_json = _schedule_config(config, set_) if serving else ""
+    target = point_prefect_at_store(found, need_server=serving)
+    from rlvr.flows import schedule as schedules  # imports Prefect, now pointed at the right server
+
+    if name is not None:
+        schedules.check_name(name)
+    if list_:
+        rows = schedules.schedule_rows(root)
+        if not rows:
+            _say(f"no schedules for store {root} on {ui_url_of(target.api_url) if target.api_url else target.origin}")
+        columns = ["schedule", "trigger", "state", "served", "completed", "failed", "running", "skipped"]
+        _print_rows(rows, [*columns, "last_run", "newest_checkpoint"], "table")
+        return
+    assert name is not None
+    if not serving:
+        out.print(schedules.set_paused(root, name, paused=pause))
+        return
+    schedules.schedule_deployment(root, name, config_json, interval=interval, cron=cron)  # a bad cron fails here
+    server = target.start(started_by=f"rlvr schedule {name}")
+    _say(f"Prefect server: {ui_url_of(target.api_url or '')} ({target.origin})")
+    try:
+        schedules.serve_schedule(root, name, config_json, interval=interval, cron=cron, say=_say)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _absolute_root(root: str) -> str:
+    """A local store as an absolute path: the served flow runs in other processes (and other directories)."""
+    return root if "://" in root else os.path.abspath(root)
+
+
+def _schedule_config(config: Path | None, overrides: list[str]) -> str:
+    from rlvr.flows.config import load_config
+
+    cfg = load_config(config, overrides)
+    if cfg.run_id is not None:
+        raise UserError("a schedule names its runs NAME-<timestamp>; remove run_id from the config")
+    return str(cfg.model_dump_json())
+
+
+@app.command()
+def ui(
+    store: str | None = StoreOption,
+    port: int = typer.Option(4200, "--port", help="port of the server (Prefect's default 4200)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="interface to listen on (0.0.0.0: every interface)"),
+) -> None:
+    """Open Prefect's UI over the store's run history: a Prefect server on the store's Prefect database."""
+    from rlvr.flows.ui import serve_ui
+
+    serve_ui(open_existing(store), host=host, port=port, say=_say)
+
+
+def _say(text: str) -> None:
+    out.print(text, markup=False, highlight=False)
+
+
+@app.command()
+def report(
+    run_ids: list[str] = typer.Argument(
+        ..., metavar="RUN_ID [RUN_ID ...]", help="a run id, or several to compare on the same plots"
+    ),
+    out_file: Path | None = typer.Option(
+        None, "--out", help="the HTML file to write (default <store>/reports/RUN_ID.html or report-A-vs-B.html)"
+    ),
+    store: str | None = StoreOption,
+) -> None:
+    """Write a self-contained HTML report: reward, accuracy, curriculum, budgets, difficulty, lineage, config."""
+    from rlvr.flows.report import write_report
+
+    print(write_report(open_existing(store), run_ids, out_file))
 
 
 def _register_data_commands() -> None:

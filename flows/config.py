@@ -22,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 import rlvr.tasks
 from rlvr import plugins
 from rlvr.errors import ConfigError, UserError
+from rlvr.flows.executors import ExecutorConfig
+from rlvr.openlineage_events import OpenLineageConfig
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table, run_stage
 from rlvr.storage.store import Store
@@ -48,6 +50,7 @@ class FlowConfig(BaseModel):
     steps_per_subflow: int = Field(
         50, ge=1, description="RL steps grouped in one Prefect subflow (a subflow costs ~1 s to start)"
     )
+    executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
 
 
 class RunConfigBase(BaseModel):
@@ -59,6 +62,7 @@ class RunConfigBase(BaseModel):
     seed: int = 0
     data: str | None = Field(None, description="train on the problems of this data run (`rlvr data`) instead")
     flow: FlowConfig = Field(default_factory=FlowConfig)
+    openlineage: OpenLineageConfig = Field(default_factory=OpenLineageConfig)
 
     if TYPE_CHECKING:  # the stage sections exist only at run time
 
@@ -208,7 +212,8 @@ def _config_build(inputs: Inputs, cfg: RunConfigBase, ctx: StageContext) -> Buil
 
 
 def _config_identity(cfg: RunConfigBase, params: Any) -> dict[str, Any]:
-    return json.loads(canonical_json(cfg.model_dump(mode="json")))
+    # Where lineage events go and where units run (flow.executor) change no artifact, so neither is part of any id.
+    return json.loads(canonical_json(cfg.model_dump(mode="json", exclude={"openlineage": True, "flow": {"executor"}})))
 
 
 # The run's resolved config as an artifact: the root of every run's lineage (not a section of itself).

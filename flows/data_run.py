@@ -1,7 +1,8 @@
 """The data stages alone as a Prefect flow (`rlvr data`): config -> synthesize [-> initialize] [-> difficulty].
 
 A data run is a run like any other (its own run id, config artifact and run record), so its problems
-can be queried, exported (`rlvr export`) and trained on later (`rlvr run --data RUN_ID`).
+can be queried, exported (`rlvr export`) and trained on later (`rlvr run --data RUN_ID`). Synthesis
+(per source) and difficulty estimation (per shard) fan out on the run's `flow.executor`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from prefect import flow
 
 from rlvr.errors import UserError
 from rlvr.flows.config import RunConfigBase, commit_config
+from rlvr.flows.executors import current_fan_out, use_executor
 from rlvr.flows.stages import run
 from rlvr.progress import report
 from rlvr.storage.stage import open_store
@@ -25,17 +27,22 @@ INIT_POLICY = "init"  # `--policy init`: the run's own starting policy (`policy`
 @flow(name="data-run", validate_parameters=False)
 def data_run(store: str, cfg: RunConfigBase, policy: str | None) -> dict[str, Any]:
     """Synthesize the problems and, given a policy (a checkpoint id or "init"), estimate their difficulty."""
+    with use_executor(cfg.flow.executor, store):
+        return _data_stages(store, cfg, policy)
+
+
+def _data_stages(store: str, cfg: RunConfigBase, policy: str | None) -> dict[str, Any]:
     assert cfg.run_id is not None
     at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
     config_id = commit_config(open_store(store), cfg)
     report("stage", name="synthesize")
-    problems = run(SYNTHESIZE, cfg.synthesize, inputs={"config": config_id}, **at)["problems"]
+    fanned = {"fan_out": current_fan_out()}
+    problems = run(SYNTHESIZE, cfg.synthesize, inputs={"config": config_id}, params=fanned, **at)["problems"]
     result: dict[str, Any] = {"run_id": cfg.run_id, "config_id": config_id, "problems_id": problems}
     if policy is not None:
         if policy == INIT_POLICY:
-            policy = run(
-                INITIALIZE, cfg.policy, inputs={"config": config_id}, params={"seed": cfg.seed}, step=0, **at
-            ).id
+            starting = {"config": config_id, "checkpoint": cfg.policy.checkpoint}
+            policy = run(INITIALIZE, cfg.policy, inputs=starting, params={"seed": cfg.seed}, step=0, **at).id
         result["difficulty_id"] = estimate_difficulty(store, cfg, problems, policy)
     open_store(store).wait()
     return result
@@ -50,7 +57,8 @@ def estimate_difficulty(store: str, cfg: RunConfigBase, problems: str, policy: s
     report("stage", name="difficulty")
     inputs = {"problems": problems, "policy": policy}
     at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
-    return run(DIFFICULTY, cfg.difficulty, inputs=inputs, params={"verifier": cfg.label}, **at).id
+    params = {"verifier": cfg.label, "fan_out": current_fan_out()}
+    return run(DIFFICULTY, cfg.difficulty, inputs=inputs, params=params, **at).id
 
 
 @flow(name="difficulty", validate_parameters=False)
@@ -58,6 +66,7 @@ def difficulty_run(store: str, cfg: RunConfigBase, problems: str, policy: str | 
     """`rlvr difficulty`: one more difficulty artifact of the run's problems, under another policy (or
     from the problems' metadata labels when `policy` is None)."""
     if policy is not None:
-        return estimate_difficulty(store, cfg, problems, policy)
+        with use_executor(cfg.flow.executor, store):
+            return estimate_difficulty(store, cfg, problems, policy)
     at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
     return run(DIFFICULTY_FROM_LABELS, cfg.difficulty, inputs={"problems": problems}, **at).id

@@ -23,6 +23,7 @@ from prefect.cache_policies import NONE
 
 from rlvr.curricula.filtering import prompts_to_draw
 from rlvr.flows.config import RunConfigBase, commit_config, data_run_problems
+from rlvr.flows.executors import current_fan_out, use_executor
 from rlvr.flows.stages import run
 from rlvr.progress import report
 from rlvr.storage.stage import open_store, prune_transient
@@ -156,7 +157,10 @@ def _generate(at: dict[str, Any], cfg: RunConfigBase, refs: StepRefs) -> Generat
             inputs={"allocations": allocations.id, "problems": refs.problems, "policy": refs.policy_ref},
             **at,
         )
-        rewards = run(LABEL, cfg.label, inputs={"rollouts": rollouts.id, "problems": refs.problems}, **at)
+        fanned = {"fan_out": current_fan_out(), "verify_chunk": cfg.flow.executor.verify_chunk}
+        rewards = run(
+            LABEL, cfg.label, inputs={"rollouts": rollouts.id, "problems": refs.problems}, params=fanned, **at
+        )
         made.selections.append(selections.id)
         made.rollouts.append(rollouts.id)
         made.rewards.append(rewards["rewards"])
@@ -219,12 +223,18 @@ def rl_steps(store: str, cfg: RunConfigBase, first: int, last: int, refs: StepRe
 
 @flow(name="rl-run", validate_parameters=False)
 def rl_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
-    """The whole run; returns the ids a summary needs."""
+    """The whole run; returns the ids a summary needs. Stages fan their units out on `flow.executor`."""
+    with use_executor(cfg.flow.executor, store):
+        return _whole_run(store, cfg)
+
+
+def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     assert cfg.run_id is not None
     at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
     config_id = commit_config(open_store(store), cfg)
     problems = problems_of_run(store, cfg, config_id)
-    initial = run(INITIALIZE, cfg.policy, inputs={"config": config_id}, params={"seed": cfg.seed}, step=0, **at).id
+    start = {"config": config_id, "checkpoint": cfg.policy.checkpoint}  # a checkpoint of an earlier run, or None
+    initial = run(INITIALIZE, cfg.policy, inputs=start, params={"seed": cfg.seed}, step=0, **at).id
     refs = StepRefs(problems=(problems,), difficulty="", policy_ref=initial, start_ref=initial)
     report("eval", step=0, phase="init", accuracy=evaluate(store, cfg, 0, "init", refs))
     if cfg.warmstart.steps:
@@ -234,7 +244,8 @@ def rl_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
         report("eval", step=0, phase="warmstart", accuracy=evaluate(store, cfg, 0, "warmstart", refs))
     report("stage", name="difficulty")
     inputs = {"problems": problems, "policy": refs.policy_ref}
-    difficulty = run(DIFFICULTY, cfg.difficulty, inputs=inputs, params={"verifier": cfg.label}, **at)
+    params = {"verifier": cfg.label, "fan_out": current_fan_out()}
+    difficulty = run(DIFFICULTY, cfg.difficulty, inputs=inputs, params=params, **at)
     refs = replace(refs, difficulty=difficulty.id)
     report("stage", name="rl")
     size = cfg.flow.steps_per_subflow
@@ -250,7 +261,8 @@ def problems_of_run(store: str, cfg: RunConfigBase, config_id: str) -> str:
     if cfg.data is None:
         report("stage", name="synthesize")
         at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
-        return run(SYNTHESIZE, cfg.synthesize, inputs={"config": config_id}, **at)["problems"]
+        params = {"fan_out": current_fan_out()}
+        return run(SYNTHESIZE, cfg.synthesize, inputs={"config": config_id}, params=params, **at)["problems"]
     return data_run_problems(open_store(store), cfg.data)
 
 

@@ -1,23 +1,38 @@
 """difficulty: k sampled rollouts of the current policy per problem, verified; pass rate and Beta posterior.
 
 The only stage that is large even on the tiny default (k rollouts for the whole pool), so it writes
-in shards: a crash loses at most the shard in flight, and resume skips committed shards.
+in shards: a crash loses at most the shards in flight, and resume skips committed shards. Each shard
+is a unit of the run's fan-out (`params["fan_out"]`, flows/executors.py): on another backend the
+shards are sampled and verified on the workers, which load the policy from the store by its id.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.progress import report
-from rlvr.storage.stage import Built, Inputs, Output, Sharded, Stage, StageContext, rows_to_table
-from rlvr.trainer.checkpoints import load_policy
+from rlvr.storage.stage import RESIDENTS, Built, Inputs, Output, Sharded, Stage, StageContext, open_store, rows_to_table
+from rlvr.trainer.checkpoints import load_policy, policy_files_of
 from rlvr.trainer.generation import sample
-from rlvr.verifiers.cache import VerifierConfig, score_cached, verifier_identity
+from rlvr.trainer.policy import Policy, policy_from_files
+from rlvr.verifiers.base import Score
+from rlvr.verifiers.cache import (
+    CACHEABLE,
+    CacheKey,
+    VerifierConfig,
+    cache_key,
+    reward_cache,
+    score_cached,
+    verifier_identity,
+    version_of,
+)
 
 
 class DifficultyConfig(BaseModel):
@@ -49,9 +64,75 @@ def difficulty_row(run_id: str, problem_id: str, policy_id: str, k: int, success
     }
 
 
+@dataclass(frozen=True)
+class ShardJob:
+    """One shard's work, as a worker needs it: the problems, the settings, the seed, and where the policy is
+    (the store's root and the policy's id; or the policy itself, for a build given its inputs without a store)."""
+
+    problems: list[dict[str, Any]]
+    cfg: DifficultyConfig
+    verifier: VerifierConfig
+    seed: int
+    store: str | None
+    policy_id: str
+    policy: Policy | None = None
+
+
+@dataclass(frozen=True)
+class ShardEstimate:
+    """Successes per problem of the shard, and the cacheable verdicts behind them (the process that commits
+    the shard remembers them, so later stages find the same reward-cache hits wherever the shard ran)."""
+
+    successes: list[int]
+    verdicts: list[tuple[CacheKey, Score]]
+
+
+def estimate_shard(job: ShardJob) -> ShardEstimate:
+    """k sampled rollouts per problem of one shard, verified."""
+    policy = job.policy or shard_policy(job.store or "", job.policy_id)
+    problems, cfg = job.problems, job.cfg
+    samples = sample(
+        policy,
+        [p["prompt"] for p in problems],
+        [cfg.k] * len(problems),
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=1.0,
+        seed=job.seed,
+    )
+    pairs = [(s.text, problems[s.prompt_index]["reference"]) for s in samples]
+    names = [job.verifier.verifier_of(problems[s.prompt_index]["verifier"]) for s in samples]
+    store = open_store(job.store) if job.store is not None else None
+    scores, _, _ = score_cached(store, job.verifier, pairs, names)
+    successes = [0] * len(problems)
+    for s, score in zip(samples, scores):
+        successes[s.prompt_index] += score.status == "ok"
+    verdicts = [
+        (cache_key(name, version_of(name), response, reference), score)
+        for name, (response, reference), score in zip(names, pairs, scores)
+        if score.status in CACHEABLE
+    ]
+    return ShardEstimate(successes, verdicts)
+
+
+def shard_policy(store_root: str, policy_id: str) -> Policy:
+    """The policy to sample: the live one when this process holds it, else loaded once per process."""
+    if RESIDENTS.get(policy_id) is not None:
+        return load_policy(open_store(store_root), policy_id)
+    return _stored_policy(store_root, policy_id)
+
+
+@lru_cache(maxsize=1)
+def _stored_policy(store_root: str, policy_id: str) -> Policy:
+    """A copy loaded from the store, never trained (a worker keeps it for the stage's next shards)."""
+    return policy_from_files(policy_files_of(open_store(store_root), policy_id))
+
+
 def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
-    """params: `verifier` (the label section). Problems are taken in id order, `shard_size` per shard."""
+    """params: `verifier` (the label section), `fan_out` (where shards run; in place without one).
+    Problems are taken in id order, `shard_size` per shard."""
     verifier: VerifierConfig = ctx.params["verifier"]
+    fan_out: Callable[..., Iterator[Any]] = ctx.params.get("fan_out", map)
     problems = [
         p
         for p in inputs.rows("problems", ["problem_id", "split", "prompt", "reference", "verifier"])
@@ -59,32 +140,43 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
     ]
     problems.sort(key=lambda p: p["problem_id"])
     policy_ref = inputs.require_id("policy")
-    policy = inputs.load("policy", load_policy)
+    given = None if ctx.store is not None else inputs.load("policy", load_policy)
+    root = ctx.store.root if ctx.store is not None else None
+    count = -(-len(problems) // cfg.shard_size)
+    jobs = [
+        ShardJob(
+            problems[index * cfg.shard_size : (index + 1) * cfg.shard_size],
+            cfg,
+            verifier,
+            ctx.derive_seed("difficulty", index),
+            root,
+            policy_ref,
+            given,
+        )
+        for index in range(count)
+    ]
+    results: Iterator[tuple[int, ShardEstimate]] | None = None
 
     def make(index: int) -> pa.Table:
-        shard = problems[index * cfg.shard_size : (index + 1) * cfg.shard_size]
-        samples = sample(
-            policy,
-            [p["prompt"] for p in shard],
-            [cfg.k] * len(shard),
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=1.0,
-            seed=ctx.derive_seed("difficulty", index),
-        )
-        pairs = [(s.text, shard[s.prompt_index]["reference"]) for s in samples]
-        scores, _, _ = score_cached(ctx.store, verifier, pairs, [shard[s.prompt_index]["verifier"] for s in samples])
-        successes = [0] * len(shard)
-        for s, score in zip(samples, scores):
-            successes[s.prompt_index] += score.status == "ok"
+        # The runner asks for the shards not yet committed, in order (after a crash: all from the first
+        # missing one), so the fan-out starts there and yields them in that order.
+        nonlocal results
+        if results is None:
+            results = zip(range(index, count), fan_out(estimate_shard, jobs[index:]))
+        estimate = next((result for at, result in results if at == index), None)
+        if estimate is None:
+            raise RuntimeError(f"difficulty shard {index} was asked for out of order")
+        if ctx.store is not None:
+            cache = reward_cache(ctx.store)
+            for key, score in estimate.verdicts:
+                cache.remember(key, score)
         rows = [
             difficulty_row(ctx.run_id, p["problem_id"], policy_ref, cfg.k, n, cfg.bins)
-            for p, n in zip(shard, successes)
+            for p, n in zip(jobs[index].problems, estimate.successes)
         ]
         report("shard", stage="difficulty", done=index + 1, total=count)
         return rows_to_table("difficulty", rows)
 
-    count = -(-len(problems) // cfg.shard_size)
     return Sharded(count=count, make=make)
 
 

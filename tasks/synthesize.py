@@ -15,6 +15,7 @@ import itertools
 import json
 import random
 from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,8 +26,8 @@ from rlvr.data.dedup import NearDuplicateConfig, find_duplicates
 from rlvr.data.validate import Candidate, Rejected, as_text, validate
 from rlvr.progress import report
 from rlvr.storage.ids import row_id
-from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
-from rlvr.verifiers.sources import SOURCES, SkillsSourceConfig, SourceConfig, make_sources
+from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, default_identity, rows_to_table
+from rlvr.verifiers.sources import SOURCES, SkillsSourceConfig, SourceConfig, make_sources, source_names
 
 
 def _source_type() -> Any:
@@ -122,18 +123,46 @@ class Pool:
     read: Counter[str] = field(default_factory=Counter)
 
 
-def read_sources(cfg: SynthesizeConfig, seed: int) -> Pool:
-    """Every source's rows (its allotment), validated."""
-    pool = Pool()
-    sources = make_sources(cfg.sources)
+@dataclass(frozen=True)
+class SourceJob:
+    """One source's share of the stage: a unit of the run's fan-out (flows/executors.py)."""
+
+    name: str
+    config: SourceConfig
+    limit: int | None
+    seed: int
+    max_prompt_chars: int
+
+
+@dataclass(frozen=True)
+class SourceRead:
+    name: str
+    accepted: list[Candidate]
+    rejected: list[Rejected]
+    count: int
+
+
+def read_source(job: SourceJob) -> SourceRead:
+    """A source's rows (its allotment), validated."""
+    report("data", phase="read", source=job.name)
+    source = SOURCES.make(job.config)
+    rows = itertools.islice(source.rows(job.seed), job.limit)
+    accepted, rejected, count = validate(rows, job.name, source.verifier, job.max_prompt_chars)
+    return SourceRead(job.name, accepted, rejected, count)
+
+
+def read_sources(cfg: SynthesizeConfig, seed: int, fan_out: Callable[..., Iterator[SourceRead]] = map) -> Pool:
+    """Every source's rows (its allotment), validated; one unit of `fan_out` per source, pooled in config order."""
     limits = allotments([s.weight for s in cfg.sources], cfg.size)
-    for (name, source), limit in zip(sources.items(), limits):
-        report("data", phase="read", source=name)
-        rows = itertools.islice(source.rows(seed), limit)
-        accepted, rejected, count = validate(rows, name, source.verifier, cfg.max_prompt_chars)
-        pool.accepted += accepted
-        pool.rejected += rejected
-        pool.read[name] = count
+    jobs = [
+        SourceJob(name, source, limit, seed, cfg.max_prompt_chars)
+        for name, source, limit in zip(source_names(cfg.sources), cfg.sources, limits)
+    ]
+    pool = Pool()
+    for read in fan_out(read_source, jobs):
+        pool.accepted += read.accepted
+        pool.rejected += read.rejected
+        pool.read[read.name] = read.count
     return pool
 
 
@@ -247,7 +276,8 @@ def source_counts(pool: Pool) -> dict[str, dict[str, Any]]:
 
 
 def build(inputs: Inputs, cfg: SynthesizeConfig, ctx: StageContext) -> dict[str, Built]:
-    pool = read_sources(cfg, ctx.seed)
+    """params: `fan_out` (where the sources are read; in place without one)."""
+    pool = read_sources(cfg, ctx.seed, ctx.params.get("fan_out", map))
     deduplicate(pool, cfg.near_duplicates, ctx.run_id)
     decontaminate(pool, cfg.decontaminate, ctx.seed)
     problems = problem_rows(pool, cfg, ctx)
@@ -275,6 +305,11 @@ def build(inputs: Inputs, cfg: SynthesizeConfig, ctx: StageContext) -> dict[str,
     }
 
 
+def identity(cfg: SynthesizeConfig, params: Mapping[str, Any]) -> dict[str, Any]:
+    """The section and its params, but not where the sources were read (`fan_out`)."""
+    return default_identity(cfg, {key: value for key, value in params.items() if key != "fan_out"})
+
+
 SYNTHESIZE: Stage[SynthesizeConfig] = Stage(
     name="synthesize",
     code_version="3",
@@ -283,4 +318,5 @@ SYNTHESIZE: Stage[SynthesizeConfig] = Stage(
     inputs=("config",),
     outputs={"quarantine": Output("quarantine"), "duplicates": Output("duplicates"), "problems": Output("problems")},
     build=build,
+    identity=identity,
 )
