@@ -200,6 +200,8 @@ def describe_run(record: dict[str, Any], store_root: str | None = None, now: dat
     status = run_status(record)
     steps = record.get("steps") or (config.get("train", {}).get("steps") if kind == "rl" else None)
     step = record.get("step")
+    if step is None and status == "completed":
+        step = steps  # a record written before runs reported their progress
     beat = record.get("heartbeat_at") or record.get("updated_at")
     age = _age_s(beat, now)
     row: dict[str, Any] = {
