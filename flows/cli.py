@@ -171,9 +171,8 @@ def runs(
     from rich import box
 
     table = Table(box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)  # room for long run ids
-    table.add_column("run_id", no_wrap=True, min_width=max([6, *(len(line[0]) for line in cells)]))  # never cut
-    for column in columns[1:]:
-        table.add_column(column, no_wrap=True)
+    for index, column in enumerate(columns):  # never cut a cell, even past the terminal's width
+        table.add_column(column, no_wrap=True, min_width=max([len(column), *(len(line[index]) for line in cells)]))
     for line in cells:
         table.add_row(*line)
     out.print(table)
