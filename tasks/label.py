@@ -12,26 +12,19 @@ rows are the same wherever the chunks ran.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
-from rlvr.storage.store import Store
 from rlvr.verifiers.base import Score
 from rlvr.verifiers.cache import (
-    CACHEABLE,
-    CacheKey,
+    MissScorer,
     VerifierConfig,
-    cache_key,
     problem_references,
-    reward_cache,
-    score_cached,
+    score_fresh,
     score_rollouts,
-    score_to_entry,
     verifier_identity,
-    version_of,
 )
 
 
@@ -46,51 +39,18 @@ class VerifyJob:
 
 def verify_chunk(job: VerifyJob) -> list[Score]:
     """Verdicts of one chunk (in the worker's process, through its verifier pool)."""
-    scores, _, _ = score_cached(None, job.cfg, job.pairs, job.names)
-    return scores
+    return score_fresh(job.cfg, job.names, job.pairs)
 
 
-def score_in_chunks(
-    store: Store,
-    cfg: VerifierConfig,
-    rollouts: Sequence[dict[str, Any]],
-    problems: Mapping[str, tuple[str | None, Any]],
-    fan_out: Callable[..., Iterator[list[Score]]],
-    chunk: int,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """What `score_rollouts` returns (verdict columns per rollout, new cache entries), with the misses
-    verified by `fan_out` in chunks of `chunk` pairs."""
-    pairs = [(r["response"], problems[r["problem_id"]][1]) for r in rollouts]
-    names = [cfg.verifier_of(problems[r["problem_id"]][0]) for r in rollouts]
-    keys = [cache_key(name, version_of(name), response, ref) for name, (response, ref) in zip(names, pairs)]
-    cache = reward_cache(store)
-    scores = cache.lookup(keys)
-    hits = [score is not None for score in scores]
-    misses = [i for i, score in enumerate(scores) if score is None]
-    chunks = [misses[at : at + chunk] for at in range(0, len(misses), chunk)]
-    jobs = [VerifyJob(cfg, [pairs[i] for i in part], [names[i] for i in part]) for part in chunks]
-    entries: dict[CacheKey, dict[str, Any]] = {}
-    for part, fresh in zip(chunks, fan_out(verify_chunk, jobs)):
-        for i, score in zip(part, fresh):
-            scores[i] = score
-            if score.status in CACHEABLE and keys[i] not in entries:
-                entries[keys[i]] = score_to_entry(keys[i], score)
-                cache.remember(keys[i], score)
-    verdicts = [
-        {
-            "verifier": name,
-            "verifier_version": version_of(name),
-            "score": score.value,
-            "status": score.status,
-            "extracted": score.extracted,
-            "reason": score.reason,
-            "components": json.dumps(score.components, sort_keys=True),
-            "cache_hit": hit,
-        }
-        for name, score, hit in zip(names, scores, hits)
-        if score is not None
-    ]
-    return verdicts, list(entries.values())
+def chunked(fan_out: Callable[..., Iterator[list[Score]]], chunk: int) -> MissScorer:
+    """A `score_misses` that verifies the misses in chunks of `chunk` pairs, each a unit of `fan_out`."""
+
+    def score(cfg: VerifierConfig, names: list[str], pairs: list[tuple[Any, Any]]) -> list[Score]:
+        starts = range(0, len(pairs), chunk)
+        jobs = [VerifyJob(cfg, pairs[at : at + chunk], names[at : at + chunk]) for at in starts]
+        return [verdict for part in fan_out(verify_chunk, jobs) for verdict in part]
+
+    return score
 
 
 def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, Built]:
@@ -99,10 +59,10 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
     rollouts = inputs.rows("rollouts", ["rollout_id", "problem_id", "response"])
     references = problem_references(inputs.table("problems", ["problem_id", "verifier", "reference"]))
     chunk = ctx.params.get("verify_chunk")
-    if ctx.store is not None and "fan_out" in ctx.params and chunk and len(rollouts) > chunk:
-        verdicts, entries = score_in_chunks(ctx.store, cfg, rollouts, references, ctx.params["fan_out"], chunk)
-    else:
-        verdicts, entries = score_rollouts(ctx.store, cfg, rollouts, references)
+    misses = score_fresh
+    if "fan_out" in ctx.params and chunk and len(rollouts) > chunk:
+        misses = chunked(ctx.params["fan_out"], chunk)
+    verdicts, entries = score_rollouts(ctx.store, cfg, rollouts, references, misses)
     rows = [
         {"rollout_id": r["rollout_id"], "run_id": ctx.run_id, "step": ctx.step, "problem_id": r["problem_id"], **v}
         for r, v in zip(rollouts, verdicts)

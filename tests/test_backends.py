@@ -195,21 +195,28 @@ def test_a_fan_out_shipped_to_a_worker_runs_units_in_place():
 def test_labelling_in_chunks_equals_labelling_at_once():
     """The chunked path (what a backend runs) gives the same rows and cache entries as one call, with a
     cache hit, a repeated miss and a wrong answer among the rollouts."""
-    from rlvr.tasks.label import score_in_chunks
+    from rlvr.tasks.label import chunked
 
     cfg = VerifierConfig(workers=0)
     problems = {"p1": ("arithmetic", "4"), "p2": ("arithmetic", "12")}
     responses = [("p1", "4"), ("p1", "5"), ("p2", "12"), ("p2", "12"), ("p1", "4x"), ("p2", "7"), ("p1", "4")]
     rollouts = [{"problem_id": pid, "response": text} for pid, text in responses]
+    chunk_sizes: list[int] = []
+
+    def fan_out(unit, jobs):
+        chunk_sizes.extend(len(job.pairs) for job in jobs)
+        return map(unit, jobs)
+
     results = []
-    for name, chunked in (("memory://at-once", False), ("memory://chunked", True)):
+    for name, in_chunks in (("memory://at-once", False), ("memory://chunked", True)):
         store = Store.open(name, create=True)
         known = cache_key("arithmetic", version_of("arithmetic"), "12", "12")
         reward_cache(store).remember(known, Score(1.0, "ok", extracted="12"))
-        if chunked:
-            results.append(score_in_chunks(store, cfg, rollouts, problems, map, 2))
+        if in_chunks:
+            results.append(score_rollouts(store, cfg, rollouts, problems, chunked(fan_out, 2)))
         else:
             results.append(score_rollouts(store, cfg, rollouts, problems))
+    assert chunk_sizes == [2, 2, 1]  # the 5 misses (the two "12" are hits), 2 per unit
     (verdicts, entries), (chunked_verdicts, chunked_entries) = results
     assert chunked_verdicts == verdicts
     assert chunked_entries == entries

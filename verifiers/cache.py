@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -149,15 +149,31 @@ class VerifierConfig(BaseModel):
         return name
 
 
+# Scores the cache misses: (cfg, verifier name of each pair, the pairs) -> one Score per pair, in order.
+MissScorer = Callable[[VerifierConfig, list[str], list[tuple[Any, Any]]], list[Score]]
+
+
+def score_fresh(cfg: VerifierConfig, names: list[str], pairs: list[tuple[Any, Any]]) -> list[Score]:
+    """Verdicts of `pairs`, each by its verifier `names[i]`, through one pool per verifier (no cache)."""
+    scores: list[Score | None] = [None] * len(pairs)
+    for name in sorted(set(names)):
+        todo = [i for i, each in enumerate(names) if each == name]
+        for i, fresh in zip(todo, _score_fresh(cfg, name, [pairs[i] for i in todo])):
+            scores[i] = fresh
+    return [s for s in scores if s is not None]
+
+
 def score_cached(
     store: Store | None,
     cfg: VerifierConfig,
     pairs: Sequence[tuple[Any, Any]],
     verifiers: Sequence[str | None] | None = None,
+    score_misses: MissScorer = score_fresh,
 ) -> tuple[list[Score], list[bool], list[dict[str, Any]]]:
     """Scores of `pairs` (response, reference), each with the verifier `cfg.verifier_of(verifiers[i])`
-    (cache first, then that verifier's pool), whether each was a hit, and the new cache entries.
-    Without `verifiers`, `cfg.verifier` scores every pair.
+    (cache first, then `score_misses`: by default that verifier's pool), whether each was a hit, and the
+    new cache entries. Without `verifiers`, `cfg.verifier` scores every pair. Which pairs are hits is
+    decided before any miss is scored, so the result does not depend on where `score_misses` runs them.
 
     `cfg.workers == 0` scores in this process (no timeout: only for verifiers that cannot hang).
     Without a store (a stage's build tested on its own) a process-local cache stands in.
@@ -168,10 +184,8 @@ def score_cached(
     scores = cache.lookup(keys)
     hits = [score is not None for score in scores]
     misses = [i for i, score in enumerate(scores) if score is None]
-    for name in sorted({names[i] for i in misses}):
-        todo = [i for i in misses if names[i] == name]
-        for i, fresh in zip(todo, _score_fresh(cfg, name, [pairs[i] for i in todo])):
-            scores[i] = fresh
+    for i, fresh in zip(misses, score_misses(cfg, [names[i] for i in misses], [pairs[i] for i in misses])):
+        scores[i] = fresh
     entries: dict[CacheKey, dict[str, Any]] = {}
     for i in misses:
         scored = scores[i]
@@ -204,13 +218,14 @@ def score_rollouts(
     cfg: VerifierConfig,
     rollouts: Sequence[dict[str, Any]],
     problems: Mapping[str, tuple[str | None, Any]],
+    score_misses: MissScorer = score_fresh,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Verdict columns of a `rewards` row for each rollout (cache first, then the pool), and the new
+    """Verdict columns of a `rewards` row for each rollout (cache first, then `score_misses`), and the new
     cache entries. Rollouts need `response` and `problem_id`; `problems` maps problem ids to (verifier,
     reference)."""
     pairs = [(r["response"], problems[r["problem_id"]][1]) for r in rollouts]
     verifiers = [problems[r["problem_id"]][0] for r in rollouts]
-    scores, hits, entries = score_cached(store, cfg, pairs, verifiers)
+    scores, hits, entries = score_cached(store, cfg, pairs, verifiers, score_misses)
     names = [cfg.verifier_of(name) for name in verifiers]
     verdicts = [
         {
