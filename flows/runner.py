@@ -26,7 +26,7 @@ from rlvr import openlineage_events, progress
 from rlvr.errors import UserError
 from rlvr.flows.prefect_env import configure_prefect
 from rlvr.storage.stage import failed_stage
-from rlvr.storage.store import Store, run_death, run_status
+from rlvr.storage.store import Store, run_death, run_status, seconds_from_env
 from rlvr.storage.views import query
 
 DEFAULT_HEARTBEAT_S = 5.0
@@ -34,14 +34,7 @@ DEFAULT_HEARTBEAT_S = 5.0
 
 def heartbeat_interval_s() -> float:
     """How often a running run's record is refreshed (RLVR_HEARTBEAT_S, default 5 s)."""
-    raw = os.environ.get("RLVR_HEARTBEAT_S", str(DEFAULT_HEARTBEAT_S))
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise UserError(f"RLVR_HEARTBEAT_S={raw!r}: give a number of seconds greater than 0")
-    return value
+    return seconds_from_env("RLVR_HEARTBEAT_S", DEFAULT_HEARTBEAT_S)
 
 
 def new_run_id() -> str:

@@ -1006,18 +1006,23 @@ HEARTBEAT_TIMEOUT_ENV = "RLVR_HEARTBEAT_TIMEOUT_S"
 DEFAULT_HEARTBEAT_TIMEOUT_S = 600.0
 
 
-def heartbeat_timeout_s() -> float:
-    """How long a running run may go without a heartbeat before it counts as dead (RLVR_HEARTBEAT_TIMEOUT_S)."""
-    raw = os.environ.get(HEARTBEAT_TIMEOUT_ENV)
+def seconds_from_env(name: str, default: float) -> float:
+    """A duration in seconds from the environment variable `name` (default when unset); > 0, else a UserError."""
+    raw = os.environ.get(name)
     if raw is None:
-        return DEFAULT_HEARTBEAT_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise UserError(f"{HEARTBEAT_TIMEOUT_ENV}={raw!r}: give a number of seconds greater than 0")
+        raise UserError(f"{name}={raw!r}: give a number of seconds greater than 0")
     return value
+
+
+def heartbeat_timeout_s() -> float:
+    """How long a running run may go without a heartbeat before it counts as dead (RLVR_HEARTBEAT_TIMEOUT_S)."""
+    return seconds_from_env(HEARTBEAT_TIMEOUT_ENV, DEFAULT_HEARTBEAT_TIMEOUT_S)
 
 
 def run_death(record: Mapping[str, Any], now: datetime | None = None) -> str | None:

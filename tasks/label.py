@@ -59,7 +59,7 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
     rollouts = inputs.rows("rollouts", ["rollout_id", "problem_id", "response"])
     references = problem_references(inputs.table("problems", ["problem_id", "verifier", "reference"]))
     chunk = ctx.params.get("verify_chunk")
-    misses = score_fresh
+    misses: MissScorer = score_fresh
     if "fan_out" in ctx.params and chunk and len(rollouts) > chunk:
         misses = chunked(ctx.params["fan_out"], chunk)
     verdicts, entries = score_rollouts(ctx.store, cfg, rollouts, references, misses)
