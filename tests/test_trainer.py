@@ -1,6 +1,7 @@
 """Trainer library: GRPO algebra against hand-computed values, and the tiny model trained for real."""
 
 import math
+import traceback
 
 import pytest
 import torch
@@ -196,12 +197,15 @@ def test_missing_local_directory_is_a_one_line_user_error(tmp_path):
 # --- generation -------------------------------------------------------------------------------------
 
 
-def test_sample_is_seeded_ragged_and_leaves_global_rng_alone(policy):
+def test_sample_is_seeded_ragged_and_leaves_global_rng_alone(policy, monkeypatch):
     prompts = ["3+4=", "1+1=", "9+9="]
     state = torch.random.get_rng_state()
+    stacks = []  # torch.manual_seed formats one per call for its lazy CUDA seeding, even without CUDA
+    monkeypatch.setattr(traceback, "format_stack", lambda *args: stacks.append(1) or [])
     kwargs = dict(max_new_tokens=4, temperature=1.0, top_p=1.0)
     first = sample(policy, prompts, [2, 0, 3], seed=11, **kwargs)
     assert torch.equal(state, torch.random.get_rng_state())
+    assert stacks == []
     assert [(s.prompt_index, s.sample_index) for s in first] == [(0, 0), (0, 1), (2, 0), (2, 1), (2, 2)]
     assert sample(policy, prompts, [2, 0, 3], seed=11, **kwargs) == first
     others = [sample(policy, prompts, [2, 0, 3], seed=seed, **kwargs) for seed in (12, 13)]

@@ -89,6 +89,21 @@ def test_entry_point_plugin_is_registered_and_bad_ones_are_reported(plugin_dir):
         get_verifier("broken")
 
 
+def test_entry_points_are_scanned_once_per_sys_path(plugin_dir, monkeypatch):
+    import rlvr.verifiers.registry as registry
+
+    scans = []
+    real_scan = registry._scan_plugins
+    monkeypatch.setattr(registry, "_scan_plugins", lambda: scans.append(1) or real_scan())
+    monkeypatch.setattr(registry, "_loaded", None)
+    for _ in range(3):
+        assert "echo" in registered()
+    assert len(scans) == 1
+    monkeypatch.syspath_prepend(str(plugin_dir / "elsewhere"))  # a new path entry may hold new plugins
+    registered().pop("echo")  # callers get a copy: the cached registry keeps it
+    assert "echo" in registered() and len(scans) == 2
+
+
 def test_plugin_runs_in_the_pool(plugin_dir):
     with VerifierPool("echo", workers=1, timeout_s=5.0) as pool:
         assert [s.status for s in pool.score_many([("7", 7), ("8", 7)])] == ["ok", "wrong"]

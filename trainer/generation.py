@@ -4,6 +4,8 @@ A sample keeps its token ids (what the loss trains on), its decoded text (what v
 why it ended, so that rewards, length statistics and the loss all see the same completion.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -87,6 +89,21 @@ def _shared_prompt_cache(policy: Policy, input_ids: torch.Tensor, attention_mask
     return prefix
 
 
+@contextmanager
+def seeded_rng(seed: int, device: torch.device) -> Iterator[None]:
+    """Torch's RNG of the CPU (and of `device` when it is a GPU) seeded with `seed` inside, restored after.
+
+    Not `torch.manual_seed`: on a machine without CUDA it still queues a lazy CUDA seeding call and formats a
+    stack trace for it, a cost paid on every RL step; on a GPU it would leave the caller's CUDA RNG reseeded.
+    """
+    gpu = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpu):
+        torch.random.default_generator.manual_seed(seed)
+        if gpu:
+            torch.cuda.manual_seed_all(seed)
+        yield
+
+
 def _decode(policy: Policy, ids: list[int]) -> str:
     return str(policy.tokenizer.decode(ids, skip_special_tokens=True))
 
@@ -113,8 +130,7 @@ def sample(
     if temperature <= 0:
         raise ValueError("temperature must be > 0 for sampling; use greedy() for deterministic decoding")
     rows = [(prompt_index, sample_index) for prompt_index, count in enumerate(counts) for sample_index in range(count)]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded_rng(seed, policy.model.device):
         completions = _generate(
             policy,
             [prompts[prompt_index] for prompt_index, _ in rows],

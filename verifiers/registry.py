@@ -16,6 +16,7 @@ pool uses it to run verifiers that are importable but not registered (e.g. test-
 from __future__ import annotations
 
 import importlib
+import sys
 from importlib.metadata import entry_points
 
 from rlvr.errors import UserError
@@ -50,7 +51,21 @@ def _check_verifier_class(obj: object, expected_name: str) -> str | None:
     return None
 
 
+_loaded: tuple[tuple[str, ...], tuple[dict[str, type[Verifier]], list[str]]] | None = None
+
+
 def _load_plugins() -> tuple[dict[str, type[Verifier]], list[str]]:
+    """The plugins found on the current sys.path, and why others were refused; scanned once per sys.path
+    (reading every installed distribution's metadata costs milliseconds, and labelling asks per step)."""
+    global _loaded
+    path = tuple(sys.path)
+    if _loaded is None or _loaded[0] != path:
+        _loaded = (path, _scan_plugins())
+    plugins, errors = _loaded[1]
+    return dict(plugins), list(errors)
+
+
+def _scan_plugins() -> tuple[dict[str, type[Verifier]], list[str]]:
     plugins: dict[str, type[Verifier]] = {}
     errors: list[str] = []
     for entry_point in entry_points(group=ENTRY_POINT_GROUP):
