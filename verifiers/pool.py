@@ -48,7 +48,7 @@ START_TIMEOUT_S = 60.0  # a worker that has not loaded its verifier by then is k
 MAX_FAILED_STARTS = 3  # consecutive start failures after which the remaining calls are failed
 STOP_WAIT_S = 2.0  # how long close() waits for a worker to exit before killing it
 REASON_CHARS = 500
-PIPELINE_DEPTH = 2  # calls queued per worker; the deadline applies to the one it is running
+PIPELINE_DEPTH = 8  # calls queued per worker (2 idled workers on cheap calls: 8,920 vs 11,940 labels/s)
 
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(["rlvr.verifiers.registry"])
