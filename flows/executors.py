@@ -31,6 +31,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import multiprocessing
+import os
+import secrets
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -156,8 +158,22 @@ def _ray_runner(cfg: ExecutorConfig) -> Any:
     if cfg.address:
         return RayTaskRunner(address=cfg.address)
     # address "local": a new instance even when this machine runs a cluster (ray.init() would join that one)
+    keep_ray_token_out_of_home()
     local = {"address": "local", "num_cpus": cfg.workers, "include_dashboard": False, "logging_level": logging.WARNING}
     return RayTaskRunner(init_kwargs=local)
+
+
+RAY_TOKEN_SETTINGS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def keep_ray_token_out_of_home() -> None:
+    """Give a new local Ray instance its token in the environment, which its processes inherit.
+
+    Ray turns on token authentication for a new local instance and, without a token, generates one and
+    saves it as ~/.ray/auth_token; runs must not write to the home directory. A user's own Ray auth
+    settings are left alone."""
+    if not any(os.environ.get(name) for name in RAY_TOKEN_SETTINGS):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
 # One unit runs at a time per worker process: a Dask worker with several threads would otherwise run two

@@ -150,12 +150,18 @@ def test_an_existing_dask_scheduler_runs_the_units(tmp_path, reference):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_local_ray_commits_the_default_runs_artifacts(tmp_path, reference):
+def test_local_ray_commits_the_default_runs_artifacts(tmp_path, reference, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
     since = datetime.now(UTC)
-    store = run_on(tmp_path, "flow.executor.type=ray flow.executor.workers=2")
+    store = run_on(tmp_path / "store", "flow.executor.type=ray flow.executor.workers=2")
     found = outcome(store)
     assert_same_run(found, reference)
     assert units_ran(since) == units_expected(found)
+    assert not (home / ".ray").exists()  # Ray saves a generated auth token there unless it is given one
 
 
 # ----- the config and the fan-out, without a run --------------------------------------------------
