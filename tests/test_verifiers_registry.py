@@ -89,7 +89,7 @@ def test_entry_point_plugin_is_registered_and_bad_ones_are_reported(plugin_dir):
         get_verifier("broken")
 
 
-def test_entry_points_are_scanned_once_per_sys_path(plugin_dir, monkeypatch):
+def test_entry_points_are_scanned_again_only_when_sys_path_changes(plugin_dir, monkeypatch):
     import rlvr.verifiers.registry as registry
 
     scans = []
@@ -102,6 +102,9 @@ def test_entry_points_are_scanned_once_per_sys_path(plugin_dir, monkeypatch):
     monkeypatch.syspath_prepend(str(plugin_dir / "elsewhere"))  # a new path entry may hold new plugins
     registered().pop("echo")  # callers get a copy: the cached registry keeps it
     assert "echo" in registered() and len(scans) == 2
+    (plugin_dir / "another-0.1.dist-info").mkdir()  # an install into a folder already on sys.path
+    registered()
+    assert len(scans) == 3
 
 
 def test_plugin_runs_in_the_pool(plugin_dir):

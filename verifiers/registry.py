@@ -16,6 +16,7 @@ pool uses it to run verifiers that are importable but not registered (e.g. test-
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from importlib.metadata import entry_points
 
@@ -51,16 +52,28 @@ def _check_verifier_class(obj: object, expected_name: str) -> str | None:
     return None
 
 
-_loaded: tuple[tuple[str, ...], tuple[dict[str, type[Verifier]], list[str]]] | None = None
+_loaded: tuple[tuple[tuple[str, int | None], ...], tuple[dict[str, type[Verifier]], list[str]]] | None = None
+
+
+def _path_state() -> tuple[tuple[str, int | None], ...]:
+    """Each sys.path entry and its modification time: installing or removing a package changes its folder's."""
+    state = []
+    for entry in sys.path:
+        try:
+            state.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            state.append((entry, None))
+    return tuple(state)
 
 
 def _load_plugins() -> tuple[dict[str, type[Verifier]], list[str]]:
-    """The plugins found on the current sys.path, and why others were refused; scanned once per sys.path
-    (reading every installed distribution's metadata costs milliseconds, and labelling asks per step)."""
+    """The plugins found on sys.path, and why others were refused; scanned again only when sys.path or one of its
+    folders changed (reading every installed distribution's metadata costs milliseconds, and labelling asks per
+    step)."""
     global _loaded
-    path = tuple(sys.path)
-    if _loaded is None or _loaded[0] != path:
-        _loaded = (path, _scan_plugins())
+    state = _path_state()
+    if _loaded is None or _loaded[0] != state:
+        _loaded = (state, _scan_plugins())
     plugins, errors = _loaded[1]
     return dict(plugins), list(errors)
 
