@@ -57,7 +57,7 @@ _loaded: tuple[tuple[tuple[str, int | None], ...], tuple[dict[str, type[Verifier
 
 def _path_state() -> tuple[tuple[str, int | None], ...]:
     """Each sys.path entry and its modification time: installing or removing a package changes its folder's."""
-    state = []
+    state: list[tuple[str, int | None]] = []
     for entry in sys.path:
         try:
             state.append((entry, os.stat(entry or ".").st_mtime_ns))
