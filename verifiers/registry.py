@@ -69,7 +69,9 @@ def _path_state() -> tuple[tuple[str, int | None], ...]:
 def _load_plugins() -> tuple[dict[str, type[Verifier]], list[str]]:
     """The plugins found on sys.path, and why others were refused; scanned again only when sys.path or one of its
     folders changed (reading every installed distribution's metadata costs milliseconds, and labelling asks per
-    step)."""
+    step). An install or uninstall adds or removes a dist-info folder, which changes its folder's mtime; an
+    entry_points.txt edited in place is not seen, and a plugin module already imported is not re-imported.
+    (The type registries in rlvr.plugins scan once per process.)"""
     global _loaded
     state = _path_state()
     if _loaded is None or _loaded[0] != state:
