@@ -19,27 +19,35 @@ Naming:
 
 A stage skipped because its outputs are committed did no work, so it emits nothing: its events were
 sent when it ran. Emitting never fails a stage: an error is a logged warning.
+
+Events are built in the stage's thread and sent, in order, by one daemon thread per emitter, so a slow
+transport (an http POST that waits for its timeout) never holds up a stage. The run's COMPLETE or FAIL
+waits until every queued event is sent, then closes the client; a process that never sees the run end
+(a worker of another task runner) sends what is queued when it exits.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import logging
+import multiprocessing.util
 import os
+import queue
 import threading
 import traceback
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.errors import UserError
-from rlvr.storage.store import Store
+from rlvr.storage.store import Store, utc_now
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +101,7 @@ def derived_run_id(*parts: str) -> str:
 
 @dataclass
 class Emitter:
-    """Sends one run's events through an OpenLineage client; never raises."""
+    """Sends one run's events through an OpenLineage client from its own thread; never raises."""
 
     client: Any
     namespace: str
@@ -103,8 +111,9 @@ class Emitter:
     failures: int = 0
 
     def __post_init__(self) -> None:
-        self._lock = threading.Lock()
         self.producer = _producer()
+        self._queue: queue.Queue[Any] = queue.Queue()
+        threading.Thread(target=self._send_queued, name=f"openlineage-{self.run_id}", daemon=True).start()
 
     @property
     def run_job(self) -> str:
@@ -115,13 +124,34 @@ class Emitter:
         return derived_run_id(self.datasets, "run", self.run_id)
 
     def emit(self, event: Any) -> None:
+        """Queue `event` for the sending thread; returns at once."""
+        self._queue.put(event)
+
+    def flush(self) -> None:
+        """Wait until every event queued so far has been sent (or has failed)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Send what is queued, then close the client (at the run's end)."""
+        self.flush()
         try:
-            with self._lock:
-                self.client.emit(event)
+            self.client.close(timeout=5.0)
         except Exception as exc:
-            self.failures += 1
-            if self.failures == 1 or self.failures % 100 == 0:
-                log.warning("OpenLineage event not sent (%d so far): %s: %s", self.failures, type(exc).__name__, exc)
+            log.warning("OpenLineage transport did not close cleanly: %s", exc)
+
+    def _send_queued(self) -> None:
+        while True:
+            event = self._queue.get()
+            try:
+                self.client.emit(event)
+            except Exception as exc:
+                self.failures += 1
+                if self.failures == 1 or self.failures % 100 == 0:
+                    log.warning(
+                        "OpenLineage event not sent (%d so far): %s: %s", self.failures, type(exc).__name__, exc
+                    )
+            finally:
+                self._queue.task_done()
 
 
 # ----- resolving the configuration ------------------------------------------------------------------
@@ -176,8 +206,6 @@ def _emitter(store: Store, run_id: str) -> Emitter | None:
 
 
 def _settings_of_run(store: Store, run_id: str) -> tuple[OpenLineageConfig | None, str]:
-    import json
-
     record = store.read_run(run_id) or {}
     section = json.loads(record.get("config_json") or "{}").get("openlineage")
     return (OpenLineageConfig.model_validate(section) if section else None), str(record.get("kind", "rl"))
@@ -185,14 +213,22 @@ def _settings_of_run(store: Store, run_id: str) -> tuple[OpenLineageConfig | Non
 
 def forget_runs() -> None:
     """Drop every resolved emitter (tests; a process that changed its OpenLineage environment)."""
+    flush_events()
     _emitters.clear()
 
 
+def flush_events() -> None:
+    """Wait until every event this process has queued is sent (tests; a process's exit)."""
+    for emitter in list(_emitters.values()):
+        if emitter is not None:
+            emitter.flush()
+
+
+atexit.register(flush_events)  # a process's normal exit ...
+multiprocessing.util.Finalize(None, flush_events, exitpriority=0)  # ... and a multiprocessing worker's (no atexit)
+
+
 # ----- events ---------------------------------------------------------------------------------------
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat()
 
 
 def _schema_fields(schema_text: str) -> list[tuple[str, str]]:
@@ -226,46 +262,39 @@ def _dataset_facets(fields: Sequence[tuple[str, str]], producer: str) -> dict[st
     return {"schema": schema_dataset.SchemaDatasetFacet(fields=columns, producer=producer)}
 
 
-def _inputs(emitter: Emitter, store: Store, artifact_ids: Sequence[str]) -> list[Any]:
-    from openlineage.client.event_v2 import InputDataset
-    from openlineage.client.facet_v2 import input_statistics_input_dataset as stats
+def _datasets(
+    emitter: Emitter,
+    store: Store,
+    artifact_ids: Sequence[str],
+    direction: Literal["input", "output"],
+    described: bool = True,
+) -> list[Any]:
+    """The artifacts as input or output datasets with their columns and row counts (by name only when
+    not `described`: outputs not committed yet)."""
+    from openlineage.client.event_v2 import InputDataset, OutputDataset
+    from openlineage.client.facet_v2 import input_statistics_input_dataset as input_stats
+    from openlineage.client.facet_v2 import output_statistics_output_dataset as output_stats
 
+    dataset_class: Any = InputDataset if direction == "input" else OutputDataset
     datasets = []
     for aid in artifact_ids:
-        rows, fields = _describe(store, aid)
-        datasets.append(
-            InputDataset(
-                namespace=emitter.datasets,
-                name=aid,
-                facets=_dataset_facets(fields, emitter.producer),
-                inputFacets={
-                    "inputStatistics": stats.InputStatisticsInputDatasetFacet(rowCount=rows, producer=emitter.producer)
-                },
-            )
-        )
-    return datasets
-
-
-def _outputs(emitter: Emitter, store: Store, artifact_ids: Sequence[str], committed: bool) -> list[Any]:
-    from openlineage.client.event_v2 import OutputDataset
-    from openlineage.client.facet_v2 import output_statistics_output_dataset as stats
-
-    datasets = []
-    for aid in artifact_ids:
-        if not committed:
-            datasets.append(OutputDataset(namespace=emitter.datasets, name=aid))
+        if not described:
+            datasets.append(dataset_class(namespace=emitter.datasets, name=aid))
             continue
         rows, fields = _describe(store, aid)
+        statistics: dict[str, Any]
+        if direction == "input":
+            input_facet = input_stats.InputStatisticsInputDatasetFacet(rowCount=rows, producer=emitter.producer)
+            statistics = {"inputFacets": {"inputStatistics": input_facet}}
+        else:
+            output_facet = output_stats.OutputStatisticsOutputDatasetFacet(rowCount=rows, producer=emitter.producer)
+            statistics = {"outputFacets": {"outputStatistics": output_facet}}
         datasets.append(
-            OutputDataset(
+            dataset_class(
                 namespace=emitter.datasets,
                 name=aid,
                 facets=_dataset_facets(fields, emitter.producer),
-                outputFacets={
-                    "outputStatistics": stats.OutputStatisticsOutputDatasetFacet(
-                        rowCount=rows, producer=emitter.producer
-                    )
-                },
+                **statistics,
             )
         )
     return datasets
@@ -323,7 +352,7 @@ def _event(emitter: Emitter, state: str, run_uuid: str, job: Any, facets: dict[s
 
     return RunEvent(
         eventType=RunState[state],
-        eventTime=_now(),
+        eventTime=utc_now(),
         run=Run(runId=run_uuid, facets=facets),
         job=job,
         producer=emitter.producer,
@@ -348,14 +377,22 @@ def stage_events(
         return
     run_uuid = derived_run_id(emitter.datasets, "stage", *output_ids)
     tags = {"run_id": run_id, "stage": stage, "step": step, "code_version": code_version}
+    inputs: list[Any] | None = None
+    try:
+        inputs = _datasets(emitter, store, input_ids, "input")  # committed before the stage: the same in every event
+    except Exception as exc:
+        emitter.failures += 1
+        log.warning("OpenLineage events of stage %s not built: %s: %s", stage, type(exc).__name__, exc)
+    if inputs is None:
+        yield
+        return
 
     def send(state: str, committed: bool, error: BaseException | None = None) -> None:
         try:
             facets = _run_facets(emitter, tags, parent=True)
             if error is not None:
                 facets["errorMessage"] = _error_facet(emitter, error)
-            inputs = _inputs(emitter, store, input_ids)
-            outputs = _outputs(emitter, store, output_ids, committed)
+            outputs = _datasets(emitter, store, output_ids, "output", described=committed)
             job = _job(emitter, f"rlvr.{stage}", "STAGE")
             emitter.emit(_event(emitter, state, run_uuid, job, facets, inputs=inputs, outputs=outputs))
         except Exception as exc:
@@ -385,7 +422,4 @@ def run_event(store_root: str, run_id: str, state: str, error: BaseException | N
     except Exception as exc:
         log.warning("OpenLineage %s event of run %s not built: %s: %s", state, run_id, type(exc).__name__, exc)
     if state != "START":
-        try:
-            emitter.client.close(timeout=5.0)
-        except Exception as exc:
-            log.warning("OpenLineage transport did not close cleanly: %s", exc)
+        emitter.close()

@@ -1,12 +1,13 @@
 """OpenLineage events: a real run with the file transport writes START/COMPLETE (and FAIL) events that
 validate against the published OpenLineage schemas (tests/data/openlineage, no network) and name the
-artifacts each stage read and wrote, with their row counts and columns; events are off by default and
-an emission failure never fails a stage."""
+artifacts each stage read and wrote, with their row counts and columns; events are off by default, an
+emission failure never fails a stage, and a slow transport never holds one up."""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import uuid
 from datetime import datetime
 from pathlib import Path
@@ -186,6 +187,7 @@ def test_a_failing_stage_sends_fail_with_the_error_and_still_raises(tmp_path, re
         run_stage(store, COPY, {}, run_id="r1", step=3, inputs={"notes": "notes-in"})
     BROKEN.discard("r1")
     assert failed_stage(raised.value) == ("copy", 3)
+    openlineage_events.flush_events()
     start, fail = read_events(events)
     assert (start["eventType"], fail["eventType"]) == ("START", "FAIL")
     assert start["run"]["runId"] == fail["run"]["runId"]
@@ -200,6 +202,7 @@ def test_a_failing_stage_sends_fail_with_the_error_and_still_raises(tmp_path, re
 
     # the same stage run redone (a resume) completes the OpenLineage run its failed attempt started
     done = run_stage(store, COPY, {}, run_id="r1", step=3, inputs={"notes": "notes-in"})
+    openlineage_events.flush_events()
     _, _, start_again, complete = read_events(events)
     assert start_again["run"]["runId"] == complete["run"]["runId"] == start["run"]["runId"]
     [output] = complete["outputs"]
@@ -210,14 +213,17 @@ def test_a_failing_stage_sends_fail_with_the_error_and_still_raises(tmp_path, re
     assert_valid(complete, registry)
     # a skipped (already committed) stage did no work and sends nothing
     assert run_stage(store, COPY, {}, run_id="r1", step=3, inputs={"notes": "notes-in"}).skipped
+    openlineage_events.flush_events()
     assert len(read_events(events)) == 4
 
 
 def test_off_by_default_and_on_through_the_clients_own_environment(tmp_path, monkeypatch, no_client_config):
     store = _store(tmp_path)
     assert openlineage_events.emitter_for(store.root, "r1", None) is None
-    run_stage(store, COPY, {}, run_id="r1", step=1, inputs={"notes": "notes-in"})
-    assert not list(tmp_path.rglob("*events*"))
+    with monkeypatch.context() as patched:  # no configuration: no client is ever made
+        patched.setattr(openlineage_events, "_make_client", lambda settings: pytest.fail("a client was made"))
+        run_stage(store, COPY, {}, run_id="r1", step=1, inputs={"notes": "notes-in"})
+    assert openlineage_events._emitters == {(store.root, "r1"): None}
 
     events = tmp_path / "env-events.jsonl"
     monkeypatch.setenv("OPENLINEAGE__TRANSPORT__TYPE", "file")
@@ -225,6 +231,7 @@ def test_off_by_default_and_on_through_the_clients_own_environment(tmp_path, mon
     monkeypatch.setenv("OPENLINEAGE__TRANSPORT__APPEND", "true")
     openlineage_events.forget_runs()
     run_stage(store, COPY, {}, run_id="r1", step=2, inputs={"notes": "notes-in"})
+    openlineage_events.flush_events()
     assert [e["eventType"] for e in read_events(events)] == ["START", "COMPLETE"]
 
     monkeypatch.setenv("OPENLINEAGE_DISABLED", "true")
@@ -238,9 +245,45 @@ def test_emission_failure_is_a_warning_not_a_failed_stage(tmp_path, caplog, no_c
     openlineage_events.configure_run(store.root, "r1", settings)
     with caplog.at_level(logging.WARNING, logger="rlvr.openlineage_events"):
         result = run_stage(store, COPY, {}, run_id="r1", step=1, inputs={"notes": "notes-in"})
+        openlineage_events.flush_events()  # the warning comes from the sending thread
     assert store.exists(result.id) and not result.skipped
     warnings = [r.getMessage() for r in caplog.records if "OpenLineage event not sent" in r.getMessage()]
     assert warnings and warnings[0].startswith("OpenLineage event not sent (1 so far)")
+
+
+class GatedClient:
+    """A transport that sends nothing until the test opens its gate, then records what it was given."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.sent: list[tuple[str, str]] = []
+
+    def emit(self, event) -> None:
+        assert self.gate.wait(timeout=30), "the gate was never opened: the caller waited on the transport"
+        self.sent.append((event.job.name, event.eventType.value))
+
+    def close(self, timeout: float = -1.0) -> bool:
+        self.sent.append(("closed", ""))
+        return True
+
+
+def test_a_slow_transport_holds_up_no_stage_and_the_run_end_sends_every_event_in_order(
+    tmp_path, monkeypatch, no_client_config
+):
+    store = _store(tmp_path)
+    client = GatedClient()
+    monkeypatch.setattr(openlineage_events, "_make_client", lambda settings: client)
+    openlineage_events.configure_run(store.root, "r1", OpenLineageConfig(transport={"type": "console"}))
+    openlineage_events.run_event(store.root, "r1", "START")
+    try:
+        for step in (1, 2):  # the transport is stuck on the first event: the stages go on regardless
+            assert not run_stage(store, COPY, {}, run_id="r1", step=step, inputs={"notes": "notes-in"}).skipped
+        assert client.sent == []
+    finally:
+        client.gate.set()
+    openlineage_events.run_event(store.root, "r1", "COMPLETE")  # returns once everything is sent
+    stage = [("rlvr.copy", "START"), ("rlvr.copy", "COMPLETE")]
+    assert client.sent == [("rlvr.rl_run", "START"), *stage, *stage, ("rlvr.rl_run", "COMPLETE"), ("closed", "")]
 
 
 def test_a_bad_transport_is_one_clear_error_before_the_run(tmp_path, no_client_config):

@@ -185,10 +185,10 @@ def label_step(store: Store, step: int, answers: list[str]) -> Any:
     return run_stage(store, LABEL, cfg, run_id="r", step=step, inputs={"rollouts": rollouts, "problems": problems})
 
 
-def test_a_labelling_call_finds_new_verdicts_without_listing_the_bucket(s3_env):
+def test_a_labelling_call_finds_new_verdicts_without_listing_the_bucket(s3_env, monkeypatch):
     root = new_root("cache")
     mine = Store.open(root, create=True)
-    cache_module._caches.clear()  # this process has seen no verdicts yet
+    monkeypatch.setattr(cache_module, "_caches", {})  # this process has seen no verdicts yet
     label_step(mine, 0, ["7", "8"])  # the process's first call lists once: what earlier runs left
 
     theirs = Store.open(root)  # another process (another run) commits verdicts in the meantime
@@ -203,7 +203,7 @@ def test_a_labelling_call_finds_new_verdicts_without_listing_the_bucket(s3_env):
     assert [(r["status"], r["cache_hit"]) for r in rewards] == [("ok", True), ("wrong", True), ("wrong", True)]
 
 
-def test_the_index_log_has_no_gaps_when_writers_race(s3_env):
+def test_a_writer_with_a_stale_log_end_takes_the_next_free_position_leaving_no_gaps(s3_env):
     root = new_root("log")
     first, second = Store.open(root, create=True), Store.open(root)
     reader = RewardCache(Store.open(root))
