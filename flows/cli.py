@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from rlvr.errors import UserError
@@ -24,6 +26,7 @@ out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
 DEFAULT_STORE = "./rlvr-store"
+DEFAULT_UI_PORT = 4200  # Prefect's own default; here, not in flows/ui.py, which imports too much for every command
 StoreOption = typer.Option(
     None, "--store", help="store root: a path or fsspec URL (default $RLVR_STORE or ./rlvr-store)"
 )
@@ -158,24 +161,18 @@ def runs(
     if format == "json":
         _print_rows(rows, [], "json")
         return
-    columns = ["run_id", "status", "progress", "accuracy", "heartbeat", "started"]
-    cells = [
-        [
-            *(str(r[c]) for c in columns[:3]),
-            "" if r["accuracy"] is None else f"{r['accuracy']:.2f}",
-            r["heartbeat"],
-            str(r["created_at"] or "")[5:16].replace("T", " "),  # month-day hour:minute, UTC
-        ]
+    shown = [
+        {
+            "run_id": r["run_id"],
+            "status": r["status"],
+            "progress": r["progress"],
+            "accuracy": None if r["accuracy"] is None else f"{r['accuracy']:.2f}",
+            "heartbeat": r["heartbeat"],
+            "started": str(r["created_at"] or "")[5:16].replace("T", " "),  # month-day hour:minute, UTC
+        }
         for r in rows
     ]
-    from rich import box
-
-    table = Table(box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)  # room for long run ids
-    for index, column in enumerate(columns):  # never cut a cell, even past the terminal's width
-        table.add_column(column, no_wrap=True, min_width=max([len(column), *(len(line[index]) for line in cells)]))
-    for line in cells:
-        table.add_row(*line)
-    out.print(table)
+    _print_rows(shown, ["run_id", "status", "progress", "accuracy", "heartbeat", "started"], "table")
     for r in rows:
         if r["status"] == "failed":
             out.print(f"{r['run_id']} failed in {r['failed_stage']}: {r['reason']}", markup=False, highlight=False)
@@ -340,14 +337,14 @@ def schedule(
         raise UserError(f"{modes[0]} takes no --interval, --cron, --config or --set")
     if name is None and not list_:
         raise UserError(f"name the schedule: rlvr schedule NAME {modes[0] if modes else '--interval SECONDS'} ...")
+    if name is not None:
+        check_schedule_name(name)
     root = _absolute_root(store_root(store))
     found = Store.open(root, create=serving)
     config_json = _schedule_config(config, set_) if serving else ""
     target = point_prefect_at_store(found, need_server=serving)
     from rlvr.flows import schedule as schedules  # imports Prefect, now pointed at the right server
 
-    if name is not None:
-        schedules.check_name(name)
     if list_:
         rows = schedules.schedule_rows(root)
         if not rows:
@@ -369,6 +366,18 @@ def schedule(
             server.stop()
 
 
+SCHEDULE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,47}")  # NAME-YYYYmmdd-HHMMSS must be a run id
+
+
+def check_schedule_name(name: str) -> str:
+    if not SCHEDULE_NAME.fullmatch(name):
+        raise UserError(
+            f"bad schedule name {name!r}: use up to 48 letters, digits, '_', '.', '-' "
+            "(its runs are named NAME-<timestamp>)"
+        )
+    return name
+
+
 def _absolute_root(root: str) -> str:
     """A local store as an absolute path: the served flow runs in other processes (and other directories)."""
     return root if "://" in root else os.path.abspath(root)
@@ -386,7 +395,7 @@ def _schedule_config(config: Path | None, overrides: list[str]) -> str:
 @app.command()
 def ui(
     store: str | None = StoreOption,
-    port: int = typer.Option(4200, "--port", help="port of the server (Prefect's default 4200)"),
+    port: int = typer.Option(DEFAULT_UI_PORT, "--port", help="port of the server (default: Prefect's own)"),
     host: str = typer.Option("127.0.0.1", "--host", help="interface to listen on (0.0.0.0: every interface)"),
 ) -> None:
     """Open Prefect's UI over the store's run history: a Prefect server on the store's Prefect database."""
@@ -441,6 +450,11 @@ def _print_rows(rows: list[dict[str, Any]], columns: list[str], format: str) -> 
     table = Table(*columns)
     for row in rows:
         table.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
+    # Wider than the terminal: long cells wrap at spaces, but never below the longest word of each column, where
+    # rich would drop whole columns instead (the table then runs past the terminal's edge).
+    measured = Measurement.get(out, out.options.update_width(100_000), table)
+    if measured.maximum > out.width:
+        table.width = max(out.width, measured.minimum)
     out.print(table)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,11 +20,14 @@ import duckdb
 
 from rlvr.errors import UserError
 from rlvr.flows.report_plots import RUN_COLORS, Figure, RunData, all_figures, is_number, run_colors
+from rlvr.flows.runner import existing_run, final_checkpoint, format_age, last_by_phase
+from rlvr.storage.lineage import ancestors
 from rlvr.storage.store import Store, run_status
 from rlvr.storage.views import connect
 
 MAX_RUNS = len(RUN_COLORS)
-PHASE_ORDER = "CASE phase WHEN 'init' THEN 0 WHEN 'warmstart' THEN 1 ELSE 2 END"
+# The views the report reads: given to `connect`, which then binds only these (on S3 each costs a read of its parts).
+VIEWS = ("allocations", "checkpoints", "curriculum_state", "difficulty", "evals", "problems", "rewards", "train_steps")
 
 
 @dataclass(frozen=True)
@@ -74,14 +78,10 @@ def load_runs(store: Store, run_ids: Sequence[str]) -> list[RunPage]:
         raise UserError(f"a run is named twice in {' '.join(run_ids)}; name each run once")
     if len(run_ids) > MAX_RUNS:
         raise UserError(f"{len(run_ids)} runs named; one report compares at most {MAX_RUNS}")
-    records = {run_id: store.read_run(run_id) for run_id in run_ids}
-    for run_id, record in records.items():
-        if record is None:
-            known = ", ".join(sorted(r["run_id"] for r in store.list_runs())) or "none"
-            raise UserError(f"unknown run id {run_id!r} in store {store.root}; runs there: {known}")
-    con = connect(store)
+    records = {run_id: existing_run(store, run_id) for run_id in run_ids}
+    con = connect(store, "; ".join(f"SELECT * FROM {view}" for view in VIEWS))
     try:
-        return [load_run(con, run_id, records[run_id] or {}) for run_id in run_ids]
+        return [load_run(store, con, run_id, records[run_id]) for run_id in run_ids]
     finally:
         con.close()
 
@@ -92,13 +92,7 @@ def _rows(con: duckdb.DuckDBPyConnection, sql: str, *params: Any) -> list[dict[s
     return [dict(zip(columns, row)) for row in result.fetchall()]
 
 
-def _columns(con: duckdb.DuckDBPyConnection, view: str, *names: str) -> str:
-    """A select list of `names` where a column the view lacks (a store written before it existed) reads NULL."""
-    present = {row[0] for row in con.execute(f'DESCRIBE "{view}"').fetchall()}
-    return ", ".join(f'"{n}"' if n in present else f'NULL AS "{n}"' for n in names)
-
-
-def load_run(con: duckdb.DuckDBPyConnection, run_id: str, record: dict[str, Any]) -> RunPage:
+def load_run(store: Store, con: duckdb.DuckDBPyConnection, run_id: str, record: dict[str, Any]) -> RunPage:
     """One run's figures' data and lineage summary, each a query over the views filtered by run id."""
     config = json.loads(record.get("config_json") or "{}")
     difficulty: dict[str, list[float]] = {}
@@ -117,7 +111,7 @@ def load_run(con: duckdb.DuckDBPyConnection, run_id: str, record: dict[str, Any]
         ),
         evals=_rows(
             con,
-            f"SELECT step, phase, split, accuracy FROM evals WHERE run_id = ? ORDER BY step, {PHASE_ORDER}",
+            "SELECT step, phase, split, accuracy FROM evals WHERE run_id = ? ORDER BY step",
             run_id,
         ),
         curriculum=_rows(
@@ -139,27 +133,17 @@ def load_run(con: duckdb.DuckDBPyConnection, run_id: str, record: dict[str, Any]
             run_id,
         ),
     )
-    return RunPage(data, record, load_lineage(con, run_id, config.get("data")))
+    return RunPage(data, record, load_lineage(store, con, run_id, config.get("data")))
 
 
-def load_lineage(con: duckdb.DuckDBPyConnection, run_id: str, data_run: str | None) -> Lineage:
-    """The run's artifacts by kind and, walking the `lineage` edges up from the final checkpoint, its ancestry."""
-    checkpoint = _rows(
-        con,
-        "SELECT artifact_id, step FROM checkpoints WHERE run_id = ? "
-        "ORDER BY step DESC, stage = 'checkpoint' DESC LIMIT 1",
-        run_id,
-    )
-    ancestors = []
-    if checkpoint:
-        ancestors = _rows(
-            con,
-            "WITH RECURSIVE up(id) AS (SELECT parent_id FROM lineage WHERE child_id = ? "
-            "UNION SELECT l.parent_id FROM lineage l JOIN up ON l.child_id = up.id) "
-            "SELECT a.kind, count(*) AS artifacts FROM up JOIN artifacts a ON a.artifact_id = up.id "
-            "GROUP BY a.kind ORDER BY a.kind",
-            checkpoint[0]["artifact_id"],
-        )
+def load_lineage(store: Store, con: duckdb.DuckDBPyConnection, run_id: str, data_run: str | None) -> Lineage:
+    """The run's artifacts by kind and, walking the lineage up from the final checkpoint, its ancestry."""
+    checkpoint_id = final_checkpoint(store, run_id)
+    checkpoint, came_from = None, []
+    if checkpoint_id is not None:
+        checkpoint = {"artifact_id": checkpoint_id, "step": store.manifest(checkpoint_id).step}
+        kinds = Counter(m.kind for m in ancestors(store, checkpoint_id))
+        came_from = [{"kind": kind, "artifacts": n} for kind, n in sorted(kinds.items())]
     return Lineage(
         kinds=_rows(
             con,
@@ -167,12 +151,12 @@ def load_lineage(con: duckdb.DuckDBPyConnection, run_id: str, data_run: str | No
             "WHERE run_id = ? GROUP BY kind ORDER BY kind",
             run_id,
         ),
-        checkpoint=checkpoint[0] if checkpoint else None,
-        ancestors=ancestors,
+        checkpoint=checkpoint,
+        ancestors=came_from,
         sources=_rows(
             con,
-            f"SELECT {_columns(con, 'problems', 'source', 'generator', 'generator_version', 'seed')}, "
-            "count(*) AS problems FROM problems WHERE run_id IN (?, ?) GROUP BY ALL ORDER BY ALL",
+            "SELECT source, generator, generator_version, seed, count(*) AS problems FROM problems "
+            "WHERE run_id IN (?, ?) GROUP BY ALL ORDER BY ALL",
             run_id,
             data_run or run_id,
         ),
@@ -257,9 +241,7 @@ def _num(value: Any, digits: int = 2) -> str:
 def run_summary(page: RunPage) -> dict[str, str]:
     """The header's row for one run: what it is and how it ended."""
     data = page.data
-    by_phase: dict[str, float] = {}
-    for row in data.evals:
-        by_phase[row["phase"]] = row["accuracy"]  # rows are in step order: the last of each phase wins
+    by_phase = last_by_phase(data.evals)
     accuracy = " → ".join(_num(by_phase.get(phase)) for phase in ("init", "warmstart", "rl")) if by_phase else "n/a"
     rewards = [s["mean_reward"] for s in data.steps if is_number(s["mean_reward"])]
     tail = rewards[-max(1, len(rewards) // 10) :]
@@ -287,7 +269,7 @@ def _wall_time(record: dict[str, Any]) -> str:
         ).total_seconds()
     except (KeyError, TypeError, ValueError):
         return "n/a"
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+    return format_age(seconds)
 
 
 HEADER_COLUMNS = (

@@ -137,7 +137,8 @@ def trailing_mean(values: Sequence[float], window: int) -> np.ndarray:
 def _step_curve_figure(
     runs: Sequence[RunData], fig_id: str, title: str, column: str, ylabel: str, caption: str
 ) -> Figure:
-    present, notes = _split(runs, lambda r: any(is_number(s.get(column)) for s in r.steps), _no_step_reason)
+    points = {run.run_id: [(s["step"], s[column]) for s in run.steps if is_number(s.get(column))] for run in runs}
+    present, notes = _split(runs, lambda r: bool(points[r.run_id]), _no_step_reason)
     if not present:
         return Figure(fig_id, title, caption, None, notes)
     colors = run_colors(runs)
@@ -145,8 +146,7 @@ def _step_curve_figure(
     ax = fig.add_subplot()
     smoothed = []
     for run in present:
-        points = [(s["step"], s[column]) for s in run.steps if is_number(s.get(column))]
-        steps, values = [p[0] for p in points], [p[1] for p in points]
+        steps, values = [p[0] for p in points[run.run_id]], [p[1] for p in points[run.run_id]]
         window = smoothing_window(len(values))
         if window == 1:
             ax.plot(steps, values, color=colors[run.run_id], marker="o", markersize=3, lw=1.5, label=run.run_id)
@@ -156,8 +156,8 @@ def _step_curve_figure(
         smoothed.append(f"{run.run_id}: mean of the last {window} steps")
     ax.set_xlabel("RL step")
     ax.set_ylabel(ylabel)
-    low = min(min(s[column] for s in run.steps if is_number(s.get(column))) for run in present)
-    high = max(max(s[column] for s in run.steps if is_number(s.get(column))) for run in present)
+    drawn = [value for run in present for _, value in points[run.run_id]]
+    low, high = min(drawn), max(drawn)
     ax.set_ylim(min(0.0, low) - 0.02, max(1.0, high) + 0.02)  # rewards are in [0, 1] unless a penalty says else
     ax.legend(loc="best")
     if smoothed:
@@ -303,13 +303,12 @@ def curriculum_figure(runs: Sequence[RunData]) -> Figure:
     return Figure(fig_id, title, caption, to_svg(fig, fig_id, title), notes, wide=True)
 
 
-def histogram_edges(values: Sequence[float], integer: bool, max_bins: int = 40) -> np.ndarray:
-    """Bin edges: one bin per integer when the values are integers spanning at most `max_bins`, else equal bins."""
+def histogram_edges(values: Sequence[float], max_bins: int = 40) -> np.ndarray:
+    """Bin edges for integer values: one bin per integer when they span fewer than `max_bins`, else
+    `max_bins // 2` equal bins."""
     lo, hi = float(min(values)), float(max(values))
-    if integer and hi - lo < max_bins:
+    if hi - lo < max_bins:
         return np.arange(lo - 0.5, hi + 1.5)
-    if hi == lo:
-        return np.array([lo - 0.5, lo + 0.5])
     return np.linspace(lo, hi, max_bins // 2 + 1)
 
 
@@ -341,7 +340,7 @@ def budget_figure(runs: Sequence[RunData]) -> Figure:
     ]
     fig = _new_figure(HALF)
     ax = fig.add_subplot()
-    _share_histogram(ax, samples, histogram_edges([v for s in samples for v in s[1]], integer=True))
+    _share_histogram(ax, samples, histogram_edges([v for s in samples for v in s[1]]))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("rollouts allocated to a prompt in a step")
     ax.set_ylabel("share of prompt-steps")

@@ -18,7 +18,7 @@ import shlex
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -27,7 +27,7 @@ from rlvr.errors import UserError
 from rlvr.flows.prefect_env import configure_prefect
 from rlvr.storage.stage import failed_stage
 from rlvr.storage.store import Store, run_death, run_status, seconds_from_env
-from rlvr.storage.views import query
+from rlvr.storage.views import query, sql_string
 
 DEFAULT_HEARTBEAT_S = 5.0
 
@@ -153,12 +153,18 @@ def resume(store_root: str, run_id: str) -> dict[str, Any]:
     return execute(store_root, cfg)
 
 
-def resumable_run(store: Store, run_id: str) -> dict[str, Any]:
-    """The record of a run that can be resumed; a one-line UserError otherwise."""
+def existing_run(store: Store, run_id: str) -> dict[str, Any]:
+    """The record of run `run_id`; a one-line UserError naming the store's runs when there is none."""
     record = store.read_run(run_id)
     if record is None:
         known = ", ".join(sorted(r["run_id"] for r in store.list_runs())) or "none"
         raise UserError(f"unknown run id {run_id!r} in store {store.root}; runs there: {known}")
+    return record
+
+
+def resumable_run(store: Store, run_id: str) -> dict[str, Any]:
+    """The record of a run that can be resumed; a one-line UserError otherwise."""
+    record = existing_run(store, run_id)
     if run_status(record) == "running":
         raise UserError(f"run {run_id!r} is still running (pid {record.get('pid')} on {record.get('host')})")
     return record
@@ -166,37 +172,47 @@ def resumable_run(store: Store, run_id: str) -> dict[str, Any]:
 
 def accuracy_summary(store: Store, run_id: str) -> dict[str, Any]:
     """Held-out accuracy at init, after the warm start and after the last RL step; the final checkpoint."""
-    rows = query(store, f"SELECT phase, step, accuracy FROM evals WHERE run_id = '{run_id}' ORDER BY step").to_pylist()
-    by_phase: dict[str, float] = {}
-    for row in rows:
-        by_phase[row["phase"]] = row["accuracy"]  # the last row of each phase wins (highest step)
-    final = query(
-        store,
-        f"SELECT artifact_id FROM checkpoints WHERE run_id = '{run_id}' "
-        "ORDER BY step DESC, stage = 'checkpoint' DESC LIMIT 1",
-    ).to_pylist()
+    sql = f"SELECT phase, step, accuracy FROM evals WHERE run_id = {sql_string(run_id)} ORDER BY step"
+    rows = query(store, sql).to_pylist()
+    by_phase = last_by_phase(rows)
     return {
         "accuracy_init": by_phase.get("init"),
         "accuracy_warmstart": by_phase.get("warmstart"),
         "accuracy_final": by_phase.get("rl"),
         "evals": rows,
-        "final_checkpoint": final[0]["artifact_id"] if final else None,
+        "final_checkpoint": final_checkpoint(store, run_id),
     }
 
 
-def describe_run(record: dict[str, Any], store_root: str | None = None, now: datetime | None = None) -> dict[str, Any]:
+def last_by_phase(evals: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """The accuracy of each phase's last row, for `evals` rows (phase, accuracy) in step order."""
+    return {row["phase"]: row["accuracy"] for row in evals}
+
+
+def final_checkpoint(store: Store, run_id: str) -> str | None:
+    """The checkpoint a run ended with: its highest step, the `checkpoint` stage's before others."""
+    rows = query(
+        store,
+        f"SELECT artifact_id FROM checkpoints WHERE run_id = {sql_string(run_id)} "
+        "ORDER BY step DESC, stage = 'checkpoint' DESC LIMIT 1",
+    ).to_pylist()
+    return str(rows[0]["artifact_id"]) if rows else None
+
+
+def describe_run(record: dict[str, Any], store_root: str | None = None) -> dict[str, Any]:
     """What `rlvr runs` shows of a run: status, progress (step / steps), the last held-out accuracy, the age
     of its heartbeat; for a failed run (or one whose process died) where it failed, why, and the command
     that resumes it. `store_root`: the store as the user names it (default: as the run recorded it)."""
     config = json.loads(record.get("config_json") or "{}")
     kind = record.get("kind", "rl")
-    status = run_status(record)
+    died = run_death(record)  # once: a second look could see a heartbeat a moment older
+    status = "failed" if died is not None else str(record.get("status"))
     steps = record.get("steps") or (config.get("train", {}).get("steps") if kind == "rl" else None)
     step = record.get("step")
     if step is None and status == "completed":
         step = steps  # a record written before runs reported their progress
     beat = record.get("heartbeat_at") or record.get("updated_at")
-    age = _age_s(beat, now)
+    age = _age_s(beat)
     row: dict[str, Any] = {
         "run_id": record["run_id"],
         "kind": kind,
@@ -207,7 +223,7 @@ def describe_run(record: dict[str, Any], store_root: str | None = None, now: dat
         "accuracy": record.get("accuracy"),
         "heartbeat_at": beat,
         "heartbeat_age_s": None if age is None else round(age, 1),
-        "heartbeat": "" if age is None else f"{_format_age(age)} ago",
+        "heartbeat": "" if age is None else f"{format_age(age)} ago",
         "created_at": record.get("created_at"),
         "updated_at": record.get("updated_at"),
         "failed_stage": None,
@@ -215,7 +231,6 @@ def describe_run(record: dict[str, Any], store_root: str | None = None, now: dat
         "resume": None,
     }
     if status == "failed":
-        died = run_death(record, now)
         row["failed_stage"] = _where_it_failed(record, died is not None)
         row["reason"] = died or record.get("error") or "unknown (the run recorded no error)"
         root = store_root or record.get("store_root") or "."
@@ -234,14 +249,15 @@ def _where_it_failed(record: dict[str, Any], died: bool) -> str:
     return phase or "start"
 
 
-def _age_s(timestamp: Any, now: datetime | None = None) -> float | None:
+def _age_s(timestamp: Any) -> float | None:
     try:
-        return max(0.0, ((now or datetime.now(UTC)) - datetime.fromisoformat(str(timestamp))).total_seconds())
+        return max(0.0, (datetime.now(UTC) - datetime.fromisoformat(str(timestamp))).total_seconds())
     except (TypeError, ValueError):
         return None
 
 
-def _format_age(seconds: float) -> str:
+def format_age(seconds: float) -> str:
+    """A duration in its largest unit, rounded: "40 s", "12 min", "3 h", "2 d"."""
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size:
             return f"{seconds / size:.0f} {unit}"

@@ -50,40 +50,20 @@ from prefect.types.entrypoint import EntrypointType
 from pydantic import ValidationError
 
 from rlvr.errors import UserError
+from rlvr.flows.runner import final_checkpoint
+from rlvr.flows.ui import sigterm_as_interrupt
 from rlvr.storage.ids import artifact_id
+from rlvr.storage.schemas import SCHEMAS
 from rlvr.storage.store import Store, run_status, utc_now
-from rlvr.storage.views import query
+from rlvr.storage.views import query, sql_string
 
 FLOW_NAME = "rlvr-pipeline"
 FIRINGS = "firings"
 FIRINGS_VERSION = "1"
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$")  # NAME-YYYYmmdd-HHMMSS must be a run id
-FIRINGS_SCHEMA = pa.schema(
-    [
-        ("schedule", pa.string()),
-        ("run_id", pa.string()),
-        ("scheduled_at", pa.string()),
-        ("outcome", pa.string()),
-        ("reason", pa.string()),
-        ("start_checkpoint", pa.string()),
-        ("blocked_by", pa.string()),
-        ("flow_run_id", pa.string()),
-        ("recorded_at", pa.string()),
-    ]
-)
 Say = Callable[[str], None]
 
 
 # ----- naming and the store's view of a pipeline ------------------------------------------------------
-
-
-def check_name(name: str) -> str:
-    if not NAME_PATTERN.match(name):
-        raise UserError(
-            f"bad schedule name {name!r}: use up to 48 letters, digits, '_', '.', '-' "
-            "(its runs are named NAME-<timestamp>)"
-        )
-    return name
 
 
 def firing_run_id(name: str, when: datetime) -> str:
@@ -99,16 +79,6 @@ def pipeline_runs(store: Store, name: str) -> list[dict[str, Any]]:
     """The run records of pipeline `name`, oldest first (run ids sort by firing time)."""
     runs = [r for r in store.list_runs() if _is_pipeline_run(str(r.get("run_id")), name)]
     return sorted(runs, key=lambda r: str(r["run_id"]))
-
-
-def final_checkpoint(store: Store, run_id: str) -> str | None:
-    """The checkpoint a run ended with: its highest step, the `checkpoint` stage's before others."""
-    rows = query(
-        store,
-        f"SELECT artifact_id FROM checkpoints WHERE run_id = {_sql_text(run_id)} "
-        "ORDER BY step DESC, stage = 'checkpoint' DESC LIMIT 1",
-    ).to_pylist()
-    return str(rows[0]["artifact_id"]) if rows else None
 
 
 def newest_checkpoint(store: Store, name: str, before: str | None = None) -> tuple[str, str] | None:
@@ -166,7 +136,7 @@ def record_firing(store: Store, firing: Firing) -> str:
     aid = artifact_id(FIRINGS, "schedule", FIRINGS_VERSION, identity, parents, firing.run_id)
     if not store.exists(aid):
         row = {**asdict(firing), "recorded_at": utc_now()}
-        table = pa.Table.from_pylist([row], schema=FIRINGS_SCHEMA)
+        table = pa.Table.from_pylist([row], schema=SCHEMAS[FIRINGS])
         store.write_artifact(
             FIRINGS,
             aid,
@@ -182,14 +152,8 @@ def record_firing(store: Store, firing: Firing) -> str:
 
 def firings(store: Store, name: str | None = None) -> list[dict[str, Any]]:
     """Every recorded firing (of one schedule, or all), in firing order: the `firings` view."""
-    if not store.manifests(kind=FIRINGS):
-        return []  # no view before the first firing
-    where = f"WHERE schedule = {_sql_text(name)}" if name is not None else ""
+    where = f"WHERE schedule = {sql_string(name)}" if name is not None else ""
     return query(store, f"SELECT * FROM firings {where} ORDER BY scheduled_at, recorded_at").to_pylist()
-
-
-def _sql_text(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
 
 
 # ----- the flow each firing runs ----------------------------------------------------------------------
@@ -304,21 +268,16 @@ def serve_schedule(
         trigger = describe_trigger(interval, cron)
         say(f"serving schedule {name}: {trigger}, runs named {name}-<UTC timestamp>; Ctrl-C stops it (and pauses it)")
 
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # until the event loop's own handlers take over
     try:
-        asyncio.run(_serve_until_stopped(deployment, poll, serving))
+        with sigterm_as_interrupt():  # until the event loop's own handlers take over
+            asyncio.run(_serve_until_stopped(deployment, poll, serving))
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
         recorder.stop()
     with contextlib.suppress(Exception):  # skips since the last poll; the server may be gone already
         recorder.sweep()
     say(f"stopped serving {name}; the schedule is paused (a firing in flight was cancelled: `rlvr resume` it)")
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 async def _serve_until_stopped(deployment: Any, poll: float, serving: Callable[[], None]) -> None:
@@ -369,7 +328,7 @@ class SkipRecorder(threading.Thread):
 
     def __init__(self, store_root: str, name: str, every: float) -> None:
         super().__init__(name=f"rlvr-skips-{name}", daemon=True)
-        self.store_root, self.schedule, self.every = store_root, name, every
+        self.store, self.schedule, self.every = Store.open(store_root), name, every  # one thread at a time uses it
         self._stop_event = threading.Event()
         self._done: set[UUID] = set()
 
@@ -403,7 +362,7 @@ class SkipRecorder(threading.Thread):
                 if flow_run.id in self._done or not skipped(flow_run):
                     continue
                 firing = self.skip_of(flow_run, runs[index + 1 :])
-                record_firing(Store.open(self.store_root), firing)
+                record_firing(self.store, firing)
                 if flow_run.name != firing.run_id:
                     client.update_flow_run(flow_run.id, name=firing.run_id)
                 self._done.add(flow_run.id)

@@ -23,7 +23,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,7 +36,6 @@ from rlvr.storage.store import Store
 
 SERVER_FILE = "server.json"
 LOG_FILE = "server.log"
-DEFAULT_UI_PORT = 4200  # Prefect's own default
 
 
 @dataclass
@@ -51,10 +51,6 @@ class StoreServer:
     @property
     def api_url(self) -> str:
         return f"{self.url}/api"
-
-    @property
-    def owned(self) -> bool:
-        return self.process is not None
 
     def stop(self) -> None:
         """Stop the server if this process started it (SIGTERM, then SIGKILL after 20 s) and forget it."""
@@ -91,10 +87,9 @@ def running_server(home: Path) -> StoreServer | None:
 
 
 def start_server(
-    home: Path, *, host: str = "127.0.0.1", port: int | None = None, started_by: str, timeout: float = 180
+    home: Path, *, host: str = "127.0.0.1", port: int, started_by: str, timeout: float = 180
 ) -> StoreServer:
     """Start `prefect server start` (UI, scheduler and the other services on) over the database in `home`."""
-    port = port or free_port(host)
     if not port_free(host, port):
         raise UserError(f"port {port} on {host} is in use; choose another with --port")
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)]
@@ -279,16 +274,25 @@ def serve_ui(store: Store, *, host: str, port: int, say: Callable[[str], None]) 
     server = start_server(home, host=host, port=port, started_by="rlvr ui")
     say(f"Prefect UI for {store.root}: {server.url}  (API {server.api_url}; database {home / 'prefect.db'})")
     say("press Ctrl-C to stop it")
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        assert server.process is not None
-        server.process.wait()
-        raise UserError(f"the Prefect server stopped (status {server.process.returncode}); see {home / LOG_FILE}")
+        with sigterm_as_interrupt():
+            assert server.process is not None
+            server.process.wait()
+            raise UserError(f"the Prefect server stopped (status {server.process.returncode}); see {home / LOG_FILE}")
     except KeyboardInterrupt:
         say("stopping the Prefect server")
     finally:
-        signal.signal(signal.SIGTERM, previous)
         server.stop()
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside the block SIGTERM raises KeyboardInterrupt, so a stopped command cleans up as after Ctrl-C."""
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

@@ -251,6 +251,19 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("n_params", _i),
         ]
     ),
+    "firings": pa.schema(
+        [
+            ("schedule", _s),
+            ("run_id", _s),
+            ("scheduled_at", _s),
+            ("outcome", _s),
+            ("reason", _s),
+            ("start_checkpoint", _s),
+            ("blocked_by", _s),
+            ("flow_run_id", _s),
+            ("recorded_at", _s),
+        ]
+    ),
 }
 
 SCHEMAS["relabeled_rewards"] = SCHEMAS["rewards"]

@@ -56,7 +56,8 @@ _RUNS_SCHEMA = pa.schema(
 )
 
 
-def _sql_string(text: str) -> str:
+def sql_string(text: str) -> str:
+    """`text` as a SQL string literal (quotes doubled)."""
     return "'" + text.replace("'", "''") + "'"
 
 
@@ -198,7 +199,7 @@ def data_paths(store: Store, manifest: Manifest) -> list[str]:
 
 def parquet_scan(paths: Iterable[str], extra_options: str = "") -> str:
     """SQL for a scan of exactly these files, columns matched by name across files."""
-    listed = ", ".join(_sql_string(path) for path in paths)
+    listed = ", ".join(sql_string(path) for path in paths)
     return f"read_parquet([{listed}], union_by_name = true{extra_options})"
 
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -25,3 +29,18 @@ def rlvr(*args: str, env: dict[str, str] | None = None, timeout: float = 300) ->
     return subprocess.run(
         rlvr_command(*args), capture_output=True, text=True, cwd=REPO, env=env or cli_env(), timeout=timeout
     )
+
+
+def wait_for(
+    predicate: Callable[[], T], timeout: float, what: str, *, log: Path | None = None, every: float = 0.5
+) -> T:
+    """Call `predicate` every `every` seconds until it returns something truthy, and return that; after
+    `timeout` seconds an AssertionError naming `what` (with the end of `log`, the waited-on command's output).
+    A predicate fails at once by raising, e.g. when the process it watches has ended."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            tail = f"; its log ends:\n{log.read_text(errors='replace')[-3000:]}" if log is not None else ""
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}{tail}")
+        time.sleep(every)
+    return value

@@ -19,7 +19,6 @@ import pytest
 
 from rlvr.flows.report import Lineage, RunPage, flatten, run_summary, write_report
 from rlvr.flows.report_plots import RunData, all_figures, histogram_edges, smoothing_window, trailing_mean
-from rlvr.storage.lineage import ancestors
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from tests.cli_helpers import rlvr
@@ -220,8 +219,6 @@ def test_report_figures_come_from_the_stores_rows(runs):
     from rlvr.flows.report import load_runs
 
     sec, uni = load_runs(runs, ["sec", "uni"])
-    budgets = query(runs, "SELECT n_rollouts FROM allocations WHERE run_id = 'sec' ORDER BY step, slot")
-    assert sec.data.budgets == budgets.column("n_rollouts").to_pylist()
     assert sum(sec.data.budgets) == 6 * 4 * 4  # Knapsack spends exactly prompts x n each step
     assert len(set(sec.data.budgets)) > 1  # and spreads it: the histogram has more than one bar
     assert [s["step"] for s in uni.data.steps] == [1, 2, 3]
@@ -237,11 +234,6 @@ def test_report_figures_come_from_the_stores_rows(runs):
     assert summary["rollouts"] == str(sum(sec.data.budgets))
     checkpoint = sec.lineage.checkpoint
     assert checkpoint is not None and checkpoint["step"] == 6
-    walked = ancestors(runs, checkpoint["artifact_id"])
-    assert sum(a["artifacts"] for a in sec.lineage.ancestors) == len(walked)
-    assert {a["kind"]: a["artifacts"] for a in sec.lineage.ancestors} == {
-        kind: sum(m.kind == kind for m in walked) for kind in {m.kind for m in walked}
-    }
 
 
 @pytest.mark.slow
@@ -286,9 +278,9 @@ def test_figures_are_reproducible_svg():
 
 
 def test_binning_smoothing_and_config_keys():
-    assert histogram_edges([2, 4, 4, 6], integer=True).tolist() == [1.5, 2.5, 3.5, 4.5, 5.5, 6.5]
-    assert histogram_edges([4, 4], integer=True).tolist() == [3.5, 4.5]
-    assert histogram_edges([0.0, 1.0], integer=False, max_bins=4).tolist() == [0.0, 0.5, 1.0]
+    assert histogram_edges([2, 4, 4, 6]).tolist() == [1.5, 2.5, 3.5, 4.5, 5.5, 6.5]
+    assert histogram_edges([4, 4]).tolist() == [3.5, 4.5]
+    assert histogram_edges([0, 8], max_bins=4).tolist() == [0.0, 4.0, 8.0]
     assert (smoothing_window(6), smoothing_window(600)) == (1, 24)
     assert trailing_mean([1, 2, 3, 4], 2).tolist() == [1.5, 2.5, 3.5]
     config = {"select": {"type": "sec", "tau": 0.4}, "synthesize": {"sources": [{"type": "skills"}], "size": None}}

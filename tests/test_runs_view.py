@@ -18,7 +18,7 @@ from rlvr import progress
 from rlvr.errors import UserError
 from rlvr.flows.runner import RunTracker, describe_run, resumable_run
 from rlvr.storage.store import Store, run_status
-from tests.cli_helpers import REPO, cli_env, rlvr, rlvr_command
+from tests.cli_helpers import REPO, cli_env, rlvr, rlvr_command, wait_for
 from tests.conftest import TINY_OVERRIDES
 
 SHORT = [*TINY_OVERRIDES, "train.steps=2", "warmstart.steps=0", "evaluate.every=2", "checkpoint.every=2"]
@@ -64,17 +64,6 @@ def test_completed_and_failed_runs(tmp_path, prefect_api):
     assert as_json[1]["failed_stage"] == "initialize (step 0)"
 
 
-def _wait_for(condition, timeout: float, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended first: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("condition never held")
-        time.sleep(0.02)
-
-
 @pytest.mark.slow
 def test_sigkilled_run_shows_failed_with_its_resume_command(tmp_path, prefect_api):
     root = str(tmp_path / "store")
@@ -88,12 +77,18 @@ def test_sigkilled_run_shows_failed_with_its_resume_command(tmp_path, prefect_ap
     record_path = tmp_path / "store" / "runs" / "killed.json"
 
     def stepping() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended first: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
         try:
             return (json.loads(record_path.read_text()).get("step") or 0) >= 1
         except (FileNotFoundError, json.JSONDecodeError):
             return False
 
-    _wait_for(stepping, 240, proc)
+    try:
+        wait_for(stepping, 240, "the run's first RL step", every=0.02)
+    except AssertionError:
+        proc.kill()
+        raise
     running = describe_run(Store.open(root).read_run("killed"), root)
     assert running["status"] == "running" and running["resume"] is None
     proc.send_signal(signal.SIGKILL)

@@ -9,8 +9,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
-import time
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
@@ -19,24 +17,17 @@ import pytest
 from packaging.version import Version
 
 from rlvr.errors import UserError
-from rlvr.flows.schedule import (
-    Firing,
-    check_name,
-    final_checkpoint,
-    firing_config,
-    firing_run_id,
-    firings,
-    pipeline_runs,
-    record_firing,
-)
-from rlvr.flows.ui import free_port, healthy
+from rlvr.flows.cli import check_schedule_name
+from rlvr.flows.runner import final_checkpoint
+from rlvr.flows.schedule import Firing, firing_config, firing_run_id, firings, pipeline_runs, record_firing
+from rlvr.flows.ui import free_port, start_server
 from rlvr.storage.lineage import ancestors
 from rlvr.storage.stage import run_stage
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.tasks.initialize import INITIALIZE
 from rlvr.trainer.policy import PolicyConfig
-from tests.cli_helpers import cli_env, rlvr, rlvr_command
+from tests.cli_helpers import cli_env, rlvr, rlvr_command, wait_for
 from tests.test_cli import assert_one_line_error
 
 WEIGHTS = "model.safetensors"
@@ -52,10 +43,10 @@ def test_firing_run_ids_are_the_name_and_the_utc_firing_time():
     assert firing_run_id("nightly", datetime(2026, 11, 24, 3, 0, 5, tzinfo=UTC)) == "nightly-20261124-030005"
     plus_two = timezone(timedelta(hours=2))
     assert firing_run_id("nightly", datetime(2026, 11, 24, 5, 0, 5, tzinfo=plus_two)) == "nightly-20261124-030005"
-    assert check_name("a.b_c-1") == "a.b_c-1"
+    assert check_schedule_name("a.b_c-1") == "a.b_c-1"
     for bad in ("a/b", "-x", "x" * 49, ""):
         with pytest.raises(UserError, match="bad schedule name"):
-            check_name(bad)
+            check_schedule_name(bad)
 
 
 def test_a_run_can_start_from_another_runs_checkpoint(tmp_path):
@@ -202,32 +193,11 @@ def require_a_scheduler_that_can_insert_runs() -> None:
 
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory):
-    """`prefect server start` on localhost (its own home and database), as a user would run it."""
+    """`prefect server start` on localhost (its own home and database), as `rlvr ui` starts it."""
     require_a_scheduler_that_can_insert_runs()
-    home = tmp_path_factory.mktemp("prefect-server")
-    port = free_port()
-    env = cli_env(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_SERVER_UI_ENABLED="false")
-    env.pop("PREFECT_API_URL", None)
-    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    with open(home / "server.log", "wb") as log:
-        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while not healthy(url):
-        assert server.poll() is None and time.monotonic() < deadline, (home / "server.log").read_text()[-2000:]
-        time.sleep(0.5)
-    yield f"{url}/api"
-    server.terminate()
-    server.wait(timeout=30)
-
-
-def wait_for(condition, timeout: float, what: str, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, (
-            f"timed out waiting for {what}; rlvr schedule said:\n{log.read_text()[-3000:]}"
-        )
-        time.sleep(2)
+    server = start_server(tmp_path_factory.mktemp("prefect-server"), port=free_port(), started_by="the tests")
+    yield server.api_url
+    server.stop()
 
 
 @pytest.mark.slow
@@ -249,8 +219,8 @@ def test_an_interval_schedule_continues_from_checkpoints_and_skips_overlapping_f
             done = [r for r in pipeline_runs(store, "pipe") if r["status"] == "completed"]
             return len(done), sum(f["outcome"] == "skipped" for f in firings(store, "pipe"))
 
-        wait_for(lambda: progress()[0] >= 2 and progress()[1] >= 1, 300, "two runs and a skip", log)
-        listed = rlvr("schedule", "--list", "--store", root, env={**env, "COLUMNS": "250"})
+        wait_for(lambda: progress()[0] >= 2 and progress()[1] >= 1, 300, "two runs and a skip", log=log, every=2)
+        listed = rlvr("schedule", "--list", "--store", root, env=env)
         assert listed.returncode == 0, listed.stderr
         row = next(line for line in listed.stdout.splitlines() if "pipe" in line)
         assert re.search(r"every 4 s.*active.*yes", row), listed.stdout

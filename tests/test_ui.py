@@ -7,14 +7,13 @@ import json
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from rlvr.flows.ui import SERVER_FILE, free_port, healthy
-from tests.cli_helpers import cli_env, rlvr, rlvr_command
+from tests.cli_helpers import cli_env, rlvr, rlvr_command, wait_for
 from tests.conftest import TINY_OVERRIDES
 
 pytestmark = pytest.mark.slow
@@ -43,13 +42,13 @@ def start(args: list[str], log: Path, ready: str, timeout: float = 180) -> tuple
     """Start an rlvr command that keeps running; wait for the line containing `ready`, return it."""
     with open(log, "wb") as out:
         process = subprocess.Popen(rlvr_command(*args), env=user_env(), stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def ready_line() -> str | None:
         line = next((line for line in log.read_text().splitlines() if ready in line), None)
-        if line is not None:
-            return process, line
-        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.5)
+        assert line is not None or process.poll() is None, f"rlvr {args[0]} ended: {log.read_text()[-3000:]}"
+        return line
+
+    return process, wait_for(ready_line, timeout, f"{ready!r} from rlvr {args[0]}", log=log)
 
 
 def stop(process: subprocess.Popen[bytes]) -> int:
@@ -102,7 +101,7 @@ def test_schedule_without_a_prefect_server_starts_the_stores_own(demo_store, tmp
         assert deployment["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
         ui = rlvr("ui", "--store", str(demo_store), env=user_env())
         assert f"{record['url']} (already running, started by rlvr schedule yearly)" in ui.stdout
-        listed = rlvr("schedule", "--list", "--store", str(demo_store), env=user_env(COLUMNS="250"))
+        listed = rlvr("schedule", "--list", "--store", str(demo_store), env=user_env())
         row = next(line for line in listed.stdout.splitlines() if "yearly" in line)
         assert re.search(r"cron '0 0 1 1 \*' \(UTC\).*active", row), listed.stdout
         paused = rlvr("schedule", "yearly", "--pause", "--store", str(demo_store), env=user_env())
