@@ -11,7 +11,6 @@ from typing import Any
 
 from prefect import flow
 
-from rlvr.errors import UserError
 from rlvr.flows.config import RunConfigBase, commit_config
 from rlvr.flows.executors import current_fan_out, use_executor
 from rlvr.flows.stages import run
@@ -20,6 +19,7 @@ from rlvr.storage.stage import open_store
 from rlvr.tasks.difficulty import DIFFICULTY, DIFFICULTY_FROM_LABELS
 from rlvr.tasks.initialize import INITIALIZE
 from rlvr.tasks.synthesize import SYNTHESIZE
+from rlvr.trainer.checkpoints import require_policy
 
 INIT_POLICY = "init"  # `--policy init`: the run's own starting policy (`policy` section), built or loaded
 
@@ -33,27 +33,36 @@ def data_run(store: str, cfg: RunConfigBase, policy: str | None) -> dict[str, An
 
 def _data_stages(store: str, cfg: RunConfigBase, policy: str | None) -> dict[str, Any]:
     assert cfg.run_id is not None
-    at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
     config_id = commit_config(open_store(store), cfg)
-    report("stage", name="synthesize")
-    fanned = {"fan_out": current_fan_out()}
-    problems = run(SYNTHESIZE, cfg.synthesize, inputs={"config": config_id}, params=fanned, **at)["problems"]
+    problems = synthesized_problems(store, cfg, config_id)
     result: dict[str, Any] = {"run_id": cfg.run_id, "config_id": config_id, "problems_id": problems}
     if policy is not None:
         if policy == INIT_POLICY:
-            starting = {"config": config_id, "checkpoint": cfg.policy.checkpoint}
-            policy = run(INITIALIZE, cfg.policy, inputs=starting, params={"seed": cfg.seed}, step=0, **at).id
+            policy = initial_policy(store, cfg, config_id)
         result["difficulty_id"] = estimate_difficulty(store, cfg, problems, policy)
     open_store(store).wait()
     return result
 
 
+def synthesized_problems(store: str, cfg: RunConfigBase, config_id: str) -> str:
+    """The `problems` artifact of the run's sources (`synthesize`, one unit per source on the executor)."""
+    report("stage", name="synthesize")
+    at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
+    params = {"fan_out": current_fan_out()}
+    return run(SYNTHESIZE, cfg.synthesize, inputs={"config": config_id}, params=params, **at)["problems"]
+
+
+def initial_policy(store: str, cfg: RunConfigBase, config_id: str) -> str:
+    """The run's starting policy as its step-0 checkpoint (`initialize`): built, loaded, or taken from
+    `policy.checkpoint` (a checkpoint of an earlier run, or None)."""
+    at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
+    inputs = {"config": config_id, "checkpoint": cfg.policy.checkpoint}
+    return run(INITIALIZE, cfg.policy, inputs=inputs, params={"seed": cfg.seed}, step=0, **at).id
+
+
 def estimate_difficulty(store: str, cfg: RunConfigBase, problems: str, policy: str) -> str:
     """A `difficulty` artifact of `problems` under `policy` (a checkpoints or train_steps artifact id)."""
-    found = open_store(store)
-    if not found.exists(policy) or found.manifest(policy).kind not in ("checkpoints", "train_steps"):
-        kind = found.manifest(policy).kind if found.exists(policy) else "no artifact"
-        raise UserError(f'policy {policy!r} is {kind}; give a checkpoint id (rlvr query "SELECT * FROM checkpoints")')
+    require_policy(open_store(store), policy, "policy")
     report("stage", name="difficulty")
     inputs = {"problems": problems, "policy": policy}
     at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)

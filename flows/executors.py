@@ -3,8 +3,9 @@
 Three stages split their work into units that do not depend on each other: `synthesize` (one unit per
 source: read and validate its rows), `difficulty` (one per shard: sample k rollouts of each problem and
 verify them) and `label` (chunks of `verify_chunk` cache misses, when a step has more rollouts than
-that). The flow puts the run's `FanOut` in those stages' params; a build maps its unit function over
-its units with it and stays a plain function (without one it maps in place, with Python's `map`).
+that). The flow puts the run's `FanOut` in those stages' params (`fan_out`, never part of an id:
+storage/stage.py's EXECUTION_PARAMS); a build maps its unit function over its units with it and stays a
+plain function (without one it maps in place, with Python's `map`).
 
     threads    the default: units run one after another in the stage's own thread, in the flow's
                process, as they did before backends existed; parallelism comes from the verifier
@@ -86,6 +87,11 @@ class FanOut:
     @property
     def in_place(self) -> bool:
         return self.cfg.type == "threads"
+
+    @property
+    def verify_chunk(self) -> int:
+        """Verifications per unit when `label` fans out (`flow.executor.verify_chunk`)."""
+        return self.cfg.verify_chunk
 
     def __call__(self, fn: Callable[[T], R], units: Iterable[T]) -> Iterator[R]:
         return map(fn, units) if self.in_place else self._on_workers(fn, units)

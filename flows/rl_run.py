@@ -23,21 +23,19 @@ from prefect.cache_policies import NONE
 
 from rlvr.curricula.filtering import prompts_to_draw
 from rlvr.flows.config import RunConfigBase, commit_config, data_run_problems
+from rlvr.flows.data_run import estimate_difficulty, initial_policy, synthesized_problems
 from rlvr.flows.executors import current_fan_out, use_executor
 from rlvr.flows.stages import run
 from rlvr.progress import report
 from rlvr.storage.stage import open_store, prune_transient
 from rlvr.tasks.allocate import ALLOCATE
 from rlvr.tasks.checkpoint import CHECKPOINT
-from rlvr.tasks.difficulty import DIFFICULTY
 from rlvr.tasks.evaluate import EVALUATE
 from rlvr.tasks.filter import FILTER
-from rlvr.tasks.initialize import INITIALIZE
 from rlvr.tasks.label import LABEL
 from rlvr.tasks.restructure import RESTRUCTURE
 from rlvr.tasks.rollout import ROLLOUT
 from rlvr.tasks.select import SELECT
-from rlvr.tasks.synthesize import SYNTHESIZE
 from rlvr.tasks.train import TRAIN
 from rlvr.tasks.update import UPDATE
 from rlvr.tasks.warmstart import WARMSTART
@@ -157,7 +155,7 @@ def _generate(at: dict[str, Any], cfg: RunConfigBase, refs: StepRefs) -> Generat
             inputs={"allocations": allocations.id, "problems": refs.problems, "policy": refs.policy_ref},
             **at,
         )
-        fanned = {"fan_out": current_fan_out(), "verify_chunk": cfg.flow.executor.verify_chunk}
+        fanned = {"fan_out": current_fan_out()}  # it carries flow.executor.verify_chunk
         rewards = run(
             LABEL, cfg.label, inputs={"rollouts": rollouts.id, "problems": refs.problems}, params=fanned, **at
         )
@@ -233,8 +231,7 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
     config_id = commit_config(open_store(store), cfg)
     problems = problems_of_run(store, cfg, config_id)
-    start = {"config": config_id, "checkpoint": cfg.policy.checkpoint}  # a checkpoint of an earlier run, or None
-    initial = run(INITIALIZE, cfg.policy, inputs=start, params={"seed": cfg.seed}, step=0, **at).id
+    initial = initial_policy(store, cfg, config_id)
     refs = StepRefs(problems=(problems,), difficulty="", policy_ref=initial, start_ref=initial)
     report("eval", step=0, phase="init", accuracy=evaluate(store, cfg, 0, "init", refs))
     if cfg.warmstart.steps:
@@ -242,11 +239,7 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
         warm = run(WARMSTART, cfg.warmstart, inputs={"problems": problems, "policy": initial}, step=0, **at)
         refs = replace(refs, policy_ref=warm["checkpoints"], start_ref=warm["checkpoints"])
         report("eval", step=0, phase="warmstart", accuracy=evaluate(store, cfg, 0, "warmstart", refs))
-    report("stage", name="difficulty")
-    inputs = {"problems": problems, "policy": refs.policy_ref}
-    params = {"verifier": cfg.label, "fan_out": current_fan_out()}
-    difficulty = run(DIFFICULTY, cfg.difficulty, inputs=inputs, params=params, **at)
-    refs = replace(refs, difficulty=difficulty.id)
+    refs = replace(refs, difficulty=estimate_difficulty(store, cfg, problems, refs.policy_ref))
     report("stage", name="rl")
     size = cfg.flow.steps_per_subflow
     for first in range(1, cfg.train.steps + 1, size):
@@ -259,10 +252,7 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
 def problems_of_run(store: str, cfg: RunConfigBase, config_id: str) -> str:
     """The run's problems: synthesized now, or those a data run made (`rlvr run --data RUN_ID`)."""
     if cfg.data is None:
-        report("stage", name="synthesize")
-        at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
-        params = {"fan_out": current_fan_out()}
-        return run(SYNTHESIZE, cfg.synthesize, inputs={"config": config_id}, params=params, **at)["problems"]
+        return synthesized_problems(store, cfg, config_id)
     return data_run_problems(open_store(store), cfg.data)
 
 

@@ -6,7 +6,8 @@ transient). Its `build` is a plain function of its inputs, its config and a smal
 the rows (and files) of each output; it never touches the store itself. The runner does the rest:
 
 - ids: an output's id hashes (kind, stage, code version, the config that affects it, input ids, run,
-  step), so the same work always has the same id (storage/ids.py);
+  step), so the same work always has the same id (storage/ids.py); where the work ran (the params in
+  EXECUTION_PARAMS) is never part of it;
 - skip: when every durable output is committed the stage returns at once: that is what resume is;
 - inputs: read lazily through a per-process cache of immutable tables (an artifact never changes);
 - commit: outputs in declared order, a sharded output shard by shard (resume skips committed shards);
@@ -116,6 +117,11 @@ def _jsonable(value: Any) -> Any:
     return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
+# Params that say only where a stage's units run (flows/executors.py), never what they compute: no
+# stage's identity sees them, so the executor is part of no artifact id.
+EXECUTION_PARAMS = frozenset({"fan_out"})
+
+
 def default_identity(cfg: Any, params: Mapping[str, Any]) -> dict[str, Any]:
     """The config that decides a stage's outputs: its whole section plus the params it was given."""
     settings = dict(_jsonable(cfg) or {}) if cfg is not None else {}
@@ -136,7 +142,7 @@ class Stage(Generic[C]):
     inputs: tuple[str, ...]
     outputs: Mapping[str, Output]
     build: Callable[[Inputs, C, StageContext], Products]
-    identity: Callable[[C, Mapping[str, Any]], dict[str, Any]] = default_identity
+    identity: Callable[[C, Mapping[str, Any]], dict[str, Any]] = default_identity  # never sees EXECUTION_PARAMS
     carries_state: bool = False
     default: Callable[[], Any] | None = None
 
@@ -159,11 +165,16 @@ class Stage(Generic[C]):
             return self.config
         return self.config()
 
+    def settings(self, cfg: Any, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The config that decides the outputs: the stage's identity of its section and its params, the
+        execution-only params (EXECUTION_PARAMS) left out."""
+        return self.identity(cfg, {key: value for key, value in params.items() if key not in EXECUTION_PARAMS})
+
     def output_ids(
         self, run_id: str, step: int | None, cfg: Any, params: Mapping[str, Any], input_ids: Mapping[str, InputRef]
     ) -> dict[str, str]:
         """The id of every output, from what determines its content."""
-        settings = self.identity(cfg, params)
+        settings = self.settings(cfg, params)
         if step is not None:
             settings = {**settings, "step": step}
         parents = [aid for name in self.inputs for aid in input_ids_of(input_ids.get(name))]
@@ -437,7 +448,7 @@ def _build_and_commit(
         "read_seconds": round(reader.read_seconds, 6),
         "build_seconds": round(built - started - reader.read_seconds, 6),
     }
-    settings = stage.identity(cfg, params)
+    settings = stage.settings(cfg, params)
     parents = [aid for ids in input_ids.values() for aid in ids]
     common = dict(
         run_id=run_id, stage=stage.name, parents=parents, code_version=stage.code_version, config=settings, step=step

@@ -18,20 +18,17 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.progress import report
-from rlvr.storage.stage import RESIDENTS, Built, Inputs, Output, Sharded, Stage, StageContext, open_store, rows_to_table
-from rlvr.trainer.checkpoints import load_policy, policy_files_of
+from rlvr.storage.stage import Built, Inputs, Output, Sharded, Stage, StageContext, open_store, rows_to_table
+from rlvr.trainer.checkpoints import load_policy
 from rlvr.trainer.generation import sample
-from rlvr.trainer.policy import Policy, policy_from_files
-from rlvr.verifiers.base import Score
+from rlvr.trainer.policy import Policy
 from rlvr.verifiers.cache import (
-    CACHEABLE,
-    CacheKey,
     VerifierConfig,
-    cache_key,
+    cache_entries,
     reward_cache,
     score_cached,
+    verdict_keys,
     verifier_identity,
-    version_of,
 )
 
 
@@ -66,9 +63,11 @@ def difficulty_row(run_id: str, problem_id: str, policy_id: str, k: int, success
 
 @dataclass(frozen=True)
 class ShardJob:
-    """One shard's work, as a worker needs it: the problems, the settings, the seed, and where the policy is
-    (the store's root and the policy's id; or the policy itself, for a build given its inputs without a store)."""
+    """One shard's work, as a worker needs it: its index, the problems, the settings, the seed, and where the
+    policy is (the store's root and the policy's id; or the policy itself, for a build given its inputs without
+    a store)."""
 
+    index: int
     problems: list[dict[str, Any]]
     cfg: DifficultyConfig
     verifier: VerifierConfig
@@ -80,11 +79,13 @@ class ShardJob:
 
 @dataclass(frozen=True)
 class ShardEstimate:
-    """Successes per problem of the shard, and the cacheable verdicts behind them (the process that commits
-    the shard remembers them, so later stages find the same reward-cache hits wherever the shard ran)."""
+    """Successes per problem of shard `index`, and the reward-cache entries of the cacheable verdicts behind
+    them, cache hits included (the process that commits the shard adds them to its cache, so later stages
+    find the same reward-cache hits wherever the shard ran, whatever that worker had in its cache)."""
 
+    index: int
     successes: list[int]
-    verdicts: list[tuple[CacheKey, Score]]
+    entries: list[dict[str, Any]]
 
 
 def estimate_shard(job: ShardJob) -> ShardEstimate:
@@ -105,27 +106,17 @@ def estimate_shard(job: ShardJob) -> ShardEstimate:
     store = open_store(job.store) if job.store is not None else None
     scores, _, _ = score_cached(store, job.verifier, pairs, names)
     successes = [0] * len(problems)
-    for s, score in zip(samples, scores):
+    for s, score in zip(samples, scores, strict=True):
         successes[s.prompt_index] += score.status == "ok"
-    verdicts = [
-        (cache_key(name, version_of(name), response, reference), score)
-        for name, (response, reference), score in zip(names, pairs, scores)
-        if score.status in CACHEABLE
-    ]
-    return ShardEstimate(successes, verdicts)
-
-
-def shard_policy(store_root: str, policy_id: str) -> Policy:
-    """The policy to sample: the live one when this process holds it, else loaded once per process."""
-    if RESIDENTS.get(policy_id) is not None:
-        return load_policy(open_store(store_root), policy_id)
-    return _stored_policy(store_root, policy_id)
+    return ShardEstimate(job.index, successes, cache_entries(verdict_keys(names, pairs), scores))
 
 
 @lru_cache(maxsize=1)
-def _stored_policy(store_root: str, policy_id: str) -> Policy:
-    """A copy loaded from the store, never trained (a worker keeps it for the stage's next shards)."""
-    return policy_from_files(policy_files_of(open_store(store_root), policy_id))
+def shard_policy(store_root: str, policy_id: str) -> Policy:
+    """The policy to sample (`load_policy`: the live one when this process holds it, else loaded from the
+    store), kept for the stage's next shards in this process; the stage's build lets go of it after its
+    last shard (a worker keeps it until its next stage's first shard)."""
+    return load_policy(open_store(store_root), policy_id)
 
 
 def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
@@ -145,6 +136,7 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
     count = -(-len(problems) // cfg.shard_size)
     jobs = [
         ShardJob(
+            index,
             problems[index * cfg.shard_size : (index + 1) * cfg.shard_size],
             cfg,
             verifier,
@@ -155,24 +147,25 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
         )
         for index in range(count)
     ]
-    results: Iterator[tuple[int, ShardEstimate]] | None = None
+    results: Iterator[ShardEstimate] | None = None
 
     def make(index: int) -> pa.Table:
         # The runner asks for the shards not yet committed, in order (after a crash: all from the first
         # missing one), so the fan-out starts there and yields them in that order.
         nonlocal results
         if results is None:
-            results = zip(range(index, count), fan_out(estimate_shard, jobs[index:]))
-        estimate = next((result for at, result in results if at == index), None)
-        if estimate is None:
-            raise RuntimeError(f"difficulty shard {index} was asked for out of order")
+            results = fan_out(estimate_shard, jobs[index:])
+        estimate = next(results, None)
+        if estimate is None or estimate.index != index:
+            found = "no more shards" if estimate is None else f"shard {estimate.index}"
+            raise RuntimeError(f"difficulty shard {index} was asked for, but the fan-out returned {found}")
+        if index == count - 1:
+            shard_policy.cache_clear()  # the stage's last shard: keep no copy of the policy past it
         if ctx.store is not None:
-            cache = reward_cache(ctx.store)
-            for key, score in estimate.verdicts:
-                cache.remember(key, score)
+            reward_cache(ctx.store).add_entries(estimate.entries)
         rows = [
             difficulty_row(ctx.run_id, p["problem_id"], policy_ref, cfg.k, n, cfg.bins)
-            for p, n in zip(jobs[index].problems, estimate.successes)
+            for p, n in zip(jobs[index].problems, estimate.successes, strict=True)
         ]
         report("shard", stage="difficulty", done=index + 1, total=count)
         return rows_to_table("difficulty", rows)

@@ -8,10 +8,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlvr.errors import UserError
-from rlvr.storage.errors import ArtifactNotFound
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext
 from rlvr.storage.store import Store
-from rlvr.trainer.checkpoints import checkpoint_built, parameter_count, policy_files_of
+from rlvr.trainer.checkpoints import checkpoint_built, parameter_count, policy_files_of, require_policy
 from rlvr.trainer.lora import SETTINGS_FILE, add_lora
 from rlvr.trainer.policy import PolicyConfig, init_policy, policy_files, policy_from_files
 
@@ -40,17 +39,7 @@ def _from_checkpoint(inputs: Inputs, cfg: PolicyConfig, checkpoint: str, ctx: St
 
 
 def _checkpoint_files(store: Store, artifact_id: str) -> dict[str, bytes]:
-    try:
-        kind = store.manifest(artifact_id).kind
-    except ArtifactNotFound:
-        kind = None
-    if kind != "checkpoints":
-        found = "no artifact" if kind is None else f"a {kind} artifact"
-        raise UserError(
-            f"policy.checkpoint {artifact_id!r} is {found} in store {store.root}, not a checkpoint; "
-            'list them with rlvr query "SELECT run_id, step, artifact_id FROM checkpoints"'
-        )
-    return policy_files_of(store, artifact_id)
+    return policy_files_of(store, require_policy(store, artifact_id, "policy.checkpoint"))
 
 
 def identity(cfg: PolicyConfig, params: Mapping[str, Any]) -> dict[str, Any]:

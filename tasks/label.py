@@ -4,10 +4,10 @@ Verdicts come from the store's reward cache when this (verifier version, respons
 scored before, otherwise from the verifier pool (worker processes with a hard timeout). The new
 cacheable verdicts are committed as a `reward_cache` artifact beside the step's `rewards`.
 
-A step with more than `verify_chunk` rollouts scores its cache misses in chunks of that size, each a
-unit of the run's fan-out (`params["fan_out"]`, flows/executors.py): on another backend the chunks are
-verified on the workers. Which verdicts are cache hits is decided here, before any chunk runs, so the
-rows are the same wherever the chunks ran.
+A step with more than `flow.executor.verify_chunk` rollouts scores its cache misses in chunks of that
+size, each a unit of the run's fan-out (`params["fan_out"]`, flows/executors.py, which carries that
+setting): on another backend the chunks are verified on the workers. Which verdicts are cache hits is
+decided here, before any chunk runs, so the rows are the same wherever the chunks ran.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class VerifyJob:
     names: list[str]
 
 
-def verify_chunk(job: VerifyJob) -> list[Score]:
+def score_chunk(job: VerifyJob) -> list[Score]:
     """Verdicts of one chunk (in the worker's process, through its verifier pool)."""
     return score_fresh(job.cfg, job.names, job.pairs)
 
@@ -48,20 +48,21 @@ def chunked(fan_out: Callable[..., Iterator[list[Score]]], chunk: int) -> MissSc
     def score(cfg: VerifierConfig, names: list[str], pairs: list[tuple[Any, Any]]) -> list[Score]:
         starts = range(0, len(pairs), chunk)
         jobs = [VerifyJob(cfg, pairs[at : at + chunk], names[at : at + chunk]) for at in starts]
-        return [verdict for part in fan_out(verify_chunk, jobs) for verdict in part]
+        return [verdict for part in fan_out(score_chunk, jobs) for verdict in part]
 
     return score
 
 
 def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, Built]:
-    """params: `fan_out` and `verify_chunk` (where chunks of verifications run when a step has more than
-    `verify_chunk` rollouts; in place, in one piece, without them)."""
+    """params: `fan_out`, the run's FanOut: where chunks of verifications run when a step has more than its
+    `verify_chunk` rollouts (in place, in one piece, without one)."""
     rollouts = inputs.rows("rollouts", ["rollout_id", "problem_id", "response"])
     references = problem_references(inputs.table("problems", ["problem_id", "verifier", "reference"]))
-    chunk = ctx.params.get("verify_chunk")
+    fan_out = ctx.params.get("fan_out")
+    chunk = getattr(fan_out, "verify_chunk", None)  # a FanOut has it (flow.executor.verify_chunk); `map` has not
     misses: MissScorer = score_fresh
-    if "fan_out" in ctx.params and chunk and len(rollouts) > chunk:
-        misses = chunked(ctx.params["fan_out"], chunk)
+    if fan_out is not None and chunk and len(rollouts) > chunk:
+        misses = chunked(fan_out, chunk)
     verdicts, entries = score_rollouts(ctx.store, cfg, rollouts, references, misses)
     rows = [
         {"rollout_id": r["rollout_id"], "run_id": ctx.run_id, "step": ctx.step, "problem_id": r["problem_id"], **v}

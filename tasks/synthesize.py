@@ -15,7 +15,7 @@ import itertools
 import json
 import random
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from rlvr.data.dedup import NearDuplicateConfig, find_duplicates
 from rlvr.data.validate import Candidate, Rejected, as_text, validate
 from rlvr.progress import report
 from rlvr.storage.ids import row_id
-from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, default_identity, rows_to_table
+from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.verifiers.sources import SOURCES, SkillsSourceConfig, SourceConfig, make_sources, source_names
 
 
@@ -305,11 +305,6 @@ def build(inputs: Inputs, cfg: SynthesizeConfig, ctx: StageContext) -> dict[str,
     }
 
 
-def identity(cfg: SynthesizeConfig, params: Mapping[str, Any]) -> dict[str, Any]:
-    """The section and its params, but not where the sources were read (`fan_out`)."""
-    return default_identity(cfg, {key: value for key, value in params.items() if key != "fan_out"})
-
-
 SYNTHESIZE: Stage[SynthesizeConfig] = Stage(
     name="synthesize",
     code_version="3",
@@ -318,5 +313,4 @@ SYNTHESIZE: Stage[SynthesizeConfig] = Stage(
     inputs=("config",),
     outputs={"quarantine": Output("quarantine"), "duplicates": Output("duplicates"), "problems": Output("problems")},
     build=build,
-    identity=identity,
 )

@@ -22,7 +22,7 @@ import pytest
 
 from rlvr.errors import ConfigError, UserError
 from rlvr.flows.config import CONFIG, load_config
-from rlvr.flows.executors import ExecutorConfig, FanOut, use_executor
+from rlvr.flows.executors import RAY_TOKEN_SETTINGS, ExecutorConfig, FanOut, use_executor
 from rlvr.storage.store import Store
 from rlvr.verifiers.base import Score
 from rlvr.verifiers.cache import VerifierConfig, cache_key, reward_cache, score_rollouts, version_of
@@ -108,32 +108,26 @@ def units_expected(found: dict[str, Any]) -> Counter[str]:
         {
             "synthesize.read_source": 2,
             "difficulty.estimate_shard": -(-len(rows("difficulty")[0]) // 8),
-            "label.verify_chunk": sum(-(-m // 4) for m in misses),
+            "label.score_chunk": sum(-(-m // 4) for m in misses),
         }
     )
 
 
 @pytest.mark.slow
-def test_dask_local_cluster_commits_the_default_runs_artifacts(tmp_path, reference):
+@pytest.mark.parametrize("executor", ["dask", "processes"])
+def test_local_workers_commit_the_default_runs_artifacts(tmp_path, reference, executor):
+    """A Dask LocalCluster, or Prefect's process pool, with two worker processes."""
     since = datetime.now(UTC)
-    store = run_on(tmp_path, "flow.executor.type=dask flow.executor.workers=2")
+    store = run_on(tmp_path, f"flow.executor.type={executor} flow.executor.workers=2")
     found = outcome(store)
     assert_same_run(found, reference)
-    # every unit ran as a task run of the Dask runner: two sources, the shards, chunks of verifications
+    # every unit ran as a task run of the backend's runner: two sources, the shards, chunks of verifications
     expected = units_expected(found)
-    assert expected["label.verify_chunk"] >= 2
+    assert expected["label.score_chunk"] >= 2
     assert units_ran(since) == expected
 
 
 @pytest.mark.slow
-def test_process_pool_commits_the_default_runs_artifacts(tmp_path, reference):
-    since = datetime.now(UTC)
-    store = run_on(tmp_path, "flow.executor.type=processes flow.executor.workers=2")
-    found = outcome(store)
-    assert_same_run(found, reference)
-    assert units_ran(since) == units_expected(found)
-
-
 def test_an_existing_dask_scheduler_runs_the_units(tmp_path, reference):
     """`flow.executor.address`: the units go to the scheduler the user started (here one in this process,
     with a thread worker, to keep the test short; its units share the flow's process)."""
@@ -154,7 +148,7 @@ def test_local_ray_commits_the_default_runs_artifacts(tmp_path, reference, monke
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
-    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+    for name in RAY_TOKEN_SETTINGS:
         monkeypatch.delenv(name, raising=False)
     since = datetime.now(UTC)
     store = run_on(tmp_path / "store", "flow.executor.type=ray flow.executor.workers=2")
@@ -229,3 +223,39 @@ def test_labelling_in_chunks_equals_labelling_at_once():
     assert [v["cache_hit"] for v in verdicts] == [False, False, True, True, False, False, False]
     assert [v["status"] for v in verdicts] == ["ok", "wrong", "ok", "ok", "unparseable", "wrong", "ok"]
     assert len(entries) == 4  # 4, 5, 4x and 7 are new; the second "4" repeats the first
+
+
+def test_a_short_answer_from_a_miss_scorer_is_an_error():
+    """A (remote) scorer that loses verdicts fails loudly instead of leaving rewards out."""
+    from rlvr.verifiers.cache import score_cached
+
+    lossy = lambda cfg, names, pairs: [Score(1.0, "ok")] * (len(pairs) - 1)  # noqa: E731
+    store = Store.open("memory://lossy", create=True)
+    with pytest.raises(RuntimeError, match="returned 1 verdicts for 2 answers"):
+        score_cached(store, VerifierConfig(verifier="arithmetic", workers=0), [("1", "2"), ("3", "4")], None, lossy)
+
+
+def test_difficulty_shards_must_come_back_in_order():
+    """A fan-out that returns another shard than the one asked for is an error, not a skipped shard."""
+    import pyarrow as pa
+
+    from rlvr.storage.stage import Inputs, StageContext
+    from rlvr.tasks.difficulty import DifficultyConfig, ShardEstimate
+    from rlvr.tasks.difficulty import build as difficulty_build
+
+    problems = pa.table(
+        {
+            "problem_id": ["p1", "p2"],
+            "split": ["train", "train"],
+            "prompt": ["1+1", "2+2"],
+            "reference": ["2", "4"],
+            "verifier": ["arithmetic", "arithmetic"],
+        }
+    )
+    reversed_fan_out = lambda fn, jobs: iter([ShardEstimate(job.index, [0], []) for job in reversed(jobs)])  # noqa: E731
+    ctx = StageContext(
+        "r", 0, None, "difficulty", {}, {}, params={"verifier": VerifierConfig(), "fan_out": reversed_fan_out}
+    )
+    sharded = difficulty_build(Inputs.given(problems=problems, policy=None), DifficultyConfig(shard_size=1), ctx)
+    with pytest.raises(RuntimeError, match="shard 0 was asked for, but the fan-out returned shard 1"):
+        sharded.make(0)

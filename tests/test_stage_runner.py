@@ -141,6 +141,13 @@ def test_progress_events_and_the_stage_runs_view(store):
     assert rows[0]["commit_seconds"] > 0 and rows[0]["read_seconds"] >= 0
 
 
+def test_execution_params_are_part_of_no_id():
+    """Where the units run (`fan_out`, storage/stage.py's EXECUTION_PARAMS) changes no id; other params do."""
+    ids = lambda params: SPLIT.output_ids("r", 1, SplitConfig(), params, {"numbers": "numbers-1"})  # noqa: E731
+    assert ids({"fan_out": map}) == ids({})
+    assert ids({"fan_out": map, "phase": "rl"}) == ids({"phase": "rl"}) != ids({})
+
+
 def test_build_runs_without_a_store():
     ctx = StageContext(run_id="r", seed=0, step=1, stage="split", input_ids={}, output_ids={}, state={"total": 10})
     built = split_numbers(Inputs.given(numbers=pa.table({"n": [3, 4]})), SplitConfig(scale=2), ctx)

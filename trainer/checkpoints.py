@@ -20,12 +20,14 @@ from functools import lru_cache
 
 import torch
 
+from rlvr.errors import UserError
 from rlvr.storage.stage import RESIDENTS, Built, StageContext, rows_to_table
 from rlvr.storage.store import Store
 from rlvr.trainer.lora import ADAPTER_FILE
 from rlvr.trainer.policy import Policy, load_optimizer_state, make_optimizer, policy_from_files
 
 OPTIMIZER_FILE = "optimizer.safetensors"
+POLICY_KINDS = ("checkpoints", "train_steps")
 
 
 def weights_artifact(store: Store, policy_ref: str) -> str:
@@ -36,6 +38,19 @@ def weights_artifact(store: Store, policy_ref: str) -> str:
     if manifest.kind == "train_steps":
         return str(manifest.extra["stage_run"]["outputs"]["train_state"])
     raise ValueError(f"{policy_ref} is a {manifest.kind} artifact, not a policy (checkpoints or train_steps)")
+
+
+def require_policy(store: Store, policy_ref: str, what: str) -> str:
+    """`policy_ref` when it names a policy in `store` (a checkpoints or train_steps artifact), else a one-line
+    UserError naming `what` was given (e.g. "policy.checkpoint")."""
+    kind = store.manifest(policy_ref).kind if store.exists(policy_ref) else None
+    if kind not in POLICY_KINDS:
+        found = "no artifact" if kind is None else f"a {kind} artifact"
+        raise UserError(
+            f"{what} {policy_ref!r} is {found} in store {store.root}, not a policy (checkpoints or train_steps); "
+            'list checkpoints with rlvr query "SELECT run_id, step, artifact_id FROM checkpoints"'
+        )
+    return policy_ref
 
 
 def is_weights_file(name: str) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -93,10 +93,14 @@ class RewardCache:
             entries = store.read_table(artifact_id).to_pylist()
         except ArtifactNotFound:  # deleted since it was logged
             return
+        self.add_entries(entries)
+        self._loaded.add(artifact_id)
+
+    def add_entries(self, entries: Iterable[dict[str, Any]]) -> None:
+        """Index cache entries (rows of a `reward_cache` artifact, committed or not yet)."""
         for entry in entries:
             key = (entry["verifier"], entry["verifier_version"], entry["response_hash"], entry["reference_hash"])
             self._index[key] = entry_to_score(entry)
-        self._loaded.add(artifact_id)
 
     def lookup(self, keys: Sequence[CacheKey]) -> list[Score | None]:
         self.refresh()
@@ -109,6 +113,23 @@ class RewardCache:
 
 def cache_key(verifier: str, version: str, response: Any, reference: Any) -> CacheKey:
     return (verifier, version, text_hash(response), reference_hash(reference))
+
+
+def verdict_keys(names: Sequence[str], pairs: Sequence[tuple[Any, Any]]) -> list[CacheKey]:
+    """The cache key of each pair (response, reference) scored by the verifier `names[i]`."""
+    return [
+        cache_key(name, version_of(name), response, reference)
+        for name, (response, reference) in zip(names, pairs, strict=True)
+    ]
+
+
+def cache_entries(keys: Sequence[CacheKey], scores: Sequence[Score]) -> list[dict[str, Any]]:
+    """Cache entries of the cacheable verdicts among `scores` (of `keys`), one per key: its first verdict."""
+    entries: dict[CacheKey, dict[str, Any]] = {}
+    for key, score in zip(keys, scores, strict=True):
+        if score.status in CACHEABLE and key not in entries:
+            entries[key] = score_to_entry(key, score)
+    return list(entries.values())
 
 
 _caches: dict[str, RewardCache] = {}
@@ -155,12 +176,19 @@ MissScorer = Callable[[VerifierConfig, list[str], list[tuple[Any, Any]]], list[S
 
 def score_fresh(cfg: VerifierConfig, names: list[str], pairs: list[tuple[Any, Any]]) -> list[Score]:
     """Verdicts of `pairs`, each by its verifier `names[i]`, through one pool per verifier (no cache)."""
-    scores: list[Score | None] = [None] * len(pairs)
+    scores: dict[int, Score] = {}
     for name in sorted(set(names)):
         todo = [i for i, each in enumerate(names) if each == name]
-        for i, fresh in zip(todo, _score_fresh(cfg, name, [pairs[i] for i in todo])):
-            scores[i] = fresh
-    return [s for s in scores if s is not None]
+        fresh = _score_fresh(cfg, name, [pairs[i] for i in todo])
+        _check_count(fresh, len(todo), f"verifier {name!r}")
+        scores.update(zip(todo, fresh, strict=True))
+    return [scores[i] for i in range(len(pairs))]
+
+
+def _check_count(scores: Sequence[Score], expected: int, scorer: str) -> None:
+    """A scorer (possibly remote) must return one verdict per pair: a short or long answer is a bug, not a zero."""
+    if len(scores) != expected:
+        raise RuntimeError(f"{scorer} returned {len(scores)} verdicts for {expected} answers; expected one per answer")
 
 
 def score_cached(
@@ -179,21 +207,17 @@ def score_cached(
     Without a store (a stage's build tested on its own) a process-local cache stands in.
     """
     names = [cfg.verifier_of(name) for name in (verifiers or [None] * len(pairs))]
-    keys = [cache_key(name, version_of(name), response, reference) for name, (response, reference) in zip(names, pairs)]
+    keys = verdict_keys(names, pairs)
     cache = reward_cache(store) if store is not None else _local_cache
-    scores = cache.lookup(keys)
-    hits = [score is not None for score in scores]
-    misses = [i for i, score in enumerate(scores) if score is None]
-    for i, fresh in zip(misses, score_misses(cfg, [names[i] for i in misses], [pairs[i] for i in misses])):
-        scores[i] = fresh
-    entries: dict[CacheKey, dict[str, Any]] = {}
-    for i in misses:
-        scored = scores[i]
-        assert scored is not None  # every miss was scored above
-        if scored.status in CACHEABLE and keys[i] not in entries:
-            entries[keys[i]] = score_to_entry(keys[i], scored)
-            cache.remember(keys[i], scored)
-    return [s for s in scores if s is not None], hits, list(entries.values())
+    cached = cache.lookup(keys)
+    misses = [i for i, score in enumerate(cached) if score is None]
+    fresh = score_misses(cfg, [names[i] for i in misses], [pairs[i] for i in misses])
+    _check_count(fresh, len(misses), "scoring the reward-cache misses")
+    scored = dict(zip(misses, fresh, strict=True))
+    scores = [score if score is not None else scored[i] for i, score in enumerate(cached)]
+    entries = cache_entries([keys[i] for i in misses], fresh)
+    cache.add_entries(entries)
+    return scores, [score is not None for score in cached], entries
 
 
 def _score_fresh(cfg: VerifierConfig, name: str, pairs: list[tuple[Any, Any]]) -> list[Score]:
