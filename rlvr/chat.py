@@ -1,7 +1,6 @@
 """Chat prompts: a problem's prompt is text, or the JSON text of a list of {role, content} messages.
 
-It sits in the package root because the data stages (validation, export) and the trainer (chat templates)
-both read it.
+It sits in the package root because a data stage (export) and the trainer (chat templates) both read it.
 """
 
 from __future__ import annotations

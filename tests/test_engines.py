@@ -51,10 +51,13 @@ class ServerState:
 def completions_answer(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
     """`n` seeded samples of one prompt, as OpenAI's completions endpoint answers (torch's RNG is
     process-global, hence the lock: requests may overlap, sampling may not)."""
+    prompt = body["prompt"]
+    if isinstance(prompt, list):  # token ids: the text they spell (`sample` tokenizes it back, BOS included)
+        prompt = state.policy.tokenizer.decode(prompt, skip_special_tokens=True)
     with state.sampling_lock:
         samples = sample(
             state.policy,
-            [body["prompt"]],
+            [prompt],
             [int(body["n"])],
             max_new_tokens=int(body["max_tokens"]),
             temperature=float(body["temperature"]),
@@ -126,7 +129,10 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class Server(ThreadingHTTPServer):
-    daemon_threads = True
+    # server_close() joins the request threads: one still sleeping (a timed-out request) would otherwise sample
+    # later, reseeding torch's global RNG under whichever test runs next.
+    daemon_threads = False
+    block_on_close = True
 
     def __init__(self, state: ServerState) -> None:
         super().__init__(("127.0.0.1", 0), Handler)
@@ -172,6 +178,10 @@ def test_samples_are_the_servers_grouped_by_prompt(server, policy) -> None:
     ]
     assert len(state.requests) == 3  # one request per prompt with samples, `n` of them
     assert {r["model"] for r in state.requests} == {"tiny"}  # asked /v1/models, as cfg.model is empty
+    bos = policy.tokenizer.bos_token_id
+    sent = {r["seed"]: r["prompt"] for r in state.requests}  # each prompt as its token ids, one BOS
+    assert sent == {request_seed(7, i): policy.tokenizer(PROMPTS[i])["input_ids"] for i in (0, 2, 3)}
+    assert all(ids.count(bos) == 1 for ids in sent.values())
     for index in (0, 2, 3):  # exactly what transformers gives for the request's seed
         expected = sample(
             policy,
@@ -191,6 +201,13 @@ def test_samples_are_the_servers_grouped_by_prompt(server, policy) -> None:
         assert (s.finish_reason == "stop") == (s.completion_ids[-1] == policy.tokenizer.eos_token_id)
         assert s.text == policy.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
     assert engine_at(url, policy).generate(PROMPTS, counts, SAMPLING) == samples  # same seed, same samples
+
+
+def test_prompt_as_text_sends_the_prompt_text(server, policy) -> None:
+    url, state = server
+    by_ids = engine_at(url, policy).generate(PROMPTS[:2], [2, 2], SAMPLING)
+    assert engine_at(url, policy, prompt_as="text").generate(PROMPTS[:2], [2, 2], SAMPLING) == by_ids
+    assert sorted(r["prompt"] for r in state.requests[2:]) == sorted(PROMPTS[:2])
 
 
 def test_text_is_retokenized_when_the_server_gives_no_ids(server, policy) -> None:

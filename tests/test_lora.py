@@ -11,7 +11,15 @@ from rlvr.errors import UserError
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
 from rlvr.trainer.lora import ADAPTER_FILE, SETTINGS_FILE, LoraSettings
-from rlvr.trainer.policy import PolicyConfig, init_policy, make_optimizer, policy_files, policy_from_files
+from rlvr.trainer.policy import (
+    PolicyConfig,
+    init_policy,
+    make_optimizer,
+    plain_state,
+    policy_files,
+    policy_from_files,
+    stored_state,
+)
 
 INPUT = torch.tensor([[1, 7, 14, 8, 17]])  # "<s>3+4="
 
@@ -66,6 +74,20 @@ def test_files_hold_merged_weights_and_restore_the_adapters_exactly():
     torch.testing.assert_close(logits(plain), logits(policy.model), rtol=0, atol=1e-5)
 
 
+def test_plain_state_names_what_a_plain_model_has_with_the_adapters_merged():
+    """What vLLM's weight sync receives: no peft names (`base_layer`, `lora_A`), values the merged weights."""
+    plain_model = init_policy(PolicyConfig(), seed=1).model
+    policy = init_policy(PolicyConfig(lora=LoraSettings(r=4)), seed=1)
+    train(policy)
+    state = plain_state(policy.model)
+    assert list(state) == list(plain_model.state_dict())  # the tied lm_head too, as vLLM's reload needs
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    assert list(stored_state(policy.model)) == list(stored_state(plain_model)) == list(state)[:-1]  # tied once
+    merged = AutoModelForCausalLM.from_config(plain_model.config)
+    merged.load_state_dict(state)
+    torch.testing.assert_close(logits(merged), logits(policy.model), rtol=0, atol=1e-5)
+
+
 def test_unknown_target_module_is_a_user_error():
     with pytest.raises(UserError, match="policy.lora.target_modules"):
         init_policy(PolicyConfig(lora=LoraSettings(target_modules=["no_such_proj"])), seed=0)
@@ -77,11 +99,18 @@ def test_a_lora_run_trains_only_the_adapters_and_checkpoints_them(tmp_path, pref
     from rlvr.storage.store import Store
     from rlvr.storage.views import query
 
-    cfg = tiny_config("lora", "policy.lora={r: 4}", "train.steps=3", "warmstart.steps=0", "evaluate.every=3")
-    summary = execute(str(tmp_path / "store"), cfg)
+    # Adapters go on a trained model, as LoRA is meant: on the random tiny model they learn too slowly for a
+    # warm start to give any reward. A plain run warm-starts a base on one-digit sums; the LoRA run starts from
+    # its checkpoint, where some groups' rewards differ, so GRPO really updates the adapters.
+    common = ["synthesize.source={type: arithmetic, digits: 1}", "allocate.n=8"]
+    execute(str(tmp_path / "store"), tiny_config("base", *common, "train.steps=0", "warmstart.steps=30"))
     store = Store.open(str(tmp_path / "store"))
-    steps = query(store, "SELECT step, updates, grad_norm FROM train_steps ORDER BY step").to_pylist()
-    assert [s["step"] for s in steps] == [1, 2, 3]
+    base = query(store, "SELECT artifact_id FROM artifacts WHERE kind = 'checkpoints' AND stage = 'warmstart'")
+    lora = ["policy.lora={r: 4}", f"policy.checkpoint={base.column('artifact_id')[0].as_py()}", "warmstart.steps=0"]
+    summary = execute(str(tmp_path / "store"), tiny_config("lora", *common, *lora, "train.steps=3", "evaluate.every=3"))
+    steps = query(store, "SELECT step, updates, grad_norm FROM train_steps WHERE run_id = 'lora' ORDER BY step")
+    assert steps.column("step").to_pylist() == [1, 2, 3]
+    assert sum(steps.column("updates").to_pylist()) >= 1 and max(steps.column("grad_norm").to_pylist()) > 0
     final = policy_from_files(
         {
             f["path"].removeprefix("files/"): store.read_file(
@@ -91,3 +120,5 @@ def test_a_lora_run_trains_only_the_adapters_and_checkpoints_them(tmp_path, pref
         }
     )
     assert all(".lora_" in n for n, p in final.model.named_parameters() if p.requires_grad)
+    trained = [p for n, p in final.model.named_parameters() if ".lora_B" in n]
+    assert trained and all(p.abs().sum() > 0 for p in trained)  # B starts at zero

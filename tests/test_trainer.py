@@ -234,7 +234,16 @@ def test_shared_prompt_cache_draws_the_same_tokens_as_plain_generate(policy, mon
     encoded = policy.tokenizer(["1+1=", "1+1=", "22+3="], return_tensors="pt", padding=True)
     cache = generation._shared_prompt_cache(policy, encoded["input_ids"], encoded["attention_mask"])
     assert cache is not None and cache.get_seq_length() == encoded["input_ids"].shape[1] - 1
+    real_cache, used = generation._shared_prompt_cache, []
+
+    def counted(*args):
+        built = real_cache(*args)
+        used.append(built is not None)
+        return built
+
+    monkeypatch.setattr(generation, "_shared_prompt_cache", counted)
     with_cache = [[s.completion_ids for s in sample(policy, p, c, seed=i, **kwargs)] for i, (p, c) in enumerate(cases)]
+    assert sum(used) >= 6  # most cases really sampled from a shared cache
     monkeypatch.setattr(generation, "_shared_prompt_cache", lambda *args: None)
     plain = [[s.completion_ids for s in sample(policy, p, c, seed=i, **kwargs)] for i, (p, c) in enumerate(cases)]
     assert with_cache == plain

@@ -20,9 +20,12 @@ def batch() -> RolloutBatch:
     return RolloutBatch(prompts=["3+4=", "12+9="], samples=samples, rewards=[1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
 
 
-def updated(cfg: GRPOConfig) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+def updated(cfg: GRPOConfig, attention_dropout: float = 0.0) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
     """Stats, the weights before and the weights after two steps from the seed-0 tiny model."""
     policy = init_policy(PolicyConfig(), seed=0)
+    for module in policy.model.modules():
+        if hasattr(module, "attention_dropout"):  # what a pretrained model's config may set; off in eval mode
+            module.attention_dropout = attention_dropout
     before = torch.cat([p.detach().flatten().clone() for p in policy.model.parameters()])
     optimizer = make_optimizer(policy, cfg.lr, cfg.weight_decay)
     for _ in range(2):
@@ -32,8 +35,10 @@ def updated(cfg: GRPOConfig) -> tuple[dict[str, float], torch.Tensor, torch.Tens
     return stats, before, torch.cat([p.detach().flatten() for p in policy.model.parameters()])
 
 
-def test_gradient_checkpointing_gives_the_same_update(monkeypatch):
-    plain_stats, before, plain = updated(GRPOConfig(minibatches=2))
+@pytest.mark.parametrize("attention_dropout", [0.0, 0.5])
+def test_gradient_checkpointing_gives_the_same_update(monkeypatch, attention_dropout):
+    """Also with attention dropout in the config: checkpointing must not switch it on for the loss."""
+    plain_stats, before, plain = updated(GRPOConfig(minibatches=2), attention_dropout)
     calls = []
     real_checkpoint = modeling_utils.checkpoint
 
@@ -42,7 +47,7 @@ def test_gradient_checkpointing_gives_the_same_update(monkeypatch):
         return real_checkpoint(*args, **kwargs)
 
     monkeypatch.setattr(modeling_utils, "checkpoint", counted)  # what activation_checkpointing_enable binds
-    stats, _, checkpointed = updated(GRPOConfig(minibatches=2, gradient_checkpointing=True))
+    stats, _, checkpointed = updated(GRPOConfig(minibatches=2, gradient_checkpointing=True), attention_dropout)
     assert calls and set(calls) == {False}  # every decoder layer of every update went through checkpointing
     assert not torch.equal(plain, before)
     torch.testing.assert_close(checkpointed, plain, rtol=0, atol=1e-6)

@@ -101,7 +101,8 @@ def test_schedule_without_a_prefect_server_starts_the_stores_own(demo_store, tmp
         assert deployment["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
         ui = rlvr("ui", "--store", str(demo_store), env=user_env())
         assert f"{record['url']} (already running, started by rlvr schedule yearly)" in ui.stdout
-        listed = rlvr("schedule", "--list", "--store", str(demo_store), env=user_env())
+        # Wide enough that no cell wraps: on an 80-column terminal the cron cell wraps at its spaces.
+        listed = rlvr("schedule", "--list", "--store", str(demo_store), env=user_env(COLUMNS="200"))
         row = next(line for line in listed.stdout.splitlines() if "yearly" in line)
         assert re.search(r"cron '0 0 1 1 \*' \(UTC\).*active", row), listed.stdout
         paused = rlvr("schedule", "yearly", "--pause", "--store", str(demo_store), env=user_env())

@@ -32,11 +32,10 @@ from rlvr.trainer.grpo import (
     GRPOConfig,
     RolloutBatch,
     TrainingRows,
+    accumulate_gradients,
     completion_logprobs,
     completion_logprobs_and_entropy,
-    loss_share,
-    micro_batches,
-    minibatch_loss,
+    minibatch_stats,
     step_rows,
     training_precision,
 )
@@ -128,22 +127,6 @@ def _global_counts(
     return counts
 
 
-def _share(shard: Shard, selected: Tensor, totals: Tensor, cfg: GRPOConfig) -> float:
-    """This rank's share of a minibatch's loss (`loss_share`, as micro-batches are weighted): weighted by it,
-    the ranks' losses sum to the whole minibatch's aggregate. `totals` = (sequences, tokens) of the minibatch."""
-    return loss_share(shard.rows.mask[selected], float(totals[0]), float(totals[1]), cfg.aggregation)
-
-
-def _shard_loss(
-    policy: Policy, shard: Shard, selected: Tensor, share: float, cfg: GRPOConfig, max_length: int | None
-) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """This rank's part of a minibatch's loss (its aggregate times its share), its reference-KL part (before
-    β), and the shard's token-mean clip fraction and KL (grpo.py's `minibatch_loss`, weighted)."""
-    loss, kl_term, stats = minibatch_loss(policy, shard.rows, selected, shard.old_logp, shard.ref_logp, cfg, max_length)
-    ref_kl = kl_term if kl_term is not None else torch.zeros((), device=loss.device)
-    return share * loss, share * ref_kl, stats
-
-
 def sum_gradients(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Every parameter's gradient becomes the sum over ranks, in one flat all-reduce.
 
@@ -176,29 +159,19 @@ def _minibatch_update(
     """One update on a minibatch: local weighted loss and backward (in micro-batches of at most
     `cfg.micro_batch_tokens` padded tokens), gradients summed, global-norm clip, step.
     `totals` = (sequences, tokens) of the whole minibatch; the stats returned are the whole minibatch's."""
-    reduced = torch.zeros(4, dtype=torch.float64, device=totals.device)  # loss, ref_kl, clip x tokens, kl x tokens
     optimizer.zero_grad(set_to_none=True)
+    sums = torch.zeros(4, dtype=torch.float64)
     if shard is not None and groups.numel():
         selected = torch.isin(shard.rows.groups, groups.to(shard.rows.groups.device))
-        for part in micro_batches(shard.rows, selected, cfg.micro_batch_tokens):  # gradients add up
-            share = _share(shard, part, totals, cfg)
-            loss, ref_kl, stats = _shard_loss(policy, shard, part, share, cfg, max_length)
-            loss.backward()
-            tokens = float(shard.rows.mask[part].sum())
-            parts = [loss.item(), ref_kl.item(), stats["clip_fraction"] * tokens, stats["approx_kl"] * tokens]
-            reduced += torch.tensor(parts, dtype=torch.float64, device=totals.device)
+        whole = (float(totals[0]), float(totals[1]))  # this rank's parts are weighted against all ranks' counts
+        rows, old_logp, ref_logp = shard.rows, shard.old_logp, shard.ref_logp
+        sums = accumulate_gradients(policy, rows, selected, old_logp, ref_logp, cfg, max_length, whole)
     sum_gradients(policy.model, group)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), cfg.max_grad_norm)
     optimizer.step()
+    reduced = sums.to(totals.device)
     dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
-    tokens_of_minibatch = max(float(totals[1]), 1.0)
-    return {
-        "loss": float(reduced[0]),
-        "clip_fraction": float(reduced[2]) / tokens_of_minibatch,
-        "kl": float(reduced[3]) / tokens_of_minibatch,
-        "ref_kl": float(reduced[1]),
-        "grad_norm": float(grad_norm),
-    }
+    return {**minibatch_stats(reduced.cpu(), float(totals[1])), "grad_norm": float(grad_norm)}
 
 
 def distributed_grpo_step(

@@ -4,8 +4,6 @@ A sample keeps its token ids (what the loss trains on), its decoded text (what v
 why it ended, so that rewards, length statistics and the loss all see the same completion.
 """
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -13,6 +11,7 @@ import torch
 
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import prompt_ids
+from rlvr.trainer.rng import seeded_rng
 
 
 @dataclass
@@ -87,21 +86,6 @@ def _shared_prompt_cache(policy: Policy, input_ids: torch.Tensor, attention_mask
     ).past_key_values
     prefix.batch_select_indices(row_to_distinct)
     return prefix
-
-
-@contextmanager
-def seeded_rng(seed: int, device: torch.device) -> Iterator[None]:
-    """Torch's RNG of the CPU (and of `device` when it is a GPU) seeded with `seed` inside, restored after.
-
-    Not `torch.manual_seed`: on a machine without CUDA it still queues a lazy CUDA seeding call and formats a
-    stack trace for it, a cost paid on every RL step; on a GPU it would leave the caller's CUDA RNG reseeded.
-    """
-    gpu = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=gpu):
-        torch.random.default_generator.manual_seed(seed)
-        if gpu:
-            torch.cuda.manual_seed_all(seed)
-        yield
 
 
 def _decode(policy: Policy, ids: list[int]) -> str:

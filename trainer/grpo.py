@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from rlvr.trainer import prompts
 from rlvr.trainer.generation import Sample
@@ -431,17 +432,17 @@ def training_rows(
 def training_precision(policy: Policy, cfg: GRPOConfig) -> Iterator[None]:
     """The step's forward and backward passes under `cfg.autocast` and `cfg.gradient_checkpointing`.
 
-    Checkpointing works only in training mode, so the model is put in it for the step, with its dropout
-    modules kept in eval mode: the loss must see the same network the sampler did (the policy stays in eval
-    mode otherwise, see trainer/policy.py). Both are undone on exit, also after an error.
+    A layer checkpoints only in training mode, so the checkpointed layers alone are flagged as training, not
+    what they hold: `model.train()` would also switch on dropout, in `nn.Dropout` modules and in attention
+    (which reads its own `training` flag), and the loss must see the same network the sampler did (the policy
+    stays in eval mode otherwise, see trainer/policy.py). Both are undone on exit, also after an error.
     """
     model = policy.model
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
         for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.eval()
+            if isinstance(module, GradientCheckpointingLayer):
+                module.training = True  # this module only; `.train()` would recurse into attention and dropout
     device_type = next(model.parameters()).device.type
     try:
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
@@ -596,7 +597,7 @@ def micro_batches(rows: TrainingRows, selected: Tensor, budget: int | None) -> l
     return [torch.zeros_like(selected).index_fill_(0, chunk, True) for chunk in chunks]
 
 
-def _accumulate_gradients(
+def accumulate_gradients(
     policy: Policy,
     rows: TrainingRows,
     selected: Tensor,
@@ -604,22 +605,34 @@ def _accumulate_gradients(
     ref_logp: Tensor | None,
     cfg: GRPOConfig,
     max_length: int | None,
-) -> dict[str, float]:
-    """Backward of the `selected` rows' loss, one micro-batch at a time (gradients add up), each weighted by
-    its `loss_share`; returns the minibatch's loss, clip fraction, KL and reference KL (token-weighted where
-    the stat is a token mean). With one micro-batch every weight is exactly 1: the unsplit numbers."""
-    whole_sequences, whole_tokens = float(selected.sum()), float(rows.mask[selected].sum())
-    totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ref_kl": 0.0}
+    whole: tuple[float, float],
+) -> Tensor:
+    """Backward of the `selected` rows' loss, one micro-batch at a time (gradients add up), each weighted by its
+    `loss_share` of the `whole` minibatch's (sequences, tokens), which the data-parallel ranks (trainer/
+    distributed.py) count over all ranks. Returns float64 sums to add over parts and ranks: (loss, reference KL,
+    clip fraction x tokens, approx KL x tokens); `minibatch_stats` turns them into the minibatch's stats."""
+    sums = torch.zeros(4, dtype=torch.float64)
     for part in micro_batches(rows, selected, cfg.micro_batch_tokens):
         loss, kl_term, loss_stats = minibatch_loss(policy, rows, part, old_logp, ref_logp, cfg, max_length)
-        share = loss_share(rows.mask[part], whole_sequences, whole_tokens, cfg.aggregation)
+        share = loss_share(rows.mask[part], *whole, cfg.aggregation)
         (share * loss).backward()
-        token_share = float(rows.mask[part].sum()) / max(whole_tokens, 1.0)
-        totals["loss"] += share * loss.item()
-        totals["ref_kl"] += share * kl_term.item() if kl_term is not None else 0.0
-        totals["clip_fraction"] += token_share * loss_stats["clip_fraction"]
-        totals["kl"] += token_share * loss_stats["approx_kl"]
-    return totals
+        tokens = float(rows.mask[part].sum())
+        ref_kl = share * kl_term.item() if kl_term is not None else 0.0
+        parts = [share * loss.item(), ref_kl, loss_stats["clip_fraction"] * tokens, loss_stats["approx_kl"] * tokens]
+        sums += torch.tensor(parts, dtype=torch.float64)
+    return sums
+
+
+def minibatch_stats(sums: Tensor, whole_tokens: float) -> dict[str, float]:
+    """`accumulate_gradients`' sums (over all parts, and ranks) as the minibatch's loss, reference KL and
+    token-mean clip fraction and KL. With one micro-batch these are exactly the unsplit numbers."""
+    tokens = max(whole_tokens, 1.0)
+    return {
+        "loss": float(sums[0]),
+        "ref_kl": float(sums[1]),
+        "clip_fraction": float(sums[2]) / tokens,
+        "kl": float(sums[3]) / tokens,
+    }
 
 
 def _update(
@@ -635,7 +648,9 @@ def _update(
     """One gradient update on the `selected` rows (accumulated over micro-batches when `cfg.micro_batch_tokens`
     is set); returns its loss, clip fraction, KL estimates and grad norm."""
     optimizer.zero_grad(set_to_none=True)
-    stats = _accumulate_gradients(policy, rows, selected, old_logp, ref_logp, cfg, max_length)
+    whole = (float(selected.sum()), float(rows.mask[selected].sum()))
+    sums = accumulate_gradients(policy, rows, selected, old_logp, ref_logp, cfg, max_length, whole)
+    stats = minibatch_stats(sums, whole[1])
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), cfg.max_grad_norm)
     optimizer.step()
     return {**stats, "grad_norm": grad_norm.item()}

@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.errors import UserError
+from rlvr.trainer.rng import seeded_rng
 
 # Not `*.safetensors`: vLLM and other loaders read every such file of a model directory as its weights.
 ADAPTER_FILE = "adapter.lora"  # safetensors bytes
@@ -56,8 +57,7 @@ def add_lora(model: torch.nn.Module, settings: LoraSettings, seed: int) -> None:
         target_modules=settings.target_modules,
         bias="none",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded_rng(seed):
         try:
             peft.inject_adapter_in_model(config, model, adapter_name=_ADAPTER)
         except ValueError as exc:
@@ -76,22 +76,17 @@ def has_lora(model: torch.nn.Module) -> bool:
 
 
 def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights under its plain names with every adapter merged in (what `from_pretrained` reads).
-    Tied tensors appear once, as in `weights_bytes`."""
+    """The model's weights under their plain names with every adapter merged in (what `from_pretrained` reads);
+    tied tensors stay shared, so `policy.stored_state` stores them once."""
     adapted = _adapted(model)
     merged: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
     for name, tensor in model.state_dict().items():
         if ".lora_" in name:
             continue
         owner, _, leaf = name.rpartition(".base_layer.")
         if owner and leaf == "weight":
             tensor = tensor + adapted[owner].get_delta_weight(_ADAPTER).to(tensor.dtype)
-        plain = f"{owner}.{leaf}" if owner else name
-        pointer = tensor.untyped_storage().data_ptr()
-        if pointer not in seen:
-            seen.add(pointer)
-            merged[plain] = tensor.detach().contiguous()
+        merged[f"{owner}.{leaf}" if owner else name] = tensor
     return merged
 
 

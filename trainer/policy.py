@@ -148,17 +148,28 @@ def _saved_files(policy: Policy) -> dict[str, bytes]:
         }
 
 
-def weights_bytes(model: PreTrainedModel) -> bytes:
-    """The weights as one safetensors file, each shared (tied) tensor once, in state_dict order:
-    the same bytes `save_pretrained` writes for a single-file model, without a temp directory."""
+def plain_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """Every weight under the name a plain model has (LoRA adapters merged in), tied ones under each name, as
+    `state_dict` lists them: what vLLM's weight reload takes (it leaves a tied `lm_head` it is not sent stale)."""
+    return merged_state(model) if has_lora(model) else model.state_dict()
+
+
+def stored_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """`plain_state` with each shared (tied) tensor once, under its first name: what `save_pretrained` writes."""
     seen: set[int] = set()
     tensors = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in plain_state(model).items():
         pointer = tensor.untyped_storage().data_ptr()
         if pointer not in seen:
             seen.add(pointer)
-            tensors[name] = tensor.contiguous()
-    return safetensors_save(tensors, metadata={"format": "pt"})
+            tensors[name] = tensor.detach().contiguous()
+    return tensors
+
+
+def weights_bytes(model: PreTrainedModel) -> bytes:
+    """`stored_state` as one safetensors file: the same bytes `save_pretrained` writes for a single-file model,
+    without a temp directory."""
+    return safetensors_save(stored_state(model), metadata={"format": "pt"})
 
 
 # Everything but the weights (config, tokenizer, generation config) per model object: it does not
@@ -168,31 +179,23 @@ _static_files: "WeakKeyDictionary[PreTrainedModel, dict[str, bytes]]" = WeakKeyD
 
 def policy_files(policy: Policy) -> dict[str, bytes]:
     """The files of a `from_pretrained`-loadable directory (config, safetensors weights, tokenizer,
-    generation config). Tied embeddings are stored once, as `save_pretrained` does."""
-    if has_lora(policy.model):
-        return _lora_files(policy)
-    static = _static_files.get(policy.model)
-    if static is not None:
-        return {**static, "model.safetensors": weights_bytes(policy.model)}
-    files = _saved_files(policy)
-    if "model.safetensors" in files:  # single-file weights: later calls take the fast path
-        _static_files[policy.model] = {k: v for k, v in files.items() if k != "model.safetensors"}
-    return files
-
-
-def _lora_files(policy: Policy) -> dict[str, bytes]:
-    """`policy_files` of an adapted model: merged weights as `model.safetensors`, adapters beside them."""
+    generation config). Tied embeddings are stored once, as `save_pretrained` does. Under LoRA the weights
+    are merged, and the adapters (with the base weights of the layers they adapt) and their settings are
+    written beside them."""
+    lora = has_lora(policy.model)
     static = _static_files.get(policy.model)
     if static is None:
         saved = _saved_files(policy)
+        if not lora and "model.safetensors" not in saved:
+            return saved  # sharded weights: what save_pretrained wrote, every time
         static = {name: data for name, data in saved.items() if not name.endswith(".safetensors")}
-        static[SETTINGS_FILE] = settings_bytes(settings_of(policy.model))
+        if lora:
+            static[SETTINGS_FILE] = settings_bytes(settings_of(policy.model))
         _static_files[policy.model] = static
-    return {
-        **static,
-        "model.safetensors": safetensors_save(merged_state(policy.model), metadata={"format": "pt"}),
-        ADAPTER_FILE: safetensors_save(adapter_state(policy.model)),
-    }
+    files = {**static, "model.safetensors": weights_bytes(policy.model)}
+    if lora:
+        files[ADAPTER_FILE] = safetensors_save(adapter_state(policy.model))
+    return files
 
 
 def policy_from_files(files: dict[str, bytes], *, source: str = "files", threads: int = 1) -> Policy:

@@ -37,7 +37,6 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> li
     """
     if not prompts:
         return []
-    if has_chat_template(tokenizer):
-        texts = [prompt_text(tokenizer, prompt) for prompt in prompts]
-        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    return [list(ids) for ids in tokenizer([prompt_text(tokenizer, prompt) for prompt in prompts])["input_ids"]]
+    texts = [prompt_text(tokenizer, prompt) for prompt in prompts]
+    encoded = tokenizer(texts, add_special_tokens=not has_chat_template(tokenizer))
+    return [list(ids) for ids in encoded["input_ids"]]

@@ -1,6 +1,10 @@
 """The `openai` rollout engine: completions from an OpenAI-compatible server running elsewhere (vLLM,
 SGLang, llama.cpp), over the `/v1/completions` endpoint.
 
+Prompts go as token ids (`prompt_as`, the completions API takes a list of ids), exactly what the trainer's loss
+conditions on: a text prompt would be tokenized again by the server, with its special tokens added a second
+time after a chat template's own. `prompt_as=text` is for servers that take only text.
+
 One request per prompt asks for all of its samples (`n`), several requests in flight at once
 (`concurrency`); connection errors, timeouts, 429 and 5xx answers are retried with exponential backoff,
 and a server that still fails becomes one `UserError` line. Token ids come from the server when it
@@ -42,7 +46,7 @@ from rlvr.errors import UserError
 from rlvr.trainer.engines import ENGINES, EngineConfig, RolloutEngine, SamplingParams, request_seed, with_eos
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.policy import Policy, policy_files
-from rlvr.trainer.prompts import prompt_text
+from rlvr.trainer.prompts import prompt_ids, prompt_text
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,11 @@ class OpenAIEngineConfig(EngineConfig):
     backoff_s: float = Field(0.5, ge=0, description="wait before the first retry; doubles each retry")
     timeout_s: float = Field(120.0, gt=0, description="per-request timeout")
     request_token_ids: bool = Field(True, description="ask for vLLM's `return_token_ids` extension")
+    prompt_as: Literal["token_ids", "text"] = Field(
+        "token_ids",
+        description="token_ids: the ids the trainer conditions on (exact); text: for servers that take only text "
+        "(the server tokenizes it and adds its own special tokens)",
+    )
     sync: Literal["none", "reload"] = "none"
     sync_path: str = Field("/collective_rpc", description="reload: path on the server (root, not /v1) to POST")
     sync_payload: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_SYNC_PAYLOAD))
@@ -176,9 +185,16 @@ class OpenAIEngine(RolloutEngine):
             return []
         self._served_model()
         with ThreadPoolExecutor(max_workers=min(self.cfg.concurrency, len(jobs))) as pool:
-            texts = {index: prompt_text(self._policy.tokenizer, prompts[index]) for index in jobs}
-            groups = list(pool.map(lambda index: self._complete(index, texts[index], counts[index], sampling), jobs))
+            sent = dict(zip(jobs, self._prompts([prompts[index] for index in jobs]), strict=True))
+            groups = list(pool.map(lambda index: self._complete(index, sent[index], counts[index], sampling), jobs))
         return [sample for group in groups for sample in group]
+
+    def _prompts(self, prompts: list[str]) -> Sequence[list[int] | str]:
+        """The completions API's `prompt` for each problem prompt: its token ids, or its text (`prompt_as`)."""
+        assert self._policy is not None
+        if self.cfg.prompt_as == "text":
+            return [prompt_text(self._policy.tokenizer, prompt) for prompt in prompts]
+        return prompt_ids(self._policy.tokenizer, prompts)
 
     def _served_model(self) -> str:
         """`cfg.model`, or the first model the server lists (asked once)."""
@@ -190,7 +206,9 @@ class OpenAIEngine(RolloutEngine):
                 self._model = str(listed[0]["id"])
             return self._model
 
-    def _complete(self, prompt_index: int, prompt: str, count: int, sampling: SamplingParams) -> list[Sample]:
+    def _complete(
+        self, prompt_index: int, prompt: list[int] | str, count: int, sampling: SamplingParams
+    ) -> list[Sample]:
         body: dict[str, Any] = {
             "model": self._model,
             "prompt": prompt,

@@ -6,10 +6,11 @@ machine with no hub access. Sizes follow what was measured on the project's 2-co
 loss, backward, AdamW) in 30-90 ms.
 """
 
-import torch
 from pydantic import BaseModel, ConfigDict
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from rlvr.trainer.rng import seeded_rng
 
 VOCAB: list[str] = ["<pad>", "<s>", "</s>", "<unk>", *[str(d) for d in range(10)], "+", "-", "*", "="]
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
@@ -72,8 +73,7 @@ def build_tiny_model(cfg: TinyModelConfig, seed: int) -> Qwen2ForCausalLM:
         eos_token_id=VOCAB.index(EOS),
         dtype="float32",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded_rng(seed):
         model = Qwen2ForCausalLM(config)
     model.float()
     model.generation_config.pad_token_id = config.pad_token_id

@@ -29,8 +29,8 @@ from pydantic import Field
 from rlvr.errors import UserError
 from rlvr.trainer.engines import ENGINES, EngineConfig, RolloutEngine, SamplingParams, request_seed, with_eos
 from rlvr.trainer.generation import Sample
-from rlvr.trainer.policy import Policy, policy_files
-from rlvr.trainer.prompts import prompt_text
+from rlvr.trainer.policy import Policy, plain_state, policy_files
+from rlvr.trainer.prompts import prompt_ids
 
 
 class VLLMEngineConfig(EngineConfig):
@@ -73,8 +73,9 @@ class VLLMEngine(RolloutEngine):
         self._policy, self._policy_ref = policy, policy_ref
 
     def sync_weights(self, policy: Policy) -> None:
-        """Load `policy`'s current weights into the running engine (no restart, no file)."""
-        weights = [(name, tensor.detach()) for name, tensor in policy.model.state_dict().items()]
+        """Load `policy`'s current weights into the running engine (no restart, no file): under their plain
+        names, LoRA adapters merged in, as vLLM's model knows them."""
+        weights = [(name, tensor.detach()) for name, tensor in plain_state(policy.model).items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
 
     def _start(self, policy: Policy) -> Any:
@@ -116,8 +117,10 @@ class VLLMEngine(RolloutEngine):
             )
             for index in jobs
         ]
-        texts = [prompt_text(self._policy.tokenizer, prompts[index]) for index in jobs]
-        outputs = self.llm.generate(texts, params, use_tqdm=False)
+        # Token ids, not text: vLLM would tokenize a text prompt with the special tokens added again (a second
+        # BOS after a chat template's own); ids are exactly what the trainer's loss conditions on.
+        ids = prompt_ids(self._policy.tokenizer, [prompts[index] for index in jobs])
+        outputs = self.llm.generate([{"prompt_token_ids": row} for row in ids], params, use_tqdm=False)
         return [sample for index, output in zip(jobs, outputs) for sample in self._samples(index, output)]
 
     def _samples(self, prompt_index: int, output: Any) -> list[Sample]:

@@ -26,7 +26,15 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed here; `make tes
 from rlvr.trainer.engines import SamplingParams  # noqa: E402
 from rlvr.trainer.generation import greedy  # noqa: E402
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step  # noqa: E402
-from rlvr.trainer.policy import Policy, PolicyConfig, init_policy, make_optimizer, policy_files  # noqa: E402
+from rlvr.trainer.lora import LoraSettings, add_lora  # noqa: E402
+from rlvr.trainer.policy import (  # noqa: E402
+    Policy,
+    PolicyConfig,
+    init_policy,
+    make_optimizer,
+    policy_files,
+    policy_from_files,
+)
 from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig  # noqa: E402
 from rlvr.trainer.sft import sft_warmstart  # noqa: E402
 from rlvr.trainer.tiny_model import TinyModelConfig  # noqa: E402
@@ -70,8 +78,24 @@ def test_vllm_engine_after_a_weight_sync_decodes_like_transformers() -> None:
             assert (s.finish_reason == "stop") == (s.completion_ids[-1] == trained.tokenizer.eos_token_id)
             assert s.text == trained.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
         assert engine.generate(PROMPTS[:4], [3, 0, 5, 2], sampling) == samples  # same seed, same samples
+
+        adapted = lora_policy(trained)
+        engine.update_weights(adapted, "lora")  # peft names in training; vLLM gets plain names, adapters merged
+        outputs = engine.llm.generate(PROMPTS, vllm.SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        expected = greedy(adapted, PROMPTS, max_new_tokens=3)
+        assert expected != greedy(trained, PROMPTS, max_new_tokens=3)  # the adapters changed what it answers
+        assert [output.outputs[0].text for output in outputs] == expected
     finally:
         engine.close()
+
+
+def lora_policy(base: Policy) -> Policy:
+    """`base` with rank-4 adapters trained (a few supervised steps at a high rate) until its answers change."""
+    policy = policy_from_files(policy_files(base))
+    add_lora(policy.model, LoraSettings(r=4), seed=3)
+    examples = [(f"{a}+{b}=", str((a + b + 1) % 19)) for a, b in PAIRS[::2]]  # off by one: a different answer
+    sft_warmstart(policy, make_optimizer(policy, 2e-2, 0.0), examples, steps=40, batch_size=50, seed=3)
+    return policy
 
 
 def _free_port() -> int:
