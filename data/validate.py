@@ -3,8 +3,9 @@
 The checks, in order (the first that fails is the row's `failed_check` in `quarantine`):
   read       the record could not be read (a malformed line, a broken CSV quote, non-UTF-8 bytes)
   fields     a field the column mapping needs is missing or of the wrong type
-  prompt     missing, of the wrong type, empty, over `max_prompt_chars`, or not valid UTF-8
-  reference  missing, of the wrong type, or not valid UTF-8
+  prompt     missing, of the wrong type, empty, over `max_prompt_chars`, not valid UTF-8, or holding a control
+             character other than tab, newline and carriage return (NUL, ESC, DEL, ...)
+  reference  missing, of the wrong type, not valid UTF-8, or holding such a control character
   verifier   names no registered verifier
   id         repeats the `id` of an earlier row of the same source
   parse      the problem's verifier cannot use the reference (`Verifier.reference_error`)
@@ -13,6 +14,7 @@ The checks, in order (the first that fails is the row's `failed_check` in `quara
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -54,11 +56,19 @@ def as_text(value: Any) -> str:
     return value if isinstance(value, str) else canonical_json(value)
 
 
-def _utf8_error(text: str) -> str | None:
+_CONTROLS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # Unicode category Cc, less tab and line ends
+
+
+def _text_error(text: str) -> str | None:
+    """Why `text` cannot be stored and shown safely: not UTF-8, or a control character (a NUL cuts C strings
+    short in tokenizers and terminals, an ESC rewrites the terminal that prints it)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        return f"not valid UTF-8 (character {exc.start})"
+        return f"is not valid UTF-8 (character {exc.start})"
+    found = _CONTROLS.search(text)
+    if found is not None:
+        return f"contains control character U+{ord(found.group()):04X} at character {found.start()}"
     return None
 
 
@@ -75,8 +85,8 @@ def _prompt_problem(prompt: Any, max_chars: int) -> str | None:
         return "empty prompt"
     if len(prompt) > max_chars:
         return f"prompt is {len(prompt)} characters; the limit (synthesize.max_prompt_chars) is {max_chars}"
-    error = _utf8_error(prompt)
-    return f"prompt is {error}" if error else None
+    error = _text_error(prompt)
+    return f"prompt {error}" if error else None
 
 
 def _reference_problem(reference: Any) -> str | None:
@@ -84,8 +94,8 @@ def _reference_problem(reference: Any) -> str | None:
         return "missing reference"
     if not isinstance(reference, str | int | float | dict | list) or isinstance(reference, bool):
         return f"reference must be text, a number or JSON, got {type(reference).__name__}"
-    error = _utf8_error(as_text(reference))
-    return f"reference is {error}" if error else None
+    error = _text_error(as_text(reference))
+    return f"reference {error}" if error else None
 
 
 class Validator:

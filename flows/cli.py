@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from rlvr.errors import UserError
+from rlvr.errors import UserError, environment_failure
 
 app = typer.Typer(
     add_completion=False,
@@ -42,6 +42,12 @@ def open_existing(store: str | None):
     return Store.open(store_root(store))
 
 
+def warn_unreadable(found: Any) -> None:
+    """One warning line per damaged manifest or run record that a listing of the store skipped."""
+    for reason in found.unreadable.values():
+        err.print(f"warning: skipped: {reason}", markup=False, highlight=False)
+
+
 @app.command()
 def run(
     config: Path | None = typer.Option(None, "--config", help="YAML file with config sections"),
@@ -58,6 +64,7 @@ def run(
     configure_prefect(Store(root))
     from rlvr.flows.config import load_config
     from rlvr.flows.runner import execute, new_run_id
+    from rlvr.trainer.policy import check_policy_source
 
     extra = [*([f"run_id={run_id}"] if run_id else []), *([f"data={data}"] if data else [])]
     cfg = load_config(config, [*set_, *extra])
@@ -67,9 +74,8 @@ def run(
         data_run_problems(Store(root), cfg.data)  # an unknown data run fails here, as one line
     if cfg.run_id is None:
         cfg = cfg.model_copy(update={"run_id": new_run_id()})
-    if Store(root).read_run(cfg.run_id) is not None:
-        raise UserError(f"run {cfg.run_id!r} already exists in {root}; continue it with `rlvr resume {cfg.run_id}`")
-    _run_with_progress(lambda: execute(root, cfg), cfg)
+    check_policy_source(cfg.policy)  # a missing model is one line now, not a traceback after synthesis
+    _run_with_progress(lambda: execute(root, cfg, new=True), cfg)
 
 
 @app.command()
@@ -106,21 +112,25 @@ def _run_with_progress(start, cfg) -> None:
     task_id = bar.add_task("starting", total=steps, reward=state["reward"], accuracy=state["accuracy"])
 
     def listener(event: str, fields: dict[str, Any]) -> None:
+        if event == "warning":
+            bar.console.print(f"warning: {fields['message']}", markup=False, highlight=False)
+            return
+        if not bar.live.is_started:  # shown from the run's first event on: a run refused at once shows only its error
+            bar.start()
         if event == "stage":
             bar.update(task_id, description=fields["name"])
         elif event == "step":
             bar.update(task_id, completed=fields["step"], reward=fields["reward"], description="rl step")
         elif event == "eval":
             bar.update(task_id, accuracy=fields["accuracy"])
-        elif event == "warning":
-            bar.console.print(f"warning: {fields['message']}", markup=False, highlight=False)
 
     progress.listen(listener)
     try:
-        with bar:
-            summary = start()
+        summary = start()
     finally:
         progress.stop_listening(listener)
+        if bar.live.is_started:
+            bar.stop()
     _print_summary(summary)
 
 
@@ -157,7 +167,9 @@ def runs(
         raise UserError(f"unknown format {format!r}; use table or json")
     found = open_existing(store)
     root = store_root(store)
-    rows = [describe_run(r, root) for r in sorted(found.list_runs(), key=lambda r: r.get("created_at", ""))]
+    records = sorted(found.list_runs(), key=lambda r: r.get("created_at", ""))
+    rows = [describe_run(r, root, found) for r in records]
+    warn_unreadable(found)
     if format == "json":
         _print_rows(rows, [], "json")
         return
@@ -185,20 +197,25 @@ def query(
     store: str | None = StoreOption,
     format: str = typer.Option("table", "--format", help="table, csv or json"),
 ) -> None:
-    """Run a DuckDB query over the store's committed artifacts."""
+    """Run one read-only DuckDB query (a SELECT) over the store's committed artifacts."""
     import duckdb
 
-    from rlvr.storage.views import connect
+    from rlvr.storage.views import check_read_only, connect, refusal
 
     if format not in ("table", "csv", "json"):
         raise UserError(f"unknown format {format!r}; use table, csv or json")
-    con = connect(open_existing(store), sql)
+    found = open_existing(store)
     try:
+        check_read_only(sql)  # before the views are made: a refused statement reads no manifest
+        con = connect(found, sql)
         result = con.execute(sql)
         columns = [d[0] for d in result.description] if result.description else []
         rows = [dict(zip(columns, r)) for r in result.fetchall()]
+    except duckdb.PermissionException as exc:
+        raise refusal(exc) from None
     except duckdb.Error as exc:
         raise UserError(f"query failed: {str(exc).splitlines()[0]}") from None
+    warn_unreadable(found)
     _print_rows(rows, columns, format)
 
 
@@ -218,6 +235,7 @@ def lineage(
     found = open_existing(store)
     aid = resolve_id(found, artifact_or_row_id)
     manifests = descendants(found, aid) if down else ancestors(found, aid)
+    warn_unreadable(found)
     rows = [
         {
             "artifact_id": m.artifact_id,
@@ -425,11 +443,12 @@ def report(
 
 
 def _register_data_commands() -> None:
-    from rlvr.flows import data_commands
+    from rlvr.flows import check_command, data_commands
 
     app.command()(data_commands.data)
     app.command()(data_commands.difficulty)
     app.command()(data_commands.export)
+    app.command()(check_command.check)
 
 
 _register_data_commands()
@@ -464,6 +483,12 @@ def main() -> None:
         app()
     except UserError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
+        sys.exit(2)
+    except Exception as exc:
+        line = environment_failure(exc)
+        if line is None:
+            raise
+        err.print(f"error: {line}: fix that and run the command again", markup=False, highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
         err.print("interrupted; finish the run with `rlvr resume RUN_ID`", markup=False)

@@ -230,12 +230,33 @@ CONFIG: Stage[RunConfigBase] = Stage(
 
 
 def data_run_problems(store: Store, run_id: str) -> str:
-    """The problems artifact the synthesize stage of run `run_id` committed (a one-line error if none)."""
+    """The problems artifact the synthesize stage of run `run_id` committed (a one-line error if there is
+    none, or if it holds no problem)."""
     found = [m for m in store.manifests(kind="problems", run_id=run_id) if m.stage == "synthesize"]
     if not found:
         runs = ", ".join(sorted(r["run_id"] for r in store.list_runs())) or "none"
         raise UserError(f"run {run_id!r} has no synthesized problems in {store.root}; runs there: {runs}")
-    return found[0].artifact_id
+    return require_problems(store, found[0].artifact_id, run_id)
+
+
+def require_problems(store: Store, problems_id: str, run_id: str) -> str:
+    """`problems_id` when it holds at least one problem; else a one-line UserError saying what became of
+    the rows read and where to look (the quarantine)."""
+    manifest = store.manifest(problems_id)
+    if manifest.rows:
+        return problems_id
+    counts = manifest.extra.get("counts", {})
+    read, quarantined, duplicates = (sum(c.get(k, 0) for c in counts.values()) for k in SKIPPED_COUNTS)
+    if not read:
+        raise UserError(f"run {run_id!r} has no problems to train on: its sources gave no rows; check the input")
+    sql = f"SELECT source, failed_check, reason FROM quarantine WHERE run_id = '{run_id}'"
+    raise UserError(
+        f"run {run_id!r} has no problems to train on: of {read} rows read, {quarantined} were quarantined and "
+        f'{duplicates} were duplicates; why: rlvr query "{sql}" --store {store.root}'
+    )
+
+
+SKIPPED_COUNTS = ("read", "quarantined", "duplicates")
 
 
 def commit_config(store: Store, cfg: RunConfigBase) -> str:

@@ -20,6 +20,8 @@ def input_source(path: Path, verifier: str | None) -> dict[str, Any]:
     """The source config of `rlvr data --input PATH`: a file, or a folder `datasets` can load."""
     if not path.exists():
         raise UserError(f"input {str(path)!r} does not exist")
+    if path.is_file() and path.stat().st_size == 0:
+        raise UserError(f"input {str(path)!r} is empty: there is nothing to read")
     source: dict[str, Any] = {"type": "dataset" if path.is_dir() else "file", "path": str(path), "name": path.stem}
     if verifier:
         source["verifier"] = verifier
@@ -57,15 +59,16 @@ def data(
 
     root = store_root(store)
     configure_prefect(Store(root))
+    from rlvr.flows.config import require_problems
     from rlvr.flows.runner import execute_data, new_run_id
 
     cfg = data_config(input, config, verifier, [*set_, *([f"run_id={run_id}"] if run_id else [])])
     if cfg.run_id is None:
         cfg = cfg.model_copy(update={"run_id": new_run_id().replace("run-", "data-", 1)})
-    if Store(root).read_run(cfg.run_id) is not None:
-        raise UserError(f"run {cfg.run_id!r} already exists in {root}; continue it with `rlvr resume {cfg.run_id}`")
-    summary = _with_status(lambda: execute_data(root, cfg, policy))
-    print_data_summary(Store.open(root), summary)
+    summary = _with_status(lambda: execute_data(root, cfg, policy, new=True))
+    found = Store.open(root)
+    print_data_summary(found, summary)
+    require_problems(found, summary["problems_id"], cfg.run_id)  # nothing accepted: one line, exit status 2
 
 
 def _with_status(start: Any) -> Any:
@@ -79,6 +82,11 @@ def _with_status(start: Any) -> Any:
     task = bar.add_task("starting", total=None)
 
     def listener(event: str, fields: dict[str, Any]) -> None:
+        if event == "warning":
+            bar.console.print(f"warning: {fields['message']}", markup=False, highlight=False)
+            return
+        if not bar.live.is_started:  # from the first event on: a refused run shows only its error
+            bar.start()
         if event == "stage":
             bar.update(task, description=fields["name"], total=None, completed=0)
         elif event == "data":
@@ -89,10 +97,11 @@ def _with_status(start: Any) -> Any:
 
     progress.listen(listener)
     try:
-        with bar:
-            return start()
+        return start()
     finally:
         progress.stop_listening(listener)
+        if bar.live.is_started:
+            bar.stop()
 
 
 def source_table(counts: dict[str, dict[str, Any]]) -> Table:
@@ -148,7 +157,8 @@ def print_data_summary(store: Any, summary: dict[str, Any]) -> None:
     root, run = store.root, summary["run_id"]
     sql = f"SELECT source, failed_check, reason FROM quarantine WHERE run_id = '{run}'"
     out.print(f'quarantine: rlvr query "{sql}" --store {root}')
-    out.print(f"train on it: rlvr run --data {run} --store {root}")
+    if kept:
+        out.print(f"train on it: rlvr run --data {run} --store {root}")
 
 
 def difficulty(
@@ -166,6 +176,7 @@ def difficulty(
     configure_prefect(found)
     from rlvr.flows.config import config_from_json, data_run_problems, load_config
     from rlvr.flows.data_run import difficulty_run
+    from rlvr.storage.leases import owning
 
     if (policy is None) == (not labels):
         raise UserError("give exactly one of --policy CHECKPOINT_ID or --labels")
@@ -177,7 +188,8 @@ def difficulty(
         section = load_config(None, set_).difficulty
         cfg = cfg.model_copy(update={"difficulty": section})
     problems = data_run_problems(found, run_id)
-    difficulty_id = str(_with_status(lambda: difficulty_run(found.root, cfg, problems, policy)))
+    with owning(found, run_id, purpose="rlvr difficulty"):  # it writes under the run's id: no one else may
+        difficulty_id = str(_with_status(lambda: difficulty_run(found.root, cfg, problems, policy)))
     out.print(f"difficulty {difficulty_id} of run {run_id} " + (f"under policy {policy}" if policy else "from labels"))
     out.print(difficulty_histogram(found, difficulty_id))
     out.print(f"rlvr query \"SELECT policy_id, bin, count(*) FROM difficulty WHERE run_id = '{run_id}' GROUP BY ALL\"")

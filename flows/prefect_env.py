@@ -9,11 +9,14 @@ store is not on the local disk (s3://...). A PREFECT_API_URL already set (a real
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import sqlite3
 import sys
 import tempfile
 from pathlib import Path
 
+from rlvr.errors import UserError
 from rlvr.storage.store import Store
 
 
@@ -34,8 +37,13 @@ def configure_prefect(store: Store) -> Path:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_UI_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    # The temporary server's own errors (its database on a full disk, ...) would flood the terminal; the run
+    # meets the same failure itself and reports it once.
+    os.environ.setdefault("PREFECT_LOGGING_SERVER_LEVEL", "CRITICAL")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     os.environ.setdefault("HF_HOME", str(home.parent / "_hf"))
+    if not os.environ.get("PREFECT_API_URL") and (problem := prefect_database_problem(store)) is not None:
+        raise UserError(problem)  # else Prefect's temporary server hangs on it, then times out
     return home
 
 
@@ -45,3 +53,61 @@ def remote_store_home(root: str) -> Path:
     buckets never share a database and two users never share a folder."""
     digest = hashlib.sha256(root.rstrip("/").encode("utf-8")).hexdigest()[:16]
     return Path(tempfile.gettempdir()) / f"rlvr-{os.getuid()}" / digest
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+QUICK_CHECK_MAX_BYTES = 256 << 20  # past that, a full quick_check costs seconds: check the header and schema only
+
+
+def prefect_database_problem(store: Store) -> str | None:
+    """One line naming the store's Prefect database when SQLite cannot use it (a damaged file), else None.
+
+    The database holds only Prefect's history of flow and task runs; the store never depends on it, so
+    moving it away loses nothing a run needs.
+    """
+    base = Path(store.local_root) if store.local_root is not None else remote_store_home(store.root)
+    path = base / "_prefect" / "prefect.db"
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    try:
+        with path.open("rb") as handle:
+            if handle.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
+                raise sqlite3.DatabaseError("file is not a database")
+        connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        try:
+            connection.execute("SELECT count(*) FROM sqlite_master").fetchall()
+            if path.stat().st_size <= QUICK_CHECK_MAX_BYTES:
+                verdict = connection.execute("PRAGMA quick_check").fetchone()[0]
+                if verdict != "ok":
+                    raise sqlite3.DatabaseError(str(verdict))
+        finally:
+            connection.close()
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc):
+            return None  # a live run writes it right now: it is a database
+        return _damaged(path, exc)
+    except sqlite3.DatabaseError as exc:
+        return _damaged(path, exc)
+    return None
+
+
+def _damaged(path: Path, exc: Exception) -> str:
+    return (
+        f"Prefect's database {path} is damaged ({exc}); it holds only Prefect's run history, which no run "
+        f"needs: move it away (mv {path} {path}.damaged) and run the command again"
+    )
+
+
+class _OnlyWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
+def quiet_run_failure_logs() -> None:
+    """Keep Prefect's task and flow run loggers to warnings. They log every failure with its traceback, and
+    the CLI shows the same failure once more (one line when expected, the traceback when a bug), while the
+    run record and Prefect's database keep it. Call after Prefect is imported (its logging set-up)."""
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OnlyWarnings) for f in logger.filters):
+            logger.addFilter(_OnlyWarnings())

@@ -22,7 +22,7 @@ from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from rlvr.curricula.filtering import prompts_to_draw
-from rlvr.flows.config import RunConfigBase, commit_config, data_run_problems
+from rlvr.flows.config import RunConfigBase, commit_config, data_run_problems, require_problems
 from rlvr.flows.data_run import estimate_difficulty, initial_policy, synthesized_problems
 from rlvr.flows.executors import current_fan_out, use_executor
 from rlvr.flows.stages import run
@@ -252,7 +252,7 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
 def problems_of_run(store: str, cfg: RunConfigBase, config_id: str) -> str:
     """The run's problems: synthesized now, or those a data run made (`rlvr run --data RUN_ID`)."""
     if cfg.data is None:
-        return synthesized_problems(store, cfg, config_id)
+        return require_problems(open_store(store), synthesized_problems(store, cfg, config_id), str(cfg.run_id))
     return data_run_problems(open_store(store), cfg.data)
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import socket
 import threading
 import time
@@ -23,8 +24,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rlvr import openlineage_events, progress
-from rlvr.errors import UserError
-from rlvr.flows.prefect_env import configure_prefect
+from rlvr.errors import UserError, environment_failure
+from rlvr.flows.prefect_env import configure_prefect, quiet_run_failure_logs
+from rlvr.storage.errors import DamagedFile
+from rlvr.storage.integrity import repair_run
+from rlvr.storage.leases import Lease, owning
 from rlvr.storage.stage import failed_stage
 from rlvr.storage.store import Store, run_death, run_status, seconds_from_env
 from rlvr.storage.views import query, sql_string
@@ -46,7 +50,10 @@ def _now() -> str:
 
 
 def _record(store: Store, run_id: str, **fields: Any) -> None:
-    record = store.read_run(run_id) or {"run_id": run_id, "created_at": _now()}
+    try:
+        record = store.read_run(run_id) or {"run_id": run_id, "created_at": _now()}
+    except DamagedFile:
+        record = {"run_id": run_id, "created_at": _now()}  # written anew from what the run knows
     record.update(fields, updated_at=_now(), pid=os.getpid(), host=socket.gethostname())
     store.write_run(record)
 
@@ -57,8 +64,8 @@ class RunTracker:
     The thread beats whether or not the run progresses, so a record whose heartbeat stops belongs to a
     dead (or frozen) process."""
 
-    def __init__(self, store: Store, run_id: str, interval_s: float | None = None) -> None:
-        self.store, self.run_id = store, run_id
+    def __init__(self, store: Store, run_id: str, interval_s: float | None = None, lease: Lease | None = None) -> None:
+        self.store, self.run_id, self.lease = store, run_id, lease
         self.interval_s = interval_s or heartbeat_interval_s()
         self.progress: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -87,6 +94,9 @@ class RunTracker:
     def _beat_until_stopped(self) -> None:
         while not self._stopped.wait(self.interval_s):
             try:
+                if self.lease is not None and not self.lease.beat():
+                    progress.report("warning", message=_taken_over(self.run_id))
+                    self.lease = None
                 self.write(status="running")
             except Exception:  # a store hiccup must not end the run; the next beat tries again
                 continue
@@ -98,12 +108,34 @@ class RunTracker:
         _record(self.store, self.run_id, heartbeat_at=_now(), **current, **fields)
 
 
-def _tracked(store_root: str, cfg: Any, body: Callable[[], dict[str, Any]], **fields: Any) -> dict[str, Any]:
-    """Run `body` with the run record kept up to date (running, then completed or failed) and the run's
-    OpenLineage events sent, if they are configured."""
+def _taken_over(run_id: str) -> str:
+    return (
+        f"run {run_id!r} was taken over by another process after this one sent no heartbeat for longer than "
+        "RLVR_HEARTBEAT_TIMEOUT_S; both now write the same artifacts (same ids, same bytes). Stop one of them."
+    )
+
+
+def _tracked(
+    store_root: str, cfg: Any, body: Callable[[], dict[str, Any]], *, new: bool = False, **fields: Any
+) -> dict[str, Any]:
+    """Own the run (storage/leases.py; `new`: it must not exist yet) and run `body` with the run record kept
+    up to date (running, then completed or failed) and the run's OpenLineage events sent, if configured.
+    Before `body`, what killed writers of this run left is removed and damaged artifacts of the run are set
+    aside to be rebuilt (storage/integrity.py)."""
     store = Store.open(store_root)
-    store.cleanup_uncommitted()
-    tracker = RunTracker(Store(store_root), cfg.run_id)  # its own Store: a beat never joins the flow's batches
+    with owning(store, cfg.run_id, new=new) as lease:
+        store.cleanup_run(cfg.run_id)
+        for line in repair_run(store, cfg.run_id):
+            progress.report("warning", message=line)
+        progress.report("stage", name="starting")
+        return _tracked_body(store, lease, cfg, body, fields)
+
+
+def _tracked_body(
+    store: Store, lease: Lease, cfg: Any, body: Callable[[], dict[str, Any]], fields: dict[str, Any]
+) -> dict[str, Any]:
+    store_root = store.root
+    tracker = RunTracker(Store(store_root), cfg.run_id, lease=lease)  # its own Store: a beat never joins batches
     openlineage_events.configure_run(store_root, cfg.run_id, cfg.openlineage, kind=fields.get("kind", "rl"))
     steps = cfg.train.steps if fields.get("kind") == "rl" else None
     started_fields = dict(status="running", store_root=store_root, config_json=cfg.model_dump_json(), steps=steps)
@@ -117,29 +149,64 @@ def _tracked(store_root: str, cfg: Any, body: Callable[[], dict[str, Any]], **fi
     except BaseException as exc:
         stage, step = failed_stage(exc) or (None, None)
         reason = f"{type(exc).__name__}: {exc}"[:500]
-        tracker.write(status="failed", error=reason, failed_stage=stage, failed_step=step)
+        try:  # best effort: on a full disk this write fails too, and the run's own error is the one to show
+            tracker.write(status="failed", error=reason, failed_stage=stage, failed_step=step)
+        except OSError:
+            pass
         openlineage_events.run_event(store_root, cfg.run_id, "FAIL", exc)
+        machine = environment_failure(exc) or _disk_full(store)
+        if machine is not None:
+            raise UserError(
+                f"run {cfg.run_id!r} stopped: {machine}; what it committed is intact: fix that, then "
+                f"`rlvr resume {cfg.run_id} --store {store_root}` continues from there"
+            ) from exc
         raise
     tracker.write(status="completed", **failure)
     openlineage_events.run_event(store_root, cfg.run_id, "COMPLETE")
     return {**result, "seconds": time.monotonic() - started, "store": store_root}
 
 
-def execute(store_root: str, cfg: Any) -> dict[str, Any]:
-    """Run (or continue) `cfg`'s run in the store at `store_root`; return the summary."""
+FULL_DISK_BYTES = 1 << 20
+
+
+def _disk_full(store: Store) -> str | None:
+    """ "no space left ..." when the disk of a local store (and of its Prefect database) is all but full: the
+    failure may have surfaced elsewhere first, e.g. as an HTTP 500 from Prefect's server, whose database
+    could not grow."""
+    if store.local_root is None:
+        return None
+    try:
+        free = shutil.disk_usage(store.local_root).free
+    except OSError:
+        return None
+    return (
+        f"no space left on the device holding {store.local_root} ({free} bytes free)"
+        if free < FULL_DISK_BYTES
+        else None
+    )
+
+
+def execute(store_root: str, cfg: Any, *, new: bool = False) -> dict[str, Any]:
+    """Run (or continue) `cfg`'s run in the store at `store_root`; return the summary. `new`: refuse a run
+    id that exists already (`rlvr run`), instead of continuing it."""
     configure_prefect(Store.open(store_root, create=True))
     from rlvr.flows.rl_run import rl_run  # after configure_prefect: Prefect reads settings on import
 
-    summary = _tracked(store_root, cfg, lambda: rl_run(store_root, cfg), kind="rl")
+    quiet_run_failure_logs()
+
+    summary = _tracked(store_root, cfg, lambda: rl_run(store_root, cfg), new=new, kind="rl")
     return {**summary, **accuracy_summary(Store.open(store_root), cfg.run_id)}
 
 
-def execute_data(store_root: str, cfg: Any, policy: str | None = None) -> dict[str, Any]:
+def execute_data(store_root: str, cfg: Any, policy: str | None = None, *, new: bool = False) -> dict[str, Any]:
     """Run (or continue) the data stages of `cfg` (`rlvr data`); difficulty too when `policy` is given."""
     configure_prefect(Store.open(store_root, create=True))
     from rlvr.flows.data_run import data_run
 
-    return _tracked(store_root, cfg, lambda: data_run(store_root, cfg, policy), kind="data", policy=policy)
+    quiet_run_failure_logs()
+
+    body = lambda: data_run(store_root, cfg, policy)  # noqa: E731
+    return _tracked(store_root, cfg, body, new=new, kind="data", policy=policy)
 
 
 def resume(store_root: str, run_id: str) -> dict[str, Any]:
@@ -154,12 +221,28 @@ def resume(store_root: str, run_id: str) -> dict[str, Any]:
 
 
 def existing_run(store: Store, run_id: str) -> dict[str, Any]:
-    """The record of run `run_id`; a one-line UserError naming the store's runs when there is none."""
-    record = store.read_run(run_id)
+    """The record of run `run_id`; a one-line UserError naming the store's runs when there is none. A damaged
+    record is rebuilt from the run's committed config (`recovered_record`)."""
+    try:
+        record = store.read_run(run_id)
+    except DamagedFile:
+        record = recovered_record(store, run_id)
     if record is None:
         known = ", ".join(sorted(r["run_id"] for r in store.list_runs())) or "none"
         raise UserError(f"unknown run id {run_id!r} in store {store.root}; runs there: {known}")
     return record
+
+
+def recovered_record(store: Store, run_id: str) -> dict[str, Any] | None:
+    """What resume needs of a run whose record is unreadable, from its `config` artifact (None without one):
+    the config, and the kind of run (an RL run has an `initialize` stage, a data run does not)."""
+    manifests = store.manifests(run_id=run_id)
+    configs = [m for m in manifests if m.kind == "config"]
+    if not configs:
+        return None
+    config_json = store.read_table(configs[0].artifact_id).column("config_json")[0].as_py()
+    kind = "rl" if any(m.stage == "initialize" for m in manifests) else "data"
+    return {"run_id": run_id, "status": "failed", "kind": kind, "config_json": config_json, "policy": None}
 
 
 def resumable_run(store: Store, run_id: str) -> dict[str, Any]:
@@ -199,10 +282,11 @@ def final_checkpoint(store: Store, run_id: str) -> str | None:
     return str(rows[0]["artifact_id"]) if rows else None
 
 
-def describe_run(record: dict[str, Any], store_root: str | None = None) -> dict[str, Any]:
+def describe_run(record: dict[str, Any], store_root: str | None = None, store: Store | None = None) -> dict[str, Any]:
     """What `rlvr runs` shows of a run: status, progress (step / steps), the last held-out accuracy, the age
     of its heartbeat; for a failed run (or one whose process died) where it failed, why, and the command
-    that resumes it. `store_root`: the store as the user names it (default: as the run recorded it)."""
+    that resumes it. `store_root`: the store as the user names it (default: as the run recorded it).
+    `store`: where to read how far a dead run really got (its record's progress is up to a heartbeat old)."""
     config = json.loads(record.get("config_json") or "{}")
     kind = record.get("kind", "rl")
     died = run_death(record)  # once: a second look could see a heartbeat a moment older
@@ -211,6 +295,9 @@ def describe_run(record: dict[str, Any], store_root: str | None = None) -> dict[
     step = record.get("step")
     if step is None and status == "completed":
         step = steps  # a record written before runs reported their progress
+    if died is not None and store is not None:
+        record = {**record, **committed_progress(store, str(record["run_id"]))}
+        step = record.get("step", step)
     beat = record.get("heartbeat_at") or record.get("updated_at")
     age = _age_s(beat)
     row: dict[str, Any] = {
@@ -236,6 +323,18 @@ def describe_run(record: dict[str, Any], store_root: str | None = None) -> dict[
         root = store_root or record.get("store_root") or "."
         row["resume"] = f"rlvr resume {shlex.quote(str(record['run_id']))} --store {shlex.quote(str(root))}"
     return row
+
+
+def committed_progress(store: Store, run_id: str) -> dict[str, Any]:
+    """How far a run got by what it committed: the last RL step trained ("rl" phase), or the stage of its
+    newest artifact; {} when it committed nothing."""
+    manifests = store.manifests(run_id=run_id)
+    trained = [m.step for m in manifests if m.kind == "train_steps" and m.step is not None]
+    if trained:
+        return {"phase": "rl", "step": max(trained)}
+    if not manifests:
+        return {}
+    return {"phase": f"the stage after {max(manifests, key=lambda m: m.created_at).stage}"}
 
 
 def _where_it_failed(record: dict[str, Any], died: bool) -> str:

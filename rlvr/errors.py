@@ -1,4 +1,7 @@
-"""Expected failures. The CLI prints a `UserError` as one line and exits non-zero; anything else is a bug."""
+"""Expected failures. The CLI prints a `UserError` (or a failure of the machine: `environment_failure`) as one
+line and exits non-zero; anything else is a bug."""
+
+import errno
 
 
 class UserError(Exception):
@@ -7,3 +10,37 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """The run configuration is malformed (unknown key, wrong type, bad value)."""
+
+
+def environment_failure(exc: BaseException) -> str | None:
+    """What failed on the machine rather than in the code (a full disk, a read-only file system, a file the
+    process may not write), found anywhere in the exception's chain, as a few words; None for anything else,
+    which keeps its traceback (a bug)."""
+    for cause in _chain(exc):
+        line = _environment_line(cause)
+        if line is not None:
+            return line
+    return None
+
+
+def _environment_line(exc: BaseException) -> str | None:
+    where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the device{where}"
+    if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+        return f"the file system is read-only{where}"
+    if isinstance(exc, PermissionError) and exc.filename:
+        return f"permission denied{where}"
+    if type(exc).__name__ == "OperationalError" and "disk is full" in str(exc):  # sqlite3: Prefect's database
+        return "no space left on the device (Prefect's database)"
+    return None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """The exception, its causes and the exceptions it was raised while handling, each once."""
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen

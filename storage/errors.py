@@ -1,4 +1,4 @@
-"""Store failures a user can fix: a wrong store root, an unknown artifact id."""
+"""Store failures a user can fix: a wrong store root, an unknown artifact id, a damaged file."""
 
 from rlvr.errors import UserError
 
@@ -9,3 +9,16 @@ class StoreNotFound(UserError):
 
 class ArtifactNotFound(UserError):
     """No committed artifact (manifest) has this id."""
+
+
+class DamagedFile(UserError):
+    """A store file (manifest, run record, lease) that cannot be read: the message names it."""
+
+
+class DamagedArtifact(UserError):
+    """A committed artifact whose data no longer matches its manifest (size or sha256): the message names the file."""
+
+    def __init__(self, message: str, artifact_id: str = "", path: str = "") -> None:
+        super().__init__(message)
+        self.artifact_id = artifact_id
+        self.path = path

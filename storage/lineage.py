@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from rlvr.storage.errors import ArtifactNotFound
+from rlvr.storage.errors import ArtifactNotFound, DamagedFile
 from rlvr.storage.store import Manifest, Store
 from rlvr.storage.views import data_paths, duckdb_connection, parquet_scan
 
@@ -35,6 +35,9 @@ def ancestors(store: Store, artifact_id: str) -> list[Manifest]:
         try:
             manifest = store.manifest(current)
         except ArtifactNotFound:
+            continue
+        except DamagedFile as exc:  # shown as a warning; the rest of the lineage is still walked
+            store.unreadable[store.manifest_path(current)] = str(exc)
             continue
         found.append(manifest)
         queue.extend(manifest.parents)

@@ -522,7 +522,7 @@ def _commit_sharded(
             record["build_seconds"] = round(record["build_seconds"] + time.perf_counter() - started, 6)
             writer.write_shard(index, table)
     writer.extra["stage_run"] = dict(record)
-    writer.commit()
+    writer.commit(expected_shards=sharded.count)
 
 
 def _replace_transient(store: Store, kind: str, run_id: str, keep: str) -> None:

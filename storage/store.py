@@ -9,12 +9,22 @@ its own marker, so a crash loses at most the shard in flight. Layout under the r
     artifacts/<kind>/<artifact_id>/part-00000.parquet  data (one or more parts)
     artifacts/<kind>/<artifact_id>/_shards/part-00003.json   shard commit marker (sharded writes)
     artifacts/<kind>/<artifact_id>/files/<name>        binary files (model weights, ...)
+    artifacts/<kind>/<artifact_id>/_owner.json         the run writing it (local stores; sharded writes on others)
     runs/<run_id>.json                                 run record (mutable, replaced atomically)
+    leases/<run_id>/000003.json                        which process owns the run (storage/leases.py)
     indexes/<kind>/0000000042.json                     append-only log of the kind's commits (INDEXED_KINDS)
 
 On an object store (s3://...) each object is written by one PUT, which is atomic, so there is no temp
 file and no rename; the manifest is still PUT last. Reads never trust a listing this process cached:
 another process may have committed since.
+
+Integrity: every read of an artifact's data (`read_table`, `read_file`) checks the bytes against the
+size and sha256 its manifest recorded, and a mismatch is a `DamagedArtifact` naming the file;
+`verify_artifact` checks a whole artifact (`rlvr check`, and `rlvr resume` before it decides what is
+committed). DuckDB queries read the parts directly, unchecked.
+
+Temp files are named `<target>.tmp-<host tag>-<pid>-<random>`, so a cleanup can tell a dead writer's
+leftovers from a live one's; only the owner of a run removes its uncommitted artifact folders (`cleanup_run`).
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from rlvr.errors import UserError
-from rlvr.storage.errors import ArtifactNotFound, StoreNotFound
+from rlvr.storage.errors import ArtifactNotFound, DamagedArtifact, DamagedFile, StoreNotFound
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.schemas import OPEN_KINDS, schema_for
 
@@ -59,6 +69,8 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _SHARD_MARKER_RE = re.compile(r"^part-(\d{5})\.json$")
 _INDEX_ENTRY_RE = re.compile(r"^(\d{10})\.json$")
 _TMP_MARK = ".tmp-"
+_TMP_RE = re.compile(r"\.tmp-(?:([0-9a-f]{8})-)?(\d+)-[0-9a-f]+$")  # host tag (absent in older stores), pid
+OWNER_FILE = "_owner.json"
 _HASH_CHUNK = 1 << 20
 _MAX_SHARD_INDEX = 99_999
 
@@ -108,6 +120,17 @@ class Manifest:
     def from_json(cls, text: str | bytes) -> Manifest:
         """Parse a manifest written by `to_json`."""
         return cls(**json.loads(text))
+
+    @classmethod
+    def from_file(cls, path: str, text: str | bytes) -> Manifest:
+        """Parse the manifest read from `path`; a DamagedFile naming it when it is not one."""
+        try:
+            manifest = cls.from_json(text)
+            if not isinstance(manifest.files, list) or not all(isinstance(e, dict) for e in manifest.files):
+                raise ValueError("its file list is not a list of entries")
+            return manifest
+        except (ValueError, TypeError, UnicodeDecodeError) as exc:
+            raise DamagedFile(unreadable_message("manifest", path, exc)) from None
 
     @property
     def table_files(self) -> list[dict[str, Any]]:
@@ -191,6 +214,7 @@ class Store:
         self._committer: ThreadPoolExecutor | None = None
         self._index_next: dict[str, int] = {}  # per indexed kind: where this process appends next
         self._index_lock = threading.RLock()  # index_end takes it inside _append_index
+        self.unreadable: dict[str, str] = {}  # damaged manifests and run records listings skipped: path -> why
 
     @classmethod
     def open(cls, root: str, create: bool = False) -> Store:
@@ -256,10 +280,19 @@ class Store:
         if batch is not None:
             batch.written.append(path)
 
+    def write_small(self, path: str, data: bytes) -> None:
+        """Replace a small store file (a run record, a lease) atomically and durably now, never as part of
+        an open batch."""
+        if not self.is_local:
+            self.fs.pipe_file(path, data)
+            return
+        os.replace(self._write_temp(path, data, sync=True), path)
+
     @staticmethod
     def _write_temp(path: str, data: bytes, sync: bool) -> str:
-        """`data` in a temp file beside `path` (fsynced when `sync`); the caller renames it into place."""
-        tmp = f"{path}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        """`data` in a temp file beside `path` (fsynced when `sync`); the caller renames it into place.
+        The name says which host and process wrote it (`temp_writer_gone`)."""
+        tmp = f"{path}{_TMP_MARK}{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             with _open_new(tmp) as handle:
                 handle.write(data)
@@ -330,7 +363,7 @@ class Store:
         process sees them: `exists` and `manifest` answer as if committed). At the end: one flush of
         the data to disk, then every manifest in commit order, one more flush, then the deletes asked
         for inside. A kill before the end leaves data files without manifests, which do not exist
-        for anyone and which `cleanup_uncommitted` removes: the group is redone on resume. A kill
+        for anyone and which the run's next owner removes (`cleanup_run`): the group is redone on resume. A kill
         during the manifests leaves a prefix of them, and every artifact's inputs precede it.
 
         `background`: the flush runs on one committer thread while the caller goes on (the next RL
@@ -443,6 +476,8 @@ class Store:
             seconds=time.monotonic() - started,
             extra=dict(extra or {}),
         )
+        if self.is_local:
+            self.mark_owner(kind, artifact_id, run_id)
         job = _Unwritten(manifest, table, dict(files or {}), self._batch)
         if self._batch is None or not self._batch.defer_writes:
             manifest = replace(self._write_files(job), seconds=time.monotonic() - started)
@@ -519,11 +554,12 @@ class Store:
 
     def _fetch_manifest(self, artifact_id: str) -> Manifest | None:
         """Read a manifest from the store (not the cache) and cache it; None when it is not committed."""
+        path = self.manifest_path(artifact_id)
         try:
-            text = read_whole(self.fs, self.manifest_path(artifact_id))
+            text = read_whole(self.fs, path)
         except FileNotFoundError:
             return None
-        manifest = Manifest.from_json(text)
+        manifest = Manifest.from_file(path, text)
         self._manifest_cache[artifact_id] = manifest
         return manifest
 
@@ -541,6 +577,9 @@ class Store:
                 manifest = self.manifest(artifact_id)
             except ArtifactNotFound:  # deleted between the listing and the read
                 continue
+            except DamagedFile as exc:  # one bad manifest must not hide the rest of the store
+                self.unreadable[self.manifest_path(artifact_id)] = str(exc)
+                continue
             if (kind is None or manifest.kind == kind) and (run_id is None or manifest.run_id == run_id):
                 found.append(manifest)
         return sorted(found, key=lambda m: (m.created_at, m.artifact_id))
@@ -554,7 +593,10 @@ class Store:
         for path, text in fetched.items():
             aid = paths.get(self.fs._strip_protocol(path))
             if aid is not None and isinstance(text, bytes):
-                self._manifest_cache[aid] = Manifest.from_json(text)
+                try:
+                    self._manifest_cache[aid] = Manifest.from_file(path, text)
+                except DamagedFile as exc:
+                    self.unreadable[path] = str(exc)
 
     def _committed_ids(self) -> list[str]:
         directory = self.path("manifests")
@@ -614,11 +656,11 @@ class Store:
                 position = self._index_next.get(manifest.kind)
                 if position is None:
                     position = self.index_end(manifest.kind)
-                while not self._create_new(self._index_path(manifest.kind, position), entry):
+                while not self.create_new(self._index_path(manifest.kind, position), entry):
                     position += 1
                 self._index_next[manifest.kind] = position + 1
 
-    def _create_new(self, path: str, data: bytes) -> bool:
+    def create_new(self, path: str, data: bytes) -> bool:
         """Write `path` only if it does not exist yet, atomically; False when it already did."""
         if not self.is_local:
             try:
@@ -636,23 +678,55 @@ class Store:
         return True
 
     def read_table(self, artifact_id: str, columns: Sequence[str] | None = None) -> pa.Table:
-        """All rows of a committed artifact, parts concatenated in order."""
+        """All rows of a committed artifact, parts concatenated in order, each part checked against its
+        manifest's size and sha256 first (a `DamagedArtifact` names the part that fails)."""
         manifest = self.manifest(artifact_id)
-        directory = self.artifact_dir(manifest.kind, artifact_id)
         wanted = list(columns) if columns is not None else None
-        tables = [self._read_part(f"{directory}/{entry['path']}", wanted) for entry in manifest.table_files]
+        tables = [self._read_part(manifest, entry, wanted) for entry in manifest.table_files]
         if tables:
             return pa.concat_tables(tables, promote_options="default")
         declared = schema_for(manifest.kind)
         empty = declared.empty_table() if declared is not None else pa.table({})
         return empty.select(wanted) if wanted is not None and declared is not None else empty
 
-    def _read_part(self, path: str, columns: list[str] | None) -> pa.Table:
-        if self.is_local:
-            return pq.ParquetFile(path).read(columns=columns)
-        # One GET of the whole part: a Parquet reader on a remote file handle costs a HEAD and several
-        # ranged GETs, each a round trip, for files that are a step's worth of rows.
-        return pq.ParquetFile(pa.BufferReader(read_whole(self.fs, path))).read(columns=columns)
+    def _read_part(self, manifest: Manifest, entry: dict[str, Any], columns: list[str] | None) -> pa.Table:
+        """One part, read whole (on an object store one GET, where a Parquet reader on a remote handle
+        would cost a HEAD and several ranged GETs), checked, then parsed from memory."""
+        data = self._checked_bytes(manifest, entry)
+        try:
+            return pq.ParquetFile(pa.BufferReader(data)).read(columns=columns)
+        except pa.ArrowException as exc:  # its checksum matched: the manifest itself recorded a bad file
+            path = self._entry_path(manifest, entry)
+            raise DamagedArtifact(f"{path} is not readable Parquet ({exc})", manifest.artifact_id, path) from None
+
+    def _entry_path(self, manifest: Manifest, entry: Mapping[str, Any]) -> str:
+        return f"{self.artifact_dir(manifest.kind, manifest.artifact_id)}/{entry['path']}"
+
+    def _checked_bytes(self, manifest: Manifest, entry: Mapping[str, Any]) -> bytes:
+        """The bytes of one file of a committed artifact, as its manifest recorded them, else a DamagedArtifact."""
+        path = self._entry_path(manifest, entry)
+        try:
+            data = self.fs.cat_file(path) if self.is_local else read_whole(self.fs, path)
+        except FileNotFoundError:
+            data = None
+        problem = file_damage(data, entry)
+        if problem is not None:
+            raise DamagedArtifact(damage_message(manifest, path, problem), manifest.artifact_id, path)
+        assert data is not None
+        return data
+
+    def verify_artifact(self, artifact_id: str) -> list[tuple[str, str]]:
+        """Every file of a committed artifact that does not match its manifest: (path, what is wrong)."""
+        manifest = self.manifest(artifact_id)
+        damaged = []
+        for entry in manifest.files:
+            path = self._entry_path(manifest, entry)
+            problem = _file_problem(self.fs, path, entry)
+            if problem is None and entry["rows"] is not None:
+                problem = _parquet_problem(self.fs, path)
+            if problem is not None:
+                damaged.append((path, problem))
+        return damaged
 
     def file_path(self, artifact_id: str, name: str) -> str:
         """The fs path of a binary file of a committed artifact (e.g. to hand to a model loader)."""
@@ -669,8 +743,14 @@ class Store:
         return path if self.is_local else None
 
     def read_file(self, artifact_id: str, name: str) -> bytes:
-        """The bytes of a binary file of a committed artifact."""
-        return self.fs.cat_file(self.file_path(artifact_id, name))
+        """The bytes of a binary file of a committed artifact, checked against its manifest."""
+        manifest = self.manifest(artifact_id)
+        relative = f"files/{name}"
+        entry = next((e for e in manifest.binary_files if e["path"] == relative), None)
+        if entry is None:
+            listed = [e["path"] for e in manifest.binary_files]
+            raise ArtifactNotFound(f"artifact {artifact_id} has no file {name!r}; it has {listed}")
+        return self._checked_bytes(manifest, entry)
 
     # ----- removing ------------------------------------------------------------------------------
 
@@ -686,6 +766,19 @@ class Store:
         self.wait()
         self._delete_now(artifact_id)
 
+    def set_aside(self, artifact_id: str) -> str:
+        """Take a damaged artifact out of the catalog: its manifest moves to damaged/ (where `rlvr check`
+        still shows it), so the artifact no longer exists and the stage that made it makes it again. Its
+        files stay, uncommitted, for that stage to overwrite. Returns where the manifest went."""
+        self.wait()
+        source = self.manifest_path(artifact_id)
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+        target = self.path("damaged", f"{artifact_id}.{stamp}.json")
+        self.write_small(target, bytes(self.fs.cat_file(source)))
+        self.fs.rm(source)
+        self._manifest_cache.pop(artifact_id, None)
+        return target
+
     def _delete_now(self, artifact_id: str) -> None:
         manifest = self.manifest(artifact_id)
         self.fs.rm(self.manifest_path(artifact_id))
@@ -697,45 +790,94 @@ class Store:
             except FileNotFoundError:
                 continue
 
-    def cleanup_uncommitted(self) -> list[str]:
-        """Remove what crashed writers left behind; returns the removed paths.
+    # ----- what killed writers left ----------------------------------------------------------------
 
-        Keeps committed shards of unfinished sharded artifacts: they are finished work that resume
-        skips. Safe whenever no writer is active (it never touches a committed artifact).
+    def mark_owner(self, kind: str, artifact_id: str, run_id: str) -> None:
+        """Record in a new artifact folder which run writes it (`_owner.json`), so that only that run's
+        owner ever removes it uncommitted (`cleanup_run`). Locally it costs one mkdir per artifact and a
+        small file when the folder is new; on an object store, one PUT (sharded writers only)."""
+        directory = self.artifact_dir(kind, artifact_id)
+        data = canonical_json({"run_id": run_id}).encode("utf-8")
+        if not self.is_local:
+            self.fs.pipe_file(f"{directory}/{OWNER_FILE}", data)
+            return
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            return
+        except FileNotFoundError:
+            os.makedirs(directory, exist_ok=True)
+        with open(f"{directory}/{OWNER_FILE}", "wb") as handle:
+            handle.write(data)
+
+    def owner_of(self, directory: str) -> str | None:
+        """The run that writes an artifact folder (from its `_owner.json`), or None when it is not known."""
+        try:
+            return str(json.loads(read_whole(self.fs, f"{directory}/{OWNER_FILE}"))["run_id"])
+        except (FileNotFoundError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return None
+
+    def uncommitted_dirs(self) -> list[str]:
+        """Artifact folders without a manifest: in flight, or left by a killed writer."""
+        self.fs.invalidate_cache()
+        root = self.path("artifacts")
+        committed = set(self._committed_ids())
+        try:
+            kind_dirs = sorted(self.fs.ls(root, detail=False))
+        except FileNotFoundError:
+            return []
+        found = []
+        for kind_dir in kind_dirs:
+            if self.fs.isdir(kind_dir):
+                found += [d for d in sorted(self.fs.ls(kind_dir, detail=False)) if _basename(d) not in committed]
+        return [d for d in found if self.fs.isdir(d)]
+
+    def cleanup_run(self, run_id: str) -> list[str]:
+        """Remove what killed writers of run `run_id` left (its uncommitted artifact folders, keeping
+        committed shards: resume skips them) and temp files of writers that are gone; returns the paths.
+
+        Call it only while owning the run (storage/leases.py): then no live process writes those folders.
+        Other runs' folders are never touched, whatever state they are in.
         """
         self.wait()
-        self.fs.invalidate_cache()  # list what is there now, not what this process saw earlier
-        temp_dirs = [self.path("manifests"), self.path("runs")] + [
-            self.path("indexes", kind) for kind in sorted(INDEXED_KINDS)
-        ]
-        removed = [path for directory in temp_dirs for path in self._remove_temp_files(directory)]
-        root = self.path("artifacts")
-        if not self.fs.exists(root):
-            return removed
-        committed = set(self._committed_ids())
-        for kind_dir in sorted(self.fs.ls(root, detail=False)):
-            if not self.fs.isdir(kind_dir):
-                continue
-            for artifact_dir in sorted(self.fs.ls(kind_dir, detail=False)):
-                if self.fs.isdir(artifact_dir) and _basename(artifact_dir) not in committed:
-                    removed.extend(self._cleanup_artifact_dir(artifact_dir))
+        removed = self.remove_dead_temp_files()
+        for directory in self.uncommitted_dirs():
+            if self.owner_of(directory) == run_id:
+                removed.extend(self.cleanup_artifact_dir(directory))
         return removed
 
-    def _remove_temp_files(self, directory: str) -> list[str]:
-        if not self.fs.exists(directory):
+    def remove_dead_temp_files(self, directories: Sequence[str] = ()) -> list[str]:
+        """Remove temp files whose writer is gone (`temp_writer_gone`) from the store's shared folders
+        (manifests, runs, index logs) and `directories`. Object stores have no temp files."""
+        if not self.is_local:
             return []
-        temps = [p for p in self.fs.ls(directory, detail=False) if _TMP_MARK in _basename(p)]
-        for path in temps:
-            self.fs.rm(path)
-        return temps
+        shared = [self.path("manifests"), self.path("runs")] + [self.path("indexes", k) for k in sorted(INDEXED_KINDS)]
+        removed = []
+        for directory in [*shared, *directories]:
+            try:
+                entries = os.scandir(directory)
+            except FileNotFoundError:
+                continue
+            with entries:
+                dead = [e.path for e in entries if temp_writer_gone(e.name, _mtime(e))]
+            for path in dead:
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    continue
+                removed.append(path)
+        return removed
 
-    def _cleanup_artifact_dir(self, directory: str) -> list[str]:
+    def cleanup_artifact_dir(self, directory: str) -> list[str]:
+        """Empty an uncommitted artifact folder but for its committed shards (and owner mark); the caller
+        makes sure no live process writes it."""
         valid = valid_shards(self.fs, directory)
         if not valid:
             self.fs.rm(directory, recursive=True)
             return [directory]
         keep = {("_shards", f"part-{index:05d}.json") for index in valid}
         keep |= {(_basename(directory), marker["path"]) for marker in valid.values()}
+        keep.add((_basename(directory), OWNER_FILE))
         removed = []
         for path in sorted(self.fs.find(directory)):
             parts = path.rstrip("/").split("/")
@@ -765,11 +907,12 @@ class Store:
         return written
 
     def read_run(self, run_id: str) -> dict[str, Any] | None:
-        """The run's record, or None if there is no such run."""
+        """The run's record, or None if there is no such run; a DamagedFile when it cannot be read."""
         if not _NAME_RE.match(run_id):
             return None
+        path = self.path("runs", f"{run_id}.json")
         try:
-            return json.loads(self.fs.cat_file(self.path("runs", f"{run_id}.json")))
+            return _run_record(path, self.fs.cat_file(path))
         except FileNotFoundError:
             return None
 
@@ -783,9 +926,11 @@ class Store:
         for path in self.fs.ls(directory, detail=False):
             if _basename(path).endswith(".json"):
                 try:
-                    records.append(json.loads(self.fs.cat_file(path)))
+                    records.append(_run_record(path, self.fs.cat_file(path)))
                 except FileNotFoundError:
                     continue
+                except DamagedFile as exc:  # one bad record must not hide the other runs
+                    self.unreadable[path] = str(exc)
         return sorted(records, key=lambda r: (str(r.get("created_at", "")), str(r.get("run_id", ""))))
 
 
@@ -823,6 +968,7 @@ class ArtifactWriter:
         self.extra = extra
         self._started = time.monotonic()
         self._files: dict[str, dict[str, Any]] = {}
+        self._marked = False
 
     @property
     def directory(self) -> str:
@@ -843,6 +989,7 @@ class ArtifactWriter:
         table = conform_to_schema(self.kind, table)
         if self.store.exists(self.artifact_id):
             return
+        self._mark_owner()
         marker_path = self._marker_path(index)
         try:
             self.store.fs.rm(marker_path)
@@ -856,13 +1003,31 @@ class ArtifactWriter:
         """Attach a binary file (listed in the manifest with its checksum at commit)."""
         if self.store.exists(self.artifact_id):
             return
+        self._mark_owner()
         self._files[name] = self.store._write_binary(self.kind, self.artifact_id, name, data)
 
-    def commit(self) -> Manifest:
-        """Write the manifest listing every committed shard in index order: the artifact now exists."""
+    def _mark_owner(self) -> None:
+        if not self._marked:
+            self.store.mark_owner(self.kind, self.artifact_id, self.run_id)
+            self._marked = True
+
+    def commit(self, expected_shards: int | None = None) -> Manifest:
+        """Write the manifest listing every committed shard in index order: the artifact now exists.
+
+        `expected_shards`: the shards 0..n-1 must all be there; a missing one (its file deleted or damaged
+        since it was written) is an error, never an artifact silently short of rows.
+        """
         if self.store.exists(self.artifact_id):
             return self.store.manifest(self.artifact_id)
         shards = valid_shards(self.store.fs, self.directory)
+        if expected_shards is not None and set(shards) != set(range(expected_shards)):
+            missing = sorted(set(range(expected_shards)) - set(shards))
+            raise DamagedArtifact(
+                f"shards {missing} of {self.kind} {self.artifact_id} are missing or damaged in {self.directory} "
+                f"after they were written; `rlvr resume {self.run_id}` writes them again",
+                self.artifact_id,
+                self.directory,
+            )
         ordered = [shards[index] for index in sorted(shards)]
         entries = [{key: marker[key] for key in ("path", "rows", "bytes", "sha256")} for marker in ordered]
         entries += [self._files[name] for name in sorted(self._files)]
@@ -972,6 +1137,68 @@ def _file_checksum(fs: fsspec.AbstractFileSystem, path: str, size: int) -> str |
     return digest.hexdigest()
 
 
+def unreadable_message(what: str, path: str, exc: BaseException, remedy: str = "") -> str:
+    """The one line an unreadable store file gets: which file, why, what to do."""
+    reason = (str(exc).splitlines() or [""])[0][:200] or type(exc).__name__
+    remedy = remedy or "`rlvr resume RUN_ID` of its run sets it aside and rebuilds the artifact"
+    return f"{what} {path} is unreadable ({type(exc).__name__}: {reason}); `rlvr check` lists what is damaged; {remedy}"
+
+
+def _run_record(path: str, data: bytes) -> dict[str, Any]:
+    try:
+        record = json.loads(data)
+        if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):
+            raise ValueError("not a run record (a JSON object with a run_id)")
+        return record
+    except (ValueError, UnicodeDecodeError) as exc:
+        remedy = "`rlvr resume` of the run writes it again from the run's config artifact"
+        raise DamagedFile(unreadable_message("run record", path, exc, remedy)) from None
+
+
+def file_damage(data: bytes | None, entry: Mapping[str, Any]) -> str | None:
+    """What is wrong with a file's bytes (None: missing) against its manifest entry, or None when they match."""
+    if data is None:
+        return "the file is missing"
+    if len(data) != entry["bytes"]:
+        return f"{len(data)} bytes where the manifest recorded {entry['bytes']}"
+    if _sha256(data) != entry["sha256"]:
+        return f"sha256 {_sha256(data)[:12]}... where the manifest recorded {entry['sha256'][:12]}..."
+    return None
+
+
+def _file_problem(fs: fsspec.AbstractFileSystem, path: str, entry: Mapping[str, Any]) -> str | None:
+    """`file_damage` without holding a large file in memory (weights are hashed in chunks)."""
+    try:
+        size = fs.size(path)
+    except FileNotFoundError:
+        return "the file is missing"
+    if size != entry["bytes"]:
+        return f"{size} bytes where the manifest recorded {entry['bytes']}"
+    digest = _file_checksum(fs, path, size)
+    if digest != entry["sha256"]:
+        return f"sha256 {str(digest)[:12]}... where the manifest recorded {entry['sha256'][:12]}..."
+    return None
+
+
+def _parquet_problem(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+    """A part whose bytes match its manifest but that Parquet cannot read (a bad file was committed)."""
+    try:
+        with fs.open(path, "rb") as handle:
+            pq.ParquetFile(handle).metadata  # noqa: B018 - reading the footer is the check
+    except (pa.ArrowException, OSError) as exc:
+        return f"not readable Parquet ({exc})"
+    return None
+
+
+def damage_message(manifest: Manifest, path: str, problem: str) -> str:
+    """The one line a damaged file of a committed artifact gets: which, what is wrong, what to do."""
+    step = f" step {manifest.step}" if manifest.step is not None else ""
+    return (
+        f"{manifest.kind} artifact {manifest.artifact_id} (run {manifest.run_id}{step}) is damaged: {path}: {problem}; "
+        f"`rlvr check` lists all damage and `rlvr resume {manifest.run_id}` rebuilds what can be rebuilt"
+    )
+
+
 def valid_shards(fs: fsspec.AbstractFileSystem, artifact_dir: str) -> dict[int, dict[str, Any]]:
     """The shard markers of an artifact directory whose data file exists and matches, by index."""
     markers_dir = f"{artifact_dir}/_shards"
@@ -990,9 +1217,10 @@ def valid_shards(fs: fsspec.AbstractFileSystem, artifact_dir: str) -> dict[int, 
     return valid
 
 
-def _pid_alive(pid: Any) -> bool:
+def pid_alive(pid: Any) -> bool:
+    """Whether process `pid` exists on this host (an unknown pid counts as alive: trust the record)."""
     if not isinstance(pid, int) or pid <= 0:
-        return True  # unknown pid: trust the recorded status
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -1000,6 +1228,44 @@ def _pid_alive(pid: Any) -> bool:
     except OSError:  # e.g. PermissionError: the process exists but belongs to someone else
         return True
     return True
+
+
+def pid_start_time(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (Linux /proc), to tell a pid reused by a new
+    process from the one recorded; None where that cannot be read (another OS, a process already gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()  # the command name may hold spaces and parentheses
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+@lru_cache(maxsize=1)
+def host_tag() -> str:
+    """8 hex digits naming this host in temp file names (a hostname may hold any character)."""
+    return hashlib.sha256(socket.gethostname().encode("utf-8")).hexdigest()[:8]
+
+
+def _mtime(entry: os.DirEntry[str]) -> float:
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime
+    except FileNotFoundError:
+        return time.time()
+
+
+def temp_writer_gone(name: str, mtime: float) -> bool:
+    """Whether a file named `name` is a temp file (`_write_temp`) whose writer will never rename it: its
+    process is gone from this host, or (another host, or a name from before host tags) it has not changed
+    for longer than the heartbeat timeout. No store write lasts that long."""
+    match = _TMP_RE.search(name)
+    if match is None:
+        return False
+    host, pid = match.group(1), int(match.group(2))
+    if host == host_tag() and not pid_alive(pid):
+        return True
+    return time.time() - mtime > heartbeat_timeout_s()
 
 
 HEARTBEAT_TIMEOUT_ENV = "RLVR_HEARTBEAT_TIMEOUT_S"
@@ -1031,7 +1297,7 @@ def run_death(record: Mapping[str, Any], now: datetime | None = None) -> str | N
     if record.get("status") != "running":
         return None
     pid, host = record.get("pid"), record.get("host")
-    if host == socket.gethostname() and not _pid_alive(pid):
+    if host == socket.gethostname() and not pid_alive(pid):
         return f"process {pid} on {host} ended without finishing the run (killed or crashed)"
     beat = record.get("heartbeat_at")
     if not beat:

@@ -6,6 +6,10 @@ files can never show up in a query. DuckDB scans the Parquet files itself; nothi
 A store on object storage (s3://...) is read through its fsspec filesystem: DuckDB's own httpfs
 extension for 2.0 installs only from extensions.duckdb.org, not from a package index. `StoreFiles`
 puts that filesystem in front of DuckDB so each committed part costs one GET (see its docstring).
+
+`connect` and `query` are read-only: the connection reads files only under the store's artifacts folder
+and its settings are locked (`_lock_down`), and `query` (like `rlvr query`) runs only one SELECT
+(`check_read_only`), because DuckDB's settings alone still let a COPY overwrite a committed part.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import io
 import json
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,6 +25,7 @@ import duckdb
 import fsspec
 import pyarrow as pa
 
+from rlvr.errors import UserError
 from rlvr.storage.schemas import SCHEMAS
 from rlvr.storage.store import Manifest, Store, read_whole, run_status
 
@@ -325,25 +330,37 @@ def _runs_table(records: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=_RUNS_SCHEMA)
 
 
-def _tables_named(con: duckdb.DuckDBPyConnection, sql: str) -> set[str] | None:
-    """The tables and views a SELECT statement names, from DuckDB's parser (nothing is bound), or None
-    when the statement may read any of them: it does not parse as SELECT statements, or it uses a
-    table function, SHOW TABLES or another schema (information_schema, ...)."""
+def _parsed_select(con: duckdb.DuckDBPyConnection, sql: str) -> dict[str, Any] | None:
+    """DuckDB's syntax tree of `sql` (nothing is bound), or None when it is not only SELECT statements:
+    `json_serialize_sql` serializes nothing else."""
     try:
         tree = json.loads(con.execute("SELECT json_serialize_sql($1)", [sql]).fetchall()[0][0])
     except duckdb.Error:
         return None
-    if tree.get("error"):
-        return None
-    names: set[str] = set()
+    return None if tree.get("error") else tree
+
+
+def _nodes(tree: Any) -> Iterator[dict[str, Any]]:
+    """Every object in a serialized syntax tree, depth first."""
     pending: list[Any] = [tree]
     while pending:
         node = pending.pop()
         if isinstance(node, list):
             pending.extend(node)
-            continue
-        if not isinstance(node, dict):
-            continue
+        elif isinstance(node, dict):
+            yield node
+            pending.extend(node.values())
+
+
+def _tables_named(con: duckdb.DuckDBPyConnection, sql: str) -> set[str] | None:
+    """The tables and views a SELECT statement names, from DuckDB's parser (nothing is bound), or None
+    when the statement may read any of them: it does not parse as SELECT statements, or it uses a
+    table function, SHOW TABLES or another schema (information_schema, ...)."""
+    tree = _parsed_select(con, sql)
+    if tree is None:
+        return None
+    names: set[str] = set()
+    for node in _nodes(tree):
         kind = node.get("type")
         if kind == "TABLE_FUNCTION" or (kind == "SHOW_REF" and node.get("table_name")):
             return None
@@ -351,8 +368,107 @@ def _tables_named(con: duckdb.DuckDBPyConnection, sql: str) -> set[str] | None:
             if node.get("schema_name") not in ("", "main") or node.get("catalog_name") not in ("", None):
                 return None
             names.add(str(node["table_name"]).lower())  # a CTE's name too: it just matches no view
-        pending.extend(node.values())
     return names
+
+
+# ----- read-only queries ---------------------------------------------------------------------------
+
+READ_ONLY = "rlvr query is read-only: one SELECT over the store's views (save results with --format csv > FILE)"
+# Query nodes that only read; a WITH clause may also hold INSERT, UPDATE or DELETE nodes.
+_READ_NODES = frozenset({"SELECT_NODE", "SET_OPERATION_NODE", "CTE_NODE", "RECURSIVE_CTE_NODE"})
+# Table functions that run SQL the statement check never sees.
+_UNCHECKED_SQL_FUNCTIONS = frozenset({"json_execute_serialized_sql"})
+# What the user typed, by DuckDB's statement type, where its name does not say.
+_STATEMENT_WORDS = {
+    "LOAD": "INSTALL or LOAD statement",
+    "SET": "SET, RESET or USE statement",
+    "VARIABLE_SET": "SET VARIABLE statement",
+    "CALL": "CALL or CHECKPOINT statement",
+    "DELETE": "DELETE or TRUNCATE statement",
+    "DROP": "DROP or DEALLOCATE statement",
+    "ALTER": "ALTER or COMMENT ON statement",
+    "TRANSACTION": "BEGIN, COMMIT or ROLLBACK statement",
+    "MULTI": "PIVOT without an IN list (several statements)",
+    "COPY_DATABASE": "COPY FROM DATABASE statement",
+}
+
+
+class QueryRefused(UserError):
+    """A statement the read-only query path does not run: it would write, reach outside the store's
+    artifacts, or change DuckDB's settings."""
+
+
+def _refused(what: str) -> QueryRefused:
+    return QueryRefused(f"query refused: {what}; {READ_ONLY}")
+
+
+def check_read_only(sql: str, con: duckdb.DuckDBPyConnection | None = None) -> None:
+    """Raise QueryRefused unless `sql` is exactly one SELECT (WITH, VALUES, `FROM view`, set operations,
+    DESCRIBE, SHOW, SUMMARIZE) that modifies nothing; SQL that does not parse raises DuckDB's ParserException.
+
+    DuckDB's parser decides, not keywords: the statement's type, then its syntax tree, since a WITH clause
+    may hold an INSERT, UPDATE or DELETE. This is what stops writes: the connection's settings let a COPY
+    write under the store's artifacts folder, the one place it may read. The SQL is only parsed, on `con`
+    when given (a new connection costs ~15 ms), else on a fresh in-memory one.
+    """
+    if con is None:
+        with duckdb.connect(":memory:") as parser:
+            check_read_only(sql, parser)
+        return
+    _check_one_select(con.extract_statements(sql))
+    tree = _parsed_select(con, sql)
+    if tree is None:
+        raise _refused("a SELECT that DuckDB cannot serialize for checking")
+    _check_tree_reads_only(tree)
+
+
+def _check_one_select(statements: list[Any]) -> None:
+    """Refuse anything but one statement of DuckDB's SELECT type."""
+    if len(statements) != 1:
+        raise _refused(f"{len(statements)} statements" if statements else "no statement")
+    try:
+        kind = statements[0].type.name
+    except ValueError:  # a type the Python API has no name for (UPDATE EXTENSIONS, ...)
+        raise _refused("not a SELECT statement") from None
+    if kind != "SELECT":
+        raise _refused(_STATEMENT_WORDS.get(kind, f"{kind.replace('_', ' ')} statement"))
+
+
+def _check_tree_reads_only(tree: dict[str, Any]) -> None:
+    """Refuse a SELECT's syntax tree holding a query node that writes (WITH x AS (DELETE ...)) or a table
+    function that runs SQL of its own."""
+    for node in _nodes(tree):
+        kind = str(node.get("type", ""))
+        if kind.endswith("_NODE") and kind not in _READ_NODES:
+            raise _refused(f"{kind.removesuffix('_NODE').removesuffix('_QUERY').replace('_', ' ')} inside a SELECT")
+        function = node.get("function")
+        if kind == "TABLE_FUNCTION" and isinstance(function, dict):
+            name = str(function.get("function_name", "")).lower()
+            if name in _UNCHECKED_SQL_FUNCTIONS:
+                raise _refused(f"{name}(), which runs SQL unchecked")
+
+
+def refusal(exc: duckdb.PermissionException) -> QueryRefused:
+    """The one line for what the connection's settings stopped: a file or URL outside the store's artifacts."""
+    detail = str(exc).splitlines()[0].removeprefix("Permission Error: ")
+    detail = detail.split(" - file system operations are disabled")[0]
+    if detail.startswith("Cannot access"):
+        return _refused(f"it reads a file outside the store's artifacts ({detail})")
+    return _refused(detail)
+
+
+def _lock_down(con: duckdb.DuckDBPyConnection, store: Store) -> None:
+    """Once the views exist: DuckDB opens files only under the store's artifacts folder (on object storage
+    that folder's URL, which DuckDB checks before `StoreFiles` sees the path), installs and loads no
+    extension, and no later statement can change these settings."""
+    artifacts = store.path("artifacts")
+    if not store.is_local:
+        artifacts = store.fs.unstrip_protocol(artifacts)
+    con.execute(f"SET allowed_directories = [{sql_string(artifacts)}]")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET autoinstall_known_extensions = false")
+    con.execute("SET autoload_known_extensions = false")
+    con.execute("SET lock_configuration = true")
 
 
 def connect(store: Store, sql: str | None = None) -> duckdb.DuckDBPyConnection:
@@ -362,6 +478,9 @@ def connect(store: Store, sql: str | None = None) -> duckdb.DuckDBPyConnection:
     listed and read once. A view binds by reading the footers of all its files, so given the `sql` it
     will run, only the views that statement reads are made (the others would cost a read of every file
     in the store, a request each on object storage).
+
+    The connection is locked down (`_lock_down`): it reads only the store's artifacts and its settings
+    cannot change. It does not check statements: run untrusted SQL through `query` or `check_read_only`.
     """
     con, files = _connection(store)
     manifests = store.manifests()
@@ -386,20 +505,25 @@ def connect(store: Store, sql: str | None = None) -> duckdb.DuckDBPyConnection:
     _create_table(con, "lineage", _lineage_table(manifests))
     _create_table(con, "stage_runs", _stage_runs_table(manifests))
     _create_table(con, "runs", _runs_table(store.list_runs()))
+    _lock_down(con, store)
     return con
 
 
 def query(store: Store, sql: str) -> pa.Table:
-    """Run one SQL statement over the store's views and return the result as an Arrow table.
+    """Run one SELECT over the store's views and return the result as an Arrow table; anything else, or a
+    read outside the store's artifacts, raises QueryRefused (see `check_read_only`).
 
     Over a live run, a file the snapshot listed can be deleted before the query reads it (a transient
     artifact replaced by the next step's); the query is then asked once more over a fresh snapshot.
     """
     for attempt in (1, 2):
-        con = connect(store, sql)
+        con = connect(store, sql)  # only parses `sql`: nothing runs before the check
         try:
+            check_read_only(sql, con)
             relation = con.sql(sql)
             return relation.to_arrow_table() if relation is not None else pa.table({})
+        except duckdb.PermissionException as exc:
+            raise refusal(exc) from None
         except duckdb.IOException:
             if attempt == 2:
                 raise

@@ -129,8 +129,10 @@ def test_a_crashed_sharded_write_resumes_from_its_committed_shards_on_s3(s3_env)
     store.fs.pipe_file(f"{writer.directory}/part-00002.parquet", b"cut short by a kill")  # data, no marker
 
     resumed = Store.open(root)  # the next process
-    removed = resumed.cleanup_uncommitted()
+    assert resumed.cleanup_run("another-run") == []
+    removed = resumed.cleanup_run("r")
     assert [path.rsplit("/", 1)[-1] for path in removed] == ["part-00002.parquet"]
+    assert resumed.owner_of(writer.directory) == "r"  # the owner mark stays with the committed shards
     again = resumed.writer("test_rows", "sharded-1", **kwargs)
     assert again.committed_shards() == {0, 1}
     again.write_shard(2, pa.table({"x": [20, 21]}))

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -34,9 +35,10 @@ from rlvr.storage import (
     row_id,
     run_status,
 )
-from rlvr.storage.errors import ArtifactNotFound, StoreNotFound
+from rlvr.storage.errors import ArtifactNotFound, DamagedArtifact, StoreNotFound
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.schemas import SCHEMAS
+from rlvr.storage.store import host_tag, temp_writer_gone
 
 # ----- helpers ---------------------------------------------------------------------------------------
 
@@ -255,16 +257,31 @@ def _sharded_writer(store: Store, kind: str = "rollouts", config: dict | None = 
     )
 
 
+def dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
 def test_uncommitted_files_are_invisible_and_cleanup_keeps_committed_shards(store: Store) -> None:
-    orphan_dir = store.path("artifacts", "problems", "problems-orphan")
+    orphan_dir = store.path("artifacts", "problems", "problems-orphan")  # names no run: not the run's to remove
     put(store, f"{orphan_dir}/part-00000.parquet", _parquet(make_table("problems", 4)))
+    other = store.writer(
+        "rollouts", "rollouts-other", run_id="run-2", stage="rollout", parents=[], code_version="v1", config={}, step=0
+    )  # another run's work in flight
+    other.write_shard(0, make_table("rollouts", 1))
     writer = _sharded_writer(store)
     writer.write_shard(0, make_table("rollouts", 2))
     writer.write_shard(1, make_table("rollouts", 3))
     shard2 = f"{writer.directory}/part-00002.parquet"
     put(store, shard2, _parquet(make_table("rollouts", 7)))  # crashed before its marker
-    temp_manifest = store.path("manifests", "problems-x.json.tmp-123-abcd")
-    put(store, temp_manifest, b"{")
+    host = host_tag()
+    dead_temp = store.path("manifests", f"problems-x.json.tmp-{host}-{dead_pid()}-abcd1234")
+    live_temp = store.path("manifests", f"problems-y.json.tmp-{host}-{os.getpid()}-abcd1234")  # being written
+    old_style = store.path("manifests", "problems-z.json.tmp-123-abcd")  # no host tag: removed only when old
+    for temp in (dead_temp, live_temp, old_style):
+        put(store, temp, b"{")
 
     assert writer.committed_shards() == {0, 1}
     assert not store.exists("problems-orphan") and not store.exists(writer.artifact_id)
@@ -273,11 +290,14 @@ def test_uncommitted_files_are_invisible_and_cleanup_keeps_committed_shards(stor
     assert scalar(store, "SELECT count(*) FROM rollouts") == 0
     assert scalar(store, "SELECT count(*) FROM artifacts") == 0
 
-    removed = store.cleanup_uncommitted()
-    assert sorted(os.path.basename(p.rstrip("/")) for p in removed) == sorted(
-        ["problems-x.json.tmp-123-abcd", "problems-orphan", "part-00002.parquet"]
-    )
-    assert not store.fs.exists(orphan_dir) and not store.fs.exists(shard2) and not store.fs.exists(temp_manifest)
+    removed = store.cleanup_run("run-1")
+    expected = ["part-00002.parquet"] + ([os.path.basename(dead_temp)] if store.is_local else [])
+    assert sorted(os.path.basename(p.rstrip("/")) for p in removed) == sorted(expected)
+    assert not store.fs.exists(shard2)
+    assert store.fs.exists(f"{orphan_dir}/part-00000.parquet")  # not run-1's
+    assert other.committed_shards() == {0}  # run-2's work in flight is untouched
+    if store.is_local:
+        assert not store.fs.exists(dead_temp) and store.fs.exists(live_temp) and store.fs.exists(old_style)
     for index in (0, 1):
         assert store.fs.exists(f"{writer.directory}/part-0000{index}.parquet")
         assert store.fs.exists(f"{writer.directory}/_shards/part-0000{index}.json")
@@ -285,12 +305,33 @@ def test_uncommitted_files_are_invisible_and_cleanup_keeps_committed_shards(stor
     resumed = _sharded_writer(store)  # a new process resuming the stage
     assert resumed.committed_shards() == {0, 1}
     resumed.write_shard(2, make_table("rollouts", 4))
-    manifest = resumed.commit()
+    manifest = resumed.commit(expected_shards=3)
     assert manifest.rows == 9
     assert [entry["path"] for entry in manifest.files] == [f"part-0000{i}.parquet" for i in range(3)]
     assert [entry["rows"] for entry in manifest.files] == [2, 3, 4]
     assert scalar(store, "SELECT count(*) FROM rollouts") == 9
-    assert store.cleanup_uncommitted() == []
+    assert store.cleanup_run("run-1") == []
+
+
+def test_temp_files_of_gone_writers_are_told_from_live_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    host, now = host_tag(), time.time()
+    assert temp_writer_gone(f"x.json.tmp-{host}-{dead_pid()}-abcd1234", now)
+    assert not temp_writer_gone(f"x.json.tmp-{host}-{os.getpid()}-abcd1234", now)
+    assert not temp_writer_gone("x.json.tmp-123-abcd", now)  # another host, or an old name: by age only
+    monkeypatch.setenv("RLVR_HEARTBEAT_TIMEOUT_S", "60")
+    assert temp_writer_gone("x.json.tmp-123-abcd", now - 61)
+    assert temp_writer_gone(f"x.json.tmp-0000beef-{os.getpid()}-abcd1234", now - 61)
+    assert not temp_writer_gone("part-00000.parquet", now - 10_000)  # not a temp file
+
+
+def test_a_commit_missing_an_expected_shard_fails_loudly(store: Store) -> None:
+    writer = _sharded_writer(store)
+    for index in range(3):
+        writer.write_shard(index, make_table("rollouts", 2))
+    store.fs.rm(f"{writer.directory}/part-00001.parquet")  # removed behind the writer's back
+    with pytest.raises(DamagedArtifact, match=r"shards \[1\] of rollouts .* are missing or damaged"):
+        writer.commit(expected_shards=3)
+    assert not store.exists(writer.artifact_id)
 
 
 def test_shard_with_wrong_checksum_is_not_committed(store: Store) -> None:

@@ -94,7 +94,8 @@ def test_a_kill_inside_a_batch_leaves_nothing_committed(tmp_path):
     assert subprocess.run([sys.executable, "-c", script]).returncode == 9
     store = Store.open(root)
     assert store.manifests() == [] and not store.exists("a-1")
-    leftovers = store.cleanup_uncommitted()
+    assert store.cleanup_run("someone-else") == []  # only the run's owner removes its folders
+    leftovers = store.cleanup_run("r")
     assert any("a-1" in path for path in leftovers) and any("b-1" in path for path in leftovers)
     assert not os.path.exists(os.path.join(root, "artifacts", "test_rows", "a-1"))
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import transformers
+from packaging.version import Version
 
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import prompt_ids
@@ -31,6 +33,10 @@ class Sample:
     finish_reason: Literal["stop", "length"]
 
 
+# transformers 5.24 renamed generate's and the model outputs' `past_key_values` to `cache` (the old name warns).
+CACHE_ARGUMENT = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
+
+
 def _eos_ids(policy: Policy) -> set[int]:
     eos = policy.model.generation_config.eos_token_id
     if eos is None:
@@ -50,7 +56,7 @@ def _generate(policy: Policy, prompts: list[str], max_new_tokens: int, **samplin
             max_new_tokens=max_new_tokens,
             pad_token_id=policy.tokenizer.pad_token_id,
             eos_token_id=sorted(_eos_ids(policy)),
-            past_key_values=_shared_prompt_cache(policy, encoded["input_ids"], encoded["attention_mask"]),
+            **{CACHE_ARGUMENT: _shared_prompt_cache(policy, encoded["input_ids"], encoded["attention_mask"])},
             **sampling,
         )
     new_tokens = output[:, encoded["input_ids"].shape[1] :].tolist()
@@ -81,9 +87,10 @@ def _shared_prompt_cache(policy: Policy, input_ids: torch.Tensor, attention_mask
     first_row = first_row.scatter_reduce(0, row_to_distinct, rows, reduce="amin")  # one row per distinct prompt
     mask = attention_mask[first_row, :-1]
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    prefix = policy.model(
+    output = policy.model(
         input_ids=input_ids[first_row, :-1], attention_mask=mask, position_ids=positions, use_cache=True
-    ).past_key_values
+    )
+    prefix = getattr(output, CACHE_ARGUMENT)
     prefix.batch_select_indices(row_to_distinct)
     return prefix
 

@@ -105,10 +105,11 @@ def init_policy(cfg: PolicyConfig, seed: int) -> Policy:
     return policy
 
 
-def _base_policy(cfg: PolicyConfig, seed: int) -> Policy:
-    set_threads(cfg.threads)
+def check_policy_source(cfg: PolicyConfig) -> str:
+    """Where `policy.model` points, checked without loading anything: "tiny", a model directory, or a hub id
+    found in the local Hugging Face cache; a one-line UserError otherwise. Runs call it before any stage."""
     if cfg.model == "tiny":
-        return _prepare(build_tiny_model(cfg.tiny, seed), build_tiny_tokenizer(), "tiny")
+        return "tiny"
     path = Path(cfg.model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -116,24 +117,37 @@ def _base_policy(cfg: PolicyConfig, seed: int) -> Policy:
                 f"model directory '{cfg.model}' has no config.json; "
                 "point policy.model at a Hugging Face model directory"
             )
-        return _load_directory(str(path), str(path.resolve()), local_files_only=True)
+        return str(path)
     if path.exists():
         raise UserError(
             f"policy.model '{cfg.model}' is a file, not a model directory; point it at a Hugging Face model directory"
         )
-    if _looks_like_path(cfg.model):
+    if _looks_like_path(cfg.model) or not _in_hub_cache(cfg.model):
         raise UserError(
-            f"model directory '{cfg.model}' does not exist; "
-            "set policy.model to 'tiny' or to an existing Hugging Face model directory"
+            f"policy.model '{cfg.model}' is neither a model directory here nor a model in the local Hugging Face "
+            "cache, and this machine does not download from the hub; set policy.model to 'tiny' or to an "
+            "existing Hugging Face model directory"
         )
+    return cfg.model
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
     try:
-        return _load_directory(cfg.model, cfg.model, local_files_only=True)
-    except OSError:
-        raise UserError(
-            f"model '{cfg.model}' is neither a local directory nor in the local Hugging Face cache, "
-            "and this machine cannot download from the hub; "
-            "download it elsewhere and set policy.model to its directory, or use 'tiny'"
-        ) from None
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid repo id
+        return False
+    return isinstance(found, str)
+
+
+def _base_policy(cfg: PolicyConfig, seed: int) -> Policy:
+    set_threads(cfg.threads)
+    source = check_policy_source(cfg)
+    if source == "tiny":
+        return _prepare(build_tiny_model(cfg.tiny, seed), build_tiny_tokenizer(), "tiny")
+    resolved = str(Path(source).resolve()) if Path(source).expanduser().is_dir() else source
+    return _load_directory(source, resolved, local_files_only=True)
 
 
 def _saved_files(policy: Policy) -> dict[str, bytes]:

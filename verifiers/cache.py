@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.errors import UserError
-from rlvr.storage.errors import ArtifactNotFound
+from rlvr.storage.errors import ArtifactNotFound, DamagedArtifact, DamagedFile
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.store import Store
 from rlvr.verifiers.base import Score
+
+log = logging.getLogger(__name__)
 
 CacheKey = tuple[str, str, str, str]
 CACHE_KIND = "reward_cache"
@@ -92,6 +95,10 @@ class RewardCache:
         try:
             entries = store.read_table(artifact_id).to_pylist()
         except ArtifactNotFound:  # deleted since it was logged
+            return
+        except (DamagedArtifact, DamagedFile) as exc:  # a cache is a hint: its verdicts are scored again
+            log.warning("reward cache: skipping %s", exc)
+            self._loaded.add(artifact_id)
             return
         self.add_entries(entries)
         self._loaded.add(artifact_id)

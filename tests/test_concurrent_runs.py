@@ -1,0 +1,101 @@
+"""Many runs on one store: started together they all finish and are listed, a cleanup hammering the store
+meanwhile harms none of them, and of two runs started together under one id exactly one runs while the
+other gets one line naming the process that has it. Real `rlvr run` processes, a real Prefect server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from rlvr.storage.integrity import clean_leftovers
+from rlvr.storage.store import Store
+from rlvr.storage.views import query
+from tests.cli_helpers import REPO, cli_env, rlvr, rlvr_command
+
+pytestmark = pytest.mark.slow
+
+STEPS = 2
+SMALL = [
+    f"train.steps={STEPS}",
+    "select.batch_size=2",
+    "allocate.n=2",
+    "warmstart.steps=2",
+    "difficulty.k=1",
+    "difficulty.shard_size=8",
+    "evaluate.every=2",
+    "checkpoint.every=2",
+    "synthesize.source.per_category=3",
+]
+
+
+def start(store: Path, run_id: str, env: dict[str, str], seed: int = 0) -> subprocess.Popen:
+    args = ["run", "--store", str(store), "--run-id", run_id, "--set", f"seed={seed}"]
+    for override in SMALL:
+        args += ["--set", override]
+    return subprocess.Popen(
+        rlvr_command(*args), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+
+
+def hammer_cleanup(root: str, stop: threading.Event, passes: list[int]) -> None:
+    """What a careless neighbour does: clean the store every 50 ms while runs write to it."""
+    store = Store.open(root)
+    while not stop.wait(0.05):
+        clean_leftovers(store)
+        passes[0] += 1
+
+
+def runs_listed(store: Path) -> dict[str, dict]:
+    listed = rlvr("runs", "--store", str(store), "--format", "json")
+    assert listed.returncode == 0, listed.stderr
+    return {row["run_id"]: row for row in map(json.loads, listed.stdout.splitlines())}
+
+
+def test_four_runs_started_together_all_finish_despite_a_cleanup_hammer(tmp_path: Path, prefect_api: str) -> None:
+    env = cli_env(PREFECT_API_URL=prefect_api)
+    for repetition in range(5):
+        store = tmp_path / f"shared-{repetition}"  # a fresh store each time: every start races on an empty one
+        Store.open(str(store), create=True)
+        ids = [f"r{repetition}-{i}" for i in range(4)]
+        stop, passes = threading.Event(), [0]
+        hammer = threading.Thread(target=hammer_cleanup, args=(str(store), stop, passes))
+        hammer.start()
+        procs = {run_id: start(store, run_id, env, seed=i) for i, run_id in enumerate(ids)}
+        errors = {run_id: proc.communicate(timeout=600)[1] for run_id, proc in procs.items()}
+        stop.set()
+        hammer.join()
+        assert {run_id: procs[run_id].returncode for run_id in ids} == dict.fromkeys(ids, 0), errors
+        assert passes[0] > 10  # the cleanup really ran beside the runs
+        listed = runs_listed(store)
+        assert all(listed[run_id]["status"] == "completed" for run_id in ids)
+        steps = query(Store.open(str(store)), "SELECT run_id, count(*) AS n FROM train_steps GROUP BY run_id")
+        counts = dict(zip(steps.column("run_id").to_pylist(), steps.column("n").to_pylist()))
+        assert all(counts[run_id] == STEPS for run_id in ids)
+        assert sorted(listed) == ids
+
+
+def test_two_runs_with_one_id_started_together_one_runs_the_other_gets_one_line(
+    tmp_path: Path, prefect_api: str
+) -> None:
+    env = cli_env(PREFECT_API_URL=prefect_api)
+    store = tmp_path / "shared"
+    for repetition in range(5):
+        run_id = f"mix-{repetition}"
+        procs = [start(store, run_id, env, seed=seed) for seed in (1, 2)]
+        outcomes = [(proc.wait(timeout=600), proc.stderr.read()) for proc in procs]
+        codes = sorted(code for code, _ in outcomes)
+        assert codes == [0, 2], outcomes
+        (refused,) = [text for code, text in outcomes if code == 2]
+        lines = [line for line in refused.splitlines() if line.strip()]
+        assert len(lines) == 1, refused
+        assert lines[0].startswith(f"error: run '{run_id}' is already running: process ") or lines[0].startswith(
+            f"error: run '{run_id}' already exists in "
+        )
+        found = Store.open(str(store))
+        assert len(found.manifests(kind="config", run_id=run_id)) == 1
+        rows = query(found, f"SELECT step FROM train_steps WHERE run_id = '{run_id}' ORDER BY step")
+        assert rows.column("step").to_pylist() == list(range(1, STEPS + 1))

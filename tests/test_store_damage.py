@@ -1,0 +1,215 @@
+"""Damage to a store, as users meet it through the CLI: each kind gets one line naming the file and saying
+what to do; `rlvr check` finds it; `rlvr resume` rebuilds what can be rebuilt (byte for byte) and says
+what cannot. One real tiny run is made once and copied for each case."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rlvr.storage.store import Manifest, Store
+from tests.cli_helpers import cli_env, rlvr
+from tests.conftest import TINY_OVERRIDES
+
+pytestmark = pytest.mark.slow
+
+RUN = "hurt"
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory, prefect_api: str) -> Path:
+    root = tmp_path_factory.mktemp("damage") / "store"
+    args = ["run", "--store", str(root), "--run-id", RUN]
+    for override in TINY_OVERRIDES:
+        args += ["--set", override]
+    done = rlvr(*args, env=cli_env(PREFECT_API_URL=prefect_api), timeout=600)
+    assert done.returncode == 0, done.stderr
+    return root
+
+
+@pytest.fixture
+def store(made: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "store"
+    shutil.copytree(made, copy, ignore=shutil.ignore_patterns("_prefect"))
+    return copy
+
+
+def run_cli(*args: str, prefect_api: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = cli_env(PREFECT_API_URL=prefect_api) if prefect_api else cli_env()
+    if prefect_api is None:
+        env.pop("PREFECT_API_URL", None)
+    return rlvr(*args, env=env, timeout=timeout)
+
+
+def error_lines(stderr: str) -> list[str]:
+    assert "Traceback" not in stderr, stderr
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def artifact(store: Path, kind: str, step: int | None = None) -> Manifest:
+    found = Store.open(str(store)).manifests(kind=kind, run_id=RUN)
+    return next(m for m in found if step is None or m.step == step)
+
+
+def part_of(store: Path, manifest: Manifest) -> Path:
+    return store / "artifacts" / manifest.kind / manifest.artifact_id / manifest.table_files[0]["path"]
+
+
+def flip_byte(path: Path, offset: int = 60) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_are_found_and_resume_rebuilds_what_it_can(store: Path, made: Path, prefect_api: str) -> None:
+    rewards, rollouts = artifact(store, "rewards", 2), artifact(store, "rollouts", 3)
+    flip_byte(part_of(store, rewards))
+    flip_byte(part_of(store, rollouts))
+
+    checked = run_cli("check", "--store", str(store))
+    assert checked.returncode == 1
+    report = " ".join(checked.stdout.split())  # the table wraps long cells
+    assert "2 damaged" in report
+    assert rewards.artifact_id in report and "rebuilds it" in report
+    assert (
+        rollouts.artifact_id in report
+        and "cannot rebuild it: it needs the weights of the policy after step 2" in report
+    )
+
+    resumed = run_cli("resume", RUN, "--store", str(store), prefect_api=prefect_api)
+    assert resumed.returncode == 0, resumed.stderr
+    warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2
+    assert any(rewards.artifact_id in w and w.endswith("set aside, this run rebuilds it") for w in warnings)
+    assert any(rollouts.artifact_id in w and "cannot be rebuilt: it needs the weights" in w for w in warnings)
+    original = Store.open(str(made)).read_table(rewards.artifact_id)
+    rebuilt = Store.open(str(store)).read_table(rewards.artifact_id)  # checked against its new manifest
+    assert rebuilt.drop(["cache_hit"]).equals(original.drop(["cache_hit"]))
+    hits = lambda table: sum(table.column("cache_hit").to_pylist())  # noqa: E731
+    assert hits(rebuilt) > hits(original)  # what differs: its cacheable verdicts were in the reward cache
+    again = run_cli("check", "--store", str(store))
+    assert "1 damaged" in again.stdout and rollouts.artifact_id in " ".join(again.stdout.split())
+
+
+def test_a_cut_part_is_one_line_on_query_and_rebuilt_by_resume(store: Path, prefect_api: str) -> None:
+    evals = artifact(store, "evals", 0)
+    part = part_of(store, evals)
+    part.write_bytes(part.read_bytes()[:100])
+    queried = run_cli("query", "SELECT phase, accuracy FROM evals", "--store", str(store))
+    assert queried.returncode == 2
+    (line,) = error_lines(queried.stderr)
+    assert line.startswith("error: query failed:") and evals.artifact_id in line
+
+    resumed = run_cli("resume", RUN, "--store", str(store), prefect_api=prefect_api)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"evals {evals.artifact_id} (step 0) is damaged ({part}: 100 bytes where" in resumed.stderr
+    assert hashlib.sha256(part.read_bytes()).hexdigest() == evals.table_files[0]["sha256"]
+    assert run_cli("check", "--store", str(store)).returncode == 0
+
+
+def test_unreadable_manifests_and_run_records_break_nothing_else(store: Path, prefect_api: str) -> None:
+    difficulty = artifact(store, "difficulty")
+    manifest = store / "manifests" / f"{difficulty.artifact_id}.json"
+    manifest.write_bytes(b"\x00\xff half a manifest")
+    ghost = store / "runs" / "ghost.json"
+    ghost.write_bytes(b"\xff\xfe")
+
+    counted = run_cli("query", "SELECT count(*) AS n FROM artifacts", "--store", str(store))
+    assert counted.returncode == 0, counted.stderr
+    warnings = sorted(counted.stderr.splitlines())  # one line per damaged file the views skipped
+    assert len(warnings) == 2
+    assert warnings[0].startswith(f"warning: skipped: manifest {manifest} is unreadable")
+    assert warnings[1].startswith(f"warning: skipped: run record {ghost} is unreadable")
+    listed = run_cli("runs", "--store", str(store))
+    assert listed.returncode == 0 and RUN in listed.stdout
+    assert next(line for line in listed.stderr.splitlines() if str(ghost) in line).startswith(
+        "warning: skipped: run record"
+    )
+    lineage = run_cli("lineage", artifact(store, "train_steps", 6).artifact_id, "--store", str(store))
+    assert lineage.returncode == 0 and f"manifest {manifest} is unreadable" in lineage.stderr
+
+    record = store / "runs" / f"{RUN}.json"
+    record.write_text("{not json")
+    resumed = run_cli("resume", RUN, "--store", str(store), prefect_api=prefect_api)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"difficulty {difficulty.artifact_id} is damaged" in resumed.stderr
+    assert json.loads(manifest.read_text())["artifact_id"] == difficulty.artifact_id  # rebuilt
+    assert json.loads(record.read_text())["status"] == "completed"  # rewritten from the config artifact
+
+
+def test_a_damaged_prefect_database_is_one_line_at_once(store: Path) -> None:
+    database = store / "_prefect" / "prefect.db"
+    database.parent.mkdir(exist_ok=True)
+    database.write_bytes(b"this is not SQLite" * 100)
+    started = run_cli("run", "--store", str(store), "--run-id", "another", timeout=120)
+    assert started.returncode == 2
+    assert started.stderr.strip().splitlines() == [
+        f"error: Prefect's database {database} is damaged (file is not a database); it holds only Prefect's run "
+        f"history, which no run needs: move it away (mv {database} {database}.damaged) and run the command again"
+    ]
+
+
+def test_a_missing_model_is_one_line_before_any_stage(tmp_path: Path) -> None:
+    root = tmp_path / "fresh"
+    started = run_cli("run", "--store", str(root), "--set", "policy.model=./no/such/model", timeout=120)
+    assert started.returncode == 2
+    assert started.stderr.strip().splitlines() == [
+        "error: policy.model './no/such/model' is neither a model directory here nor a model in the local Hugging "
+        "Face cache, and this machine does not download from the hub; set policy.model to 'tiny' or to an existing "
+        "Hugging Face model directory"
+    ]
+    assert not (root / "manifests").exists()
+
+
+def test_data_with_no_problems_is_one_line(tmp_path: Path, prefect_api: str) -> None:
+    root = str(tmp_path / "data")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    refused = run_cli("data", "--input", str(empty), "--store", root, "--verifier", "math", prefect_api=prefect_api)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"error: input '{empty}' is empty: there is nothing to read"
+    ]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(3)))  # no reference
+    made = run_cli("data", "--input", str(bad), "--store", root, "--verifier", "math", "--run-id", "bad",
+                   prefect_api=prefect_api)  # fmt: skip
+    assert made.returncode == 2
+    (line,) = error_lines(made.stderr)
+    assert line.startswith("error: run 'bad' has no problems to train on: of 3 rows read, 3 were quarantined")
+    trained = run_cli("run", "--data", "bad", "--store", root, prefect_api=prefect_api, timeout=120)
+    assert trained.returncode == 2 and len(error_lines(trained.stderr)) == 1
+
+
+def _mount_tmpfs(target: Path, size: str) -> bool:
+    target.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)]).returncode == 0
+
+
+def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path: Path, prefect_api: str) -> None:
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "1500k"):
+        pytest.skip("a small tmpfs could not be mounted (needs root and mount)")
+    try:
+        root = str(disk / "store")
+        args = ["run", "--store", root, "--run-id", "full"]
+        for override in TINY_OVERRIDES:
+            args += ["--set", override]
+        stopped = run_cli(*args, prefect_api=prefect_api)
+        assert stopped.returncode == 2
+        (line,) = error_lines(stopped.stderr)
+        assert line.startswith("error: run 'full' stopped: no space left on the device")
+        assert line.endswith(f"`rlvr resume full --store {root}` continues from there")
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        resumed = run_cli("resume", "full", "--store", root, prefect_api=prefect_api)
+        assert resumed.returncode == 0, resumed.stderr
+        assert run_cli("check", "--store", root).returncode == 0
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
