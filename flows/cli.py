@@ -6,6 +6,7 @@ import json
 import os
 import re
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +265,7 @@ def relabel(
 ) -> None:
     """Re-score rewards with the current verifier versions; write new artifacts and a flip report."""
     from rlvr.flows.prefect_env import configure_prefect
+    from rlvr.storage.leases import owning
     from rlvr.verifiers.registry import verifier_class
 
     found = open_existing(store)
@@ -280,7 +282,10 @@ def relabel(
     if verifier:
         verifier_class(verifier)  # an unknown name fails here, as one line
     cfg = VerifierConfig(verifier=verifier, workers=workers, timeout_s=timeout)
-    results = relabel_rewards(found.root, [m.artifact_id for m in targets], cfg)
+    with ExitStack() as owned:  # it writes under each rewards' run id: no one else may meanwhile
+        for owner in sorted({m.run_id for m in targets}):
+            owned.enter_context(owning(found, owner, purpose="rlvr relabel"))
+        results = relabel_rewards(found.root, [m.artifact_id for m in targets], cfg)
     flips = [r for _, flips_id in results for r in found.read_table(flips_id).to_pylist()]
     up = sum(r["new_score"] > r["old_score"] for r in flips)
     down = sum(r["new_score"] < r["old_score"] for r in flips)

@@ -105,6 +105,12 @@ def test_sigkilled_run_shows_failed_with_its_resume_command(tmp_path, prefect_ap
     assert shown["failed_stage"] == f"rl (step {step + 1})"
     assert shown["resume"] == f"rlvr resume killed --store {root}"
     assert resumable_run(Store.open(root), "killed")["run_id"] == "killed"  # resume accepts it
+    # The record's progress is up to a heartbeat old; given the store, where it failed comes from its commits.
+    committed = max(m.step for m in Store.open(root).manifests(kind="train_steps", run_id="killed"))
+    exact = describe_run(record, root, Store.open(root))
+    assert exact["failed_stage"] == f"rl (step {committed + 1})" and exact["step"] == committed
+    listed = rlvr("runs", "--store", root)
+    assert f"killed failed in rl (step {committed + 1}): process {proc.pid}" in listed.stdout
 
 
 def test_stale_heartbeat_from_another_host_is_failed(tmp_path, monkeypatch):

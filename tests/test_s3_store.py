@@ -311,3 +311,30 @@ def test_a_run_on_s3_is_queried_killed_and_resumed_like_a_local_one(s3_env, pref
     assert walked.returncode == 0, walked.stderr
     kinds = {json.loads(line)["kind"] for line in walked.stdout.splitlines()}
     assert {"problems", "rollouts", "rewards", "train_steps"} <= kinds
+
+
+def test_run_leases_on_s3_have_exactly_one_winner_and_hand_over(s3_env):
+    """Conditional PUTs make a lease number single-owner on a bucket too; a released run is taken with the next."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlvr.storage.leases import Lease, RunClaimed, RunExists, claim_run, current_owner
+
+    root = new_root("leases")
+    Store.open(root, create=True)
+
+    def race(_: int) -> str:
+        try:
+            return f"won {claim_run(Store(root), 'shared', new=True).number}"
+        except (RunClaimed, RunExists) as exc:
+            return type(exc).__name__
+
+    with ThreadPoolExecutor(6) as pool:
+        outcomes = sorted(pool.map(race, range(6)))
+    assert outcomes.count("won 0") == 1 and len([o for o in outcomes if o.startswith("won")]) == 1
+    store = Store.open(root)
+    assert current_owner(store, "shared")["pid"] == os.getpid()
+    with pytest.raises(RunClaimed, match="run 'shared' is already running: process"):
+        claim_run(store, "shared", new=False)
+    Lease(store, "shared", 0, dict(current_owner(store, "shared") or {})).release()
+    assert current_owner(store, "shared") is None
+    assert claim_run(store, "shared", new=False).number == 1
