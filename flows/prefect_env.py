@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rlvr.child_guard import guard_prefect_server
 from rlvr.errors import UserError
 from rlvr.storage.store import Store
 
@@ -25,6 +26,7 @@ def configure_prefect(store: Store) -> Path:
 
     Prefect creates its home when it is imported, so a local store's folder is made here.
     """
+    guard_prefect_server()  # the temporary server dies with this process, even by SIGKILL
     if store.local_root is not None:
         home = Path(store.local_root) / "_prefect"
     else:

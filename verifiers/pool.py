@@ -10,6 +10,8 @@ back, whichever is later). A call still running `timeout_s` after that is ended 
 worker, which is replaced; a worker that dies (segfault, os._exit, the kernel's OOM killer) costs
 only the call it was running. Calls queued behind a killed call go back to the front of the queue.
 So `score_many` always returns one Score per input, in input order, whatever a single call does.
+Each worker also watches the process that started the pool and exits within a second of its death, even
+mid-call, killing the programs the code verifier runs (rlvr/child_guard.py's `exit_when_gone`).
 
 Inside a worker, exceptions raised by the verifier become status "error" with the exception type and
 message as reason (`score_safely`); the adapters use the same function when scoring in-process.
@@ -27,6 +29,7 @@ import ast
 import atexit
 import logging
 import multiprocessing
+import os
 import resource
 import signal
 import sys
@@ -39,6 +42,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from rlvr.child_guard import exit_when_gone, start_time
 from rlvr.verifiers.base import Score, Verifier
 from rlvr.verifiers.registry import get_verifier, verifier_spec
 
@@ -107,8 +111,12 @@ def score_safely(verifier: Verifier, response: Any, reference: Any) -> Score:
     return result
 
 
-def _worker_main(conn: Connection, spec: str, memory_mb: int) -> None:
-    """Worker loop: ('ready', load_error) once, then (index, Score) per request until None or EOF."""
+def _worker_main(conn: Connection, spec: str, memory_mb: int, owner: tuple[int, int | None]) -> None:
+    """Worker loop: ('ready', load_error) once, then (index, Score) per request until None or EOF.
+
+    `owner` (pid, start time) is the process that started the pool: the worker exits within a second of
+    its death, even in the middle of a call (an idle worker would see EOF, a busy one would not)."""
+    exit_when_gone(*owner, before_exit=_stop_sandboxed_programs)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     limit = memory_mb * 1024 * 1024
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -147,6 +155,13 @@ def _worker_main(conn: Connection, spec: str, memory_mb: int) -> None:
                     ),
                 )
             )
+
+
+def _stop_sandboxed_programs() -> None:
+    """Kill the programs the code verifier is running in this worker, and what they started."""
+    sandbox = sys.modules.get("rlvr.verifiers.sandbox")
+    if sandbox is not None:
+        sandbox.kill_running_programs()
 
 
 @dataclass
@@ -208,8 +223,12 @@ class VerifierPool:
 
     def _start_worker(self) -> _Worker:
         parent_end, child_end = _context.Pipe(duplex=True)
+        owner = (os.getpid(), start_time(os.getpid()))
         process = _context.Process(
-            target=_worker_main, args=(child_end, self.spec, self.memory_mb), daemon=True, name=f"verifier-{self.spec}"
+            target=_worker_main,
+            args=(child_end, self.spec, self.memory_mb, owner),
+            daemon=True,
+            name=f"verifier-{self.spec}",
         )
         _launching.without_main = not self._needs_main
         try:

@@ -24,7 +24,8 @@ Layers, from always-on to best-effort:
    After the run every process still owned by that uid is killed (`kill(-1)` from a helper running
    as that uid), whatever session or process group it moved itself into. A run that was itself killed
    mid-way (the pool SIGKILLs a worker past its deadline) may leave processes under its uid; the next
-   run in any worker kills them before it starts.
+   run in any worker kills them before it starts. A worker whose run died kills them before it exits
+   (`kill_running_programs`).
    When we are not root there is no uid to switch to: RLIMIT_NPROC is then our own uid's current
    task count plus `MAX_PROCESSES` (the kernel counts per uid), and cleanup relies on the process
    group kill and, under bubblewrap, on the PID namespace.
@@ -96,6 +97,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _warned_unavailable = False
 _run_counter = itertools.count()
 _stale_dirs_removed = False
+_running: dict[int, int | None] = {}  # process group of each program running now -> its sandbox uid (None: ours)
 
 
 class SandboxError(RuntimeError):
@@ -430,7 +432,11 @@ def _run(source: str, stdin: str, limits: _Limits, extra_files: dict[str, str], 
                 )
             except (OSError, subprocess.SubprocessError) as exc:
                 raise SandboxError(f"could not start {argv[0]}: {type(exc).__name__}: {exc}") from exc
-        stdout, stderr, timed_out, truncated, returncode = _collect(process, started, limits)
+        _running[process.pid] = uid
+        try:
+            stdout, stderr, timed_out, truncated, returncode = _collect(process, started, limits)
+        finally:
+            del _running[process.pid]
         seconds = time.monotonic() - started
     finally:
         if slot is not None:
@@ -445,6 +451,19 @@ def _run(source: str, stdin: str, limits: _Limits, extra_files: dict[str, str], 
         seconds=seconds,
         isolation="bubblewrap" if use_bwrap else "rlimits",
     )
+
+
+def kill_running_programs() -> None:
+    """SIGKILL the programs this process is running now and what they started (their process group; as
+    root, every process of their uid): for a process about to end in the middle of a run, whose own
+    clean-up will not run (a pool worker whose run died)."""
+    for pgid, uid in list(_running.items()):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if uid is not None:
+            _kill_uid(uid)
 
 
 def _prepare_work_dir(
