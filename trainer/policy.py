@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.utils import logging as transformers_logging
 
 from rlvr.errors import UserError
+from rlvr.trainer.gguf_models import dequantised_directory, gguf_file, require_gguf_reader
 from rlvr.trainer.lora import (
     ADAPTER_FILE,
     SETTINGS_FILE,
@@ -41,8 +42,10 @@ transformers_logging.disable_progress_bar()
 class PolicyConfig(BaseModel):
     """Which model to start from and how many CPU threads torch may use.
 
-    `model`: "tiny" (built in, no download), a local Hugging Face model directory, or a hub id that is
-    already in the local Hugging Face cache (nothing is downloaded). `checkpoint`: the id of a
+    `model`: "tiny" (built in, no download), a local Hugging Face model directory, a hub id that is
+    already in the local Hugging Face cache (nothing is downloaded), a `.gguf` file, or the name of a model
+    that an installed package ships as GGUF ("smollm2-135m-instruct", from `make smollm2`); a GGUF model is
+    dequantised once into a cached model directory (trainer/gguf_models.py). `checkpoint`: the id of a
     `checkpoints` artifact in the same store to start from instead (it overrides `model`; the run's
     initial checkpoint then has it as its parent, so lineage crosses runs; recurring schedules set it).
     `threads` is fixed, not "all cores", because CPU matmul results depend on the thread count: a
@@ -110,6 +113,10 @@ def check_policy_source(cfg: PolicyConfig) -> str:
     found in the local Hugging Face cache; a one-line UserError otherwise. Runs call it before any stage."""
     if cfg.model == "tiny":
         return "tiny"
+    packed = gguf_file(cfg.model)
+    if packed is not None:
+        require_gguf_reader()
+        return str(packed)
     path = Path(cfg.model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -146,6 +153,8 @@ def _base_policy(cfg: PolicyConfig, seed: int) -> Policy:
     source = check_policy_source(cfg)
     if source == "tiny":
         return _prepare(build_tiny_model(cfg.tiny, seed), build_tiny_tokenizer(), "tiny")
+    if source.endswith(".gguf"):
+        return _load_directory(str(dequantised_directory(Path(source))), cfg.model, local_files_only=True)
     resolved = str(Path(source).resolve()) if Path(source).expanduser().is_dir() else source
     return _load_directory(source, resolved, local_files_only=True)
 

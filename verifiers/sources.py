@@ -77,9 +77,15 @@ class ProblemSource(ABC):
 
 
 class ArithmeticSourceConfig(SourceConfig, ArithmeticSpec):
-    """The built-in arithmetic generator: `digits`-digit operands, `terms` terms, operators from `ops`."""
+    """The built-in arithmetic generator: `digits`-digit operands, `terms` terms, operators from `ops`.
+
+    `style`: "expression" prompts are the bare expression ("34+6="), for a model that continues text and
+    writes only the number (the arithmetic verifier); "question" prompts ask it in words ("What is 34 + 6?"),
+    for a chat model that answers in a sentence, checked by the math verifier (its last number).
+    """
 
     type: Literal["arithmetic"] = "arithmetic"
+    style: Literal["expression", "question"] = "expression"
 
 
 class ArithmeticSource(ProblemSource):
@@ -94,8 +100,14 @@ class ArithmeticSource(ProblemSource):
     generator_version = GENERATOR_VERSION
     default_verifier = "arithmetic"
 
+    @property
+    def verifier(self) -> str:
+        question = isinstance(self.cfg, ArithmeticSourceConfig) and self.cfg.style == "question"
+        return self.cfg.verifier or ("math" if question else self.default_verifier)
+
     def rewrite(self, prompt: str, answer: str, mode: str) -> tuple[str, str] | None:
-        parsed = parse_expression(prompt)
+        asked = prompt.startswith(QUESTION_PREFIX)
+        parsed = parse_expression(expression_of(prompt) if asked else prompt)
         if parsed is None:
             return None
         operands, operators = parsed
@@ -108,13 +120,19 @@ class ArithmeticSource(ProblemSource):
         if changed is None:
             return None
         rewritten = render_expression(*changed)
+        if asked:
+            rewritten = question_of(rewritten)
         return (rewritten, answer) if rewritten != prompt else None
 
     def rows(self, seed: int) -> Iterable[dict[str, Any]]:
-        spec = ArithmeticSpec(**spec_of(self.cfg))
-        params = json.dumps(spec.model_dump(), sort_keys=True)
-        category = f"d{spec.digits}t{spec.terms}"
+        knobs = spec_of(self.cfg)
+        style = knobs.pop("style", "expression")
+        spec = ArithmeticSpec(**knobs)
+        params = json.dumps(spec.model_dump() | ({"style": style} if style == "question" else {}), sort_keys=True)
+        category = f"d{spec.digits}t{spec.terms}" + (spec.ops if style == "question" else "")
         for row in generate(spec, seed):
+            if style == "question":
+                row = {**row, "prompt": question_of(row["prompt"])}
             yield {**row, "category": category, "domain": "arithmetic", "params": params}
 
 
@@ -331,6 +349,23 @@ def parse_expression(prompt: str) -> tuple[list[int], list[str]] | None:
         return None
     rest = re.findall(r"([+\-*])(\d+)", match.group(2))
     return [int(match.group(1))] + [int(value) for _, value in rest], [op for op, _ in rest]
+
+
+QUESTION_PREFIX = "What is "
+_SPOKEN = {"+": " + ", "-": " - ", "*": " times "}
+
+
+def question_of(expression: str) -> str:
+    """`"34+6*2="` -> `"What is 34 + 6 times 2?"` (a leading minus stays on its number)."""
+    body = expression.removesuffix("=")
+    spoken = body[0] + re.sub(r"[+\-*]", lambda op: _SPOKEN[op.group(0)], body[1:])
+    return f"{QUESTION_PREFIX}{spoken}?"
+
+
+def expression_of(question: str) -> str:
+    """Inverse of `question_of`."""
+    body = question.removeprefix(QUESTION_PREFIX).removesuffix("?")
+    return body.replace(" times ", "*").replace(" ", "") + "="
 
 
 def render_expression(operands: list[int], operators: list[str]) -> str:

