@@ -13,15 +13,18 @@ update; dynamic sampling's refills are the filter stage's. Every default reprodu
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
+from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from rlvr.trainer import prompts
 from rlvr.trainer.generation import Sample
+from rlvr.trainer.logprobs import completion_logprobs as completion_logprobs  # re-exported: sft, distributed
+from rlvr.trainer.logprobs import completion_logprobs_and_entropy as completion_logprobs_and_entropy
 from rlvr.trainer.policy import Policy
 
 Aggregation = Literal["seq-mean-token-mean", "token-mean", "token-sum"]
@@ -106,55 +109,6 @@ def effective_ratio(rewards: Tensor, group_index: Tensor) -> float:
     lowest = torch.full((n_groups,), float("inf"), dtype=torch.float64).scatter_reduce(0, group_index, rewards, "amin")
     present = torch.bincount(group_index, minlength=n_groups) > 0
     return float(((highest > lowest) & present).sum() / present.sum())
-
-
-def _next_token_log_probs(
-    model: torch.nn.Module, prompt_ids: Tensor, completion_ids: Tensor, pad_id: int, temperature: float
-) -> Tensor:
-    """log π(· | prompt, earlier completion tokens) over the vocabulary at every completion position [R, T, V]."""
-    prompt_attention = (prompt_ids != pad_id).long()
-    attention = torch.cat([prompt_attention, torch.ones_like(completion_ids)], dim=1)
-    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False).logits
-    prompt_length, completion_length = prompt_ids.shape[1], completion_ids.shape[1]
-    next_token_logits = logits[:, prompt_length - 1 : prompt_length - 1 + completion_length].float() / temperature
-    return torch.log_softmax(next_token_logits, dim=-1)
-
-
-def completion_logprobs(
-    model: torch.nn.Module,
-    prompt_ids: Tensor,
-    completion_ids: Tensor,
-    pad_id: int,
-    completion_mask: Tensor | None = None,
-    temperature: float = 1.0,
-) -> tuple[Tensor, Tensor]:
-    """log π(completion token | prompt, earlier tokens) per position, and which positions are real.
-
-    `prompt_ids` [R, P] are left-padded with `pad_id` (as the tokenizer pads for generation) and
-    `completion_ids` [R, T] right-padded. Logits are divided by `temperature` first. Position ids restart
-    at 0 on each row's first real prompt token, as `generate` numbers them, so these logprobs match the
-    sampler's. The mask defaults to
-    `completion_ids != pad_id`; pass `completion_mask` when a pad id can be a real token (a model whose
-    pad token is its eos, or a sampled pad), as `grpo_step` does.
-    """
-    if completion_mask is None:
-        completion_mask = completion_ids != pad_id
-    log_probs = _next_token_log_probs(model, prompt_ids, completion_ids, pad_id, temperature)
-    logp = log_probs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-    return logp, completion_mask.to(logp.dtype)
-
-
-def completion_logprobs_and_entropy(
-    model: torch.nn.Module, prompt_ids: Tensor, completion_ids: Tensor, pad_id: int, temperature: float
-) -> tuple[Tensor, Tensor]:
-    """`completion_logprobs` (same numbers) and the entropy -Σ_v π log π of the next-token distribution at
-    each completion position [R, T], from one forward pass; entropy collapse is GRPO's best-known failure."""
-    log_probs = _next_token_log_probs(model, prompt_ids, completion_ids, pad_id, temperature)
-    logp = log_probs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
-    return logp, entropy
 
 
 def clipped_surrogate_loss(
@@ -256,8 +210,11 @@ class GRPOConfig(BaseModel):
     of the step's padded tensors, which is what the forward pass holds in memory); a row wider than the budget
     is a micro-batch of its own. Rows are split regardless of groups (advantages are already computed), each
     micro-batch's loss is weighted by its share of the minibatch (`loss_share`), and the minibatch still makes
-    one clipped optimizer step: the update is the unsplit one up to float summation order. None: one forward
-    and backward per minibatch.
+    one clipped optimizer step: the update is the unsplit one up to float summation order. The no-grad passes
+    (old logprobs with their entropy, reference logprobs) go through the same micro-batches, so no pass holds
+    logits for more rows than one micro-batch. None (default): on a GPU, a budget from its free memory
+    (`micro_batch_budget`); elsewhere one forward and backward per minibatch (the CPU's numbers do not depend on
+    how much memory is free).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -289,7 +246,14 @@ class GRPOConfig(BaseModel):
         default=0.0, ge=0, description="β of the KL-to-reference term (k3); 0 leaves it out (no reference model)"
     )
     micro_batch_tokens: int | None = Field(
-        default=None, ge=1, description="padded tokens per forward/backward; None: the whole minibatch at once"
+        default=None,
+        ge=1,
+        description=(
+            "padded tokens per forward/backward (every pass). None: on CUDA floor(0.7 x (free GPU memory - gradients"
+            " and optimizer moments not yet allocated) / bytes per token), bytes per token = 4 x (3V + L(10H + 4I))"
+            " for vocabulary V, L layers, hidden H, MLP width I (checkpointing: 4 x (3V + LH + 10H + 4I)); on the"
+            " CPU the whole minibatch at once"
+        ),
     )
     autocast: Literal["none", "bf16"] = Field(
         default="none", description="bf16: the step's forward passes under torch.autocast (weights stay float32)"
@@ -428,6 +392,21 @@ def training_rows(
     return TrainingRows(*(t.to(device) for t in tensors))
 
 
+def set_activation_checkpointing(model: PreTrainedModel, enabled: bool) -> None:
+    """Non-reentrant activation checkpointing of the model's decoder layers on or off, through the API this
+    transformers has: `activation_checkpointing_enable`/`_disable` in recent 5.x releases (which keep
+    `gradient_checkpointing_*` as deprecated aliases), `gradient_checkpointing_enable`/`_disable` in earlier ones
+    (5.17 has only those). Both set the same `gradient_checkpointing` flags on the same layers."""
+    if enabled and hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif enabled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
 @contextmanager
 def training_precision(policy: Policy, cfg: GRPOConfig) -> Iterator[None]:
     """The step's forward and backward passes under `cfg.autocast` and `cfg.gradient_checkpointing`.
@@ -439,7 +418,7 @@ def training_precision(policy: Policy, cfg: GRPOConfig) -> Iterator[None]:
     """
     model = policy.model
     if cfg.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        set_activation_checkpointing(model, True)
         for module in model.modules():
             if isinstance(module, GradientCheckpointingLayer):
                 module.training = True  # this module only; `.train()` would recurse into attention and dropout
@@ -449,7 +428,7 @@ def training_precision(policy: Policy, cfg: GRPOConfig) -> Iterator[None]:
             yield
     finally:
         if cfg.gradient_checkpointing:
-            model.activation_checkpointing_disable()
+            set_activation_checkpointing(model, False)
             model.eval()
 
 
@@ -496,6 +475,8 @@ def grpo_step(
     if rows is None:
         return stats
     reference = reference if cfg.kl_beta > 0 else None
+    budget = micro_batch_budget(policy.model, cfg, optimizer)  # once: every pass of the step splits alike
+    cfg = cfg.model_copy(update={"micro_batch_tokens": budget})
     with training_precision(policy, cfg):
         stats.update(_clipped_updates(policy, optimizer, rows, cfg, reference, batch.max_new_tokens))
     return stats
@@ -512,16 +493,8 @@ def _clipped_updates(
     """`cfg.minibatches` updates, each on a contiguous slice of the active groups, against one set of
     old logprobs (and reference logprobs when there is a KL term); returns the mean loss, clip fraction,
     KL estimates and grad norm, π_old's token-mean entropy, and the update count."""
-    model, pad_id = policy.model, policy.tokenizer.pad_token_id
-    with torch.no_grad():
-        old_logp, entropy = completion_logprobs_and_entropy(
-            model, rows.prompt_ids, rows.completion_ids, pad_id, cfg.temperature
-        )
-        ref_logp = None
-        if reference is not None:
-            everything = (rows.prompt_ids, rows.completion_ids, pad_id, rows.mask, cfg.temperature)
-            ref_logp = completion_logprobs(reference.model, *everything)[0]
-        mean_entropy = float((entropy * rows.mask).sum() / rows.mask.sum().clamp(min=1))
+    old_logp, entropy, ref_logp = rollout_logprobs(policy, rows, cfg, reference)
+    mean_entropy = float((entropy * rows.mask).sum() / rows.mask.sum().clamp(min=1))
     slices = torch.tensor_split(rows.active_groups, min(cfg.minibatches, rows.active_groups.numel()))
     totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ref_kl": 0.0, "grad_norm": 0.0}
     for groups in slices:
@@ -531,6 +504,30 @@ def _clipped_updates(
     optimizer.zero_grad(set_to_none=True)
     averages = {name: value / len(slices) for name, value in totals.items()}
     return {**averages, "entropy": mean_entropy, "updates": float(len(slices))}
+
+
+def rollout_logprobs(
+    policy: Policy, rows: TrainingRows, cfg: GRPOConfig, reference: Policy | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """π_old's logprobs and entropy [R, T] on every row, and the reference's logprobs (None without a
+    reference), without gradients and one micro-batch at a time (`micro_batches` under `micro_batch_budget`, as
+    the loss pass splits): each row's inputs keep the step's padding, so its numbers are the unsplit ones."""
+    pad_id = policy.tokenizer.pad_token_id
+    old_logp = torch.empty(rows.mask.shape, dtype=torch.float32, device=rows.mask.device)
+    entropy = torch.empty_like(old_logp)
+    ref_logp = torch.empty_like(old_logp) if reference is not None else None
+    everything = torch.ones(rows.mask.shape[0], dtype=torch.bool, device=rows.mask.device)
+    with torch.no_grad():
+        for part in micro_batches(rows, everything, micro_batch_budget(policy.model, cfg)):
+            prompt_ids, completion_ids = rows.prompt_ids[part], rows.completion_ids[part]
+            old_logp[part], entropy[part] = completion_logprobs_and_entropy(
+                policy.model, prompt_ids, completion_ids, pad_id, cfg.temperature
+            )
+            if reference is not None and ref_logp is not None:
+                ref_logp[part] = completion_logprobs(
+                    reference.model, prompt_ids, completion_ids, pad_id, rows.mask[part], cfg.temperature
+                )[0]
+    return old_logp, entropy, ref_logp
 
 
 def minibatch_loss(
@@ -597,6 +594,55 @@ def micro_batches(rows: TrainingRows, selected: Tensor, budget: int | None) -> l
     return [torch.zeros_like(selected).index_fill_(0, chunk, True) for chunk in chunks]
 
 
+MEMORY_SHARE = 0.7  # of the free GPU memory that micro-batches may plan on (the rest: allocator slack, workspaces)
+
+
+def token_bytes(config: Any, checkpointing: bool) -> int:
+    """Memory one padded token of a micro-batch may need in the loss pass, as float32 (under bf16 autocast most
+    of it is half that): the logits, their gradient and one more vocabulary-sized buffer in the backward (3V),
+    and what each decoder layer keeps for the backward, about 10H + 4I (norm inputs and outputs, q/k/v, the
+    attention output, the MLP's gate, up, activation and product); with checkpointing each layer keeps only its
+    input (H) and one layer at a time is recomputed."""
+    vocab, hidden, layers = int(config.vocab_size), int(config.hidden_size), int(config.num_hidden_layers)
+    width = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+    per_layer = 10 * hidden + 4 * width
+    kept = layers * hidden + per_layer if checkpointing else layers * per_layer
+    return 4 * (3 * vocab + kept)
+
+
+def unallocated_update_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """What the update will still allocate: each trainable parameter's gradient when it has none, and an Adam-style
+    optimizer's two moments when it has no state for it yet (always, without an optimizer to ask)."""
+    total = 0
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        size = param.numel() * param.element_size()
+        if param.grad is None:
+            total += size
+        if optimizer is None or not optimizer.state.get(param):
+            total += 2 * size
+    return total
+
+
+def micro_batch_budget(
+    model: PreTrainedModel, cfg: GRPOConfig, optimizer: torch.optim.Optimizer | None = None
+) -> int | None:
+    """`cfg.micro_batch_tokens` when set. Unset: on CUDA, the padded tokens that fit in `MEMORY_SHARE` of the free
+    GPU memory (the caching allocator's unused reserve counts as free) after what the update will still allocate,
+    at `token_bytes` each; elsewhere None (the whole minibatch, as the CPU always did)."""
+    if cfg.micro_batch_tokens is not None:
+        return cfg.micro_batch_tokens
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    usable = MEMORY_SHARE * (free - unallocated_update_bytes(model, optimizer))
+    per_token = token_bytes(model.config, cfg.gradient_checkpointing)
+    return max(1, int(usable // per_token))
+
+
 def accumulate_gradients(
     policy: Policy,
     rows: TrainingRows,
@@ -612,7 +658,7 @@ def accumulate_gradients(
     distributed.py) count over all ranks. Returns float64 sums to add over parts and ranks: (loss, reference KL,
     clip fraction x tokens, approx KL x tokens); `minibatch_stats` turns them into the minibatch's stats."""
     sums = torch.zeros(4, dtype=torch.float64)
-    for part in micro_batches(rows, selected, cfg.micro_batch_tokens):
+    for part in micro_batches(rows, selected, micro_batch_budget(policy.model, cfg)):
         loss, kl_term, loss_stats = minibatch_loss(policy, rows, part, old_logp, ref_logp, cfg, max_length)
         share = loss_share(rows.mask[part], *whole, cfg.aggregation)
         (share * loss).backward()

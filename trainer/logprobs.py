@@ -1,0 +1,160 @@
+"""Completion log-probabilities under a causal LM in bounded memory: the forward pass that scores completions
+(`completion_logprobs`, `completion_logprobs_and_entropy`) and the selective log-softmax under it.
+
+A full-vocabulary float32 log-softmax is 4 x V bytes per token (600 KB at Qwen's 151,936 tokens), and autograd
+would keep it for the backward. Here the logits are read in blocks of positions: each block is cast to float32,
+log-softmaxed, and only the chosen token's value (and, without gradients, the entropy) leaves it. Autograd keeps
+the logits as the model produced them and the backward recomputes each block, so the float32 copies exist for
+one block at a time. Per position the numbers are those of `log_softmax(logits.float() / T).gather(...)`: the
+same operations on the same rows, in blocks.
+"""
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor
+
+BLOCK_BYTES = 32 * 2**20  # float32 bytes of one block of full-vocabulary log-probs (a few such temporaries live)
+
+
+def block_positions(vocab_size: int) -> int:
+    """Positions per block, so that one block's float32 log-probs take about `BLOCK_BYTES`."""
+    return max(1, BLOCK_BYTES // (4 * vocab_size))
+
+
+def _blocks(rows: int, columns: int, positions: int) -> list[tuple[slice, slice]]:
+    """(row slice, column slice) tiles of an [rows, columns] grid with at most `positions` cells each: whole
+    rows when a row fits, else pieces of one row."""
+    if columns <= positions:
+        step = positions // max(columns, 1)
+        return [(slice(r, r + step), slice(0, columns)) for r in range(0, rows, step)]
+    pieces = range(0, columns, positions)
+    return [(slice(r, r + 1), slice(c, min(c + positions, columns))) for r in range(rows) for c in pieces]
+
+
+def _block_log_probs(logits: Tensor, temperature: float) -> Tensor:
+    """The full-vocabulary log-softmax of one block: log_softmax(logits.float() / temperature), with one float32
+    temporary at most (x / 1 is x exactly, so temperature 1 divides nothing)."""
+    if temperature == 1.0:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return torch.log_softmax(logits.to(torch.float32, copy=True).div_(temperature), dim=-1)
+
+
+def _blockwise(
+    logits: Tensor, tokens: Tensor, temperature: float, positions: int, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """log π(token) [R, T] at the first T positions of `logits` [R, W >= T, V], and π's entropy when asked."""
+    rows, columns = tokens.shape
+    logp = torch.empty(rows, columns, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(logp) if with_entropy else None
+    with torch.no_grad():
+        for r, c in _blocks(rows, columns, positions):
+            log_probs = _block_log_probs(logits[r, c], temperature)
+            logp[r, c] = log_probs.gather(-1, tokens[r, c].unsqueeze(-1)).squeeze(-1)
+            if entropy is not None:
+                entropy[r, c] = -log_probs.exp().mul_(log_probs).sum(dim=-1)
+            del log_probs
+    return logp, entropy
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """log softmax(logits / T)[token] whose backward recomputes each block's log-softmax instead of keeping it."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, tokens: Tensor, temperature: float, positions: int) -> Tensor:
+        ctx.save_for_backward(logits, tokens)
+        ctx.temperature, ctx.positions = temperature, positions
+        return _blockwise(logits, tokens, temperature, positions, with_entropy=False)[0]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        logits, tokens = ctx.saved_tensors
+        grad_logits = torch.zeros_like(logits)
+        rows, columns = tokens.shape
+        for r, c in _blocks(rows, columns, ctx.positions):
+            with torch.enable_grad():
+                block = logits[r, c].detach().requires_grad_()
+                chosen = _block_log_probs(block, ctx.temperature).gather(-1, tokens[r, c].unsqueeze(-1)).squeeze(-1)
+                (grad_block,) = torch.autograd.grad(chosen, block, grad[r, c])
+            grad_logits[r, c] = grad_block
+        return grad_logits, None, None, None
+
+
+def selective_log_softmax(
+    logits: Tensor, tokens: Tensor, temperature: float = 1.0, positions: int | None = None
+) -> Tensor:
+    """log softmax(logits / temperature)[token] in float32 [R, T], for `tokens` [R, T] and the first T
+    positions of `logits` [R, W >= T, V] (any float dtype), `positions` per block (default `block_positions`).
+    Differentiable in `logits`; autograd keeps `logits` itself, no float32 full-vocabulary copy."""
+    positions = positions or block_positions(logits.shape[-1])
+    return _SelectiveLogSoftmax.apply(logits, tokens, temperature, positions)
+
+
+def log_probs_and_entropy(
+    logits: Tensor, tokens: Tensor, temperature: float = 1.0, positions: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """`selective_log_softmax` (no gradient) and the entropy -Σ_v π log π [R, T] of each position's distribution,
+    both from the same block, which is freed before the next."""
+    logp, entropy = _blockwise(
+        logits, tokens, temperature, positions or block_positions(logits.shape[-1]), with_entropy=True
+    )
+    assert entropy is not None
+    return logp, entropy
+
+
+def _keeps_last_logits(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs do): logits for the last
+    positions only, so the prompt's positions never get vocabulary-sized logits."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def next_token_logits(model: torch.nn.Module, prompt_ids: Tensor, completion_ids: Tensor, pad_id: int) -> Tensor:
+    """Logits [R, W >= T, V] whose first T positions predict the T completion tokens (position t sees the prompt
+    and the completion tokens before t), in the model's dtype."""
+    prompt_attention = (prompt_ids != pad_id).long()
+    attention = torch.cat([prompt_attention, torch.ones_like(completion_ids)], dim=1)
+    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    inputs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": position_ids, "use_cache": False}
+    prompt_length, completion_length = prompt_ids.shape[1], completion_ids.shape[1]
+    if _keeps_last_logits(model):  # the last T + 1 positions: from the prompt's last token to the end
+        return model(**inputs, logits_to_keep=completion_length + 1).logits
+    logits = model(**inputs).logits
+    return logits[:, prompt_length - 1 : prompt_length - 1 + completion_length].contiguous()
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    pad_id: int,
+    completion_mask: Tensor | None = None,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """log π(completion token | prompt, earlier tokens) per position, and which positions are real.
+
+    `prompt_ids` [R, P] are left-padded with `pad_id` (as the tokenizer pads for generation) and
+    `completion_ids` [R, T] right-padded. Logits are divided by `temperature` first. Position ids restart
+    at 0 on each row's first real prompt token, as `generate` numbers them, so these logprobs match the
+    sampler's. The mask defaults to
+    `completion_ids != pad_id`; pass `completion_mask` when a pad id can be a real token (a model whose
+    pad token is its eos, or a sampled pad), as `grpo_step` does.
+    """
+    if completion_mask is None:
+        completion_mask = completion_ids != pad_id
+    logits = next_token_logits(model, prompt_ids, completion_ids, pad_id)
+    logp = selective_log_softmax(logits, completion_ids, temperature)
+    return logp, completion_mask.to(logp.dtype)
+
+
+def completion_logprobs_and_entropy(
+    model: torch.nn.Module, prompt_ids: Tensor, completion_ids: Tensor, pad_id: int, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """`completion_logprobs` (same numbers, no gradient) and the entropy -Σ_v π log π of the next-token
+    distribution at each completion position [R, T], from one forward pass; entropy collapse is GRPO's
+    best-known failure."""
+    with torch.no_grad():
+        logits = next_token_logits(model, prompt_ids, completion_ids, pad_id)
+        return log_probs_and_entropy(logits, completion_ids, temperature)
