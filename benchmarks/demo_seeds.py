@@ -20,9 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def run_seed(root: Path, seed: int, overrides: list[str]) -> float:
-    """One whole `rlvr run` for this seed; returns its wall seconds."""
+def run_seed(root: Path, seed: int, overrides: list[str], config: str | None = None) -> float:
+    """One whole `rlvr run` for this seed (from `config` when given); returns its wall seconds."""
     command = [sys.executable, "-m", "rlvr.flows.cli", "run", "--store", str(root / f"seed-{seed}"), "--run-id", "demo"]
+    if config is not None:
+        command += ["--config", config]
     for item in [f"seed={seed}", *overrides]:
         command += ["--set", item]
     started = time.monotonic()

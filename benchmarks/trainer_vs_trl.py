@@ -101,12 +101,12 @@ def _memory_kb(pid: int) -> tuple[int, int]:
     return fields.get("Rss", 0), fields.get("Pss", 0)
 
 
-def measured(command: list[str], env: dict[str, str], log: Path) -> dict[str, float]:
-    """Run `command` (output to `log`), sampling its process tree's memory; wall seconds and peaks in MB."""
+def measured(command: list[str], env: dict[str, str], log: Path, cwd: Path = ROOT) -> dict[str, float]:
+    """Run `command` in `cwd` (output to `log`), sampling its process tree's memory; wall seconds and peaks in MB."""
     peaks = {"tree_rss_mb": 0.0, "tree_pss_mb": 0.0}
     started = time.monotonic()
     with log.open("w") as out:
-        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
     done = threading.Event()
 
     def sample() -> None:
@@ -126,9 +126,9 @@ def measured(command: list[str], env: dict[str, str], log: Path) -> dict[str, fl
     return {"wall_s": time.monotonic() - started, "max_process_rss_mb": usage.ru_maxrss / 1024, **peaks}
 
 
-def steady_rate(ends: dict[int, float], completions: dict[int, int], steps: int) -> float:
-    """Completions/s over steps WARMUP_STEPS+1 .. WARMUP_STEPS+steps, from each step's end time."""
-    first, last = WARMUP_STEPS, WARMUP_STEPS + steps
+def steady_rate(ends: dict[int, float], completions: dict[int, int], steps: int, warmup: int = WARMUP_STEPS) -> float:
+    """Completions/s over steps warmup+1 .. warmup+steps, from each step's end time."""
+    first, last = warmup, warmup + steps
     done = sum(completions[s] for s in range(first + 1, last + 1))
     return done / (ends[last] - ends[first])
 
@@ -154,12 +154,17 @@ def rlvr_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def run_rlvr(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """One whole `rlvr run` (a fresh store and Prefect home in `tmp`); its figures and the problems it trained on."""
-    command = [sys.executable, "-m", "rlvr.flows.cli", "run", "--store", str(tmp / "store"), "--run-id", "bench"]
-    for item in rlvr_overrides(args):
+def rlvr_command(store: Path, overrides: list[str]) -> list[str]:
+    """`rlvr run` into `store` (run id "bench") with each override as a --set, in this interpreter."""
+    command = [sys.executable, "-m", "rlvr.flows.cli", "run", "--store", str(store), "--run-id", "bench"]
+    for item in overrides:
         command += ["--set", item]
-    env = {
+    return command
+
+
+def prefect_env(tmp: Path) -> dict[str, str]:
+    """The environment of an `rlvr run` subprocess: its own Prefect home in `tmp`, quiet, no UI or analytics."""
+    return {
         **os.environ,
         "PREFECT_HOME": str(tmp / "prefect"),
         "PREFECT_LOGGING_LEVEL": "ERROR",
@@ -167,19 +172,40 @@ def run_rlvr(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "PREFECT_SERVER_UI_ENABLED": "false",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
     }
-    figures = measured(command, env, tmp / "rlvr.log")
-    from rlvr.storage.store import Store
+
+
+def step_ends(store: Any) -> dict[int, float]:
+    """Each RL step's end (epoch seconds): the latest `finished_at` of its rows in the `stage_runs` view."""
     from rlvr.storage.views import query
 
-    store = Store.open(str(tmp / "store"))
     ends = query(store, "SELECT step, max(finished_at) AS t FROM stage_runs WHERE step > 0 GROUP BY step").to_pylist()
+    return {r["step"]: datetime.fromisoformat(r["t"]).timestamp() for r in ends}
+
+
+def step_completions(store: Any) -> dict[int, int]:
+    """Each RL step's completions: its rows in the `rollouts` view."""
+    from rlvr.storage.views import query
+
     counts = query(store, "SELECT step, count(*) AS n FROM rollouts GROUP BY step").to_pylist()
-    problems = query(
-        store, "SELECT prompt, answer FROM problems WHERE split IN ('train', 'warmup') ORDER BY problem_id"
-    ).to_pylist()
-    end_of = {r["step"]: datetime.fromisoformat(r["t"]).timestamp() for r in ends}
-    figures["steady_per_s"] = steady_rate(end_of, {r["step"]: r["n"] for r in counts}, args.steps)
-    return {**figures, "problems": problems}
+    return {r["step"]: r["n"] for r in counts}
+
+
+def trained_problems(store: Any, columns: str = "prompt, answer") -> list[dict[str, str]]:
+    """The problems a run's steps select from (splits train + warmup), in id order: the peer's dataset."""
+    from rlvr.storage.views import query
+
+    sql = f"SELECT {columns} FROM problems WHERE split IN ('train', 'warmup') ORDER BY problem_id"
+    return query(store, sql).to_pylist()
+
+
+def run_rlvr(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """One whole `rlvr run` (a fresh store and Prefect home in `tmp`); its figures and the problems it trained on."""
+    figures = measured(rlvr_command(tmp / "store", rlvr_overrides(args)), prefect_env(tmp), tmp / "rlvr.log")
+    from rlvr.storage.store import Store
+
+    store = Store.open(str(tmp / "store"))
+    figures["steady_per_s"] = steady_rate(step_ends(store), step_completions(store), args.steps)
+    return {**figures, "problems": trained_problems(store)}
 
 
 # --- the peer -------------------------------------------------------------------------------------------------
@@ -208,25 +234,81 @@ def run_trl(args: argparse.Namespace, tmp: Path, problems: list[dict[str, str]])
         f"--new-tokens={args.new_tokens}",
         f"--threads={args.threads}",
     ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(args.threads),
-        "HF_HUB_OFFLINE": "1",
-        "HF_HOME": str(tmp / "hf"),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    figures = measured(command, env, tmp / "trl.log")
+    figures = measured(command, trl_env(tmp, args.threads), tmp / "trl.log")
     worker = json.loads((tmp / "trl.json").read_text())
     ends = {int(k): v for k, v in worker["ends"].items()}
     counts = {int(k): v for k, v in worker["completions"].items()}
     return {**figures, "steady_per_s": steady_rate(ends, counts, args.steps), "threads": worker["threads"]}
 
 
+def trl_env(tmp: Path, threads: int) -> dict[str, str]:
+    """The environment of a TRL worker: `threads` OpenMP threads, offline, its own HF home in `tmp`."""
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp / "hf"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def step_clock(ends: dict[int, float]) -> Any:
+    """A TrainerCallback that records each step's end (epoch seconds) in `ends`, keyed by step from 1."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            ends[len(ends) + 1] = datetime.now().timestamp()
+
+    return StepClock()
+
+
+def counting_reward(score: Any, ends: dict[int, float], scored: dict[int, int], name: str) -> Any:
+    """TRL reward function `score` that also counts the completions it scores per step (in `scored`); the step
+    is the one running, i.e. the one after the last that `step_clock` saw end."""
+
+    def reward(prompts: list[Any] | None = None, completions: list[Any] | None = None, **columns: Any) -> list[float]:
+        step = len(ends) + 1  # called while step `step` runs, before its on_step_end
+        scored[step] = scored.get(step, 0) + len(completions or [])
+        return score(prompts=prompts, completions=completions, **columns)
+
+    reward.__name__ = name
+    return reward
+
+
+def trl_grpo_settings(output_dir: Path, max_steps: int, n: int, new_tokens: int) -> dict[str, Any]:
+    """The GRPOConfig settings both TRL benchmarks share: plain GRPO as ours does it by default (loss "grpo",
+    group-scaled rewards, clip 0.2, no KL, one pass over each generation), constant lr 1e-3 without weight
+    decay, sampling at temperature 1 without top-p, and no logging, saving or progress bars."""
+    return {
+        "output_dir": str(output_dir),
+        "max_steps": max_steps,
+        "num_generations": n,
+        "num_iterations": 1,
+        "max_completion_length": new_tokens,
+        "learning_rate": 1e-3,
+        "lr_scheduler_type": "constant",
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "epsilon": 0.2,
+        "beta": 0.0,
+        "loss_type": "grpo",
+        "scale_rewards": "group",
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "logging_strategy": "no",
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "seed": 0,
+    }
+
+
 def trl_worker(args: argparse.Namespace) -> None:
     """Inside the TRL venv: train with GRPOTrainer and write step end times and completion counts to trl.json."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from rlvr.verifiers.adapters import trl_reward_func
@@ -237,55 +319,25 @@ def trl_worker(args: argparse.Namespace) -> None:
     data = Dataset.from_list([{"prompt": p["prompt"], "reference": p["answer"]} for p in problems])
     ends: dict[int, float] = {}
     scored: dict[int, int] = {}
-    score = trl_reward_func("arithmetic")
-
-    def reward(prompts: list[Any] | None = None, completions: list[Any] | None = None, **columns: Any) -> list[float]:
-        step = len(ends) + 1  # called while step `step` runs, before its on_step_end
-        scored[step] = scored.get(step, 0) + len(completions or [])
-        return score(prompts=prompts, completions=completions, **columns)
-
-    class StepClock(TrainerCallback):  # type: ignore[misc]
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            ends[len(ends) + 1] = datetime.now().timestamp()
-
+    reward = counting_reward(trl_reward_func("arithmetic"), ends, scored, "arithmetic")
     config = GRPOConfig(
-        output_dir=str(tmp / "trl-out"),
-        max_steps=WARMUP_STEPS + args.steps + 1,
+        **trl_grpo_settings(tmp / "trl-out", WARMUP_STEPS + args.steps + 1, args.n, args.new_tokens),
         per_device_train_batch_size=args.prompts * args.n,
         gradient_accumulation_steps=1,
-        num_generations=args.n,
         steps_per_generation=1,
-        num_iterations=1,
-        max_completion_length=args.new_tokens,
-        learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        epsilon=0.2,
-        beta=0.0,
-        loss_type="grpo",
-        scale_rewards="group",
-        temperature=1.0,
-        top_p=1.0,
         use_cpu=True,
         bf16=False,
         fp16=False,
-        logging_strategy="no",
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
         gradient_checkpointing=False,
-        seed=0,
     )
     model_dir = str(tmp / "model")
-    reward.__name__ = "arithmetic"
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         reward_funcs=[reward],
         args=config,
         train_dataset=data,
-        callbacks=[StepClock()],
+        callbacks=[step_clock(ends)],
     )
     trainer.train()
     result = {"ends": ends, "completions": scored, "threads": torch.get_num_threads()}

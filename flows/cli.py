@@ -65,6 +65,7 @@ def run(
     configure_prefect(Store(root))
     from rlvr.flows.config import load_config
     from rlvr.flows.runner import execute, new_run_id
+    from rlvr.trainer.devices import resolve_device
     from rlvr.trainer.policy import check_policy_source
 
     extra = [*([f"run_id={run_id}"] if run_id else []), *([f"data={data}"] if data else [])]
@@ -76,6 +77,7 @@ def run(
     if cfg.run_id is None:
         cfg = cfg.model_copy(update={"run_id": new_run_id()})
     check_policy_source(cfg.policy)  # a missing model is one line now, not a traceback after synthesis
+    resolve_device(cfg.policy.device)  # so is a GPU this machine does not have
     _run_with_progress(lambda: execute(root, cfg, new=True), cfg)
 
 

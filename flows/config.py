@@ -212,8 +212,12 @@ def _config_build(inputs: Inputs, cfg: RunConfigBase, ctx: StageContext) -> Buil
 
 
 def _config_identity(cfg: RunConfigBase, params: Any) -> dict[str, Any]:
-    # Where lineage events go and where units run (flow.executor) change no artifact, so neither is part of any id.
-    return json.loads(canonical_json(cfg.model_dump(mode="json", exclude={"openlineage": True, "flow": {"executor"}})))
+    # Where lineage events go, where units run (flow.executor) and where models run (policy.device) change no
+    # artifact, so none is part of any id; nor is policy.dtype when it is float32, so that ids of runs from
+    # before it existed stay what they were.
+    policy = {"device"} | ({"dtype"} if cfg.policy.dtype == "float32" else set())
+    left_out: dict[str, Any] = {"openlineage": True, "flow": {"executor"}, "policy": policy}
+    return json.loads(canonical_json(cfg.model_dump(mode="json", exclude=left_out)))
 
 
 # The run's resolved config as an artifact: the root of every run's lineage (not a section of itself).

@@ -66,7 +66,7 @@ def estimate_difficulty(store: str, cfg: RunConfigBase, problems: str, policy: s
     report("stage", name="difficulty")
     inputs = {"problems": problems, "policy": policy}
     at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
-    params = {"verifier": cfg.label, "fan_out": current_fan_out()}
+    params = {"verifier": cfg.label, "fan_out": current_fan_out(), "device": cfg.policy.device}
     return run(DIFFICULTY, cfg.difficulty, inputs=inputs, params=params, **at).id
 
 

@@ -6,6 +6,8 @@
         [-> restructure] -> train -> update
     and every `evaluate.every` / `checkpoint.every` steps (and at the last one): evaluate, checkpoint
 
+Every stage that touches the model gets the run's `policy.device` as its `device` param (trainer/devices.py).
+
 Steps are grouped into subflows of `flow.steps_per_subflow` steps (a subflow per step would cost
 about a second each on the embedded server, more than a tiny model's whole step). Every stage skips
 work whose outputs are already committed, so running this flow again on a killed run's config is
@@ -90,7 +92,12 @@ def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> t
             RESTRUCTURE,
             cfg.restructure,
             inputs={"problems": refs.problems, **samples, "policy": refs.policy_ref},
-            params={"verifier": cfg.label, "rollout": cfg.rollout, "sources": cfg.synthesize.sources},
+            params={
+                "verifier": cfg.label,
+                "rollout": cfg.rollout,
+                "sources": cfg.synthesize.sources,
+                "device": cfg.policy.device,
+            },
             **at,
         )
     reference = refs.start_ref if cfg.train.grpo.kl_beta > 0 else None
@@ -104,6 +111,7 @@ def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> t
             "restructured": restructured["restructured"] if restructured else None,
             "reference": reference,
         },
+        params={"device": cfg.policy.device},
         **at,
     )
     updated = run(
@@ -153,6 +161,7 @@ def _generate(at: dict[str, Any], cfg: RunConfigBase, refs: StepRefs) -> Generat
             ROLLOUT,
             cfg.rollout,
             inputs={"allocations": allocations.id, "problems": refs.problems, "policy": refs.policy_ref},
+            params={"device": cfg.policy.device},
             **at,
         )
         fanned = {"fan_out": current_fan_out()}  # it carries flow.executor.verify_chunk
@@ -200,7 +209,8 @@ def evaluate(store: str, cfg: RunConfigBase, step: int, phase: str, refs: StepRe
     """Greedy accuracy of `refs.policy_ref` on the held-out split of the synthesized problems (an `evals` row)."""
     at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed, step=step)
     inputs = {"policy": refs.policy_ref, "problems": refs.problems[0]}
-    result = run(EVALUATE, cfg.evaluate, inputs=inputs, params={"phase": phase, "verifier": cfg.label}, **at)
+    params = {"phase": phase, "verifier": cfg.label, "device": cfg.policy.device}
+    result = run(EVALUATE, cfg.evaluate, inputs=inputs, params=params, **at)
     return float(result.table(open_store(store)).column("accuracy")[0].as_py())
 
 
@@ -236,7 +246,8 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     report("eval", step=0, phase="init", accuracy=evaluate(store, cfg, 0, "init", refs))
     if cfg.warmstart.steps:
         report("stage", name="warmstart")
-        warm = run(WARMSTART, cfg.warmstart, inputs={"problems": problems, "policy": initial}, step=0, **at)
+        inputs = {"problems": problems, "policy": initial}
+        warm = run(WARMSTART, cfg.warmstart, inputs=inputs, params={"device": cfg.policy.device}, step=0, **at)
         refs = replace(refs, policy_ref=warm["checkpoints"], start_ref=warm["checkpoints"])
         report("eval", step=0, phase="warmstart", accuracy=evaluate(store, cfg, 0, "warmstart", refs))
     refs = replace(refs, difficulty=estimate_difficulty(store, cfg, problems, refs.policy_ref))

@@ -215,9 +215,14 @@ def clean_leftovers(store: Store) -> list[str]:
 
 
 def _idle(store: Store, folder: str) -> bool:
-    """Whether nothing in `folder` changed for longer than the heartbeat timeout (no writer is that slow)."""
+    """Whether nothing in `folder` changed for longer than the heartbeat timeout (no writer is that slow). The
+    folder's own time counts: a folder made a moment ago, before its owner mark is written, is not idle."""
     newest = 0.0
-    for info in store.fs.find(folder, detail=True).values():
+    try:
+        entries = [store.fs.info(folder), *store.fs.find(folder, detail=True).values()]
+    except FileNotFoundError:
+        return False  # removed meanwhile: nothing to clean
+    for info in entries:
         modified = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
         stamp = modified.timestamp() if hasattr(modified, "timestamp") else float(modified or 0.0)
         newest = max(newest, stamp)

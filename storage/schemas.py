@@ -226,6 +226,8 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("lr", _f),
             ("updates", _i),
             ("compute_seconds", _f),
+            ("device", _s),
+            ("peak_memory_bytes", _i),
         ]
     ),
     "train_state": pa.schema([("run_id", _s), ("step", _i), ("optimizer_steps", _i), ("n_params", _i)]),

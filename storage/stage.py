@@ -107,6 +107,10 @@ class StageContext:
     params: Mapping[str, Any] = field(default_factory=dict)
     state: Mapping[str, Any] | None = None
     store: Store | None = None
+    # What the build reports about the hardware its model work used ("device", "peak_memory_bytes": see
+    # trainer/devices.py), kept in the stage run's record for the `stage_runs` view; empty for stages without
+    # a model. A sharded output's shards may add to it as they are made.
+    usage: dict[str, Any] = field(default_factory=dict)
 
     def derive_seed(self, *parts: Any) -> int:
         """A seed for (run seed, *parts): each stage seeds its own RNG, nothing is carried between them."""
@@ -117,9 +121,10 @@ def _jsonable(value: Any) -> Any:
     return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
-# Params that say only where a stage's units run (flows/executors.py), never what they compute: no
-# stage's identity sees them, so the executor is part of no artifact id.
-EXECUTION_PARAMS = frozenset({"fan_out"})
+# Params that say only where a stage's work runs, never what it computes: the executor of its units
+# (flows/executors.py) and the device of its model (trainer/devices.py). No stage's identity sees them, so
+# neither is part of any artifact id.
+EXECUTION_PARAMS = frozenset({"fan_out", "device"})
 
 
 def default_identity(cfg: Any, params: Mapping[str, Any]) -> dict[str, Any]:
@@ -447,6 +452,7 @@ def _build_and_commit(
         "started_at": started_at,
         "read_seconds": round(reader.read_seconds, 6),
         "build_seconds": round(built - started - reader.read_seconds, 6),
+        **ctx.usage,
     }
     settings = stage.settings(cfg, params)
     parents = [aid for ids in input_ids.values() for aid in ids]
@@ -457,7 +463,7 @@ def _build_and_commit(
         product = products[name]
         record["commit_seconds"] = round(time.perf_counter() - built, 6)  # of the outputs before this one
         if isinstance(product, Sharded):
-            _commit_sharded(store, output.kind, ids[name], product, record, common)
+            _commit_sharded(store, output.kind, ids[name], product, record, common, ctx.usage)
         else:
             _commit_built(store, output, ids[name], product, record, common, keeps_state=stage.carries_state)
     # Only once every output is committed may the previous transient one go: until then a resume
@@ -510,9 +516,16 @@ def _commit_built(
 
 
 def _commit_sharded(
-    store: Store, kind: str, aid: str, sharded: Sharded, record: dict[str, Any], common: dict[str, Any]
+    store: Store,
+    kind: str,
+    aid: str,
+    sharded: Sharded,
+    record: dict[str, Any],
+    common: dict[str, Any],
+    usage: dict[str, Any],
 ) -> None:
-    """Write the shards not yet committed, then the manifest; the shards' making counts as build time."""
+    """Write the shards not yet committed, then the manifest; the shards' making counts as build time, and
+    what they report in `usage` goes in the record."""
     writer = store.writer(kind, aid, extra=dict(sharded.extra), **common)
     done = writer.committed_shards()
     for index in range(sharded.count):
@@ -521,7 +534,7 @@ def _commit_sharded(
             table = sharded.make(index)
             record["build_seconds"] = round(record["build_seconds"] + time.perf_counter() - started, 6)
             writer.write_shard(index, table)
-    writer.extra["stage_run"] = dict(record)
+    writer.extra["stage_run"] = {**record, **usage}
     writer.commit(expected_shards=sharded.count)
 
 

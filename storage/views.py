@@ -275,6 +275,8 @@ _STAGE_RUNS_SCHEMA = pa.schema(
         ("outputs", pa.list_(pa.string())),
         ("rows", pa.int64()),
         ("bytes", pa.int64()),
+        ("device", pa.string()),
+        ("peak_memory_bytes", pa.int64()),
     ]
 )
 
@@ -284,7 +286,9 @@ def _stage_runs_table(manifests: list[Manifest]) -> pa.Table:
 
     read/build seconds come from the runner's record; commit seconds run from the end of the build to
     the last output's manifest (each manifest records the commit time of the outputs before it, which
-    also counts an output deleted since, like a replaced train_state).
+    also counts an output deleted since, like a replaced train_state). `device` and `peak_memory_bytes` are
+    what a stage with a model reported (trainer/devices.py: the device its model ran on, the accelerator's peak
+    allocated bytes, null on the CPU); both are null for stages without a model.
     """
     runs: dict[tuple[str, ...], list[Manifest]] = {}
     for m in manifests:
@@ -307,6 +311,8 @@ def _stage_runs_table(manifests: list[Manifest]) -> pa.Table:
                 "outputs": list(outputs),
                 "rows": sum(m.rows for m in members),
                 "bytes": sum(e["bytes"] for m in members for e in m.files),
+                "device": record.get("device"),
+                "peak_memory_bytes": record.get("peak_memory_bytes"),
             }
         )
     rows.sort(key=lambda r: (r["started_at"] or "", r["stage"]))

@@ -3,7 +3,8 @@
 The only stage that is large even on the tiny default (k rollouts for the whole pool), so it writes
 in shards: a crash loses at most the shards in flight, and resume skips committed shards. Each shard
 is a unit of the run's fan-out (`params["fan_out"]`, flows/executors.py): on another backend the
-shards are sampled and verified on the workers, which load the policy from the store by its id.
+shards are sampled and verified on the workers, which load the policy from the store by its id onto the
+run's `policy.device` as they resolve it (`params["device"]`: `auto` takes a worker's own GPU).
 """
 
 from __future__ import annotations
@@ -11,15 +12,17 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import pyarrow as pa
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.progress import report
 from rlvr.storage.stage import Built, Inputs, Output, Sharded, Stage, StageContext, open_store, rows_to_table
 from rlvr.trainer.checkpoints import load_policy
+from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.generation import sample
 from rlvr.trainer.policy import Policy
 from rlvr.verifiers.cache import (
@@ -63,9 +66,9 @@ def difficulty_row(run_id: str, problem_id: str, policy_id: str, k: int, success
 
 @dataclass(frozen=True)
 class ShardJob:
-    """One shard's work, as a worker needs it: its index, the problems, the settings, the seed, and where the
+    """One shard's work, as a worker needs it: its index, the problems, the settings, the seed, where the
     policy is (the store's root and the policy's id; or the policy itself, for a build given its inputs without
-    a store)."""
+    a store) and the device to sample on (the run's policy.device, resolved by the worker)."""
 
     index: int
     problems: list[dict[str, Any]]
@@ -75,22 +78,27 @@ class ShardJob:
     store: str | None
     policy_id: str
     policy: Policy | None = None
+    device: str | None = None
 
 
 @dataclass(frozen=True)
 class ShardEstimate:
     """Successes per problem of shard `index`, and the reward-cache entries of the cacheable verdicts behind
     them, cache hits included (the process that commits the shard adds them to its cache, so later stages
-    find the same reward-cache hits wherever the shard ran, whatever that worker had in its cache)."""
+    find the same reward-cache hits wherever the shard ran, whatever that worker had in its cache), and the
+    device it was sampled on with the accelerator's peak memory while it was (None on the CPU)."""
 
     index: int
     successes: list[int]
     entries: list[dict[str, Any]]
+    device: str | None = None
+    peak_memory_bytes: int | None = None
 
 
 def estimate_shard(job: ShardJob) -> ShardEstimate:
     """k sampled rollouts per problem of one shard, verified."""
-    policy = job.policy or shard_policy(job.store or "", job.policy_id)
+    device = stage_device(job.device)
+    policy = job.policy or shard_policy(job.store or "", job.policy_id, device)
     problems, cfg = job.problems, job.cfg
     samples = sample(
         policy,
@@ -108,20 +116,21 @@ def estimate_shard(job: ShardJob) -> ShardEstimate:
     successes = [0] * len(problems)
     for s, score in zip(samples, scores, strict=True):
         successes[s.prompt_index] += score.status == "ok"
-    return ShardEstimate(job.index, successes, cache_entries(verdict_keys(names, pairs), scores))
+    entries = cache_entries(verdict_keys(names, pairs), scores)
+    return ShardEstimate(job.index, successes, entries, **usage(policy.model))
 
 
 @lru_cache(maxsize=1)
-def shard_policy(store_root: str, policy_id: str) -> Policy:
-    """The policy to sample (`load_policy`: the live one when this process holds it, else loaded from the
-    store), kept for the stage's next shards in this process; the stage's build lets go of it after its
-    last shard (a worker keeps it until its next stage's first shard)."""
-    return load_policy(open_store(store_root), policy_id)
+def shard_policy(store_root: str, policy_id: str, device: torch.device) -> Policy:
+    """The policy to sample on `device` (`load_policy`: the live one when this process holds it there, else
+    loaded from the store), kept for the stage's next shards in this process; the stage's build lets go of it
+    after its last shard (a worker keeps it until its next stage's first shard)."""
+    return load_policy(open_store(store_root), policy_id, device=device)
 
 
 def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
-    """params: `verifier` (the label section), `fan_out` (where shards run; in place without one).
-    Problems are taken in id order, `shard_size` per shard."""
+    """params: `verifier` (the label section), `fan_out` (where shards run; in place without one), `device`
+    (the run's policy.device). Problems are taken in id order, `shard_size` per shard."""
     verifier: VerifierConfig = ctx.params["verifier"]
     fan_out: Callable[..., Iterator[Any]] = ctx.params.get("fan_out", map)
     problems = [
@@ -131,7 +140,8 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
     ]
     problems.sort(key=lambda p: p["problem_id"])
     policy_ref = inputs.require_id("policy")
-    given = None if ctx.store is not None else inputs.load("policy", load_policy)
+    device = ctx.params.get("device")
+    given = None if ctx.store is not None else inputs.load("policy", partial(load_policy, device=stage_device(device)))
     root = ctx.store.root if ctx.store is not None else None
     count = -(-len(problems) // cfg.shard_size)
     jobs = [
@@ -144,6 +154,7 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
             root,
             policy_ref,
             given,
+            device,
         )
         for index in range(count)
     ]
@@ -163,6 +174,8 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
             shard_policy.cache_clear()  # the stage's last shard: keep no copy of the policy past it
         if ctx.store is not None:
             reward_cache(ctx.store).add_entries(estimate.entries)
+        peaks = [peak for peak in (ctx.usage.get("peak_memory_bytes"), estimate.peak_memory_bytes) if peak is not None]
+        ctx.usage.update(device=estimate.device, peak_memory_bytes=max(peaks, default=None))
         rows = [
             difficulty_row(ctx.run_id, p["problem_id"], policy_ref, cfg.k, n, cfg.bins)
             for p, n in zip(jobs[index].problems, estimate.successes, strict=True)

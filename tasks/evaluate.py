@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy
+from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.generation import greedy
 from rlvr.verifiers.cache import VerifierConfig, score_cached, verifier_identity
 
@@ -22,15 +24,16 @@ class EvaluateConfig(BaseModel):
 
 
 def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
-    """params: `phase` (init, warmstart, rl) and `verifier` (the label section: how answers are scored)."""
+    """params: `phase` (init, warmstart, rl), `verifier` (the label section: how answers are scored) and
+    `device` (the run's policy.device)."""
     verifier: VerifierConfig = ctx.params["verifier"]
     columns = ["split", "prompt", "reference", "verifier"]
     problems = [p for p in inputs.rows("problems", columns) if p["split"] == cfg.split]
     if not problems:
         raise ValueError(f"evaluation split {cfg.split!r} has no problems")
-    answers = greedy(
-        inputs.load("policy", load_policy), [p["prompt"] for p in problems], max_new_tokens=cfg.max_new_tokens
-    )
+    policy = inputs.load("policy", partial(load_policy, device=stage_device(ctx.params.get("device"))))
+    answers = greedy(policy, [p["prompt"] for p in problems], max_new_tokens=cfg.max_new_tokens)
+    ctx.usage.update(usage(policy.model))
     pairs = [(a, p["reference"]) for a, p in zip(answers, problems)]
     scores, _, _ = score_cached(ctx.store, verifier, pairs, [p["verifier"] for p in problems])
     correct = sum(s.status == "ok" for s in scores)

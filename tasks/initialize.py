@@ -11,31 +11,52 @@ from rlvr.errors import UserError
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext
 from rlvr.storage.store import Store
 from rlvr.trainer.checkpoints import checkpoint_built, parameter_count, policy_files_of, require_policy
+from rlvr.trainer.devices import WEIGHTS_DTYPES, stage_device, usage
 from rlvr.trainer.lora import SETTINGS_FILE, add_lora
-from rlvr.trainer.policy import PolicyConfig, init_policy, policy_files, policy_from_files
+from rlvr.trainer.policy import (
+    Policy,
+    PolicyConfig,
+    init_policy,
+    place,
+    policy_files,
+    policy_from_files,
+    stored_dtype,
+)
 
 
 def build(inputs: Inputs, cfg: PolicyConfig, ctx: StageContext) -> Built:
+    """The policy lands on `policy.device` in `policy.dtype` and stays there as the run's live policy."""
+    device = stage_device(cfg.device)  # a GPU this machine lacks is a one-line error before any work
     if cfg.checkpoint is not None:
-        return _from_checkpoint(inputs, cfg, cfg.checkpoint, ctx)
-    policy = init_policy(cfg, ctx.seed)
-    return checkpoint_built(ctx, policy_files(policy), parameter_count(policy), None, live=policy)
+        policy, files = _from_checkpoint(inputs, cfg, cfg.checkpoint, ctx)
+    else:
+        policy = init_policy(cfg, ctx.seed)
+        files = policy_files(policy)
+    place(policy, device)
+    ctx.usage.update(usage(policy.model))
+    return checkpoint_built(ctx, files, parameter_count(policy), cfg.checkpoint, live=policy)
 
 
-def _from_checkpoint(inputs: Inputs, cfg: PolicyConfig, checkpoint: str, ctx: StageContext) -> Built:
-    """The checkpoint's model directory, byte for byte, as this run's step-0 checkpoint. Its LoRA adapters,
-    if it has any, come with it; a checkpoint without adapters gets fresh ones when `policy.lora` asks."""
+def _from_checkpoint(
+    inputs: Inputs, cfg: PolicyConfig, checkpoint: str, ctx: StageContext
+) -> tuple[Policy, dict[str, bytes]]:
+    """The checkpoint's policy and model directory, byte for byte, as this run's step-0 checkpoint. Its LoRA
+    adapters, if it has any, come with it; a checkpoint without adapters gets fresh ones when `policy.lora`
+    asks, and one stored in another dtype than `policy.dtype` is cast (both then write the directory anew)."""
     if inputs.id("checkpoint") != checkpoint:
         raise UserError(
             "policy.checkpoint is set, but this command does not start from checkpoints; use `rlvr run`, "
             f"or `rlvr difficulty RUN_ID --policy {checkpoint}` to estimate difficulty with it"
         )
     files = inputs.load("checkpoint", _checkpoint_files)
-    policy = policy_from_files(files, source=checkpoint, threads=cfg.threads)
+    dtype = WEIGHTS_DTYPES[cfg.dtype]
+    policy = policy_from_files(files, source=checkpoint, threads=cfg.threads, dtype=dtype)
     if cfg.lora is not None and SETTINGS_FILE not in files:
         add_lora(policy.model, cfg.lora, ctx.seed)
         files = policy_files(policy)
-    return checkpoint_built(ctx, files, parameter_count(policy), checkpoint, live=policy)
+    elif stored_dtype(files) != dtype:
+        files = policy_files(policy)
+    return policy, files
 
 
 def _checkpoint_files(store: Store, artifact_id: str) -> dict[str, bytes]:
@@ -45,8 +66,10 @@ def _checkpoint_files(store: Store, artifact_id: str) -> dict[str, bytes]:
 def identity(cfg: PolicyConfig, params: Mapping[str, Any]) -> dict[str, Any]:
     """The seed decides the tiny model's initial weights, so it is part of the id. A starting checkpoint
     is an input (its id is hashed as a parent), so the config key is left out: ids of runs that do not
-    set it stay what they were."""
-    return {"policy": cfg.model_dump(exclude={"checkpoint"}), "seed": params["seed"]}
+    set it stay what they were. So is the device (where the model runs, not what it is), and the dtype when
+    it is float32, what every run computed in before it existed."""
+    left_out = {"checkpoint", "device"} | ({"dtype"} if cfg.dtype == "float32" else set())
+    return {"policy": cfg.model_dump(exclude=left_out), "seed": params["seed"]}
 
 
 INITIALIZE: Stage[PolicyConfig] = Stage(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from functools import partial
 from typing import Any
 
 from rlvr.curricula.clpo import (
@@ -28,6 +29,7 @@ from rlvr.curricula.clpo import (
 from rlvr.storage.ids import row_id
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy
+from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.engines import EngineConfig, engine_for
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.rewriting import PolicyRewriter
@@ -65,13 +67,14 @@ def group_accuracy(inputs: Inputs) -> list[tuple[int, str, float]]:
 def build(inputs: Inputs, cfg: RestructureConfig, ctx: StageContext) -> dict[str, Built]:
     """Inputs: the pool's problems, the step's rollouts and rewards (every round) and the policy.
     params: `verifier` (label section), `rollout` (the engine that samples rewrites), `sources` (the
-    synthesize sources, for the procedural rewriter)."""
+    synthesize sources, for the procedural rewriter), `device` (the run's policy.device)."""
     pool = {p["problem_id"]: p for p in inputs.rows("problems", PROBLEM_COLUMNS)}
     groups = group_accuracy(inputs)
     requests = _requests(groups, pool, cfg)
-    policy = inputs.load("policy", load_policy)
+    policy = inputs.load("policy", partial(load_policy, device=stage_device(ctx.params.get("device"))))
     rewrites = _rewriter(cfg, pool, policy, ctx).rewrite(requests)
     verdicts = _verify(rewrites, requests, pool, policy, cfg, ctx)
+    ctx.usage.update(usage(policy.model))
     new_problems, fate = [], {}
     for request, rewrite, (accuracy, reason) in zip(requests, rewrites, verdicts):
         kept = reason == "kept"

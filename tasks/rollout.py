@@ -3,22 +3,29 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from rlvr.storage.ids import row_id
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy
+from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.engines import ENGINES, EngineConfig, engine_for
 
 
 def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> Built:
+    """params: `device` (the run's policy.device: where the policy is loaded; an engine with its own copy of the
+    weights, vLLM or a server, samples where it runs)."""
     slots = inputs.rows("allocations", ["slot", "problem_id", "n_rollouts"])
     prompt_of = dict(zip(*inputs.table("problems", ["problem_id", "prompt"]).to_pydict().values()))
     prompts = [prompt_of[s["problem_id"]] for s in slots]
     policy_ref = inputs.require_id("policy")
     engine = engine_for(cfg)
-    engine.update_weights(inputs.load("policy", load_policy), policy_ref)
+    policy = inputs.load("policy", partial(load_policy, device=stage_device(ctx.params.get("device"))))
+    engine.update_weights(policy, policy_ref)
     first_slot = min((s["slot"] for s in slots), default=0)  # > 0 for a refill round of dynamic sampling
     seed = ctx.derive_seed("rollout", ctx.step, first_slot) if first_slot else ctx.derive_seed("rollout", ctx.step)
     samples = engine.generate(prompts, [s["n_rollouts"] for s in slots], cfg.sampling(seed))
+    ctx.usage.update(usage(policy.model))
     rows = []
     for s in samples:
         slot = slots[s.prompt_index]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,6 +27,7 @@ from rlvr.trainer.checkpoints import (
     reference_policy,
     take_trainer_state,
 )
+from rlvr.trainer.devices import reset_peak_memory, stage_device, usage
 from rlvr.trainer.distributed import run_torchrun
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
@@ -94,14 +96,17 @@ def rollout_max_new_tokens(inputs: Inputs) -> int:
     return max(limits)
 
 
-def update_policy(state: TrainerState, batch: RolloutBatch, cfg: TrainConfig, reference: Any) -> dict[str, float]:
-    """One GRPO step in this process, or across `cfg.data_parallel` torchrun processes (whose updated
-    weights and optimizer state are loaded back into the live trainer state)."""
+def update_policy(
+    state: TrainerState, batch: RolloutBatch, cfg: TrainConfig, reference: Any, device: str | None = None
+) -> dict[str, float]:
+    """One GRPO step in this process, or across `cfg.data_parallel` torchrun processes (on the CPU when `device`,
+    the run's policy.device, is "cpu"; else on the GPUs when there are some), whose updated weights and
+    optimizer state are loaded back into the live trainer state."""
     assert state.optimizer is not None
     if cfg.data_parallel == 1:
         return grpo_step(state.policy, state.optimizer, batch, cfg.grpo, reference)
     files, optimizer_bytes, stats = run_torchrun(
-        state.policy, state.optimizer, batch, cfg.grpo, reference, nproc=cfg.data_parallel
+        state.policy, state.optimizer, batch, cfg.grpo, reference, nproc=cfg.data_parallel, device=device
     )
     weights = safetensors_load(files["model.safetensors"])
     state.policy.model.load_state_dict(weights, strict=False)  # tied weights are stored once
@@ -112,7 +117,10 @@ def update_policy(state: TrainerState, batch: RolloutBatch, cfg: TrainConfig, re
 def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Built]:
     """Inputs: the step's `rollouts` and `rewards` (every round), the `policy` to update (a TrainerState when
     given); with dynamic sampling the `groups` the filter kept (without it every group trains); with CLPO
-    the `restructured` labels (their KL weights); with `grpo.kl_beta` > 0 the `reference` checkpoint."""
+    the `restructured` labels (their KL weights); with `grpo.kl_beta` > 0 the `reference` checkpoint.
+    params: `device` (the run's policy.device: where the policy, its optimizer state and the reference live).
+    The row records the device and the accelerator's peak memory during the update (None on the CPU; with
+    data_parallel > 1 that of this process, not of the torchrun ranks)."""
     score_of = dict(zip(*inputs.table("rewards", ["rollout_id", "score"]).to_pydict().values()))
     rollouts = inputs.rows("rollouts")
     if inputs.ids.get("groups"):
@@ -125,20 +133,24 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
     if inputs.ids.get("restructured"):
         weight_of = dict(zip(*inputs.table("restructured", ["slot", "kl_weight"]).to_pydict().values()))
         batch.kl_weights = [weight_of.get(slot, 1.0) for slot in sorted({r["slot"] for r in rollouts})]
+    device = stage_device(ctx.params.get("device"))
     reference = None
     if cfg.grpo.kl_beta > 0:
         if not inputs.ids.get("reference"):
             raise ValueError("train.grpo.kl_beta > 0 needs a reference policy (the run's starting checkpoint)")
-        reference = inputs.load("reference", reference_policy)
+        reference = inputs.load("reference", partial(reference_policy, device=device))
 
     def take(store: Store, policy_ref: str) -> TrainerState:
-        return take_trainer_state(store, policy_ref, lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
+        lr, weight_decay = cfg.grpo.lr, cfg.grpo.weight_decay
+        return take_trainer_state(store, policy_ref, lr=lr, weight_decay=weight_decay, device=device)
 
     state: TrainerState = inputs.load("policy", take)
     assert state.optimizer is not None
+    reset_peak_memory(device)  # the step's peak: the update's, with the model, optimizer and reference in place
     started = time.perf_counter()
-    stats = update_policy(state, batch, cfg, reference)
+    stats = update_policy(state, batch, cfg, reference, ctx.params.get("device"))
     compute_seconds = time.perf_counter() - started
+    ctx.usage.update(usage(state.policy.model))
     n_params = parameter_count(state.policy)
     updates = int(stats["updates"])
     weights = {name: data for name, data in policy_files(state.policy).items() if is_weights_file(name)}
@@ -162,6 +174,7 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
         "lr": cfg.grpo.lr,
         "updates": updates,
         "compute_seconds": compute_seconds,
+        **ctx.usage,
     }
     return {
         "train_state": Built(rows_to_table("train_state", [state_row]), files=files),

@@ -7,10 +7,13 @@ here, so the rise in test accuracy after this stage comes from RL.
 
 from __future__ import annotations
 
+from functools import partial
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import checkpoint_built, load_policy, parameter_count
+from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.policy import make_optimizer, policy_files, policy_from_files
 from rlvr.trainer.sft import sft_warmstart
 
@@ -25,12 +28,14 @@ class WarmstartConfig(BaseModel):
 
 
 def build(inputs: Inputs, cfg: WarmstartConfig, ctx: StageContext) -> dict[str, Built]:
+    """params: `device` (the run's policy.device)."""
     problems = inputs.rows("problems", ["split", "prompt", "answer"])
     examples = [(p["prompt"], p["answer"]) for p in problems if p["split"] == cfg.split]
     if not examples:
         raise ValueError(f"warm start split {cfg.split!r} has no problems")
     # A private copy: the initial policy object may be held in memory for other readers.
-    policy = policy_from_files(policy_files(inputs.load("policy", load_policy)))
+    device = stage_device(ctx.params.get("device"))
+    policy = policy_from_files(policy_files(inputs.load("policy", partial(load_policy, device=device))), device=device)
     optimizer = make_optimizer(policy, lr=cfg.lr, weight_decay=0.0)
     losses = sft_warmstart(
         policy, optimizer, examples, steps=cfg.steps, batch_size=cfg.batch_size, seed=ctx.derive_seed("warmstart")
@@ -45,6 +50,7 @@ def build(inputs: Inputs, cfg: WarmstartConfig, ctx: StageContext) -> dict[str, 
         }
         for i, loss in enumerate(losses)
     ]
+    ctx.usage.update(usage(policy.model))
     return {
         "warmstart": Built(rows_to_table("warmstart", rows)),
         "checkpoints": checkpoint_built(

@@ -15,6 +15,7 @@ from rlvr.storage.stage import RESIDENTS, TableCache, prune_transient, run_stage
 from rlvr.storage.store import Store
 from rlvr.tasks.initialize import INITIALIZE
 from rlvr.trainer.checkpoints import load_policy
+from rlvr.trainer.devices import CPU
 from rlvr.trainer.policy import PolicyConfig, weights_bytes
 from rlvr.verifiers.base import Score
 from rlvr.verifiers.cache import RewardCache, cache_key, score_to_entry
@@ -47,9 +48,9 @@ def test_table_cache_reads_what_another_process_committed(tmp_path):
 def test_a_resident_model_equals_the_one_loaded_from_the_store(tmp_path):
     store = Store.open(str(tmp_path / "s"), create=True)
     done = run_stage(store, INITIALIZE, PolicyConfig(), run_id="r", seed=3, step=0, params={"seed": 3})
-    resident = load_policy(store, done.id)  # the object kept by this process after the commit
+    resident = load_policy(store, done.id, device=CPU)  # the object kept by this process after the commit
     RESIDENTS.clear()  # what another worker sees
-    loaded = load_policy(store, done.id)
+    loaded = load_policy(store, done.id, device=CPU)
     assert loaded is not resident
     assert weights_bytes(loaded.model) == weights_bytes(resident.model)
 

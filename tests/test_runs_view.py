@@ -80,9 +80,11 @@ def test_sigkilled_run_shows_failed_with_its_resume_command(tmp_path, prefect_ap
         if proc.poll() is not None:
             raise AssertionError(f"the run ended first: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
         try:
-            return (json.loads(record_path.read_text()).get("step") or 0) >= 1
+            stepped = (json.loads(record_path.read_text()).get("step") or 0) >= 1
         except (FileNotFoundError, json.JSONDecodeError):
             return False
+        # ... and a step's commit has landed (commits finish in the background, beside the next step)
+        return stepped and any((tmp_path / "store" / "manifests").glob("train_steps-*.json"))
 
     try:
         wait_for(stepping, 240, "the run's first RL step", every=0.02)

@@ -64,6 +64,7 @@ def test_a_run_can_start_from_another_runs_checkpoint(tmp_path):
 
 def test_a_lora_run_from_a_full_checkpoint_gets_fresh_adapters_and_keeps_them_when_continued(tmp_path):
     from rlvr.trainer.checkpoints import load_policy
+    from rlvr.trainer.devices import CPU
     from rlvr.trainer.lora import ADAPTER_FILE, LoraSettings, has_lora
 
     store = Store.open(str(tmp_path / "s"), create=True)
@@ -72,7 +73,7 @@ def test_a_lora_run_from_a_full_checkpoint_gets_fresh_adapters_and_keeps_them_wh
     adapted = run_stage(
         store, INITIALIZE, lora, run_id="lora", seed=5, step=0, inputs={"checkpoint": full}, params={"seed": 5}
     ).id
-    assert has_lora(load_policy(store, adapted).model)
+    assert has_lora(load_policy(store, adapted, device=CPU).model)
     adapter = store.read_file(adapted, ADAPTER_FILE)
     again = run_stage(
         store,

@@ -23,6 +23,7 @@ import torch
 from rlvr.errors import UserError
 from rlvr.storage.stage import RESIDENTS, Built, StageContext, rows_to_table
 from rlvr.storage.store import Store
+from rlvr.trainer.devices import model_device
 from rlvr.trainer.lora import ADAPTER_FILE
 from rlvr.trainer.policy import Policy, load_optimizer_state, make_optimizer, policy_from_files
 
@@ -86,12 +87,13 @@ class TrainerState:
     optimizer: torch.optim.Optimizer | None
 
 
-def load_policy(store: Store, policy_ref: str) -> Policy:
-    """The policy named by `policy_ref`, for generation only (never modify it in place)."""
+def load_policy(store: Store, policy_ref: str, *, device: torch.device) -> Policy:
+    """The policy named by `policy_ref` on `device`, for generation only (never modify it in place). The live
+    one serves when it is on that device (it is, within a run: every stage uses the run's device)."""
     live = RESIDENTS.get(policy_ref)
-    if isinstance(live, TrainerState):
+    if isinstance(live, TrainerState) and model_device(live.policy.model) == device:
         return live.policy
-    return policy_from_files(policy_files_of(store, policy_ref))
+    return policy_from_files(policy_files_of(store, policy_ref), device=device)
 
 
 def checkpoint_built(
@@ -117,25 +119,30 @@ def parameter_count(policy: Policy) -> int:
 
 
 @lru_cache(maxsize=2)
-def reference_policy(store: Store, policy_ref: str) -> Policy:
-    """A frozen policy to measure KL against (the RL run's starting checkpoint), loaded once per process:
-    a committed checkpoint never changes, so keeping it is always right."""
-    policy = policy_from_files(policy_files_of(store, policy_ref))
+def reference_policy(store: Store, policy_ref: str, *, device: torch.device) -> Policy:
+    """A frozen policy on `device` to measure KL against (the RL run's starting checkpoint), loaded once per
+    process: a committed checkpoint never changes, so keeping it is always right."""
+    policy = policy_from_files(policy_files_of(store, policy_ref), device=device)
     for parameter in policy.model.parameters():
         parameter.requires_grad_(False)
     return policy
 
 
-def take_trainer_state(store: Store, policy_ref: str, lr: float, weight_decay: float) -> TrainerState:
-    """Model and optimizer to continue training from `policy_ref`; the caller now owns them.
+def take_trainer_state(
+    store: Store, policy_ref: str, lr: float, weight_decay: float, *, device: torch.device
+) -> TrainerState:
+    """Model and optimizer on `device` to continue training from `policy_ref`; the caller now owns them.
 
     Taking the state out of memory means a failed update can never leave a half-updated model
-    filed under the old reference.
+    filed under the old reference. A resumed run builds the optimizer over the placed model, so the
+    saved moments (CPU tensors in the file) are loaded onto its device.
     """
     live = RESIDENTS.take(policy_ref)
-    if isinstance(live, TrainerState) and live.optimizer is not None:
+    if not isinstance(live, TrainerState) or model_device(live.policy.model) != device:
+        live = None  # nothing live here, or on another device: load from the store
+    if live is not None and live.optimizer is not None:
         return live
-    policy = live.policy if isinstance(live, TrainerState) else load_policy(store, policy_ref)
+    policy = live.policy if live is not None else load_policy(store, policy_ref, device=device)
     optimizer = make_optimizer(policy, lr=lr, weight_decay=weight_decay)
     source = weights_artifact(store, policy_ref)
     names = {f["path"] for f in store.manifest(source).files}

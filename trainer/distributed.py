@@ -27,26 +27,25 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlvr.errors import UserError
+from rlvr.trainer.devices import DEFAULT_DEVICE, resolve_device
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import (
     GRPOConfig,
     RolloutBatch,
     TrainingRows,
     accumulate_gradients,
-    completion_logprobs,
-    completion_logprobs_and_entropy,
     minibatch_stats,
+    rollout_logprobs,
     step_rows,
     training_precision,
 )
 from rlvr.trainer.policy import (
     Policy,
-    PolicyConfig,
-    init_policy,
     load_optimizer_state,
     make_optimizer,
     optimizer_state_bytes,
     policy_files,
+    policy_from_files,
 )
 
 OPTIMIZER_FILE = "optimizer.safetensors"  # the name checkpoints.py gives the optimizer state
@@ -98,15 +97,7 @@ def _shard(
         if field.name != "active_groups"
     }
     own = TrainingRows(**per_row, active_groups=groups.to(device))
-    pad_id = policy.tokenizer.pad_token_id
-    with torch.no_grad():
-        old_logp, entropy = completion_logprobs_and_entropy(
-            policy.model, own.prompt_ids, own.completion_ids, pad_id, cfg.temperature
-        )
-        ref_logp = None
-        if reference is not None:
-            everything = (own.prompt_ids, own.completion_ids, pad_id, own.mask, cfg.temperature)
-            ref_logp = completion_logprobs(reference.model, *everything)[0]
+    old_logp, entropy, ref_logp = rollout_logprobs(policy, own, cfg, reference)  # micro-batched, as the loss
     return Shard(own, old_logp, ref_logp, (entropy * own.mask).sum().to(torch.float64))
 
 
@@ -240,6 +231,12 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--optimizer", type=Path, help="optimizer state (safetensors) to resume from")
     parser.add_argument("--reference", type=Path, help="reference model directory (needed when kl_beta > 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument(
+        "--device",
+        default=DEFAULT_DEVICE,
+        help="the run's policy.device: cpu keeps every rank on the CPU (gloo); otherwise each rank takes the GPU "
+        "of its LOCAL_RANK when there are GPUs (nccl), else the CPU",
+    )
     return parser.parse_args(argv)
 
 
@@ -258,9 +255,9 @@ def _write_result(out: Path, policy: Policy, optimizer: torch.optim.Optimizer, s
 
 
 def _load(directory: Path, threads: int, device: torch.device) -> Policy:
-    policy = init_policy(PolicyConfig(model=str(directory), threads=threads), seed=0)
-    torch.nn.Module.to(policy.model, device)
-    return policy
+    """The model directory `run_torchrun` wrote, on `device`, in the dtype it was stored in."""
+    files = {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+    return policy_from_files(files, source=str(directory), threads=threads, device=device)
 
 
 def _train(args: argparse.Namespace, device: torch.device) -> None:
@@ -278,10 +275,10 @@ def _train(args: argparse.Namespace, device: torch.device) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The torchrun entry: one process group (nccl when CUDA is there, else gloo), one step, rank 0 writes."""
+    """The torchrun entry: one process group (nccl on GPUs, else gloo), one step, rank 0 writes."""
     args = _arguments(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    use_cuda = torch.cuda.is_available()
+    use_cuda = resolve_device(args.device).type == "cuda"  # a one-line error for cuda on a machine without
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -307,9 +304,11 @@ def run_torchrun(
     nproc: int,
     threads: int = 1,
     env: dict[str, str] | None = None,
+    device: str | None = None,
 ) -> tuple[dict[str, bytes], bytes, dict[str, float]]:
     """One step with `nproc` torchrun processes on this machine: the updated model files, the optimizer
-    state and the step's stats. The inputs go through a temp directory; nothing else is written."""
+    state and the step's stats. The inputs go through a temp directory; nothing else is written. `device` is
+    the run's policy.device (None: auto), which decides between the CPU and the GPUs for the ranks."""
     with tempfile.TemporaryDirectory(prefix="rlvr-dp-") as tmp:
         work = Path(tmp)
         _write_files(work / "policy", policy_files(policy))
@@ -317,6 +316,7 @@ def run_torchrun(
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         command += ["-m", "rlvr.trainer.distributed", "--policy", str(work / "policy"), "--batch"]
         command += [str(work / "batch.json"), "--out", str(work / "out"), "--threads", str(threads)]
+        command += ["--device", device or DEFAULT_DEVICE]
         if optimizer is not None:
             (work / OPTIMIZER_FILE).write_bytes(optimizer_state_bytes(optimizer))
             command += ["--optimizer", str(work / OPTIMIZER_FILE)]

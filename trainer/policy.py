@@ -13,13 +13,23 @@ from typing import Any
 from weakref import WeakKeyDictionary
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as transformers_logging
 
 from rlvr.errors import UserError
+from rlvr.trainer.devices import (
+    CPU,
+    DEFAULT_DEVICE,
+    DEVICE_FORMS,
+    WEIGHTS_DTYPES,
+    WeightsDtype,
+    check_device_name,
+    model_device,
+    resolve_device,
+)
 from rlvr.trainer.gguf_models import dequantised_directory, gguf_file, require_gguf_reader
 from rlvr.trainer.lora import (
     ADAPTER_FILE,
@@ -40,7 +50,8 @@ transformers_logging.disable_progress_bar()
 
 
 class PolicyConfig(BaseModel):
-    """Which model to start from and how many CPU threads torch may use.
+    """Which model to start from, where it runs, in what precision its weights are, and how many CPU threads
+    torch may use.
 
     `model`: "tiny" (built in, no download), a local Hugging Face model directory, a hub id that is
     already in the local Hugging Face cache (nothing is downloaded), a `.gguf` file, or the name of a model
@@ -50,6 +61,12 @@ class PolicyConfig(BaseModel):
     initial checkpoint then has it as its parent, so lineage crosses runs; recurring schedules set it).
     `threads` is fixed, not "all cores", because CPU matmul results depend on the thread count: a
     fixed count keeps runs bit-identical across machines and processes.
+
+    `device` is where every stage of the run puts its models (trainer/devices.py); it says where work runs,
+    not what it computes, so no artifact id depends on it. `dtype` is the precision the weights are stored
+    and computed in from `initialize` on: float32 (the default; on a GPU, train under `train.grpo.autocast:
+    bf16`) or bfloat16 (half the weight memory, and AdamW's moments are then bf16 too: docs/methods.md,
+    "Device and precision"). Later stages load a checkpoint in the dtype it was stored in.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -59,6 +76,15 @@ class PolicyConfig(BaseModel):
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     threads: int = Field(default=1, ge=1)
     lora: LoraSettings | None = Field(default=None, description="train LoRA adapters only (peft; trainer/lora.py)")
+    device: str = Field(default=DEFAULT_DEVICE, description=f"{DEVICE_FORMS}: where every stage runs the model")
+    dtype: WeightsDtype = Field(
+        default="float32", description="weights' precision: float32 (with bf16 autocast on a GPU) or bfloat16"
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, name: str) -> str:
+        return check_device_name(name)
 
 
 @dataclass
@@ -76,23 +102,36 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, source: str) -> Policy:
+def _prepare(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, source: str, dtype: torch.dtype = torch.float32
+) -> Policy:
     """Left padding and a pad token are what batched generation and the loss expect; dropout stays off
-    so that the logprobs of the sampler and of the trainer agree."""
+    so that the logprobs of the sampler and of the trainer agree. The weights are cast to `dtype`."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.float()
+    if dtype == torch.float32:
+        model.float()
+    else:
+        torch.nn.Module.to(model, dtype=dtype)  # transformers' decorated .to is opaque to mypy
     model.eval()
     return Policy(model=model, tokenizer=tokenizer, source=source)
 
 
-def _load_directory(path: str, source: str, local_files_only: bool) -> Policy:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=local_files_only)
+def _load_directory(path: str, source: str, local_files_only: bool, dtype: torch.dtype = torch.float32) -> Policy:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=local_files_only)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only)
-    return _prepare(model, tokenizer, source)
+    return _prepare(model, tokenizer, source, dtype)
+
+
+def place(policy: Policy, device: torch.device) -> Policy:
+    """The policy with its model on `device` (moved in place; a model already there, as every model of a CPU
+    run is, is left alone). Checkpoints are made from CPU copies of the weights whatever the device."""
+    if model_device(policy.model) != device:
+        torch.nn.Module.to(policy.model, device)  # transformers' decorated .to is opaque to mypy
+    return policy
 
 
 def _looks_like_path(name: str) -> bool:
@@ -101,11 +140,13 @@ def _looks_like_path(name: str) -> bool:
 
 
 def init_policy(cfg: PolicyConfig, seed: int) -> Policy:
-    """The starting policy of a run. `seed` draws the tiny model's initial weights and LoRA's A matrices."""
+    """The starting policy of a run, in `cfg.dtype` on `cfg.device`. `seed` draws the tiny model's initial
+    weights and LoRA's A matrices (both on the CPU, so a seed gives the same model on every device)."""
+    device = resolve_device(cfg.device)
     policy = _base_policy(cfg, seed)
     if cfg.lora is not None:
         add_lora(policy.model, cfg.lora, seed)
-    return policy
+    return place(policy, device)
 
 
 def check_policy_source(cfg: PolicyConfig) -> str:
@@ -151,12 +192,13 @@ def _in_hub_cache(repo_id: str) -> bool:
 def _base_policy(cfg: PolicyConfig, seed: int) -> Policy:
     set_threads(cfg.threads)
     source = check_policy_source(cfg)
+    dtype = WEIGHTS_DTYPES[cfg.dtype]
     if source == "tiny":
-        return _prepare(build_tiny_model(cfg.tiny, seed), build_tiny_tokenizer(), "tiny")
+        return _prepare(build_tiny_model(cfg.tiny, seed), build_tiny_tokenizer(), "tiny", dtype)
     if source.endswith(".gguf"):
-        return _load_directory(str(dequantised_directory(Path(source))), cfg.model, local_files_only=True)
+        return _load_directory(str(dequantised_directory(Path(source))), cfg.model, local_files_only=True, dtype=dtype)
     resolved = str(Path(source).resolve()) if Path(source).expanduser().is_dir() else source
-    return _load_directory(source, resolved, local_files_only=True)
+    return _load_directory(source, resolved, local_files_only=True, dtype=dtype)
 
 
 def _saved_files(policy: Policy) -> dict[str, bytes]:
@@ -178,14 +220,15 @@ def plain_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
 
 
 def stored_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """`plain_state` with each shared (tied) tensor once, under its first name: what `save_pretrained` writes."""
+    """`plain_state` with each shared (tied) tensor once, under its first name: what `save_pretrained` writes,
+    on the CPU (a checkpoint loads on any machine)."""
     seen: set[int] = set()
     tensors = {}
     for name, tensor in plain_state(model).items():
         pointer = tensor.untyped_storage().data_ptr()
         if pointer not in seen:
             seen.add(pointer)
-            tensors[name] = tensor.detach().contiguous()
+            tensors[name] = tensor.detach().to(CPU).contiguous()  # the same tensor when it is on the CPU
     return tensors
 
 
@@ -217,12 +260,20 @@ def policy_files(policy: Policy) -> dict[str, bytes]:
         _static_files[policy.model] = static
     files = {**static, "model.safetensors": weights_bytes(policy.model)}
     if lora:
-        files[ADAPTER_FILE] = safetensors_save(adapter_state(policy.model))
+        files[ADAPTER_FILE] = safetensors_save({name: t.to(CPU) for name, t in adapter_state(policy.model).items()})
     return files
 
 
-def policy_from_files(files: dict[str, bytes], *, source: str = "files", threads: int = 1) -> Policy:
-    """Inverse of `policy_files`: the same weights bit for bit, ties restored by `from_pretrained`.
+def policy_from_files(
+    files: dict[str, bytes],
+    *,
+    source: str = "files",
+    threads: int = 1,
+    device: torch.device = CPU,
+    dtype: torch.dtype | None = None,
+) -> Policy:
+    """Inverse of `policy_files`: the same weights bit for bit, ties restored by `from_pretrained`, on `device`,
+    in `dtype` (None: the dtype the weights were stored in, `stored_dtype`).
 
     `threads` is set as in `init_policy`, since a stage that resumes from a checkpoint never calls it.
     """
@@ -232,10 +283,23 @@ def policy_from_files(files: dict[str, bytes], *, source: str = "files", threads
             target = Path(tmp) / name
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
-        policy = _load_directory(tmp, source, local_files_only=True)
+        policy = _load_directory(tmp, source, local_files_only=True, dtype=dtype or stored_dtype(files))
     if SETTINGS_FILE in files:
         restore_lora(policy.model, files)
-    return policy
+    return place(policy, device)
+
+
+def stored_dtype(files: dict[str, bytes]) -> torch.dtype:
+    """The dtype a model directory's weights load in: bfloat16 when its safetensors weights are stored in bf16
+    (a checkpoint of a `policy.dtype: bfloat16` run), else float32, as every checkpoint loaded before."""
+    weights = sorted(name for name in files if name.startswith("model") and name.endswith(".safetensors"))
+    for name in weights:  # model.safetensors, or the shards model-00001-of-0000N.safetensors
+        data = files[name]
+        header_length = struct.unpack("<Q", data[:8])[0]
+        for key, entry in json.loads(data[8 : 8 + header_length]).items():
+            if key != "__metadata__" and entry["dtype"] in ("F64", "F32", "F16", "BF16"):  # a float tensor
+                return torch.bfloat16 if entry["dtype"] == "BF16" else torch.float32
+    return torch.float32
 
 
 def make_optimizer(policy: Policy, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -257,7 +321,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> bytes:
     for index, entry in state_dict["state"].items():
         for name, value in entry.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{index}.{name}"] = value.contiguous()
+                tensors[f"{index}.{name}"] = value.to(CPU).contiguous()
             else:
                 scalars.setdefault(str(index), {})[name] = value
     metadata = {"param_groups": json.dumps(state_dict["param_groups"]), "scalars": json.dumps(scalars)}

@@ -7,6 +7,7 @@ start on a few examples teaches the answer format (answer then eos) so that RL h
 import torch
 
 from rlvr.trainer import prompts
+from rlvr.trainer.devices import model_device
 from rlvr.trainer.grpo import completion_logprobs
 from rlvr.trainer.policy import Policy
 
@@ -33,17 +34,21 @@ def sft_warmstart(
         ids + [tokenizer.eos_token_id]
         for ids in tokenizer([answer for _, answer in examples], add_special_tokens=False)["input_ids"]
     ]
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)  # on the CPU, so the batches are the same on every device
+    device = model_device(model)
     losses = []
     for _ in range(steps):
         picks = torch.randint(len(examples), (batch_size,), generator=generator).tolist()
         prompt_width = max(len(prompt_tokens[i]) for i in picks)
         answer_width = max(len(answer_tokens[i]) for i in picks)
-        prompt_ids = torch.tensor([[pad_id] * (prompt_width - len(prompt_tokens[i])) + prompt_tokens[i] for i in picks])
-        answer_ids = torch.tensor([answer_tokens[i] + [pad_id] * (answer_width - len(answer_tokens[i])) for i in picks])
+        rows = [[pad_id] * (prompt_width - len(prompt_tokens[i])) + prompt_tokens[i] for i in picks]
+        prompt_ids = torch.tensor(rows, device=device)
+        answer_rows = [answer_tokens[i] + [pad_id] * (answer_width - len(answer_tokens[i])) for i in picks]
+        answer_ids = torch.tensor(answer_rows, device=device)
         mask = torch.tensor(
             [[1] * len(answer_tokens[i]) + [0] * (answer_width - len(answer_tokens[i])) for i in picks],
             dtype=torch.bool,
+            device=device,
         )
         logp, token_mask = completion_logprobs(model, prompt_ids, answer_ids, pad_id, mask)
         loss = -(logp * token_mask).sum() / token_mask.sum()
