@@ -66,6 +66,42 @@ class ArithmeticVerifier(MathVerifier):
         return None
 
 
+_LAST_NUMBER = re.compile(r"(?<![\d.])[+-]?\d+(?:\.\d+)?(?![\d.]*\d)")
+
+
+def final_number(text: str) -> str | None:
+    """The last number `text` writes ("34 + 6 = 40." -> "40"; "-5" keeps its sign), thousands separators
+    dropped; None when it writes none. A sign counts only when it is the number's own ("7 - 12" -> "12")."""
+    text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)
+    matches = list(_LAST_NUMBER.finditer(text))
+    if not matches:
+        return None
+    last = matches[-1]
+    signed = last.group()[0] in "+-"
+    binary = signed and last.start() > 0 and text[last.start() - 1].isdigit()  # "91-39": a minus, not a sign
+    return last.group()[1:] if signed and (binary or last.group()[0] == "+") else last.group()
+
+
+class FinalNumberVerifier(ArithmeticVerifier):
+    """The arithmetic check for a model that answers in words: the response's last number must equal the
+    reference exactly. Unlike `math`, which evaluates an expression it finds, an answer that only repeats
+    the question ("91 - 39") is wrong, since its last number is 39: a policy cannot earn the reward by echoing
+    the prompt, which is what a chat model trained against `math` on "What is 91 - 39?" learned to do."""
+
+    name = "final_number"
+    domain = "arithmetic"
+    version = f"1+math.{MathVerifier.version}"
+
+    def score(self, response: str, reference: Any) -> Score:
+        found = final_number(response) if isinstance(response, str) else None
+        if found is None:
+            expected = parse_number(str(reference))
+            if expected is None:
+                return super().score("", reference)  # the reference's own error
+            return Score(0.0, "unparseable", {"correct": 0.0}, reason="response writes no number")
+        return super().score(found, reference)
+
+
 # --- the generator that goes with this verifier ----------------------------------------------
 
 

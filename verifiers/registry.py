@@ -21,7 +21,7 @@ import sys
 from importlib.metadata import entry_points
 
 from rlvr.errors import UserError
-from rlvr.verifiers.arithmetic import ArithmeticVerifier
+from rlvr.verifiers.arithmetic import ArithmeticVerifier, FinalNumberVerifier
 from rlvr.verifiers.base import Verifier
 from rlvr.verifiers.math import MathVerifier
 
@@ -29,6 +29,7 @@ ENTRY_POINT_GROUP = "rlvr.verifiers"
 
 BUILTIN: dict[str, type[Verifier]] = {
     ArithmeticVerifier.name: ArithmeticVerifier,
+    FinalNumberVerifier.name: FinalNumberVerifier,
     MathVerifier.name: MathVerifier,
     "sql": importlib.import_module("rlvr.verifiers.sql").SqlVerifier,
     "tool_call": importlib.import_module("rlvr.verifiers.tool_call").ToolCallVerifier,

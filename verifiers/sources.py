@@ -81,7 +81,8 @@ class ArithmeticSourceConfig(SourceConfig, ArithmeticSpec):
 
     `style`: "expression" prompts are the bare expression ("34+6="), for a model that continues text and
     writes only the number (the arithmetic verifier); "question" prompts ask it in words ("What is 34 + 6?"),
-    for a chat model that answers in a sentence, checked by the math verifier (its last number).
+    for a chat model that answers in a sentence, checked by `final_number` (the answer's last number; `math`
+    would accept an answer that only repeats the question, since it evaluates the expression).
     """
 
     type: Literal["arithmetic"] = "arithmetic"
@@ -103,7 +104,7 @@ class ArithmeticSource(ProblemSource):
     @property
     def verifier(self) -> str:
         question = isinstance(self.cfg, ArithmeticSourceConfig) and self.cfg.style == "question"
-        return self.cfg.verifier or ("math" if question else self.default_verifier)
+        return self.cfg.verifier or ("final_number" if question else self.default_verifier)
 
     def rewrite(self, prompt: str, answer: str, mode: str) -> tuple[str, str] | None:
         asked = prompt.startswith(QUESTION_PREFIX)
