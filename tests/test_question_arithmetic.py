@@ -45,9 +45,9 @@ def test_repeating_the_question_scores_wrong_under_final_number_and_ok_under_mat
 
 
 def test_question_style_prompts_round_trip_and_name_final_number() -> None:
-    assert question_of("34+6*2=") == "What is 34 + 6 times 2?"
-    assert question_of("-3-6=") == "What is -3 - 6?"
-    assert expression_of("What is -3 - 6 times 2?") == "-3-6*2="
+    assert question_of("34+6*2=") == "What is 34 + 6 times 2? Answer with just the number."
+    assert question_of("-3-6=") == "What is -3 - 6? Answer with just the number."
+    assert expression_of(question_of("-3-6*2=")) == "-3-6*2="
     cfg = ArithmeticSourceConfig(style="question", digits=2, ops="+", count=3)
     source = ArithmeticSource(cfg)
     rows = list(source.rows(0))
@@ -57,4 +57,4 @@ def test_question_style_prompts_round_trip_and_name_final_number() -> None:
     assert {r["category"] for r in rows} == {"d2t2+"} and {p["category"] for p in plain} == {"d2t2"}
     assert json.loads(rows[0]["params"])["style"] == "question" and "style" not in json.loads(plain[0]["params"])
     assert source.verifier == "final_number" and ArithmeticSource(ArithmeticSourceConfig()).verifier == "arithmetic"
-    assert source.rewrite("What is 2 + 3 times 4?", "14", "simplify") == ("What is 2 + 12?", "14")
+    assert source.rewrite(question_of("2+3*4="), "14", "simplify") == (question_of("2+12="), "14")

@@ -58,7 +58,9 @@ def test_smollm2_trains_two_steps_and_its_checkpoint_loads_with_plain_from_pretr
     assert [r["step"] for r in steps] == [1, 2]
     rollouts = query(store, "SELECT prompt FROM rollouts WHERE run_id = 'real'").to_pylist()
     assert len(rollouts) == 2 * 2 * 2  # steps x prompts x samples
-    assert all(r["prompt"].startswith("What is ") and r["prompt"].endswith("?") for r in rollouts)
+    assert all(
+        r["prompt"].startswith("What is ") and r["prompt"].endswith("? Answer with just the number.") for r in rollouts
+    )
 
     final = final_checkpoint(store, "real")
     assert final is not None

@@ -80,7 +80,8 @@ class ArithmeticSourceConfig(SourceConfig, ArithmeticSpec):
     """The built-in arithmetic generator: `digits`-digit operands, `terms` terms, operators from `ops`.
 
     `style`: "expression" prompts are the bare expression ("34+6="), for a model that continues text and
-    writes only the number (the arithmetic verifier); "question" prompts ask it in words ("What is 34 + 6?"),
+    writes only the number (the arithmetic verifier); "question" prompts ask it in words ("What is 34 + 6?
+    Answer with just the number."),
     for a chat model that answers in a sentence, checked by `final_number` (the answer's last number; `math`
     would accept an answer that only repeats the question, since it evaluates the expression).
     """
@@ -353,19 +354,23 @@ def parse_expression(prompt: str) -> tuple[list[int], list[str]] | None:
 
 
 QUESTION_PREFIX = "What is "
+# Asked without it, SmolLM2-135M-Instruct explains and rarely reaches the number in 32 tokens (greedy: two-digit
+# sums 0.03, one-digit products 0.10); with it, 0.17 and 0.47 (30 problems each, 2026-11-24).
+QUESTION_SUFFIX = "? Answer with just the number."
 _SPOKEN = {"+": " + ", "-": " - ", "*": " times "}
 
 
 def question_of(expression: str) -> str:
-    """`"34+6*2="` -> `"What is 34 + 6 times 2?"` (a leading minus stays on its number)."""
+    """`"34+6*2="` -> `"What is 34 + 6 times 2? Answer with just the number."` (a leading minus stays on its
+    number)."""
     body = expression.removesuffix("=")
     spoken = body[0] + re.sub(r"[+\-*]", lambda op: _SPOKEN[op.group(0)], body[1:])
-    return f"{QUESTION_PREFIX}{spoken}?"
+    return f"{QUESTION_PREFIX}{spoken}{QUESTION_SUFFIX}"
 
 
 def expression_of(question: str) -> str:
     """Inverse of `question_of`."""
-    body = question.removeprefix(QUESTION_PREFIX).removesuffix("?")
+    body = question.removeprefix(QUESTION_PREFIX).removesuffix(QUESTION_SUFFIX)
     return body.replace(" times ", "*").replace(" ", "") + "="
 
 
