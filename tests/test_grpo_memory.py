@@ -199,18 +199,30 @@ def test_checkpointing_uses_gradient_checkpointing_enable_where_that_is_the_only
     """transformers releases before `activation_checkpointing_enable` (5.17 among them) have only
     `gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)` and its `_disable`."""
     used: list[str] = []
+    newer = hasattr(PreTrainedModel, "activation_checkpointing_enable")  # False at the floor (make test-floor)
+    real_enable, real_disable = (
+        PreTrainedModel.gradient_checkpointing_enable,
+        PreTrainedModel.gradient_checkpointing_disable,
+    )
 
     def enable(model: PreTrainedModel, gradient_checkpointing_kwargs: dict | None = None) -> None:
         used.append(f"enable {gradient_checkpointing_kwargs}")
-        model._activation_checkpointing_enable(gradient_checkpointing_kwargs)
+        if newer:  # the deprecated alias would warn: call what it calls
+            model._activation_checkpointing_enable(gradient_checkpointing_kwargs)
+        else:
+            real_enable(model, gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
 
     def disable(model: PreTrainedModel) -> None:
         used.append("disable")
-        model._activation_checkpointing_disable()
+        if newer:
+            model._activation_checkpointing_disable()
+        else:
+            real_disable(model)
 
     plain = _gradients(GRPOConfig(micro_batch_tokens=60))
-    monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_enable")
-    monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_disable")
+    if newer:  # simulate a release that has only gradient_checkpointing_enable
+        monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_enable")
+        monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_disable")
     monkeypatch.setattr(PreTrainedModel, "gradient_checkpointing_enable", enable)
     monkeypatch.setattr(PreTrainedModel, "gradient_checkpointing_disable", disable)
     calls = _count_checkpoint_calls(monkeypatch)
