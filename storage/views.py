@@ -213,22 +213,35 @@ def _create_kind_view(con: duckdb.DuckDBPyConnection, kind: str, paths: list[str
     strategy's state) can be replaced between the manifest listing and this call: its files are gone
     and so is its manifest, so the view leaves them out."""
     try:
-        con.execute(f"CREATE VIEW {_sql_identifier(kind)} AS SELECT * FROM {parquet_scan(paths)}")
+        con.execute(f"CREATE VIEW {_sql_identifier(kind)} AS {_scan_with_declared(con, kind, paths)}")
     except duckdb.IOException:
         present = [path for path in paths if store.fs.exists(path)]
         if not present and kind in SCHEMAS:
             _create_empty_view(con, kind, SCHEMAS[kind])
         elif present:
-            con.execute(f"CREATE VIEW {_sql_identifier(kind)} AS SELECT * FROM {parquet_scan(present)}")
+            con.execute(f"CREATE VIEW {_sql_identifier(kind)} AS {_scan_with_declared(con, kind, present)}")
 
 
-def _create_empty_view(con: duckdb.DuckDBPyConnection, kind: str, schema: pa.Schema) -> None:
-    """A kind no stage has written yet is an empty view with its declared columns, not a missing table."""
+def _scan_with_declared(con: duckdb.DuckDBPyConnection, kind: str, paths: list[str]) -> str:
+    """The files' rows, plus every declared column they lack as nulls: a store whose artifacts all predate a
+    column (e.g. `train_steps.device`) still answers queries that name it. Costs no file read."""
+    scan = f"SELECT * FROM {parquet_scan(paths)}"
+    if kind not in SCHEMAS:
+        return scan
+    return f"{scan} UNION ALL BY NAME ({_declared_nulls(con, SCHEMAS[kind])} LIMIT 0)"
+
+
+def _declared_nulls(con: duckdb.DuckDBPyConnection, schema: pa.Schema) -> str:
     types = con.from_arrow(schema.empty_table()).types
     columns = ", ".join(
         f"CAST(NULL AS {duck_type}) AS {_sql_identifier(name)}" for name, duck_type in zip(schema.names, types)
     )
-    con.execute(f"CREATE VIEW {_sql_identifier(kind)} AS SELECT {columns} LIMIT 0")
+    return f"SELECT {columns}"
+
+
+def _create_empty_view(con: duckdb.DuckDBPyConnection, kind: str, schema: pa.Schema) -> None:
+    """A kind no stage has written yet is an empty view with its declared columns, not a missing table."""
+    con.execute(f"CREATE VIEW {_sql_identifier(kind)} AS {_declared_nulls(con, schema)} LIMIT 0")
 
 
 def _create_table(con: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> None:

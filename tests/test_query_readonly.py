@@ -300,3 +300,26 @@ def test_a_store_on_s3_reads_its_artifacts_and_nothing_else(outside: str, monkey
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
+
+
+def test_a_store_written_before_a_column_existed_answers_queries_that_name_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`train_steps.device` and `peak_memory_bytes` came later; artifacts written before them read as nulls, and
+    the columns they have keep their values."""
+    declared = SCHEMAS["train_steps"]
+    before = pa.schema([f for f in declared if f.name not in ("device", "peak_memory_bytes")])
+    values = {"run_id": ["r", "r"], "step": [1, 2], "loss": [0.5, 0.25]}
+    old = pa.table({f.name: values.get(f.name, [None, None]) for f in before}, schema=before)
+    store = Store.open(str(tmp_path / "store"), create=True)
+    with monkeypatch.context() as patched:
+        patched.setitem(SCHEMAS, "train_steps", before)  # what the store's writer declared then
+        store.write_artifact(
+            "train_steps", "train_steps-old", old, run_id="r", stage="train", parents=[], code_version="v", config={}
+        )
+    rows = query(store, "SELECT step, loss, device, peak_memory_bytes FROM train_steps ORDER BY step").to_pylist()
+    assert rows == [
+        {"step": 1, "loss": 0.5, "device": None, "peak_memory_bytes": None},
+        {"step": 2, "loss": 0.25, "device": None, "peak_memory_bytes": None},
+    ]
+    assert query(store, "DESCRIBE train_steps").column("column_name").to_pylist() == declared.names
