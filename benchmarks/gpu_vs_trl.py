@@ -371,7 +371,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     import transformers
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from rlvr.verifiers.adapters import trl_reward_func
@@ -380,7 +380,6 @@ def trl_worker(args: argparse.Namespace) -> None:
     spec = json.loads((tmp / "trl-spec.json").read_text())
     torch.set_num_threads(spec["threads"])
     cuda = spec["device"].startswith("cuda")
-    rows = spec["prompts"] * spec["n"]
     ends: dict[int, float] = {}
     per_step: dict[str, dict[int, float]] = {"generate_s": {}, "train_s": {}, "reward_s": {}, "new_tokens": {}}
     scored: dict[int, int] = {}
@@ -412,6 +411,54 @@ def trl_worker(args: argparse.Namespace) -> None:
 
     reward = timed("reward_s", counting_reward(scored_with_tokens, ends, scored, "letter_share"))
 
+    settings = trl_settings(spec, tmp)
+    data = Dataset.from_list([{"prompt": p["prompt"], "reference": p["reference"]} for p in spec["problems"]])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    model.generate = timed("generate_s", model.generate)  # the instance TRL unwraps for generation
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]),
+        reward_funcs=[reward],
+        args=GRPOConfig(**settings),
+        train_dataset=data,
+        callbacks=[step_clock(ends), optimizer_clock(cuda, add)],
+    )
+    trainer.compute_loss = timed("train_s", trainer.compute_loss)
+    trainer.accelerator.backward = timed("train_s", trainer.accelerator.backward)
+    trainer.accelerator.clip_grad_norm_ = timed("train_s", trainer.accelerator.clip_grad_norm_)
+    trainer.train()
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__}
+    result = {
+        "per_step": {"ends": ends, "completions": scored, **per_step},
+        "peak_bytes": peak,
+        "versions": {**versions, "python": platform.python_version()},
+    }
+    (tmp / "trl.json").write_text(json.dumps(result))
+
+
+def trl_settings(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    """GRPOConfig's arguments: the shared GRPO shape, our micro-batch as TRL's per-device batch (one optimizer
+    step over all the step's rows), no top-k, bf16 and checkpointing."""
+    rows = spec["prompts"] * spec["n"]
+    settings = trl_grpo_settings(tmp / "trl-out", spec["warmup"] + spec["steps"] + 1, spec["n"], spec["new_tokens"])
+    return settings | {
+        "learning_rate": LR,
+        "per_device_train_batch_size": spec["micro_batch"],
+        "gradient_accumulation_steps": rows // spec["micro_batch"],
+        "steps_per_generation": rows // spec["micro_batch"],
+        "top_k": 0,
+        "use_cpu": not spec["device"].startswith("cuda"),
+        "bf16": True,
+        "gradient_checkpointing": True,
+    }
+
+
+def optimizer_clock(cuda: bool, add: Any) -> Any:
+    """A TrainerCallback adding each optimizer step's time to `train_s` (CUDA synchronised around it)."""
+    import torch
+    from transformers import TrainerCallback
+
     class OptimizerClock(TrainerCallback):  # type: ignore[misc]
         started = 0.0
 
@@ -425,42 +472,7 @@ def trl_worker(args: argparse.Namespace) -> None:
                 torch.cuda.synchronize()
             add("train_s", time.perf_counter() - self.started)
 
-    settings = trl_grpo_settings(tmp / "trl-out", spec["warmup"] + spec["steps"] + 1, spec["n"], spec["new_tokens"]) | {
-        "learning_rate": LR,
-        "per_device_train_batch_size": spec["micro_batch"],
-        "gradient_accumulation_steps": rows // spec["micro_batch"],
-        "steps_per_generation": rows // spec["micro_batch"],
-        "top_k": 0,
-        "use_cpu": not cuda,
-        "bf16": True,
-        "gradient_checkpointing": True,
-    }
-    data = Dataset.from_list([{"prompt": p["prompt"], "reference": p["reference"]} for p in spec["problems"]])
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
-    model.generate = timed("generate_s", model.generate)  # the instance TRL unwraps for generation
-    trainer = GRPOTrainer(
-        model=model,
-        processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]),
-        reward_funcs=[reward],
-        args=GRPOConfig(**settings),
-        train_dataset=data,
-        callbacks=[step_clock(ends), OptimizerClock()],
-    )
-    trainer.compute_loss = timed("train_s", trainer.compute_loss)
-    trainer.accelerator.backward = timed("train_s", trainer.accelerator.backward)
-    trainer.accelerator.clip_grad_norm_ = timed("train_s", trainer.accelerator.clip_grad_norm_)
-    trainer.train()
-    result = {
-        "per_step": {"ends": ends, "completions": scored, **per_step},
-        "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "trl": trl.__version__,
-            "python": platform.python_version(),
-        },
-    }
-    (tmp / "trl.json").write_text(json.dumps(result))
+    return OptimizerClock()
 
 
 # --- the report --------------------------------------------------------------------------------------------
@@ -482,6 +494,21 @@ def cell(value: float | None, fmt: str) -> str:
 
 
 def report(args: argparse.Namespace, ours: dict[str, Any], peer: dict[str, Any] | None, why_no_peer: str) -> None:
+    print_setup(args, peer, why_no_peer)
+    for side in (ours, peer):
+        if side is not None:
+            derive_figures(side)
+    print_table(ours, peer)
+    print_ours_outside_the_model(ours, peer)
+    if peer is None:
+        print(f"rlvr run completions/s = {ours['steady_per_s']:.1f} (no TRL figures: {why_no_peer})")
+        return
+    memory = f"{ours['peak_gib'] / peer['peak_gib']:.2f}x" if ours["peak_gib"] and peer["peak_gib"] else "n/a"
+    print(f"rlvr/TRL completions/s = {ours['steady_per_s'] / peer['steady_per_s']:.2f}x, peak GPU memory {memory}")
+
+
+def print_setup(args: argparse.Namespace, peer: dict[str, Any] | None, why_no_peer: str) -> None:
+    """The date, device, versions of both sides and the benchmark's shape."""
     import torch
     import transformers
 
@@ -502,14 +529,19 @@ def report(args: argparse.Namespace, ours: dict[str, Any], peer: dict[str, Any] 
         f"rows, {args.threads} torch thread(s); {args.steps} steady step(s) after {args.warmup} warm-up step(s) "
         "(+1 final step not timed)"
     )
-    for side in (ours, peer):
-        if side is not None:
-            side["rollout_per_s"] = side["rollout_tokens"] / side["rollout_s"] if side["rollout_s"] else None
-            side["train_per_s"] = side["train_tokens"] / side["train_s"] if side["train_s"] else None
-            model_s = side["rollout_s"] + side["train_s"] + side["verify_s"]
-            side["outside_s"] = side["step_s"] - model_s
-            side["outside_share"] = side["outside_s"] / side["step_s"]
-            side["peak_gib"] = side["peak_bytes"] / GIB if side["peak_bytes"] is not None else None
+
+
+def derive_figures(side: dict[str, Any]) -> None:
+    """Rates, the time outside the model and its share, and the peak in GiB, from one side's measurements."""
+    side["rollout_per_s"] = side["rollout_tokens"] / side["rollout_s"] if side["rollout_s"] else None
+    side["train_per_s"] = side["train_tokens"] / side["train_s"] if side["train_s"] else None
+    model_s = side["rollout_s"] + side["train_s"] + side["verify_s"]
+    side["outside_s"] = side["step_s"] - model_s
+    side["outside_share"] = side["outside_s"] / side["step_s"]
+    side["peak_gib"] = side["peak_bytes"] / GIB if side["peak_bytes"] is not None else None
+
+
+def print_table(ours: dict[str, Any], peer: dict[str, Any] | None) -> None:
     rows = [
         ("completions/s", "steady_per_s", ".1f"),
         ("step s", "step_s", ".2f"),
@@ -531,6 +563,10 @@ def report(args: argparse.Namespace, ours: dict[str, Any], peer: dict[str, Any] 
         ratio = mine / theirs if mine is not None and theirs else None
         ratio_text = "" if key == "outside_share" else cell(ratio, ".2f")
         print(f"{label:28}{cell(mine, fmt):>12}{cell(theirs, fmt):>12}{ratio_text:>8}")
+
+
+def print_ours_outside_the_model(ours: dict[str, Any], peer: dict[str, Any] | None) -> None:
+    """Where our step's time outside the model goes, our peak memory by stage, and why a peak is missing."""
     overhead = (ours["read_commit_s"] + ours["orchestration_s"]) / ours["step_s"]
     print(
         f"rlvr run outside the model, s/step: reading and committing artifacts {ours['read_commit_s']:.3f}, "
@@ -549,11 +585,6 @@ def report(args: argparse.Namespace, ours: dict[str, Any], peer: dict[str, Any] 
     ]
     if notes:
         print("peak GPU memory " + "; ".join(notes))
-    if peer is None:
-        print(f"rlvr run completions/s = {ours['steady_per_s']:.1f} (no TRL figures: {why_no_peer})")
-        return
-    memory = f"{ours['peak_gib'] / peer['peak_gib']:.2f}x" if ours["peak_gib"] and peer["peak_gib"] else "n/a"
-    print(f"rlvr/TRL completions/s = {ours['steady_per_s'] / peer['steady_per_s']:.2f}x, peak GPU memory {memory}")
 
 
 # --- the command -------------------------------------------------------------------------------------------

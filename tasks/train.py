@@ -114,13 +114,9 @@ def update_policy(
     return stats
 
 
-def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Built]:
-    """Inputs: the step's `rollouts` and `rewards` (every round), the `policy` to update (a TrainerState when
-    given); with dynamic sampling the `groups` the filter kept (without it every group trains); with CLPO
-    the `restructured` labels (their KL weights); with `grpo.kl_beta` > 0 the `reference` checkpoint.
-    params: `device` (the run's policy.device: where the policy, its optimizer state and the reference live).
-    The row records the device and the accelerator's peak memory during the update (None on the CPU; with
-    data_parallel > 1 that of this process, not of the torchrun ranks)."""
+def step_batch(inputs: Inputs, cfg: TrainConfig) -> RolloutBatch:
+    """The step's rollouts with their rewards: only the groups the filter kept (with dynamic sampling), their
+    reward components (GDPO), the rollouts' token limit (overlong shaping) and CLPO's KL weights."""
     score_of = dict(zip(*inputs.table("rewards", ["rollout_id", "score"]).to_pydict().values()))
     rollouts = inputs.rows("rollouts")
     if inputs.ids.get("groups"):
@@ -133,6 +129,37 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
     if inputs.ids.get("restructured"):
         weight_of = dict(zip(*inputs.table("restructured", ["slot", "kl_weight"]).to_pydict().values()))
         batch.kl_weights = [weight_of.get(slot, 1.0) for slot in sorted({r["slot"] for r in rollouts})]
+    return batch
+
+
+def step_row(
+    ctx: StageContext, cfg: TrainConfig, batch: RolloutBatch, stats: dict[str, float], compute_seconds: float
+) -> dict[str, Any]:
+    """The step's `train_steps` row (in the schema's column order): the update's statistics, the batch's size,
+    and where it ran."""
+    return {
+        "run_id": ctx.run_id,
+        "step": ctx.step,
+        "policy_id": ctx.output_ids["train_steps"],
+        **{name: stats[name] for name in ("loss", "mean_reward", "reward_std", "effective_ratio")},
+        "groups": len(batch.prompts),
+        "rollouts": len(batch.samples),
+        **{name: stats[name] for name in ("clip_fraction", "kl", "ref_kl", "entropy", "grad_norm")},
+        "lr": cfg.grpo.lr,
+        "updates": int(stats["updates"]),
+        "compute_seconds": compute_seconds,
+        **ctx.usage,
+    }
+
+
+def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Built]:
+    """Inputs: the step's `rollouts` and `rewards` (every round), the `policy` to update (a TrainerState when
+    given); with dynamic sampling the `groups` the filter kept (without it every group trains); with CLPO
+    the `restructured` labels (their KL weights); with `grpo.kl_beta` > 0 the `reference` checkpoint.
+    params: `device` (the run's policy.device: where the policy, its optimizer state and the reference live).
+    The row records the device and the accelerator's peak memory during the update (None on the CPU; with
+    data_parallel > 1 that of this process, not of the torchrun ranks)."""
+    batch = step_batch(inputs, cfg)
     device = stage_device(ctx.params.get("device"))
     reference = None
     if cfg.grpo.kl_beta > 0:
@@ -152,30 +179,11 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
     compute_seconds = time.perf_counter() - started
     ctx.usage.update(usage(state.policy.model))
     n_params = parameter_count(state.policy)
-    updates = int(stats["updates"])
     weights = {name: data for name, data in policy_files(state.policy).items() if is_weights_file(name)}
     files = {**weights, OPTIMIZER_FILE: optimizer_state_bytes(state.optimizer)}
+    updates = int(stats["updates"])
     state_row = {"run_id": ctx.run_id, "step": ctx.step, "optimizer_steps": updates, "n_params": n_params}
-    row = {
-        "run_id": ctx.run_id,
-        "step": ctx.step,
-        "policy_id": ctx.output_ids["train_steps"],
-        "loss": stats["loss"],
-        "mean_reward": stats["mean_reward"],
-        "reward_std": stats["reward_std"],
-        "effective_ratio": stats["effective_ratio"],
-        "groups": len(batch.prompts),
-        "rollouts": len(batch.samples),
-        "clip_fraction": stats["clip_fraction"],
-        "kl": stats["kl"],
-        "ref_kl": stats["ref_kl"],
-        "entropy": stats["entropy"],
-        "grad_norm": stats["grad_norm"],
-        "lr": cfg.grpo.lr,
-        "updates": updates,
-        "compute_seconds": compute_seconds,
-        **ctx.usage,
-    }
+    row = step_row(ctx, cfg, batch, stats, compute_seconds)
     return {
         "train_state": Built(rows_to_table("train_state", [state_row]), files=files),
         "train_steps": Built(rows_to_table("train_steps", [row]), extra={"n_params": n_params}, resident=state),

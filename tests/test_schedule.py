@@ -201,6 +201,33 @@ def prefect_server(tmp_path_factory):
     server.stop()
 
 
+def assert_continues(store: Store, first: str, second: str, first_final: str) -> None:
+    """The second run's initial checkpoint is the first run's final one: same weights, linked by lineage; and
+    the second run re-synthesized its data and re-estimated difficulty with that checkpoint."""
+    start = query(store, f"SELECT artifact_id FROM checkpoints WHERE run_id = '{second}' AND stage = 'initialize'")
+    second_start = start.to_pylist()[0]["artifact_id"]
+    assert store.manifest(second_start).parents[-1] == first_final
+    assert store.read_file(second_start, WEIGHTS) == store.read_file(first_final, WEIGHTS)
+    came_from = {(m.run_id, m.stage) for m in ancestors(store, second_start)}
+    assert {(first, "checkpoint"), (first, "synthesize"), (second, "config")} <= came_from
+    difficulty = [m for m in store.manifests(kind="difficulty", run_id=second)]
+    assert difficulty and second_start in difficulty[0].parents
+    assert store.manifests(kind="problems", run_id=second)
+
+
+def blocked_skips(skips: list[dict], last_started: str) -> list[dict]:
+    """The skipped firings blocked by an earlier firing that ran, each checked. A firing due when the server
+    stopped is cancelled by the stop, blocked by nobody: it must be due after every firing that ran."""
+    skipped_ids = {f["run_id"] for f in skips}
+    at_stop = [f for f in skips if f["blocked_by"] is None]
+    assert all(f["run_id"] > last_started and f["reason"].startswith("cancelled before it started") for f in at_stop)
+    blocked = [f for f in skips if f["blocked_by"] is not None]
+    for skip in blocked:
+        assert skip["blocked_by"] < skip["run_id"] and skip["blocked_by"] not in skipped_ids, skip
+        assert f"previous run {skip['blocked_by']} still running" in skip["reason"]
+    return blocked
+
+
 @pytest.mark.slow
 def test_an_interval_schedule_continues_from_checkpoints_and_skips_overlapping_firings(prefect_server, tmp_path):
     root = str(tmp_path / "store")
@@ -242,32 +269,12 @@ def test_an_interval_schedule_continues_from_checkpoints_and_skips_overlapping_f
     assert json.loads(runs[0]["config_json"])["policy"]["checkpoint"] is None
     assert json.loads(runs[1]["config_json"])["policy"]["checkpoint"] == first_final
 
-    # The second run's initial checkpoint is the first run's final one: same weights, linked by lineage.
-    start = query(store, f"SELECT artifact_id FROM checkpoints WHERE run_id = '{second}' AND stage = 'initialize'")
-    second_start = start.to_pylist()[0]["artifact_id"]
-    assert store.manifest(second_start).parents[-1] == first_final
-    assert store.read_file(second_start, WEIGHTS) == store.read_file(first_final, WEIGHTS)
-    came_from = {(m.run_id, m.stage) for m in ancestors(store, second_start)}
-    assert {(first, "checkpoint"), (first, "synthesize"), (second, "config")} <= came_from
-    # ... and the second run re-synthesized its data and re-estimated difficulty with that checkpoint.
-    difficulty = [m for m in store.manifests(kind="difficulty", run_id=second)]
-    assert difficulty and second_start in difficulty[0].parents
-    assert store.manifests(kind="problems", run_id=second)
+    assert_continues(store, first, second, first_final)
 
     recorded = firings(store, "pipe")
     started = {f["run_id"]: f for f in recorded if f["outcome"] == "started"}
     assert started[first]["start_checkpoint"] is None and started[second]["start_checkpoint"] == first_final
-    skips = [f for f in recorded if f["outcome"] == "skipped"]
-    skipped_ids = {f["run_id"] for f in skips}
-    last_started = max(started)
-    # A firing due when the server stopped is cancelled by the stop, blocked by nobody; it is due after every
-    # firing that ran. Every other skip is blocked by an earlier firing that ran.
-    at_stop = [f for f in skips if f["blocked_by"] is None]
-    assert all(f["run_id"] > last_started and f["reason"].startswith("cancelled before it started") for f in at_stop)
-    skips = [f for f in skips if f["blocked_by"] is not None]
-    for skip in skips:
-        assert skip["blocked_by"] < skip["run_id"] and skip["blocked_by"] not in skipped_ids, skip
-        assert f"previous run {skip['blocked_by']} still running" in skip["reason"]
+    skips = blocked_skips([f for f in recorded if f["outcome"] == "skipped"], last_started=max(started))
     while_first_ran = [f for f in skips if first < f["run_id"] < second]
     assert while_first_ran and {f["blocked_by"] for f in while_first_ran} == {first}
     assert all(store.read_run(f["run_id"]) is None for f in skips)  # a skipped firing never became a run
