@@ -50,6 +50,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from rlvr.child_guard import start_time
 from rlvr.errors import UserError
 from rlvr.storage.errors import ArtifactNotFound, DamagedArtifact, DamagedFile, StoreNotFound
 from rlvr.storage.ids import canonical_json
@@ -1234,14 +1235,8 @@ def pid_alive(pid: Any) -> bool:
 
 def pid_start_time(pid: int) -> int | None:
     """When process `pid` started, in clock ticks since boot (Linux /proc), to tell a pid reused by a new
-    process from the one recorded; None where that cannot be read (another OS, a process already gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            stat = handle.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2 :].split()  # the command name may hold spaces and parentheses
-    return int(fields[19]) if len(fields) > 19 else None
+    process from the one recorded; None where that cannot be read (another OS, a process gone or a zombie)."""
+    return start_time(pid)
 
 
 @lru_cache(maxsize=1)
