@@ -11,7 +11,12 @@ back from the stores with SQL:
     budget (uniform's total);
   - wall time of the run.
 
-    python benchmarks/curriculum.py [--seeds 0 1 2] [--steps 300] [--target 0.6] [--set key=value ...]
+    python benchmarks/curriculum.py [--seeds 0 1 2] [--steps 300] [--target 0.6] [--config FILE] [--set key=value ...]
+
+On the real model (README, "Curricula on the real model"; needs `make smollm2`):
+
+    python benchmarks/curriculum.py --config examples/smollm2-arithmetic-mixed.yaml --seeds 1 2 3 --steps 20 \
+        --every 5 --target 0.3 --set policy.threads=1 --out /tmp/curricula-real
 """
 
 from __future__ import annotations
@@ -37,11 +42,15 @@ METHODS: dict[str, list[str]] = {
 }
 
 
-def run_one(root: Path, method: str, seed: int, steps: int, every: int, overrides: list[str]) -> float:
-    """One `rlvr run`; returns its wall seconds."""
+def run_one(
+    root: Path, method: str, seed: int, steps: int, every: int, overrides: list[str], config: str | None = None
+) -> float:
+    """One `rlvr run` (from `config` when given); returns its wall seconds."""
     store = store_path(root, method, seed)
     sets = [*METHODS[method], f"seed={seed}", f"train.steps={steps}", f"evaluate.every={every}", *overrides]
     command = [sys.executable, "-m", "rlvr.flows.cli", "run", "--store", str(store), "--run-id", "bench"]
+    if config is not None:
+        command += ["--config", config]
     for item in sets:
         command += ["--set", item]
     env = {**os.environ, "PREFECT_LOGGING_LEVEL": "ERROR"}
@@ -138,6 +147,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.6, help="held-out accuracy to reach")
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--config", default=None, help="a run config (e.g. examples/smollm2-arithmetic-mixed.yaml)")
     parser.add_argument("--out", type=Path, default=None, help="keep the stores here (default: a temp dir)")
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="only read the finished stores under --out again")
@@ -148,7 +158,7 @@ def main() -> None:
         seconds = {(m, s): run_seconds(root, m, s) for m, s in jobs}
     else:
         with ThreadPoolExecutor(args.parallel) as pool:
-            runs = pool.map(lambda j: run_one(root, *j, args.steps, args.every, args.overrides), jobs)
+            runs = pool.map(lambda j: run_one(root, *j, args.steps, args.every, args.overrides, args.config), jobs)
             seconds = dict(zip(jobs, runs))
     budgets = {s: figures(root, "uniform", s, None, args.target)["rollouts"] for s in args.seeds}
     results = {

@@ -52,7 +52,8 @@ float32; `--set policy.dtype=bfloat16` stores the weights in bf16 instead); ours
 no-grad pass before the update where TRL, with generation aligned to the optimizer step, reuses the detached
 log-probs of the loss pass; TRL's loss pass uses its fused LM head (log-probs without the full logits); ours
 shares each prompt's key/value cache across its group while sampling; ours commits every artifact of every step
-(rollouts, rewards, the weights and optimizer state, ~6 GB a step at 0.5B) where TRL keeps everything in memory.
+(rollouts, rewards, metrics) where TRL keeps everything in memory, and the weights and optimizer state (~6 GB at
+0.5B) at the last step only (`train.state_every`: a resumed run replays the steps since the last stored state).
 Ours runs `rlvr run` in a subprocess with a fresh store, no warm start, evaluation and a checkpoint only at the
 last step, and a 2-sample difficulty pass; problems come from a JSONL file (the `file` source), and TRL's dataset
 is the problems our run selected from (splits train + warmup).
@@ -233,6 +234,7 @@ def rlvr_overrides(args: argparse.Namespace, model_dir: Path, problems: Path) ->
         "warmstart.steps=0",
         "difficulty.k=2",
         f"train.steps={total}",
+        f"train.state_every={total}",  # weights + Adam state (~6 GB at 0.5B) stored at the last step only
         f"evaluate.every={total}",
         f"checkpoint.every={total}",
         f"flow.steps_per_subflow={total}",

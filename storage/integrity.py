@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from rlvr.storage.errors import DamagedFile
 from rlvr.storage.leases import RunClaimed, live_runs, newest_lease_number, owning
+from rlvr.storage.policy_chain import policy_chain, train_state_of
 from rlvr.storage.store import Manifest, Store, heartbeat_timeout_s
 
 TRANSIENT_KINDS = frozenset({"train_state"})
@@ -144,12 +145,14 @@ def _input_blocker(store: Store, parent: str, damaged: Collection[str]) -> str |
         return f"the manifest of its input {parent} is unreadable"
     if manifest.kind != "train_steps":
         return None
-    weights = str(manifest.extra.get("stage_run", {}).get("outputs", {}).get("train_state", ""))
-    if not weights or not store.exists(weights):
+    chain = policy_chain(store, parent)
+    if chain is None:
         return (
             f"it needs the weights of the policy after step {manifest.step} ({parent}), and only the run's "
             "newest trainer state is kept"
         )
+    base = chain.base  # where its weights are stored (the steps after it are replayed)
+    weights = train_state_of(store, base) if store.manifest(base).kind == "train_steps" else base
     if weights in damaged:
         return f"the weights of its input policy ({weights}) are damaged too, and only a train step remakes them"
     return None

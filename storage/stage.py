@@ -383,7 +383,7 @@ def on_stage_run(listener: Listener) -> Callable[[], None]:
     return lambda: _listeners.remove(listener) if listener in _listeners else None
 
 
-_transient_latest: dict[tuple[str, str, str], str] = {}
+_transient_latest: dict[tuple[str, str, str], tuple[str, tuple[str, ...]]] = {}
 
 
 def run_stage(
@@ -470,7 +470,8 @@ def _build_and_commit(
     # would still need it to redo this stage.
     for name, output in stage.outputs.items():
         if output.transient:
-            _replace_transient(store, output.kind, run_id, ids[name])
+            needs = products[name].extra.get("needs", []) if isinstance(products[name], Built) else []
+            _replace_transient(store, output.kind, run_id, ids[name], tuple(needs))
     commit_seconds = time.perf_counter() - built
     return StageRun(
         stage.name,
@@ -538,26 +539,32 @@ def _commit_sharded(
     writer.commit(expected_shards=sharded.count)
 
 
-def _replace_transient(store: Store, kind: str, run_id: str, keep: str) -> None:
-    """Delete the run's other artifacts of this transient kind (the first time in a process, all of
-    them found in the store: a crash between a commit and a delete can leave one behind)."""
+def _replace_transient(store: Store, kind: str, run_id: str, keep: str, needs: tuple[str, ...] = ()) -> None:
+    """Delete the run's other artifacts of this transient kind, except those `keep` needs (`needs` in its
+    manifest: the stored trainer state a train step between stored states is rebuilt from). The first
+    time in a process every one found in the store goes: a crash between a commit and a delete can
+    leave one behind."""
     key = (store.root, run_id, kind)
     previous = _transient_latest.get(key)
     if previous is None:
-        stale = [m.artifact_id for m in store.manifests(kind=kind, run_id=run_id) if m.artifact_id != keep]
+        candidates = [m.artifact_id for m in store.manifests(kind=kind, run_id=run_id)]
     else:
-        stale = [previous] if previous != keep and store.exists(previous) else []
-    for aid in stale:
-        store.delete_artifact(aid)
-    _transient_latest[key] = keep
+        candidates = [aid for aid in (previous[0], *previous[1]) if store.exists(aid)]
+    kept = {keep, *needs}
+    for aid in dict.fromkeys(candidates):
+        if aid not in kept:
+            store.delete_artifact(aid)
+    _transient_latest[key] = (keep, needs)
 
 
 def prune_transient(store: Store, kind: str, run_id: str, keep: str) -> list[str]:
-    """Delete every artifact of a transient kind of the run except `keep`; returns the deleted ids."""
-    stale = [m.artifact_id for m in store.manifests(kind=kind, run_id=run_id) if m.artifact_id != keep]
+    """Delete every artifact of a transient kind of the run except `keep` and what it needs; returns the
+    deleted ids."""
+    needs = tuple(store.manifest(keep).extra.get("needs", ())) if keep and store.exists(keep) else ()
+    stale = [m.artifact_id for m in store.manifests(kind=kind, run_id=run_id) if m.artifact_id not in {keep, *needs}]
     for aid in stale:
         store.delete_artifact(aid)
-    _transient_latest[(store.root, run_id, kind)] = keep
+    _transient_latest[(store.root, run_id, kind)] = (keep, needs)
     return stale
 
 

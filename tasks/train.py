@@ -4,19 +4,23 @@ Commits `train_state` (weights + optimizer state: the exact point a resumed run 
 the run's newest is kept; config and tokenizer stay those of the run's checkpoint) and then
 `train_steps` (the step's metrics; the durable link of the policy chain that lineage walks through,
 and the reference the next step's policy is named by).
+
+With `state_every` k > 1 only every k-th step's train_state holds weights and optimizer state; the
+others hold their row (manifest `weights: false`, and `needs`: the stored state they are rebuilt from).
+A policy between two stored states is rebuilt by replaying the updates after the older one from their
+committed inputs (trainer/checkpoints.py), which on the CPU gives the same bits.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import load as safetensors_load
 
+from rlvr.storage.policy_chain import weights_needed
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.storage.store import Store
 from rlvr.trainer.checkpoints import (
@@ -28,10 +32,9 @@ from rlvr.trainer.checkpoints import (
     take_trainer_state,
 )
 from rlvr.trainer.devices import reset_peak_memory, stage_device, usage
-from rlvr.trainer.distributed import run_torchrun
-from rlvr.trainer.generation import Sample
-from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
-from rlvr.trainer.policy import load_optimizer_state, optimizer_state_bytes, policy_files
+from rlvr.trainer.grpo import GRPOConfig, RolloutBatch
+from rlvr.trainer.policy import optimizer_state_bytes, policy_files
+from rlvr.trainer.updates import step_batch, update_policy
 
 
 class TrainConfig(BaseModel):
@@ -42,94 +45,15 @@ class TrainConfig(BaseModel):
     data_parallel: int = Field(
         1, ge=1, description="processes sharing each update, launched with torchrun (gloo on CPU, nccl on GPU)"
     )
-
-
-def rollout_batch(
-    rollouts: list[dict[str, Any]],
-    score_of: Mapping[str, float],
-    components_of: Mapping[str, dict[str, float]] | None = None,
-) -> RolloutBatch:
-    """Group the step's rollouts by batch slot (one GRPO group per slot); with `components_of`, each sample's
-    reward components too (GDPO normalises them separately)."""
-    slots = sorted({r["slot"] for r in rollouts})
-    index_of = {slot: i for i, slot in enumerate(slots)}
-    prompts = [""] * len(slots)
-    samples, rewards = [], []
-    ordered = sorted(rollouts, key=lambda r: (r["slot"], r["sample_index"]))
-    for r in ordered:
-        i = index_of[r["slot"]]
-        prompts[i] = r["prompt"]
-        samples.append(
-            Sample(
-                prompt_index=i,
-                sample_index=r["sample_index"],
-                completion_ids=list(r["completion_ids"]),
-                text=r["response"],
-                n_tokens=r["n_tokens"],
-                finish_reason=r["finish_reason"],
-            )
-        )
-        rewards.append(score_of[r["rollout_id"]])
-    components = None if components_of is None else [components_of[r["rollout_id"]] for r in ordered]
-    return RolloutBatch(prompts=prompts, samples=samples, rewards=rewards, components=components)
-
-
-def reward_components(inputs: Inputs) -> dict[str, dict[str, float]]:
-    """rollout_id -> its reward components, parsed from the `rewards` artifact's JSON `components` column."""
-    table = inputs.table("rewards", ["rollout_id", "components"]).to_pydict()
-    return {rid: json.loads(text or "{}") for rid, text in zip(table["rollout_id"], table["components"])}
-
-
-def rollout_max_new_tokens(inputs: Inputs) -> int:
-    """The rollouts' sampling limit, from the rollout stage's config recorded in each rollouts manifest (the
-    largest when refill rounds differ): token-sum's constant and the overlong penalty's L_max."""
-    if inputs.store is None:
-        raise ValueError("the rollouts' max_new_tokens is read from their manifests; these inputs have no store")
-    limits: list[int] = []
-    for aid in inputs.ids.get("rollouts", ()):
-        limit = inputs.store.manifest(aid).config.get("max_new_tokens")
-        if not isinstance(limit, int):
-            raise ValueError(f"rollouts {aid} do not record max_new_tokens (the rollout stage's config)")
-        limits.append(limit)
-    if not limits:
-        raise ValueError("input 'rollouts' is missing")
-    return max(limits)
-
-
-def update_policy(
-    state: TrainerState, batch: RolloutBatch, cfg: TrainConfig, reference: Any, device: str | None = None
-) -> dict[str, float]:
-    """One GRPO step in this process, or across `cfg.data_parallel` torchrun processes (on the CPU when `device`,
-    the run's policy.device, is "cpu"; else on the GPUs when there are some), whose updated weights and
-    optimizer state are loaded back into the live trainer state."""
-    assert state.optimizer is not None
-    if cfg.data_parallel == 1:
-        return grpo_step(state.policy, state.optimizer, batch, cfg.grpo, reference)
-    files, optimizer_bytes, stats = run_torchrun(
-        state.policy, state.optimizer, batch, cfg.grpo, reference, nproc=cfg.data_parallel, device=device
+    state_every: int = Field(
+        1,
+        ge=1,
+        description=(
+            "store the weights and optimizer state every this many steps (1: every step). Between, a resumed "
+            "run replays the committed steps' updates from the last stored state (exact on the CPU). At 0.5B "
+            "parameters a stored state is ~6 GB (float32 weights + Adam moments), more than a GPU step's compute"
+        ),
     )
-    weights = safetensors_load(files["model.safetensors"])
-    state.policy.model.load_state_dict(weights, strict=False)  # tied weights are stored once
-    load_optimizer_state(state.optimizer, optimizer_bytes)
-    return stats
-
-
-def step_batch(inputs: Inputs, cfg: TrainConfig) -> RolloutBatch:
-    """The step's rollouts with their rewards: only the groups the filter kept (with dynamic sampling), their
-    reward components (GDPO), the rollouts' token limit (overlong shaping) and CLPO's KL weights."""
-    score_of = dict(zip(*inputs.table("rewards", ["rollout_id", "score"]).to_pydict().values()))
-    rollouts = inputs.rows("rollouts")
-    if inputs.ids.get("groups"):
-        kept = {r["slot"] for r in inputs.rows("groups", ["slot", "kept"]) if r["kept"]}
-        rollouts = [r for r in rollouts if r["slot"] in kept]
-    components_of = reward_components(inputs) if cfg.grpo.advantage_components is not None else None
-    batch = rollout_batch(rollouts, score_of, components_of)
-    if cfg.grpo.needs_max_length:
-        batch.max_new_tokens = rollout_max_new_tokens(inputs)
-    if inputs.ids.get("restructured"):
-        weight_of = dict(zip(*inputs.table("restructured", ["slot", "kl_weight"]).to_pydict().values()))
-        batch.kl_weights = [weight_of.get(slot, 1.0) for slot in sorted({r["slot"] for r in rollouts})]
-    return batch
 
 
 def step_row(
@@ -159,7 +83,7 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
     params: `device` (the run's policy.device: where the policy, its optimizer state and the reference live).
     The row records the device and the accelerator's peak memory during the update (None on the CPU; with
     data_parallel > 1 that of this process, not of the torchrun ranks)."""
-    batch = step_batch(inputs, cfg)
+    batch = step_batch(inputs, cfg.grpo)
     device = stage_device(ctx.params.get("device"))
     reference = None
     if cfg.grpo.kl_beta > 0:
@@ -175,24 +99,40 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
     assert state.optimizer is not None
     reset_peak_memory(device)  # the step's peak: the update's, with the model, optimizer and reference in place
     started = time.perf_counter()
-    stats = update_policy(state, batch, cfg, reference, ctx.params.get("device"))
+    stats = update_policy(
+        state.policy, state.optimizer, batch, cfg.grpo, reference, cfg.data_parallel, ctx.params.get("device")
+    )
     compute_seconds = time.perf_counter() - started
     ctx.usage.update(usage(state.policy.model))
     n_params = parameter_count(state.policy)
-    weights = {name: data for name, data in policy_files(state.policy).items() if is_weights_file(name)}
-    files = {**weights, OPTIMIZER_FILE: optimizer_state_bytes(state.optimizer)}
-    updates = int(stats["updates"])
-    state_row = {"run_id": ctx.run_id, "step": ctx.step, "optimizer_steps": updates, "n_params": n_params}
+    state_row = {"run_id": ctx.run_id, "step": ctx.step, "optimizer_steps": int(stats["updates"]), "n_params": n_params}
     row = step_row(ctx, cfg, batch, stats, compute_seconds)
+    replay = {"data_parallel": cfg.data_parallel} if cfg.data_parallel > 1 else {}
     return {
-        "train_state": Built(rows_to_table("train_state", [state_row]), files=files),
-        "train_steps": Built(rows_to_table("train_steps", [row]), extra={"n_params": n_params}, resident=state),
+        "train_state": state_built(inputs, cfg, ctx, state, state_row),
+        "train_steps": Built(
+            rows_to_table("train_steps", [row]), extra={"n_params": n_params, **replay}, resident=state
+        ),
     }
 
 
+def state_built(inputs: Inputs, cfg: TrainConfig, ctx: StageContext, state: TrainerState, row: dict[str, Any]) -> Built:
+    """The `train_state` output: the weights and optimizer state on every `state_every`-th step, else only
+    the row, naming the stored state a replay starts from (kept until a newer stored state replaces it)."""
+    table = rows_to_table("train_state", [row])
+    if ctx.step is None or ctx.step % cfg.state_every == 0:
+        assert state.optimizer is not None
+        weights = {name: data for name, data in policy_files(state.policy).items() if is_weights_file(name)}
+        return Built(table, files={**weights, OPTIMIZER_FILE: optimizer_state_bytes(state.optimizer)})
+    needs = weights_needed(inputs.store, inputs.require_id("policy")) if inputs.store is not None else []
+    return Built(table, extra={"weights": False, "needs": needs})
+
+
 def identity(cfg: TrainConfig, params: Mapping[str, Any]) -> dict[str, Any]:
-    """The update depends on the GRPO settings, not on how many steps the run has."""
-    return cfg.grpo.model_dump()
+    """The update depends on the GRPO settings, not on how many steps the run has; `state_every` changes what
+    the train_state holds (named only when it is not 1, so runs that store every step keep their ids)."""
+    every = {"state_every": cfg.state_every} if cfg.state_every != 1 else {}
+    return {**cfg.grpo.model_dump(), **every}
 
 
 TRAIN: Stage[TrainConfig] = Stage(

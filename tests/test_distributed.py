@@ -168,14 +168,13 @@ def test_torchrun_launcher_matches_one_process_and_resumes_the_optimizer(tmp_pat
 def test_the_train_stage_updates_its_live_state_through_torchrun():
     """`train.data_parallel=2`: the stage's update goes through torchrun and lands in the live policy and
     optimizer, as close to the one-process update as the launcher test's tolerance."""
-    from rlvr.tasks.train import TrainConfig, update_policy
-    from rlvr.trainer.checkpoints import TrainerState
+    from rlvr.trainer.updates import update_policy
 
     cfg = GRPOConfig(lr=1e-3, minibatches=2)
     single_policy, single_optimizer, _ = _fresh(cfg, optimizer="adamw")
     grpo_step(single_policy, single_optimizer, BATCH, cfg)
     policy, optimizer, _ = _fresh(cfg, optimizer="adamw")
-    stats = update_policy(TrainerState(policy, optimizer), BATCH, TrainConfig(grpo=cfg, data_parallel=2), None)
+    stats = update_policy(policy, optimizer, BATCH, cfg, None, data_parallel=2)
     assert stats["updates"] == 2.0
     _assert_same_parameters(policy.model.state_dict(), single_policy.model.state_dict(), atol=2e-2 * cfg.lr)
     assert optimizer.state_dict()["state"][0]["step"] == single_optimizer.state_dict()["state"][0]["step"] == 2

@@ -12,7 +12,6 @@ import torch
 
 from rlvr.storage.stage import Inputs
 from rlvr.storage.store import Store
-from rlvr.tasks.train import reward_components, rollout_batch, rollout_max_new_tokens
 from rlvr.trainer.generation import Sample, greedy, sample
 from rlvr.trainer.grpo import (
     GRPOConfig,
@@ -29,6 +28,7 @@ from rlvr.trainer.grpo import (
 )
 from rlvr.trainer.policy import PolicyConfig, init_policy, make_optimizer
 from rlvr.trainer.sft import sft_warmstart
+from rlvr.trainer.updates import reward_components, rollout_batch, rollout_max_new_tokens
 from rlvr.verifiers.arithmetic import ArithmeticVerifier
 
 # The ragged two-group batch: group 0 has 3 samples, group 1 has 2.

@@ -14,7 +14,7 @@ from rlvr.curricula.uniform import UniformConfig, UniformStrategy
 from rlvr.curricula.uniform_budget import UniformBudget, UniformBudgetConfig
 from rlvr.data.validate import validate
 from rlvr.tasks.synthesize import assign_splits
-from rlvr.tasks.train import rollout_batch
+from rlvr.trainer.updates import rollout_batch
 from rlvr.verifiers.arithmetic import ArithmeticSpec, ArithmeticVerifier, generate, space_size
 
 

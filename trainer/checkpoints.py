@@ -10,6 +10,8 @@ is kept; train_steps rows and checkpoints are kept forever, so lineage always wa
 Stages talk only through these ids. To keep a tiny model's step cheap, the newest trainer state
 (model + optimizer) stays in memory under its reference (`RESIDENTS`); any other reference is loaded
 from the store, so a fresh process (a resumed run) computes exactly what the original one would have.
+A train step whose state was not stored (`train.state_every` > 1) is rebuilt from the newest stored state
+before it by replaying the updates between (`rebuilt_state`; storage/policy_chain.py says from where).
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from functools import lru_cache
 import torch
 
 from rlvr.errors import UserError
-from rlvr.storage.stage import RESIDENTS, Built, StageContext, rows_to_table
+from rlvr.storage.policy_chain import holds_weights, policy_chain
+from rlvr.storage.stage import RESIDENTS, Built, Inputs, StageContext, rows_to_table
 from rlvr.storage.store import Store
 from rlvr.trainer.devices import model_device
+from rlvr.trainer.grpo import GRPOConfig
 from rlvr.trainer.lora import ADAPTER_FILE
-from rlvr.trainer.policy import Policy, load_optimizer_state, make_optimizer, policy_from_files
+from rlvr.trainer.policy import Policy, load_optimizer_state, make_optimizer, policy_files, policy_from_files
+from rlvr.trainer.updates import step_batch, update_policy
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 POLICY_KINDS = ("checkpoints", "train_steps")
@@ -75,6 +80,10 @@ def source_checkpoint(store: Store, policy_ref: str) -> str:
 def policy_files_of(store: Store, policy_ref: str) -> dict[str, bytes]:
     """The Hugging Face model directory (file name -> bytes) of `policy_ref`, without optimizer state."""
     source = weights_artifact(store, policy_ref)
+    if not holds_weights(store, source):
+        live = RESIDENTS.get(policy_ref)
+        policy = live.policy if isinstance(live, TrainerState) else rebuilt_state(store, policy_ref).policy
+        return policy_files(policy)
     if source == policy_ref:
         return _files(store, source, lambda name: True)
     static = _files(store, source_checkpoint(store, policy_ref), lambda name: not is_weights_file(name))
@@ -93,6 +102,8 @@ def load_policy(store: Store, policy_ref: str, *, device: torch.device) -> Polic
     live = RESIDENTS.get(policy_ref)
     if isinstance(live, TrainerState) and model_device(live.policy.model) == device:
         return live.policy
+    if not holds_weights(store, weights_artifact(store, policy_ref)):
+        return rebuilt_state(store, policy_ref, device=device).policy
     return policy_from_files(policy_files_of(store, policy_ref), device=device)
 
 
@@ -142,10 +153,56 @@ def take_trainer_state(
         live = None  # nothing live here, or on another device: load from the store
     if live is not None and live.optimizer is not None:
         return live
+    if not holds_weights(store, weights_artifact(store, policy_ref)):
+        return rebuilt_state(store, policy_ref, device=device)  # a step between stored states
     policy = live.policy if live is not None else load_policy(store, policy_ref, device=device)
+    return TrainerState(policy, stored_optimizer(store, policy_ref, policy, lr, weight_decay))
+
+
+def stored_optimizer(
+    store: Store, policy_ref: str, policy: Policy, lr: float, weight_decay: float
+) -> torch.optim.Optimizer:
+    """An optimizer over `policy` with the moments stored beside the weights of `policy_ref` (fresh at a
+    checkpoint, which stores none)."""
     optimizer = make_optimizer(policy, lr=lr, weight_decay=weight_decay)
     source = weights_artifact(store, policy_ref)
     names = {f["path"] for f in store.manifest(source).files}
     if f"files/{OPTIMIZER_FILE}" in names:
         load_optimizer_state(optimizer, store.read_file(source, OPTIMIZER_FILE))
-    return TrainerState(policy, optimizer)
+    return optimizer
+
+
+def rebuilt_state(store: Store, policy_ref: str, *, device: torch.device | None = None) -> TrainerState:
+    """The trainer state after `policy_ref`, rebuilt from the newest stored state before it by replaying the
+    updates of the train steps between, each from its committed inputs and recorded settings: the same
+    computation as the run's, so on the CPU the same bits. `device` defaults to the CPU."""
+    device = device or torch.device("cpu")
+    chain = policy_chain(store, policy_ref)
+    if chain is None:
+        raise UserError(
+            f"the weights of policy {policy_ref} are no longer stored in {store.root} (only a run's newest "
+            'trainer state is kept); use a checkpoint: rlvr query "SELECT step, artifact_id FROM checkpoints"'
+        )
+    first = GRPOConfig.model_validate(_grpo_settings(store, chain.replay[0])) if chain.replay else GRPOConfig()
+    policy = policy_from_files(policy_files_of(store, chain.base), device=device)
+    state = TrainerState(policy, stored_optimizer(store, chain.base, policy, first.lr, first.weight_decay))
+    for train_steps_id in chain.replay:
+        replay_update(store, state, train_steps_id, device)
+    return state
+
+
+def _grpo_settings(store: Store, train_steps_id: str) -> dict[str, object]:
+    settings = dict(store.manifest(train_steps_id).config)
+    settings.pop("state_every", None)
+    return settings
+
+
+def replay_update(store: Store, state: TrainerState, train_steps_id: str, device: torch.device) -> None:
+    """Apply the update train step `train_steps_id` made to `state` again, from its committed inputs."""
+    manifest = store.manifest(train_steps_id)
+    grpo = GRPOConfig.model_validate(_grpo_settings(store, train_steps_id))
+    inputs = Inputs(store, manifest.extra["stage_run"]["inputs"])
+    reference = reference_policy(store, inputs.require_id("reference"), device=device) if grpo.kl_beta > 0 else None
+    assert state.optimizer is not None
+    data_parallel = int(manifest.extra.get("data_parallel", 1))
+    update_policy(state.policy, state.optimizer, step_batch(inputs, grpo), grpo, reference, data_parallel, str(device))

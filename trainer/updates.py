@@ -1,0 +1,112 @@
+"""What one policy update is made of: the step's rollouts grouped into a GRPO batch (from the train stage's
+inputs), and the update itself, in this process or across data-parallel ranks. The train stage runs it,
+and a policy whose weights were not stored is rebuilt by running it again (trainer/checkpoints.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from safetensors.torch import load as safetensors_load
+
+from rlvr.storage.stage import Inputs
+from rlvr.trainer.distributed import run_torchrun
+from rlvr.trainer.generation import Sample
+from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
+from rlvr.trainer.policy import Policy, load_optimizer_state
+
+
+def rollout_batch(
+    rollouts: list[dict[str, Any]],
+    score_of: Mapping[str, float],
+    components_of: Mapping[str, dict[str, float]] | None = None,
+) -> RolloutBatch:
+    """Group the step's rollouts by batch slot (one GRPO group per slot); with `components_of`, each sample's
+    reward components too (GDPO normalises them separately)."""
+    slots = sorted({r["slot"] for r in rollouts})
+    index_of = {slot: i for i, slot in enumerate(slots)}
+    prompts = [""] * len(slots)
+    samples, rewards = [], []
+    ordered = sorted(rollouts, key=lambda r: (r["slot"], r["sample_index"]))
+    for r in ordered:
+        i = index_of[r["slot"]]
+        prompts[i] = r["prompt"]
+        samples.append(
+            Sample(
+                prompt_index=i,
+                sample_index=r["sample_index"],
+                completion_ids=list(r["completion_ids"]),
+                text=r["response"],
+                n_tokens=r["n_tokens"],
+                finish_reason=r["finish_reason"],
+            )
+        )
+        rewards.append(score_of[r["rollout_id"]])
+    components = None if components_of is None else [components_of[r["rollout_id"]] for r in ordered]
+    return RolloutBatch(prompts=prompts, samples=samples, rewards=rewards, components=components)
+
+
+def reward_components(inputs: Inputs) -> dict[str, dict[str, float]]:
+    """rollout_id -> its reward components, parsed from the `rewards` artifact's JSON `components` column."""
+    table = inputs.table("rewards", ["rollout_id", "components"]).to_pydict()
+    return {rid: json.loads(text or "{}") for rid, text in zip(table["rollout_id"], table["components"])}
+
+
+def rollout_max_new_tokens(inputs: Inputs) -> int:
+    """The rollouts' sampling limit, from the rollout stage's config recorded in each rollouts manifest (the
+    largest when refill rounds differ): token-sum's constant and the overlong penalty's L_max."""
+    if inputs.store is None:
+        raise ValueError("the rollouts' max_new_tokens is read from their manifests; these inputs have no store")
+    limits: list[int] = []
+    for aid in inputs.ids.get("rollouts", ()):
+        limit = inputs.store.manifest(aid).config.get("max_new_tokens")
+        if not isinstance(limit, int):
+            raise ValueError(f"rollouts {aid} do not record max_new_tokens (the rollout stage's config)")
+        limits.append(limit)
+    if not limits:
+        raise ValueError("input 'rollouts' is missing")
+    return max(limits)
+
+
+def update_policy(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    batch: RolloutBatch,
+    grpo: GRPOConfig,
+    reference: Policy | None,
+    data_parallel: int = 1,
+    device: str | None = None,
+) -> dict[str, float]:
+    """One GRPO step in this process, or across `data_parallel` torchrun processes (on the CPU when `device`,
+    the run's policy.device, is "cpu"; else on the GPUs when there are some), whose updated weights and
+    optimizer state are loaded back into `policy` and `optimizer`."""
+    if data_parallel == 1:
+        return grpo_step(policy, optimizer, batch, grpo, reference)
+    files, optimizer_bytes, stats = run_torchrun(
+        policy, optimizer, batch, grpo, reference, nproc=data_parallel, device=device
+    )
+    weights = safetensors_load(files["model.safetensors"])
+    policy.model.load_state_dict(weights, strict=False)  # tied weights are stored once
+    load_optimizer_state(optimizer, optimizer_bytes)
+    return stats
+
+
+def step_batch(inputs: Inputs, grpo: GRPOConfig) -> RolloutBatch:
+    """The step's rollouts with their rewards: only the groups the filter kept (with dynamic sampling), their
+    reward components (GDPO), the rollouts' token limit (overlong shaping) and CLPO's KL weights."""
+    score_of = dict(zip(*inputs.table("rewards", ["rollout_id", "score"]).to_pydict().values()))
+    rollouts = inputs.rows("rollouts")
+    if inputs.ids.get("groups"):
+        kept = {r["slot"] for r in inputs.rows("groups", ["slot", "kept"]) if r["kept"]}
+        rollouts = [r for r in rollouts if r["slot"] in kept]
+    components_of = reward_components(inputs) if grpo.advantage_components is not None else None
+    batch = rollout_batch(rollouts, score_of, components_of)
+    if grpo.needs_max_length:
+        batch.max_new_tokens = rollout_max_new_tokens(inputs)
+    if inputs.ids.get("restructured"):
+        weight_of = dict(zip(*inputs.table("restructured", ["slot", "kl_weight"]).to_pydict().values()))
+        batch.kl_weights = [weight_of.get(slot, 1.0) for slot in sorted({r["slot"] for r in rollouts})]
+    return batch
