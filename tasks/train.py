@@ -43,7 +43,12 @@ class TrainConfig(BaseModel):
     steps: int = Field(600, ge=0, description="RL steps")
     grpo: GRPOConfig = Field(default_factory=lambda: GRPOConfig(minibatches=2))
     data_parallel: int = Field(
-        1, ge=1, description="processes sharing each update, launched with torchrun (gloo on CPU, nccl on GPU)"
+        1,
+        ge=1,
+        description=(
+            "processes sharing each update (gloo on CPU, nccl on GPU): the run's process is rank 0 and the "
+            "others live for the whole run, holding replicas (trainer/rank_pool.py)"
+        ),
     )
     state_every: int = Field(
         1,
@@ -99,9 +104,7 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
     assert state.optimizer is not None
     reset_peak_memory(device)  # the step's peak: the update's, with the model, optimizer and reference in place
     started = time.perf_counter()
-    stats = update_policy(
-        state.policy, state.optimizer, batch, cfg.grpo, reference, cfg.data_parallel, ctx.params.get("device")
-    )
+    stats = update_policy(state.policy, state.optimizer, batch, cfg.grpo, reference, cfg.data_parallel)
     compute_seconds = time.perf_counter() - started
     ctx.usage.update(usage(state.policy.model))
     n_params = parameter_count(state.policy)

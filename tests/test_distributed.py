@@ -165,16 +165,69 @@ def test_torchrun_launcher_matches_one_process_and_resumes_the_optimizer(tmp_pat
 
 
 @pytest.mark.slow
-def test_the_train_stage_updates_its_live_state_through_torchrun():
-    """`train.data_parallel=2`: the stage's update goes through torchrun and lands in the live policy and
-    optimizer, as close to the one-process update as the launcher test's tolerance."""
+def test_ranks_live_across_updates_and_take_the_state_only_when_it_changes():
+    """`train.data_parallel=2` (trainer/rank_pool.py): this process is rank 0 and one worker rank lives across
+    updates. Two steps land in the live policy and optimizer as close to two one-process steps as the launcher
+    test's tolerance, with the state sent once; a new live policy (a resumed or replayed one) is sent again;
+    the KL reference goes once; closing the pool ends the worker."""
+    from rlvr.trainer import rank_pool
     from rlvr.trainer.updates import update_policy
 
-    cfg = GRPOConfig(lr=1e-3, minibatches=2)
-    single_policy, single_optimizer, _ = _fresh(cfg, optimizer="adamw")
-    grpo_step(single_policy, single_optimizer, BATCH, cfg)
+    cfg = GRPOConfig(lr=1e-3, minibatches=2, kl_beta=0.5, aggregation="token-mean")
+    single_policy, single_optimizer, reference = _fresh(cfg, optimizer="adamw")
     policy, optimizer, _ = _fresh(cfg, optimizer="adamw")
-    stats = update_policy(policy, optimizer, BATCH, cfg, None, data_parallel=2)
-    assert stats["updates"] == 2.0
-    _assert_same_parameters(policy.model.state_dict(), single_policy.model.state_dict(), atol=2e-2 * cfg.lr)
-    assert optimizer.state_dict()["state"][0]["step"] == single_optimizer.state_dict()["state"][0]["step"] == 2
+    try:
+        for batch in (BATCH, WEIGHTED):
+            grpo_step(single_policy, single_optimizer, batch, cfg, reference)
+            stats = update_policy(policy, optimizer, batch, cfg, reference, data_parallel=2)
+            assert stats["updates"] == 2.0
+        pool = rank_pool.current_pool()
+        assert pool is not None and pool.state_syncs == 1 and len(pool.workers) == 1
+        worker = pool.workers[0]
+        _assert_same_parameters(policy.model.state_dict(), single_policy.model.state_dict(), atol=2e-2 * cfg.lr)
+        assert optimizer.state_dict()["state"][0]["step"] == single_optimizer.state_dict()["state"][0]["step"] == 4
+
+        other, other_optimizer, _ = _fresh(cfg, optimizer="adamw")  # e.g. a resumed run's freshly loaded state
+        update_policy(other, other_optimizer, BATCH, cfg, reference, data_parallel=2)
+        expected, expected_optimizer, _ = _fresh(cfg, optimizer="adamw")
+        grpo_step(expected, expected_optimizer, BATCH, cfg, reference)
+        assert pool.state_syncs == 2 and rank_pool.current_pool() is pool and pool.workers[0] is worker
+        _assert_same_parameters(other.model.state_dict(), expected.model.state_dict(), atol=2e-2 * cfg.lr)
+    finally:
+        rank_pool.close_pool()
+    assert worker.wait(timeout=30) == 0
+    assert rank_pool.current_pool() is None
+
+
+def _rank_processes() -> list[int]:
+    """Pids of live worker ranks (their command line names the module)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if entry.name.isdigit() and b"rlvr.trainer.rank_pool" in command:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_data_parallel_run_keeps_one_rank_process_and_leaves_none(tmp_path, prefect_api):
+    """A whole `rlvr run` with `train.data_parallel=2` trains every step through its worker rank, and leaves no
+    rank process behind when it ends."""
+    from tests.cli_helpers import cli_env, rlvr
+
+    before = set(_rank_processes())
+    sets = ["train.steps=3", "train.data_parallel=2", "warmstart.steps=5", "difficulty.k=2", "evaluate.every=3"]
+    args = ["run", "--store", str(tmp_path / "s"), "--run-id", "dp"]
+    for item in [*sets, "synthesize.source.per_category=6"]:
+        args += ["--set", item]
+    done = rlvr(*args, env=cli_env(PREFECT_API_URL=prefect_api), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from rlvr.storage.store import Store
+    from rlvr.storage.views import query
+
+    rows = query(Store.open(str(tmp_path / "s")), "SELECT step, updates FROM train_steps ORDER BY step").to_pylist()
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert set(_rank_processes()) - before == set()

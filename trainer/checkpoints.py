@@ -205,4 +205,4 @@ def replay_update(store: Store, state: TrainerState, train_steps_id: str, device
     reference = reference_policy(store, inputs.require_id("reference"), device=device) if grpo.kl_beta > 0 else None
     assert state.optimizer is not None
     data_parallel = int(manifest.extra.get("data_parallel", 1))
-    update_policy(state.policy, state.optimizer, step_batch(inputs, grpo), grpo, reference, data_parallel, str(device))
+    update_policy(state.policy, state.optimizer, step_batch(inputs, grpo), grpo, reference, data_parallel)

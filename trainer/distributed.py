@@ -203,21 +203,29 @@ def distributed_grpo_step(
 # --- payloads, the torchrun entry point, and launching it ------------------------------------------------
 
 
-def write_payload(path: Path, batch: RolloutBatch, cfg: GRPOConfig) -> None:
+def payload_text(batch: RolloutBatch, cfg: GRPOConfig) -> str:
     """The step's batch and config as JSON (nothing pickled: a payload can come from another machine)."""
-    payload = {"config": cfg.model_dump(), "batch": dataclasses.asdict(batch)}
-    path.write_text(json.dumps(payload))
+    return json.dumps({"config": cfg.model_dump(), "batch": dataclasses.asdict(batch)})
+
+
+def parse_payload(text: str) -> tuple[RolloutBatch, GRPOConfig]:
+    """Inverse of `payload_text`."""
+    payload = json.loads(text)
+    raw = payload["batch"]
+    batch = RolloutBatch(**{**raw, "samples": [Sample(**sample) for sample in raw["samples"]]})
+    return batch, GRPOConfig.model_validate(payload["config"])
+
+
+def write_payload(path: Path, batch: RolloutBatch, cfg: GRPOConfig) -> None:
+    path.write_text(payload_text(batch, cfg))
 
 
 def read_payload(path: Path) -> tuple[RolloutBatch, GRPOConfig]:
     """Inverse of `write_payload`."""
     try:
-        payload = json.loads(path.read_text())
+        return parse_payload(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise UserError(f"cannot read the batch payload '{path}': {error}; write it with write_payload") from None
-    raw = payload["batch"]
-    batch = RolloutBatch(**{**raw, "samples": [Sample(**sample) for sample in raw["samples"]]})
-    return batch, GRPOConfig.model_validate(payload["config"])
 
 
 def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -10,13 +10,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from safetensors.torch import load as safetensors_load
 
 from rlvr.storage.stage import Inputs
-from rlvr.trainer.distributed import run_torchrun
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
-from rlvr.trainer.policy import Policy, load_optimizer_state
+from rlvr.trainer.policy import Policy
+from rlvr.trainer.rank_pool import pooled_update
 
 
 def rollout_batch(
@@ -78,20 +77,13 @@ def update_policy(
     grpo: GRPOConfig,
     reference: Policy | None,
     data_parallel: int = 1,
-    device: str | None = None,
 ) -> dict[str, float]:
-    """One GRPO step in this process, or across `data_parallel` torchrun processes (on the CPU when `device`,
-    the run's policy.device, is "cpu"; else on the GPUs when there are some), whose updated weights and
-    optimizer state are loaded back into `policy` and `optimizer`."""
+    """One GRPO step in this process, or across `data_parallel` ranks that live for the process's whole life
+    (trainer/rank_pool.py: this process is rank 0, on the policy's device), updating `policy` and `optimizer`
+    in place."""
     if data_parallel == 1:
         return grpo_step(policy, optimizer, batch, grpo, reference)
-    files, optimizer_bytes, stats = run_torchrun(
-        policy, optimizer, batch, grpo, reference, nproc=data_parallel, device=device
-    )
-    weights = safetensors_load(files["model.safetensors"])
-    policy.model.load_state_dict(weights, strict=False)  # tied weights are stored once
-    load_optimizer_state(optimizer, optimizer_bytes)
-    return stats
+    return pooled_update(policy, optimizer, batch, grpo, reference, data_parallel)
 
 
 def step_batch(inputs: Inputs, grpo: GRPOConfig) -> RolloutBatch:
