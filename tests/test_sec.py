@@ -161,6 +161,16 @@ def test_trained_arm_outside_pool_is_still_updated():
     assert rows["b"]["pool_size"] == 0 and rows["b"]["probability"] is None and rows["b"]["q_after"] == 0.5
 
 
+def test_alpha_weighs_the_new_reward_and_one_minus_alpha_the_old_value():
+    """α = 0.2 (not 0.5, where swapping α and 1 - α changes nothing): arm a's Q goes 0 -> 0.2·0.75 = 0.15,
+    then with mean |A| 0.25: 0.2·0.25 + 0.8·0.15 = 0.17. Swapped it would be 0.6 and then 0.32."""
+    sec = SecStrategy(SecConfig(alpha=0.2, tau=0.4))
+    first = rows_by_arm(sec.observe(StepFeedback(0, A, [outcome(0, A[0], (1.0, -0.5))])))
+    assert first["a"]["q_after"] == pytest.approx(0.15, abs=1e-15)
+    second = rows_by_arm(sec.observe(StepFeedback(1, A, [outcome(0, A[1], (0.25, -0.25))])))
+    assert (second["a"]["q_before"], second["a"]["q_after"]) == (pytest.approx(0.15), pytest.approx(0.17))
+
+
 def test_state_round_trips_through_json_and_reproduces_next_picks():
     sec = SecStrategy(SecConfig(alpha=0.5, tau=0.4))
     pool = A + B + C

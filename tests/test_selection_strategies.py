@@ -289,3 +289,38 @@ def test_filter_refuses_bad_input():
         filter_groups(GROUPS, 0, 0, ON)
     with pytest.raises(ValueError, match="refills_done must be >= 0, got -1"):
         filter_groups(GROUPS, 2, -1, ON)
+
+
+def test_the_filter_stage_filters_on_correctness_not_on_the_shaped_score():
+    """Slot 0: all wrong with partial-credit scores 0.2 and 0.6 (score variance, no signal); slot 1: one right,
+    one wrong with equal scores 0.5 (no score variance, signal). Filtering on the score would keep slot 0."""
+    import pyarrow as pa
+
+    from rlvr.storage.stage import Inputs, StageContext
+    from rlvr.tasks.filter import build
+
+    rollouts = pa.table(
+        {
+            "rollout_id": ["r0", "r1", "r2", "r3"],
+            "slot": [0, 0, 1, 1],
+            "sample_index": [0, 1, 0, 1],
+            "problem_id": ["p0", "p0", "p1", "p1"],
+        }
+    )
+    rewards = pa.table(
+        {
+            "rollout_id": ["r0", "r1", "r2", "r3"],
+            "status": ["wrong", "wrong", "ok", "wrong"],
+            "score": [0.2, 0.6, 0.5, 0.5],
+        }
+    )
+    params = {"batch_size": 1, "refills_done": 1, "first_slot": 0}
+    ctx = StageContext("r", 0, 1, "filter", {}, {"filtered_groups": "f-1"}, params)
+    built = build(
+        Inputs.given(rollouts=rollouts, rewards=rewards), DynamicSamplingConfig(enabled=True, max_refills=1), ctx
+    )
+    rows = built.table.to_pylist()
+    assert [(r["slot"], r["kept"], r["reason"], r["mean_reward"]) for r in rows] == [
+        (0, False, "zero variance", 0.0),
+        (1, True, "kept", 0.5),
+    ]
