@@ -12,10 +12,11 @@ once).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 from rlvr.curricula.filtering import DynamicSamplingConfig, filter_groups
-from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
+from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, default_identity, rows_to_table
 
 
 def build(inputs: Inputs, cfg: DynamicSamplingConfig, ctx: StageContext) -> Built:
@@ -35,6 +36,7 @@ def build(inputs: Inputs, cfg: DynamicSamplingConfig, ctx: StageContext) -> Buil
     decision = filter_groups(groups, ctx.params["batch_size"], ctx.params["refills_done"], cfg)
     reason = {i: "kept" for i in decision.keep}
     reason.update({i: "zero variance" for i in decision.zero_variance})
+    reason.update({i: "outside band" for i in decision.outside_band})
     reason.update({i: "surplus" for i in decision.surplus})
     first_slot = ctx.params.get("first_slot", 0)
     rows = [
@@ -61,6 +63,14 @@ def build(inputs: Inputs, cfg: DynamicSamplingConfig, ctx: StageContext) -> Buil
     return Built(rows_to_table("filtered_groups", rows), extra=extra)
 
 
+def identity(cfg: DynamicSamplingConfig, params: Mapping[str, Any]) -> dict[str, Any]:
+    """The section and params; `band` only when set, so runs without one keep the ids they had before it."""
+    settings = default_identity(cfg, params)
+    if cfg.band is None:
+        settings.pop("band")
+    return settings
+
+
 FILTER: Stage[DynamicSamplingConfig] = Stage(
     name="filter",
     code_version="1",
@@ -69,4 +79,5 @@ FILTER: Stage[DynamicSamplingConfig] = Stage(
     inputs=("rollouts", "rewards"),
     outputs={"filtered_groups": Output("filtered_groups")},
     build=build,
+    identity=identity,
 )

@@ -284,6 +284,19 @@ def test_filter_disabled_keeps_everything():
     assert decision.keep == (0, 1, 2, 3, 4) and not decision.refill and decision.effective_ratio == 0.6
 
 
+def test_band_pass_keeps_groups_whose_pass_rate_is_inside_the_band():
+    """Pass rates 0.25, 0.75, 0.5, 1/8, 7/8 and 1.0 (no variance) with band [0.25, 0.75]: 0.25, 0.75 and 0.5 are
+    kept (bounds included); 1/8 and 7/8 have variance but fall outside; with B = 4 a refill is asked."""
+    groups = [[1, 0, 0, 0], [1, 1, 1, 0], [1, 0], [1] + [0] * 7, [1] * 7 + [0], [1, 1]]
+    band = DynamicSamplingConfig(enabled=True, band=(0.25, 0.75), max_refills=1)
+    decision = filter_groups(groups, 4, 0, band)
+    assert (decision.keep, decision.outside_band, decision.zero_variance) == ((0, 1, 2), (3, 4), (5,))
+    assert decision.refill_prompts == 2 and decision.effective_ratio == 5 / 6  # the ratio counts variance only
+    assert filter_groups(groups, 4, 0, ON).keep == (0, 1, 2, 3)  # without the band 1/8 is kept
+    with pytest.raises(ValueError, match=r"band must be \[low, high\] with 0 <= low <= high <= 1, got \[0.8, 0.2\]"):
+        DynamicSamplingConfig(band=(0.8, 0.2))
+
+
 def test_filter_refuses_bad_input():
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         filter_groups(GROUPS, 0, 0, ON)
