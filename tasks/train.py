@@ -133,9 +133,14 @@ def state_built(inputs: Inputs, cfg: TrainConfig, ctx: StageContext, state: Trai
 
 def identity(cfg: TrainConfig, params: Mapping[str, Any]) -> dict[str, Any]:
     """The update depends on the GRPO settings, not on how many steps the run has; `state_every` changes what
-    the train_state holds (named only when it is not 1, so runs that store every step keep their ids)."""
+    the train_state holds (named only when it is not 1, so runs that store every step keep their ids), and
+    SEED-GRPO's keys are named only when it is on."""
     every = {"state_every": cfg.state_every} if cfg.state_every != 1 else {}
-    return {**cfg.grpo.model_dump(), **every}
+    grpo = cfg.grpo.model_dump()
+    if cfg.grpo.semantic_entropy is None:  # keys added later leave the ids of runs without them as they were
+        grpo.pop("semantic_entropy")
+        grpo.pop("semantic_entropy_weighting")
+    return {**grpo, **every}
 
 
 TRAIN: Stage[TrainConfig] = Stage(

@@ -75,3 +75,24 @@ def test_missing_and_malformed_files(tmp_path):
 def test_config_round_trips_through_json():
     cfg = load_config(None, ["seed=3", "train.steps=5"])
     assert RunConfig.model_validate_json(cfg.model_dump_json()) == cfg
+
+
+def test_keys_added_later_leave_the_ids_of_earlier_runs_as_they_were():
+    """The default config's id is the one runs had before train.state_every, filter.band and SEED-GRPO's keys
+    existed (config-0789b2d3512a8a667779, computed with the code of 2026-11-23); each key changes the id only
+    when it is set to something other than its old meaning."""
+    from rlvr.flows.config import CONFIG, LATER_KEYS
+
+    def config_id(*overrides: str) -> str:
+        return CONFIG.output_ids("r", None, load_config(None, ["run_id=r", *overrides]), {}, {})["config"]
+
+    assert config_id() == "config-0789b2d3512a8a667779"
+    assert config_id("train.state_every=1", "filter.band=null") == config_id()
+    grpo = ["train.grpo.minibatches=2"]  # a train.grpo key replaces the section's default (minibatches 2) whole
+    assert config_id(*grpo, "train.grpo.semantic_entropy=null", "train.grpo.semantic_entropy_weighting=linear") == (
+        config_id(*grpo)
+    )
+    changed = {config_id("train.state_every=5"), config_id("filter.band=[0.2, 0.8]")}
+    changed |= {config_id("train.grpo.semantic_entropy=0.5"), config_id("policy.dtype=bfloat16")}
+    assert len(changed) == 4 and config_id() not in changed
+    assert len(LATER_KEYS) == 5

@@ -5,6 +5,7 @@ aggregations, the KL term, overlong masking and entropy; then the tiny model lea
 import copy
 import math
 import random
+from dataclasses import replace
 
 import pyarrow as pa
 import pytest
@@ -23,6 +24,7 @@ from rlvr.trainer.grpo import (
     grpo_step,
     overlong_penalty,
     reference_kl,
+    semantic_entropy_scale,
     step_advantages,
     training_rows,
 )
@@ -349,3 +351,30 @@ def test_tiny_task_learns_with_each_variant(warm_policy, variant):
         batch = RolloutBatch(prompts, samples, [sc.value for sc in scores], components=components, max_new_tokens=3)
         grpo_step(policy, optimizer, batch, cfg, reference=base if cfg.kl_beta > 0 else None)
     assert _accuracy(policy) >= before + MARGIN
+
+
+def test_seed_grpo_scales_each_group_by_the_entropy_of_its_answers():
+    """Group 0: answers 7, 7, 7, 3 -> p = (3/4, 1/4), SE = -(0.75 ln 0.75 + 0.25 ln 0.25) = 0.5623351446188083,
+    SE / ln 4 = 0.4056390622295664; alpha 0.5: linear 1 - 0.2028195311147832 = 0.7971804688852168, exponential
+    exp(-0.2028...) = 0.816425567543357. Group 1: all 5 -> SE 0 -> 1. Group 2: 1, 2 and a missing answer (its own
+    cluster) -> SE = ln 3 -> 1 - alpha. Group 3: one sample -> 1."""
+    answers = ["7", "7", "7", "3", "5", "5", "1", "2", None, "9"]
+    group_index = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 2, 3])
+    linear = semantic_entropy_scale(answers, group_index, 0.5)
+    expected = [0.7971804688852168] * 4 + [1.0, 1.0] + [0.5] * 3 + [1.0]
+    assert linear.tolist() == pytest.approx(expected, abs=1e-7)
+    exponential = semantic_entropy_scale(answers, group_index, 0.5, "exponential")
+    assert exponential[:4].tolist() == pytest.approx([0.816425567543357] * 4, abs=1e-7)
+    assert exponential[6:9].tolist() == pytest.approx([math.exp(-0.5)] * 3, abs=1e-7)
+
+    rewards = [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    samples = [Sample(int(g), k, [4], "", 1, "stop") for k, g in enumerate(group_index.tolist())]
+    batch = RolloutBatch(prompts=["a", "b", "c", "d"], samples=samples, rewards=rewards, answers=answers)
+    plain = step_advantages(batch, torch.tensor(rewards), group_index, GRPOConfig())
+    scaled = step_advantages(batch, torch.tensor(rewards), group_index, GRPOConfig(semantic_entropy=0.5))
+    assert scaled.tolist() == pytest.approx((plain * linear).tolist(), abs=1e-7)
+    assert float(scaled[0]) == pytest.approx(0.7971804688852168 * float(plain[0]), abs=1e-7) and float(plain[0]) != 0
+    with pytest.raises(ValueError, match="semantic_entropy needs every sample's extracted answer"):
+        step_advantages(
+            replace(batch, answers=None), torch.tensor(rewards), group_index, GRPOConfig(semantic_entropy=0.5)
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,8 +14,10 @@ from rlvr.curricula.base import Estimate, Pick, PoolProblem
 from rlvr.curricula.uniform import UniformConfig, UniformStrategy
 from rlvr.curricula.uniform_budget import UniformBudget, UniformBudgetConfig
 from rlvr.data.validate import validate
+from rlvr.storage.stage import Inputs
 from rlvr.tasks.synthesize import assign_splits
-from rlvr.trainer.updates import rollout_batch
+from rlvr.trainer.grpo import GRPOConfig
+from rlvr.trainer.updates import rollout_batch, step_batch
 from rlvr.verifiers.arithmetic import ArithmeticSpec, ArithmeticVerifier, generate, space_size
 
 
@@ -128,3 +131,15 @@ def test_rollout_batch_groups_by_slot():
     assert batch.prompts == ["0+0=", "1+0="]
     assert [(s.prompt_index, s.sample_index) for s in batch.samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert batch.rewards == [0.0, 0.0, 1.0, 1.0]
+
+    rewards = pa.table(
+        {
+            "rollout_id": [r["rollout_id"] for r in rows],
+            "score": [scores[r["rollout_id"]] for r in rows],
+            "extracted": [f"x{r['rollout_id']}" for r in rows],
+        }
+    )
+    inputs = Inputs.given(rollouts=pa.Table.from_pylist(rows), rewards=rewards)
+    assert step_batch(inputs, GRPOConfig()).answers is None  # read only for SEED-GRPO
+    seed = step_batch(inputs, GRPOConfig(semantic_entropy=0.5))
+    assert seed.answers == ["xr00", "xr01", "xr10", "xr11"]  # in the batch's sample order

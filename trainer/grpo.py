@@ -10,6 +10,7 @@ uses for verifiable rewards); CLPO turns it on. Groups whose advantages are all 
 update; dynamic sampling's refills are the filter stage's. Every default reproduces plain GRPO.
 """
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,6 +59,31 @@ def group_advantages(
         return (centered / (rewards.std(correction=0) + eps)).to(torch.float32)
     variances = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, centered**2) / sizes.clamp(min=1)
     return (centered / (variances.sqrt()[group_index] + eps)).to(torch.float32)
+
+
+def semantic_entropy_scale(
+    answers: list[str | None], group_index: Tensor, alpha: float, weighting: str = "linear"
+) -> Tensor:
+    """SEED-GRPO's factor on each sample's advantage (docs/methods.md#seed-grpo): its group's answers are
+    clustered by equal meaning (the verifier's `extracted` value; a missing one is a cluster of its own),
+    SE = -Σ_k p_k log p_k with p_k = |C_k| / G, and the factor is f(alpha · SE / log G) with f(x) = 1 - x
+    ("linear") or exp(-x) ("exponential"): 1 where every answer agrees, smallest where all differ. A group of
+    one keeps factor 1. Returns float32 [N]."""
+    factors = torch.ones(len(answers), dtype=torch.float64)
+    members: dict[int, list[int]] = {}
+    for k, group in enumerate(group_index.tolist()):
+        members.setdefault(group, []).append(k)
+    for rows in members.values():
+        if len(rows) < 2:
+            continue
+        counts: dict[object, int] = {}
+        for k in rows:
+            key: object = answers[k] if answers[k] is not None else ("missing", k)
+            counts[key] = counts.get(key, 0) + 1
+        shares = torch.tensor(list(counts.values()), dtype=torch.float64) / len(rows)
+        x = alpha * float(-(shares * shares.log()).sum()) / math.log(len(rows))
+        factors[rows] = 1.0 - x if weighting == "linear" else math.exp(-x)
+    return factors.to(torch.float32)
 
 
 def gdpo_advantages(
@@ -236,6 +262,18 @@ class GRPOConfig(BaseModel):
         description="GDPO: reward component name -> weight; each is normalised in its group on its own",
     )
     advantage_clip: float | None = Field(default=None, gt=0, description="clamp advantages to [-c, c]")
+    semantic_entropy: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description=(
+            "SEED-GRPO's alpha: scale each group's advantages by f(alpha x SE / log G), SE the entropy of its "
+            "answers clustered by the verifier's extracted value; None: off"
+        ),
+    )
+    semantic_entropy_weighting: Literal["linear", "exponential"] = Field(
+        default="linear", description="SEED-GRPO's f: 1 - x (linear) or exp(-x)"
+    )
     aggregation: Aggregation = "seq-mean-token-mean"
     overlong: Overlong = "none"
     overlong_buffer: int | None = Field(
@@ -288,6 +326,7 @@ class RolloutBatch:
     kl_weights: list[float] | None = None  # per prompt (group): the factor on β for its samples
     components: list[dict[str, float]] | None = None
     max_new_tokens: int | None = None
+    answers: list[str | None] | None = None  # per sample: the verifier's extracted answer (SEED-GRPO)
 
 
 def _padded(rows: list[list[int]], pad_id: int, side: Literal["left", "right"]) -> Tensor:
@@ -361,6 +400,11 @@ def step_advantages(batch: RolloutBatch, rewards: Tensor, group_index: Tensor, c
         advantages = group_advantages(
             rewards if penalty is None else rewards + penalty, group_index, scale=cfg.advantage_scale
         )
+    if cfg.semantic_entropy is not None:
+        if batch.answers is None or len(batch.answers) != len(batch.samples):
+            raise ValueError("semantic_entropy needs every sample's extracted answer (RolloutBatch.answers)")
+        scale = semantic_entropy_scale(batch.answers, group_index, cfg.semantic_entropy, cfg.semantic_entropy_weighting)
+        advantages = advantages * scale
     if cfg.advantage_clip is not None:
         advantages = advantages.clamp(-cfg.advantage_clip, cfg.advantage_clip)
     return advantages

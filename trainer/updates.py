@@ -88,7 +88,8 @@ def update_policy(
 
 def step_batch(inputs: Inputs, grpo: GRPOConfig) -> RolloutBatch:
     """The step's rollouts with their rewards: only the groups the filter kept (with dynamic sampling), their
-    reward components (GDPO), the rollouts' token limit (overlong shaping) and CLPO's KL weights."""
+    reward components (GDPO), the rollouts' token limit (overlong shaping), CLPO's KL weights and the
+    verifier's extracted answers (SEED-GRPO)."""
     score_of = dict(zip(*inputs.table("rewards", ["rollout_id", "score"]).to_pydict().values()))
     rollouts = inputs.rows("rollouts")
     if inputs.ids.get("groups"):
@@ -101,4 +102,8 @@ def step_batch(inputs: Inputs, grpo: GRPOConfig) -> RolloutBatch:
     if inputs.ids.get("restructured"):
         weight_of = dict(zip(*inputs.table("restructured", ["slot", "kl_weight"]).to_pydict().values()))
         batch.kl_weights = [weight_of.get(slot, 1.0) for slot in sorted({r["slot"] for r in rollouts})]
+    if grpo.semantic_entropy is not None:
+        extracted_of = dict(zip(*inputs.table("rewards", ["rollout_id", "extracted"]).to_pydict().values()))
+        ordered = sorted(rollouts, key=lambda r: (r["slot"], r["sample_index"]))  # rollout_batch's order
+        batch.answers = [extracted_of[r["rollout_id"]] for r in ordered]
     return batch
