@@ -171,6 +171,12 @@ class AllocateConfig(BaseModel):
 
     n: int = Field(8, ge=1, description="rollouts per prompt of the uniform reference; total budget = prompts x n")
 
+    @property
+    def prior_for_unknown(self) -> bool:
+        """Whether a problem without outcomes in this run is estimated by its pre-RL difficulty pass rate
+        (True) or left unknown (its case then decides: the allocator's uniform count)."""
+        return True
+
 
 class BudgetAllocator(ABC):
     """Maps the step's picks to rollout counts under a total budget (ragged groups allowed)."""

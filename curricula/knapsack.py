@@ -42,6 +42,17 @@ class KnapsackConfig(AllocateConfig):
     solver: Literal["greedy", "dp_reference"] = Field(
         "greedy", description="greedy: exact priority queue; dp_reference: the authors' DP, for parity"
     )
+    unknown: Literal["prior", "uniform"] = Field(
+        "prior",
+        description=(
+            "a prompt with no outcome in this run yet: prior = estimated by its pre-RL difficulty pass rate; "
+            "uniform = the paper's choice, n rollouts as in a uniform budget"
+        ),
+    )
+
+    @property
+    def prior_for_unknown(self) -> bool:
+        return self.unknown == "prior"
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> KnapsackConfig:

@@ -219,6 +219,7 @@ LATER_KEYS: dict[tuple[str, ...], Any] = {
     ("train", "grpo", "semantic_entropy"): None,
     ("train", "grpo", "semantic_entropy_weighting"): "linear",
     ("filter", "band"): None,
+    ("allocate", "unknown"): "prior",
 }
 
 

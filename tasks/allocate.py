@@ -3,13 +3,14 @@ prompts x `allocate.n`; ragged groups allowed. Each row says why: the estimate u
 from, its case, the allocator's value for the count, and whether a fallback placed it.
 
 Estimates: a problem's outcome buffer (its last 16 rewards in this run, valid from 8) when valid, else
-the difficulty stage's pass rate. Buffers are kept in memory from step to step; a process that has
-not built them (a resumed run) rebuilds them with one query over the run's rewards, so resume never
-depends on what a process remembered.
+the difficulty stage's pass rate (unless Knapsack's `unknown` is "uniform": then none, as in the paper).
+Buffers are kept in memory from step to step; a process that has not built them (a resumed run) rebuilds
+them with one query over the run's rewards, so resume never depends on what a process remembered.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -17,7 +18,7 @@ import pyarrow as pa
 from rlvr.curricula.base import AllocateConfig, Estimate, Pick
 from rlvr.curricula.buffers import BUFFER_LENGTH, OutcomeBuffers
 from rlvr.curricula.registry import ALLOCATORS, make_allocator
-from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
+from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, default_identity, rows_to_table
 from rlvr.storage.store import Store
 from rlvr.storage.views import data_paths, duckdb_connection, parquet_scan
 
@@ -30,7 +31,12 @@ def build(inputs: Inputs, cfg: AllocateConfig, ctx: StageContext) -> Built:
     previous = inputs.table("rewards", ["problem_id", "step", "rollout_id", "score"]) if inputs.ids["rewards"] else None
     buffers = buffers_before(ctx.store, ctx.run_id, ctx.step or 1, previous)
     picks = [Pick(s["problem_id"], s["arm"], s["probability"]) for s in slots]
-    estimates = [buffers.estimate(s["problem_id"]) or difficulty_estimate(stats.get(s["problem_id"])) for s in slots]
+    prior = cfg.prior_for_unknown
+    estimates = [
+        buffers.estimate(s["problem_id"])
+        or (difficulty_estimate(stats.get(s["problem_id"])) if prior else Estimate(None))
+        for s in slots
+    ]
     allocator = make_allocator(cfg)
     allocations = allocator.allocate(picks, estimates, total_budget=len(picks) * cfg.n)
     rows = [
@@ -113,6 +119,15 @@ def rebuild_buffers(store: Store, run_id: str, step: int, length: int = BUFFER_L
     return buffers
 
 
+def identity(cfg: AllocateConfig, params: Mapping[str, Any]) -> dict[str, Any]:
+    """The section and params; Knapsack's `unknown` only when it is not "prior", what every run did before
+    the key existed (their ids stay what they were)."""
+    settings = default_identity(cfg, params)
+    if settings.get("unknown") == "prior":
+        del settings["unknown"]
+    return settings
+
+
 ALLOCATE: Stage[AllocateConfig] = Stage(
     name="allocate",
     code_version="3",
@@ -122,4 +137,5 @@ ALLOCATE: Stage[AllocateConfig] = Stage(
     inputs=("selections", "difficulty", "rewards"),
     outputs={"allocations": Output("allocations")},
     build=build,
+    identity=identity,
 )

@@ -95,4 +95,10 @@ def test_keys_added_later_leave_the_ids_of_earlier_runs_as_they_were():
     changed = {config_id("train.state_every=5"), config_id("filter.band=[0.2, 0.8]")}
     changed |= {config_id("train.grpo.semantic_entropy=0.5"), config_id("policy.dtype=bfloat16")}
     assert len(changed) == 4 and config_id() not in changed
-    assert len(LATER_KEYS) == 5
+    assert len(LATER_KEYS) == 6
+    knapsack = config_id("allocate.type=knapsack")
+    assert (
+        config_id("allocate.type=knapsack", "allocate.unknown=prior")
+        == knapsack
+        != config_id("allocate.type=knapsack", "allocate.unknown=uniform")
+    )

@@ -270,3 +270,40 @@ def test_bad_input_is_refused_with_a_reason():
 
 def test_registered_under_its_type():
     assert isinstance(make_allocator(KnapsackConfig()), KnapsackAllocator)
+
+
+def test_unknown_prompts_take_the_prior_or_the_uniform_count():
+    """The allocate stage at step 1 (no outcomes yet): `unknown: prior` (default) estimates each prompt by its
+    difficulty pass rate, so the p̂ = 1 prompt drops to positive_n and the frontier gets the rest; `unknown:
+    uniform` (the paper's) leaves every prompt unknown: n rollouts each, as a uniform budget."""
+    import pyarrow as pa
+
+    from rlvr.storage.stage import Inputs, StageContext
+    from rlvr.tasks.allocate import ALLOCATE, build
+
+    selections = pa.table(
+        {"slot": [0, 1, 2], "problem_id": ["p0", "p1", "p2"], "arm": ["a"] * 3, "probability": [1.0] * 3}
+    )
+    difficulty = pa.table({"problem_id": ["p0", "p1", "p2"], "pass_rate": [1.0, 0.5, 0.25], "k": [4, 4, 4]})
+    inputs = Inputs.given(selections=selections, difficulty=difficulty)
+    inputs.ids["rewards"] = ()
+    ctx = StageContext("r", 0, 1, "allocate", {}, {"allocations": "a-1"}, {})
+
+    def allocations(**settings: object) -> list[tuple]:
+        rows = build(inputs, KnapsackConfig(n=4, **settings), ctx).table.to_pylist()
+        return [(r["n_rollouts"], r["case"], r["p_hat_source"]) for r in rows]
+
+    prior = allocations()
+    assert [row[1:] for row in prior] == [
+        ("one", "difficulty"),
+        ("effective", "difficulty"),
+        ("effective", "difficulty"),
+    ]
+    assert prior[0][0] == 2 and sum(n for n, *_ in prior) == 12
+    assert allocations(unknown="uniform") == [(4, "unknown", "none")] * 3
+    ids = lambda cfg: ALLOCATE.output_ids("r", 1, cfg, {}, {})  # noqa: E731
+    assert (
+        ids(KnapsackConfig(n=4))
+        == ids(KnapsackConfig(n=4, unknown="prior"))
+        != ids(KnapsackConfig(n=4, unknown="uniform"))
+    )
