@@ -23,7 +23,7 @@ import rlvr.tasks
 from rlvr import plugins
 from rlvr.errors import ConfigError, UserError
 from rlvr.flows.executors import ExecutorConfig
-from rlvr.openlineage_events import OpenLineageConfig
+from rlvr.flows.openlineage_events import OpenLineageConfig
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table, run_stage
 from rlvr.storage.store import Store

@@ -23,8 +23,9 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from rlvr import openlineage_events, progress
+from rlvr import progress
 from rlvr.errors import UserError, environment_failure
+from rlvr.flows import openlineage_events
 from rlvr.flows.prefect_env import configure_prefect, quiet_run_failure_logs
 from rlvr.storage.errors import DamagedFile
 from rlvr.storage.integrity import repair_run

@@ -17,14 +17,16 @@ the rows (and files) of each output; it never touches the store itself. The runn
 - transient outputs (the trainer state) replace the run's previous one once committed;
 - progress: a "stage_run" event per run, for the CLI's progress bar;
 - failures: an exception out of a build or commit carries the stage and step (`failed_stage`), and
-  OpenLineage START/COMPLETE/FAIL events go out around each run that does work (rlvr/openlineage_events.py).
+  observers (`observe_stage_work`) wrap each run that does work: OpenLineage's START/COMPLETE/FAIL events
+  (flows/openlineage_events.py) come from one.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Generic, TypeVar
@@ -32,7 +34,6 @@ from typing import Any, Generic, TypeVar
 import pyarrow as pa
 from pydantic import BaseModel
 
-from rlvr.openlineage_events import stage_events
 from rlvr.storage.ids import artifact_id, derive_seed
 from rlvr.storage.schemas import OPEN_KINDS, schema_for
 from rlvr.storage.store import Manifest, Store, conform_to_schema, utc_now
@@ -375,6 +376,26 @@ def failed_stage(exc: BaseException) -> tuple[str, int | None] | None:
 
 Listener = Callable[[StageRun], None]
 _listeners: list[Listener] = []
+# (store, stage name, run id, step, input ids, output ids, code version) -> a context around the build and commit
+Observer = Callable[[Store, str, str, "int | None", Sequence[str], Sequence[str], str], AbstractContextManager[None]]
+_observers: list[Observer] = []
+
+
+def observe_stage_work(observer: Observer) -> None:
+    """Enter `observer(...)` around every stage run of this process that does work (not a skipped one): it sees
+    the run start, and its end or the exception. Idempotent: the same observer is kept once."""
+    if observer not in _observers:
+        _observers.append(observer)
+
+
+@contextmanager
+def _observed(
+    store: Store, stage: Stage[Any], run_id: str, step: int | None, inputs: list[str], outputs: list[str]
+) -> Iterator[None]:
+    with ExitStack() as stack:
+        for observer in list(_observers):
+            stack.enter_context(observer(store, stage.name, run_id, step, inputs, outputs, stage.code_version))
+        yield
 
 
 def on_stage_run(listener: Listener) -> Callable[[], None]:
@@ -413,7 +434,7 @@ def run_stage(
     else:
         inputs_read = [aid for refs in input_ids.values() for aid in refs]
         try:
-            with stage_events(store, stage.name, run_id, step, inputs_read, list(ids.values()), stage.code_version):
+            with _observed(store, stage, run_id, step, inputs_read, list(ids.values())):
                 result = _build_and_commit(store, stage, cfg, run_id, seed, step, input_ids, params, ids)
         except BaseException as exc:
             if failed_stage(exc) is None:

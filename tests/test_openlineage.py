@@ -17,9 +17,9 @@ import pytest
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
-from rlvr import openlineage_events
 from rlvr.errors import UserError
-from rlvr.openlineage_events import OpenLineageConfig
+from rlvr.flows import openlineage_events
+from rlvr.flows.openlineage_events import OpenLineageConfig
 from rlvr.storage.stage import Built, Output, Stage, failed_stage, run_stage
 from rlvr.storage.store import Store
 from tests.conftest import TINY_OVERRIDES
@@ -243,7 +243,7 @@ def test_emission_failure_is_a_warning_not_a_failed_stage(tmp_path, caplog, no_c
     unwritable = tmp_path / "no-such-dir" / "events.jsonl"
     settings = OpenLineageConfig(transport={"type": "file", "log_file_path": str(unwritable), "append": True})
     openlineage_events.configure_run(store.root, "r1", settings)
-    with caplog.at_level(logging.WARNING, logger="rlvr.openlineage_events"):
+    with caplog.at_level(logging.WARNING, logger="rlvr.flows.openlineage_events"):
         result = run_stage(store, COPY, {}, run_id="r1", step=1, inputs={"notes": "notes-in"})
         openlineage_events.flush_events()  # the warning comes from the sending thread
     assert store.exists(result.id) and not result.skipped

@@ -47,6 +47,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.errors import UserError
+from rlvr.storage.stage import TABLES, observe_stage_work
 from rlvr.storage.store import Store, utc_now
 
 log = logging.getLogger(__name__)
@@ -246,8 +247,6 @@ def _schema_fields(schema_text: str) -> list[tuple[str, str]]:
 def _describe(store: Store, artifact_id: str) -> tuple[int, list[tuple[str, str]]]:
     """Rows and columns of a committed artifact: from the table in memory when there is one (a manifest
     read would write a deferred artifact out early), else from its manifest."""
-    from rlvr.storage.stage import TABLES
-
     table = TABLES.peek(store, artifact_id)
     if table is not None:
         return table.num_rows, [(f.name, str(f.type)) for f in table.schema]
@@ -423,3 +422,6 @@ def run_event(store_root: str, run_id: str, state: str, error: BaseException | N
         log.warning("OpenLineage %s event of run %s not built: %s: %s", state, run_id, type(exc).__name__, exc)
     if state != "START":
         emitter.close()
+
+
+observe_stage_work(stage_events)  # every process that runs stages through flows/ imports this module
