@@ -46,6 +46,7 @@ lint: $(STAMP)
 	@for d in flows tasks storage verifiers trainer curricula data; do ln -s "$(CURDIR)/$$d" build/typecheck/rlvr/$$d; done
 	@for f in rlvr/*.py; do ln -s "$(CURDIR)/$$f" build/typecheck/rlvr/; done
 	$(BIN)/mypy -p rlvr
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_import_contract.py
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -33,9 +33,9 @@ def overrides(per_dataset: int, arithmetic: int) -> list[str]:
 
 def phases(cfg) -> dict[str, float]:
     """Seconds of each phase, run one after another as the stage does."""
+    from rlvr.data.sources import make_sources
     from rlvr.data.validate import validate
     from rlvr.tasks.synthesize import Pool, deduplicate
-    from rlvr.verifiers.sources import make_sources
 
     seconds: dict[str, float] = {}
     started = time.perf_counter()

@@ -50,7 +50,8 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rlvr.trainer.engines import RolloutEngine, SamplingParams, TransformersEngine, TransformersEngineConfig
+from rlvr.trainer.engine_base import RolloutEngine, SamplingParams
+from rlvr.trainer.engines import TransformersEngine, TransformersEngineConfig
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
 from rlvr.trainer.policy import Policy, make_optimizer

@@ -85,13 +85,13 @@ def plain_step_seconds(steps: int, overrides: list[str]) -> float:
 
     from rlvr.curricula.base import PoolProblem
     from rlvr.curricula.uniform import UniformConfig, UniformStrategy
+    from rlvr.data.sources import SOURCES
     from rlvr.flows.config import load_config
     from rlvr.trainer.generation import sample
     from rlvr.trainer.grpo import RolloutBatch, grpo_step
     from rlvr.trainer.policy import init_policy, make_optimizer
     from rlvr.trainer.sft import sft_warmstart
     from rlvr.verifiers.registry import get_verifier
-    from rlvr.verifiers.sources import SOURCES
 
     cfg = load_config(None, overrides)
     problems = list(SOURCES.make(cfg.synthesize.sources[0]).rows(0))

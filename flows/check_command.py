@@ -28,7 +28,7 @@ def check(
 ) -> None:
     """Verify every committed file against its manifest (size, sha256, Parquet footer), find unreadable
     manifests, run records and Prefect database, and say what `rlvr resume` would rebuild."""
-    from rlvr.flows.cli import open_existing, store_root
+    from rlvr.flows.cli_common import open_existing, store_root
     from rlvr.flows.prefect_env import prefect_database_problem
 
     found = open_existing(store)

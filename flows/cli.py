@@ -16,6 +16,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from rlvr.errors import UserError, environment_failure
+from rlvr.flows.cli_common import StoreOption, open_existing, store_root
 
 app = typer.Typer(
     add_completion=False,
@@ -26,21 +27,7 @@ app = typer.Typer(
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
-DEFAULT_STORE = "./rlvr-store"
 DEFAULT_UI_PORT = 4200  # Prefect's own default; here, not in flows/ui.py, which imports too much for every command
-StoreOption = typer.Option(
-    None, "--store", help="store root: a path or fsspec URL (default $RLVR_STORE or ./rlvr-store)"
-)
-
-
-def store_root(store: str | None) -> str:
-    return store or os.environ.get("RLVR_STORE") or DEFAULT_STORE
-
-
-def open_existing(store: str | None):
-    from rlvr.storage.store import Store
-
-    return Store.open(store_root(store))
 
 
 def warn_unreadable(found: Any) -> None:

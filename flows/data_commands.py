@@ -53,7 +53,7 @@ def data(
     set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set synthesize.size=5000"),
 ) -> None:
     """Run the data stages alone: read the sources, validate, deduplicate, decontaminate, split (+ difficulty)."""
-    from rlvr.flows.cli import store_root
+    from rlvr.flows.cli_common import store_root
     from rlvr.flows.prefect_env import configure_prefect
     from rlvr.storage.store import Store
 
@@ -169,7 +169,7 @@ def difficulty(
     set_: list[str] = typer.Option([], "--set", help="override a difficulty key, e.g. --set difficulty.k=16"),
 ) -> None:
     """Re-estimate a run's difficulty with another checkpoint: a new artifact; the old one stays queryable."""
-    from rlvr.flows.cli import open_existing
+    from rlvr.flows.cli_common import open_existing
     from rlvr.flows.prefect_env import configure_prefect
 
     found = open_existing(store)
@@ -204,7 +204,7 @@ def export(
 ) -> None:
     """Write a run's problems for another trainer: verl's Parquet layout, a TRL dataset, or plain JSONL."""
     from rlvr.data.export import export_problems
-    from rlvr.flows.cli import open_existing
+    from rlvr.flows.cli_common import open_existing
     from rlvr.flows.config import data_run_problems
 
     found = open_existing(store)

@@ -26,6 +26,7 @@ from rlvr.curricula.clpo import (
     mode_for,
     reveals_answer,
 )
+from rlvr.data.sources import ProceduralRewriter, make_sources
 from rlvr.storage.ids import row_id
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy
@@ -35,7 +36,6 @@ from rlvr.trainer.policy import Policy
 from rlvr.trainer.rewriting import PolicyRewriter
 from rlvr.verifiers.cache import VerifierConfig, score_cached
 from rlvr.verifiers.registry import verifier_class
-from rlvr.verifiers.sources import ProceduralRewriter, make_sources
 
 PROBLEM_COLUMNS = [
     "problem_id",

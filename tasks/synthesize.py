@@ -23,11 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlvr.data.decontaminate import Decontaminator
 from rlvr.data.dedup import NearDuplicateConfig, find_duplicates
+from rlvr.data.sources import SOURCES, SkillsSourceConfig, SourceConfig, make_sources, source_names
 from rlvr.data.validate import Candidate, Rejected, as_text, validate
 from rlvr.progress import report
 from rlvr.storage.ids import row_id
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
-from rlvr.verifiers.sources import SOURCES, SkillsSourceConfig, SourceConfig, make_sources, source_names
 
 
 def _source_type() -> Any:

@@ -18,11 +18,11 @@ from rlvr.curricula.clpo import (
     mode_for,
     reveals_answer,
 )
+from rlvr.data.sources import ArithmeticSource, ArithmeticSourceConfig, ProceduralRewriter
 from rlvr.trainer.generation import sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step, reference_kl
 from rlvr.trainer.policy import PolicyConfig, init_policy, make_optimizer, weights_bytes
 from rlvr.trainer.rewriting import PolicyRewriter
-from rlvr.verifiers.sources import ArithmeticSource, ArithmeticSourceConfig, ProceduralRewriter
 
 # ----- CLPO decisions ----------------------------------------------------------------------------------
 

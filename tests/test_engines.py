@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from rlvr.errors import UserError
-from rlvr.trainer.engines import ENGINES, SamplingParams, TransformersEngine, TransformersEngineConfig, request_seed
+from rlvr.trainer.engine_base import SamplingParams, request_seed
+from rlvr.trainer.engines import ENGINES, TransformersEngine, TransformersEngineConfig
 from rlvr.trainer.generation import Sample, sample
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy, policy_from_files
 from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from rlvr.data.sources import ArithmeticSource, ArithmeticSourceConfig, expression_of, question_of
 from rlvr.verifiers.arithmetic import FinalNumberVerifier, final_number
 from rlvr.verifiers.registry import get_verifier
-from rlvr.verifiers.sources import ArithmeticSource, ArithmeticSourceConfig, expression_of, question_of
 
 
 @pytest.mark.parametrize(

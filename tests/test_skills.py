@@ -8,10 +8,10 @@ import json
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
+from rlvr.data.sources import SOURCES, SkillsSource, SkillsSourceConfig
 from rlvr.trainer.tiny_model import VOCAB
 from rlvr.verifiers.arithmetic import ArithmeticVerifier
 from rlvr.verifiers.skills import CATEGORIES, DEFAULT_CATEGORIES, SkillsSpec, category_space, generate, rewrite
-from rlvr.verifiers.sources import SOURCES, SkillsSource, SkillsSourceConfig
 
 ALL = SkillsSpec(categories=list(CATEGORIES), per_category=60)
 

@@ -5,91 +5,26 @@ each time it may have changed), generates `counts[i]` completions of `prompts[i]
 releases what it holds (`close`). transformers `generate` on the training model is the built-in
 engine; an engine that keeps its own copy of the weights (vLLM, a remote server) syncs them in
 `update_weights`. Engines are long-lived: one per config and process (`engine_for`).
+
+The interface and shared helpers are in trainer/engine_base.py; this module holds the built-in
+transformers engine and the registry, where every built-in engine (transformers, openai in
+trainer/remote.py, vllm in trainer/vllm_engine.py, which never imports vllm until it starts) is registered.
 """
 
 from __future__ import annotations
 
 import atexit
-import random
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
 
 from rlvr.plugins import TypedRegistry
+from rlvr.trainer.engine_base import EngineConfig, RolloutEngine, SamplingParams
 from rlvr.trainer.generation import Sample, sample
 from rlvr.trainer.policy import Policy
+from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig
+from rlvr.trainer.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-
-
-def request_seed(seed: int, prompt_index: int) -> int:
-    """The seed of one prompt's request in engines that send a request per prompt (vLLM, a server):
-    distinct per prompt and the same in every process, so the same seed gives the same samples however
-    the requests are batched or ordered."""
-    return random.Random(f"{seed}:{prompt_index}").getrandbits(31)
-
-
-def eos_ids(policy: Policy) -> set[int]:
-    """Every token id the policy treats as end-of-sequence (its generation config may list several)."""
-    eos = policy.model.generation_config.eos_token_id
-    if eos is None:
-        eos = policy.tokenizer.eos_token_id
-    if eos is None:
-        return set()
-    return {int(token) for token in eos} if isinstance(eos, list) else {int(eos)}
-
-
-def with_eos(ids: Sequence[int], stopped: bool, policy: Policy) -> list[int]:
-    """`ids` ending with the eos when the completion stopped, as the transformers engine gives them: the
-    loss must train the stop. Engines that send no stop strings read "stop" as end-of-sequence; a backend
-    that leaves that token out of its ids (or a re-tokenized text) gets the tokenizer's eos appended."""
-    ids = [int(token) for token in ids]
-    eos = policy.tokenizer.eos_token_id
-    if stopped and eos is not None and (not ids or ids[-1] not in eos_ids(policy)):
-        ids.append(int(eos))
-    return ids
-
-
-class EngineConfig(BaseModel):
-    """Sampling settings every engine shares; each engine's config subclasses it and adds `type`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_new_tokens: int = Field(3, ge=1)
-    temperature: float = Field(
-        1.0, gt=0, description="sampling temperature (hotter sampling rarely produces a whole multi-digit answer)"
-    )
-    top_p: float = Field(1.0, gt=0, le=1)
-
-    def sampling(self, seed: int) -> SamplingParams:
-        return SamplingParams(self.max_new_tokens, self.temperature, self.top_p, seed)
-
-
-class RolloutEngine(ABC):
-    type: ClassVar[str]
-
-    def __init__(self, cfg: EngineConfig) -> None:
-        self.cfg = cfg
-
-    @abstractmethod
-    def update_weights(self, policy: Policy, policy_ref: str) -> None:
-        """Sample from `policy` (named by `policy_ref`) from now on."""
-
-    @abstractmethod
-    def generate(self, prompts: Sequence[str], counts: Sequence[int], sampling: SamplingParams) -> list[Sample]:
-        """`counts[i]` samples of `prompts[i]`, grouped by prompt in order; the same for the same seed."""
-
-    def close(self) -> None:
-        """Release processes, memory or connections the engine holds."""
+__all__ = ["ENGINES", "EngineConfig", "RolloutEngine", "SamplingParams", "TransformersEngine", "engine_for"]
 
 
 class TransformersEngineConfig(EngineConfig):
@@ -149,8 +84,5 @@ def close_engines() -> None:
 
 
 ENGINES.register(TransformersEngineConfig, TransformersEngine)
-
-# The other built-in engines live in their own modules, which import this one and register themselves;
-# importing them here makes `rollout.type=openai|vllm` known wherever the registry is. Neither imports vllm.
-import rlvr.trainer.remote  # noqa: E402
-import rlvr.trainer.vllm_engine  # noqa: E402, F401
+ENGINES.register(OpenAIEngineConfig, OpenAIEngine)
+ENGINES.register(VLLMEngineConfig, VLLMEngine)

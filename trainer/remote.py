@@ -43,7 +43,7 @@ import httpx
 from pydantic import Field, model_validator
 
 from rlvr.errors import UserError
-from rlvr.trainer.engines import ENGINES, EngineConfig, RolloutEngine, SamplingParams, request_seed, with_eos
+from rlvr.trainer.engine_base import EngineConfig, RolloutEngine, SamplingParams, request_seed, with_eos
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.policy import Policy, policy_files
 from rlvr.trainer.prompts import prompt_ids, prompt_text
@@ -292,6 +292,3 @@ def _json(response: httpx.Response, url: str) -> dict[str, Any]:
     if not isinstance(answer, dict):
         raise UserError(f"rollout server at {url} answered with JSON that is not an object")
     return answer
-
-
-ENGINES.register(OpenAIEngineConfig, OpenAIEngine)

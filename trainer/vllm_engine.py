@@ -27,7 +27,7 @@ import torch
 from pydantic import Field
 
 from rlvr.errors import UserError
-from rlvr.trainer.engines import ENGINES, EngineConfig, RolloutEngine, SamplingParams, request_seed, with_eos
+from rlvr.trainer.engine_base import EngineConfig, RolloutEngine, SamplingParams, request_seed, with_eos
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.policy import Policy, plain_state, policy_files
 from rlvr.trainer.prompts import prompt_ids
@@ -167,6 +167,3 @@ class DirectoryReload:
         if config.get("tie_word_embeddings") and embedding is not None:
             tensors.setdefault("lm_head.weight", embedding)
         self.reload_weights(weights_iterator=list(tensors.items()))  # type: ignore[attr-defined]
-
-
-ENGINES.register(VLLMEngineConfig, VLLMEngine)

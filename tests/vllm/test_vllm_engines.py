@@ -23,7 +23,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vllm is not installed here; `make test-vllm` runs these in .venv-vllm")
 
-from rlvr.trainer.engines import SamplingParams  # noqa: E402
+from rlvr.trainer.engine_base import SamplingParams  # noqa: E402
 from rlvr.trainer.generation import greedy  # noqa: E402
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step  # noqa: E402
 from rlvr.trainer.lora import LoraSettings, add_lora  # noqa: E402
