@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 STORE ?= ./rlvr-store
 
-.PHONY: demo test lint format venv bench clean smollm2
+.PHONY: demo test lint format venv bench clean smollm2 docs
 
 venv: $(STAMP)
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 		echo "note: bubblewrap not installed; the code verifier will run with rlimits only"; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test,lint]"
+	$(BIN)/python -m pip install --quiet -e ".[test,lint,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -34,8 +34,13 @@ $(SMOLLM2_STAMP): $(STAMP)
 
 smollm2: $(SMOLLM2_STAMP)
 
-test: lint $(SMOLLM2_STAMP)
+test: lint docs $(SMOLLM2_STAMP)
 	$(BIN)/python -m pytest tests
+
+# The docs site: the README is its home page (its links into docs/ made relative), docs/ the rest.
+docs: $(STAMP)
+	sed 's#](docs/#](#g' README.md > docs/index.md
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # ruff (lint + format check) and mypy. The folders import as rlvr.* through setuptools' package-dir,
 # which mypy cannot follow, so build/typecheck/rlvr links them under the names the code imports.

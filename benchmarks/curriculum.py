@@ -13,7 +13,7 @@ back from the stores with SQL:
 
     python benchmarks/curriculum.py [--seeds 0 1 2] [--steps 300] [--target 0.6] [--config FILE] [--set key=value ...]
 
-On the real model (README, "Curricula on the real model"; needs `make smollm2`):
+On the real model (docs/real-model.md, "Curricula on the real model"; needs `make smollm2`):
 
     python benchmarks/curriculum.py --config examples/smollm2-arithmetic-mixed.yaml --seeds 1 2 3 --steps 20 \
         --every 5 --target 0.3 --set policy.threads=1 --out /tmp/curricula-real

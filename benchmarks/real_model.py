@@ -6,7 +6,7 @@ on). Prints a row per seed: held-out greedy accuracy before RL (the pretrained m
 step, the change, rollouts per second over the RL steps (sampled completions / the wall time from the first step's
 selection to the last step's update, from the `stage_runs` view: evaluations and checkpoints left out), and the whole command's minutes; then the mean and standard deviation over seeds of
 before, after and the change, and whether accuracy rose on every seed. The recipe was tuned on seed 0; the
-README reports seeds 1, 2 and 3 (the default).
+README and docs/real-model.md report seeds 1, 2 and 3 (the default).
 
     python benchmarks/real_model.py [--seeds 1 2 3] [--config examples/smollm2-arithmetic.yaml]
         [--parallel 1] [--out DIR] [--set key=value ...]

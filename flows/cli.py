@@ -1,4 +1,4 @@
-"""The `rlvr` command line (usage: the README and `rlvr --help`). Expected failures print one line and exit non-zero."""
+"""The `rlvr` command line (usage: README, docs/, `rlvr --help`). Expected failures print one line, exit non-zero."""
 
 from __future__ import annotations
 

@@ -160,7 +160,7 @@ def _describe(error: ValidationError, tree: dict[str, Any]) -> str:
     first = error.errors()[0]
     where = ".".join(_user_path(tuple(first["loc"]), tree)) or "(top level)"
     if first["type"] == "extra_forbidden":
-        return f"unknown config key {where!r}; see the README's Configuration section for the keys"
+        return f"unknown config key {where!r}; see docs/training.md (Configuration) for the keys"
     if first["type"] == "union_tag_invalid":
         expected = first.get("ctx", {}).get("expected_tags", "")
         return f"unknown {where}.type {first['ctx'].get('tag')!r}; registered: {expected}"

@@ -1,4 +1,4 @@
-"""The verifier contract (README "Add a verifier", docs/architecture.md): a verifier scores one response
+"""The verifier contract (docs/verifiers.md "Add a verifier", docs/architecture.md): a verifier scores one response
 against one reference.
 
 A verifier never raises for bad input and never returns a silent zero: every outcome is a `Score`
