@@ -6,6 +6,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,7 @@ def resume(run_id: str = typer.Argument(..., help="the run to finish"), store: s
     _run_with_progress(lambda: resume_run(store_root(store), run_id), cfg)
 
 
-def _run_with_progress(start, cfg) -> None:
+def _run_with_progress(start: Callable[[], dict[str, Any]], cfg: Any) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from rlvr import progress

@@ -44,7 +44,7 @@ def _eos_ids(policy: Policy) -> set[int]:
     return set(eos) if isinstance(eos, list) else {eos}
 
 
-def _generate(policy: Policy, prompts: list[str], max_new_tokens: int, **sampling) -> list[list[int]]:
+def _generate(policy: Policy, prompts: list[str], max_new_tokens: int, **sampling: Any) -> list[list[int]]:
     """New tokens per prompt row, cut after the first eos (the eos is kept)."""
     if not prompts:
         return []

@@ -69,6 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -305,7 +306,7 @@ def _launcher_argv(launcher: tuple[str, str], rlimits: list[tuple[str, int, int]
     return argv + ["--pdeathsig=KILL", "--"]
 
 
-def _child_setup(rlimits: list[tuple[str, int, int]]):
+def _child_setup(rlimits: list[tuple[str, int, int]]) -> Callable[[], None]:
     """The same limits without util-linux: runs in the child after fork, after subprocess switched
     the uid, before exec."""
 
@@ -375,7 +376,7 @@ def _read_output(process: subprocess.Popen, deadline: float, cap: int) -> tuple[
 
 
 def _remove_tree(path: str) -> None:
-    def make_writable_and_retry(function, failed_path, _exc_info) -> None:
+    def make_writable_and_retry(function: Callable[[str], object], failed_path: str, _exc_info: object) -> None:
         parent = os.path.dirname(failed_path)
         os.chmod(parent, os.stat(parent).st_mode | stat.S_IRWXU)
         function(failed_path)
@@ -496,7 +497,7 @@ def _command(work_dir: str, limits: _Limits, uid: int | None, use_bwrap: bool) -
     launcher = _util_linux_launcher()
     if launcher is not None:
         return _launcher_argv(launcher, rlimits, uid) + argv, {}
-    switch = {
+    switch: dict[str, Any] = {
         "user": uid,
         "group": uid,
         "extra_groups": [] if uid is not None else None,
