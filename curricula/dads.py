@@ -11,22 +11,13 @@ exp(1/τ) times another, and `uniform_share` of the probability is spread evenly
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from rlvr.curricula.base import (
-    Pick,
-    PoolProblem,
-    SelectConfig,
-    SelectionStrategy,
-    StepFeedback,
-    arm_sizes,
-    outcomes_by_arm,
-)
-from rlvr.curricula.sampling import draw_arm_batch, problems_by_arm, require_selectable
+from rlvr.curricula.arm_bandit import ArmBandit
+from rlvr.curricula.base import PoolProblem, ProblemOutcome, SelectConfig, arm_sizes
 from rlvr.curricula.sec import boltzmann_probabilities
 
 
@@ -58,7 +49,7 @@ def dads_probabilities(
     return {arm: (1.0 - uniform_share) * soft[arm] + uniform_share / len(arms) for arm in arms}
 
 
-class DadsStrategy(SelectionStrategy):
+class DadsStrategy(ArmBandit):
     """DADS: before each batch, arm probabilities from the reward EMAs; each slot an arm, then a problem.
 
     rng: as SEC, `draw_arm_batch` (one `rng.random()` for the arm, then one `rng.randrange` for the
@@ -67,56 +58,19 @@ class DadsStrategy(SelectionStrategy):
     """
 
     type = "dads"
+    value_key = "ema"
     cfg: DadsConfig
 
-    def __init__(self, cfg: DadsConfig) -> None:
-        super().__init__(cfg)
-        self.ema: dict[str, float] = {}
-        self.pulls: dict[str, int] = {}
-        self.updates = 0
+    @property
+    def ema(self) -> dict[str, float]:
+        return self.values
 
     def arm_probabilities(self, pool: Sequence[PoolProblem]) -> dict[str, float]:
-        return dads_probabilities(self.ema, list(arm_sizes(pool)), self.cfg.tau, self.cfg.uniform_share)
+        return dads_probabilities(self.values, list(arm_sizes(pool)), self.cfg.tau, self.cfg.uniform_share)
 
-    def select(self, pool: Sequence[PoolProblem], batch_size: int, rng: random.Random) -> list[Pick]:
-        require_selectable(pool, batch_size)
-        return draw_arm_batch(problems_by_arm(pool), self.arm_probabilities(pool), batch_size, rng)
+    def batch_reward(self, pulled: Sequence[ProblemOutcome]) -> float:
+        return sum(o.mean_reward for o in pulled) / len(pulled)
 
-    def observe(self, feedback: StepFeedback) -> list[dict[str, Any]]:
-        """EMA update for the batch's arms; others keep r̄. Rows reuse the SEC columns: q_before / q_after
-        are r̄ before and after (None before an arm's first batch), reward the batch's mean reward."""
-        sizes = arm_sizes(feedback.pool)
-        probs = self.arm_probabilities(feedback.pool)
-        grouped = outcomes_by_arm(feedback.outcomes)
-        rows = []
-        for arm in sorted(set(sizes) | set(grouped)):
-            pulled = grouped.get(arm, [])
-            before = self.ema.get(arm)
-            reward = sum(o.mean_reward for o in pulled) / len(pulled) if pulled else None
-            after = reward_ema(before, reward, self.cfg.gamma) if reward is not None else before
-            if after is not None:
-                self.ema[arm] = after
-            self.pulls[arm] = self.pulls.get(arm, 0) + len(pulled)
-            rows.append(
-                {
-                    "arm": arm,
-                    "pool_size": sizes.get(arm, 0),
-                    "q_before": before,
-                    "probability": probs.get(arm),
-                    "pulls": len(pulled),
-                    "reward": reward,
-                    "q_after": after,
-                    "cumulative_pulls": self.pulls[arm],
-                }
-            )
-        self.updates += 1
-        return rows
-
-    def state_dict(self) -> dict[str, Any]:
-        """The reward EMA of every observed arm, cumulative pulls per arm, the number of updates."""
-        return {"ema": dict(self.ema), "pulls": dict(self.pulls), "updates": self.updates}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.ema = {str(arm): float(v) for arm, v in state.get("ema", {}).items()}
-        self.pulls = {str(arm): int(n) for arm, n in state.get("pulls", {}).items()}
-        self.updates = int(state.get("updates", 0))
+    def next_value(self, before: float | None, reward: float) -> float:
+        """The EMA; q_before / q_after in the rows are r̄ before and after (None before an arm's first batch)."""
+        return reward_ema(before, reward, self.cfg.gamma)

@@ -10,22 +10,13 @@ documented way and a seeded step is reproducible.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import Field
 
-from rlvr.curricula.base import (
-    Pick,
-    PoolProblem,
-    SelectConfig,
-    SelectionStrategy,
-    StepFeedback,
-    arm_sizes,
-    outcomes_by_arm,
-)
-from rlvr.curricula.sampling import draw_arm_batch, problems_by_arm, require_selectable
+from rlvr.curricula.arm_bandit import ArmBandit
+from rlvr.curricula.base import PoolProblem, ProblemOutcome, SelectConfig, StepFeedback, arm_sizes
 
 
 class SecConfig(SelectConfig):
@@ -54,7 +45,7 @@ def td_update(q: float, reward: float, alpha: float) -> float:
     return alpha * reward + (1.0 - alpha) * q
 
 
-class SecStrategy(SelectionStrategy):
+class SecStrategy(ArmBandit):
     """SEC as specified in docs/methods.md#sec.
 
     Q starts at 0 for every arm, including arms that first appear in a later pool, so the first batch
@@ -64,64 +55,40 @@ class SecStrategy(SelectionStrategy):
     """
 
     type = "sec"
+    value_key = "q"
     cfg: SecConfig
 
     def __init__(self, cfg: SecConfig) -> None:
         super().__init__(cfg)
-        self.q: dict[str, float] = {}
-        self.pulls: dict[str, int] = {}
-        self.updates = 0
         self.last_step: int | None = None
+
+    @property
+    def q(self) -> dict[str, float]:
+        return self.values
+
+    def initial_value(self) -> float:
+        return 0.0  # Q starts at 0 for every arm
 
     def arm_probabilities(self, pool: Sequence[PoolProblem]) -> dict[str, float]:
         """P_t over the arms with problems in `pool`, sorted by arm, from the current Q."""
-        return boltzmann_probabilities(self.q, list(arm_sizes(pool)), self.cfg.tau)
+        return boltzmann_probabilities(self.values, list(arm_sizes(pool)), self.cfg.tau)
 
-    def select(self, pool: Sequence[PoolProblem], batch_size: int, rng: random.Random) -> list[Pick]:
-        require_selectable(pool, batch_size)
-        return draw_arm_batch(problems_by_arm(pool), self.arm_probabilities(pool), batch_size, rng)
+    def batch_reward(self, pulled: Sequence[ProblemOutcome]) -> float:
+        return sum(o.mean_abs_advantage for o in pulled) / len(pulled)
+
+    def next_value(self, before: float | None, reward: float) -> float:
+        return td_update(before or 0.0, reward, self.cfg.alpha)
 
     def observe(self, feedback: StepFeedback) -> list[dict[str, Any]]:
-        """TD(0) on the batch's arms; one audit row per arm of the pool (and per batch arm outside it).
-
-        `probability` is P_t(arm), recomputed from the Q the step was selected with and the step's pool.
-        An arm that was trained but is not in `feedback.pool` still gets its update (the batch is what
-        was trained); its row has pool_size 0 and probability None.
-        """
-        sizes = arm_sizes(feedback.pool)
-        probs = self.arm_probabilities(feedback.pool)
-        grouped = outcomes_by_arm(feedback.outcomes)
-        rows = []
-        for arm in sorted(set(sizes) | set(grouped)):
-            pulled = grouped.get(arm, [])
-            q_before = self.q.get(arm, 0.0)
-            reward = sum(o.mean_abs_advantage for o in pulled) / len(pulled) if pulled else None
-            q_after = td_update(q_before, reward, self.cfg.alpha) if reward is not None else q_before
-            self.q[arm] = q_after
-            self.pulls[arm] = self.pulls.get(arm, 0) + len(pulled)
-            rows.append(
-                {
-                    "arm": arm,
-                    "pool_size": sizes.get(arm, 0),
-                    "q_before": q_before,
-                    "probability": probs.get(arm),
-                    "pulls": len(pulled),
-                    "reward": reward,
-                    "q_after": q_after,
-                    "cumulative_pulls": self.pulls[arm],
-                }
-            )
-        self.updates += 1
+        rows = super().observe(feedback)
         self.last_step = feedback.step
         return rows
 
     def state_dict(self) -> dict[str, Any]:
         """Q and cumulative pulls per arm, the number of updates (SEC's t) and the last observed step."""
-        return {"q": dict(self.q), "pulls": dict(self.pulls), "updates": self.updates, "last_step": self.last_step}
+        return {**super().state_dict(), "last_step": self.last_step}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.q = {str(arm): float(q) for arm, q in state.get("q", {}).items()}
-        self.pulls = {str(arm): int(n) for arm, n in state.get("pulls", {}).items()}
-        self.updates = int(state.get("updates", 0))
+        super().load_state_dict(state)
         last = state.get("last_step")
         self.last_step = None if last is None else int(last)
