@@ -17,7 +17,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from rlvr.errors import UserError, environment_failure
-from rlvr.flows.cli_common import StoreOption, open_existing, store_root
+from rlvr.flows.cli_common import StoreOption, flow_store, open_existing, store_root, with_progress
 
 app = typer.Typer(
     add_completion=False,
@@ -46,11 +46,7 @@ def run(
     set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set train.steps=200"),
 ) -> None:
     """Run the RL pipeline end to end: synthesize, warm start, difficulty, RL steps, evaluate, checkpoint."""
-    from rlvr.flows.prefect_env import configure_prefect
-    from rlvr.storage.store import Store
-
-    root = store_root(store)
-    configure_prefect(Store(root))
+    root = flow_store(store)
     from rlvr.flows.config import load_config
     from rlvr.flows.runner import execute, new_run_id
     from rlvr.trainer.devices import resolve_device
@@ -61,7 +57,7 @@ def run(
     if cfg.data is not None:
         from rlvr.flows.config import data_run_problems
 
-        data_run_problems(Store(root), cfg.data)  # an unknown data run fails here, as one line
+        data_run_problems(open_existing(root), cfg.data)  # an unknown data run fails here, as one line
     if cfg.run_id is None:
         cfg = cfg.model_copy(update={"run_id": new_run_id()})
     check_policy_source(cfg.policy)  # a missing model is one line now, not a traceback after synthesis
@@ -87,10 +83,7 @@ def resume(run_id: str = typer.Argument(..., help="the run to finish"), store: s
 def _run_with_progress(start: Callable[[], dict[str, Any]], cfg: Any) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rlvr import progress
-
     steps = cfg.train.steps if cfg is not None else 0
-    state: dict[str, Any] = {"reward": float("nan"), "accuracy": float("nan")}
     bar = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -100,14 +93,9 @@ def _run_with_progress(start: Callable[[], dict[str, Any]], cfg: Any) -> None:
         console=err,
         transient=False,
     )
-    task_id = bar.add_task("starting", total=steps, reward=state["reward"], accuracy=state["accuracy"])
+    task_id = bar.add_task("starting", total=steps, reward=float("nan"), accuracy=float("nan"))
 
-    def listener(event: str, fields: dict[str, Any]) -> None:
-        if event == "warning":
-            bar.console.print(f"warning: {fields['message']}", markup=False, highlight=False)
-            return
-        if not bar.live.is_started:  # shown from the run's first event on: a run refused at once shows only its error
-            bar.start()
+    def update(event: str, fields: dict[str, Any]) -> None:
         if event == "stage":
             bar.update(task_id, description=fields["name"])
         elif event == "step":
@@ -115,13 +103,7 @@ def _run_with_progress(start: Callable[[], dict[str, Any]], cfg: Any) -> None:
         elif event == "eval":
             bar.update(task_id, accuracy=fields["accuracy"])
 
-    progress.listen(listener)
-    try:
-        summary = start()
-    finally:
-        progress.stop_listening(listener)
-        if bar.live.is_started:
-            bar.stop()
+    summary = with_progress(start, bar, update)
     _print_summary(summary)
 
 

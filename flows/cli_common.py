@@ -1,14 +1,20 @@
-"""What every `rlvr` command shares: where the store is, and opening it."""
+"""What the `rlvr` commands share: where the store is, opening it, Prefect's set-up for a command that runs a
+flow, and the progress bar over a run's progress events."""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
-if TYPE_CHECKING:  # the store's modules load pyarrow and fsspec: not for `rlvr --help`
+if TYPE_CHECKING:  # the store's modules load pyarrow and fsspec, rich's progress more: not for `rlvr --help`
+    from rich.progress import Progress
+
     from rlvr.storage.store import Store
+
+T = TypeVar("T")
 
 DEFAULT_STORE = "./rlvr-store"
 StoreOption = typer.Option(
@@ -26,3 +32,36 @@ def open_existing(store: str | None) -> Store:
     from rlvr.storage.store import Store
 
     return Store.open(store_root(store))
+
+
+def flow_store(store: str | None) -> str:
+    """The store root of a command that runs a flow, with Prefect set up on the store's database (created when
+    the store is new)."""
+    from rlvr.flows.prefect_env import configure_prefect
+    from rlvr.storage.store import Store
+
+    root = store_root(store)
+    configure_prefect(Store(root))
+    return root
+
+
+def with_progress(start: Callable[[], T], bar: Progress, update: Callable[[str, dict[str, Any]], None]) -> T:
+    """`start()` under `bar`, shown from the run's first progress event on (a run refused at once shows only its
+    one-line error); warnings print above the bar, every other event goes to `update`."""
+    from rlvr import progress
+
+    def listener(event: str, fields: dict[str, Any]) -> None:
+        if event == "warning":
+            bar.console.print(f"warning: {fields['message']}", markup=False, highlight=False)
+            return
+        if not bar.live.is_started:
+            bar.start()
+        update(event, fields)
+
+    progress.listen(listener)
+    try:
+        return start()
+    finally:
+        progress.stop_listening(listener)
+        if bar.live.is_started:
+            bar.stop()

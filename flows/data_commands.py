@@ -53,12 +53,9 @@ def data(
     set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set synthesize.size=5000"),
 ) -> None:
     """Run the data stages alone: read the sources, validate, deduplicate, decontaminate, split (+ difficulty)."""
-    from rlvr.flows.cli_common import store_root
-    from rlvr.flows.prefect_env import configure_prefect
-    from rlvr.storage.store import Store
+    from rlvr.flows.cli_common import flow_store, open_existing
 
-    root = store_root(store)
-    configure_prefect(Store(root))
+    root = flow_store(store)
     from rlvr.flows.config import require_problems
     from rlvr.flows.runner import execute_data, new_run_id
 
@@ -66,7 +63,7 @@ def data(
     if cfg.run_id is None:
         cfg = cfg.model_copy(update={"run_id": new_run_id().replace("run-", "data-", 1)})
     summary = _with_status(lambda: execute_data(root, cfg, policy, new=True))
-    found = Store.open(root)
+    found = open_existing(root)
     print_data_summary(found, summary)
     require_problems(found, summary["problems_id"], cfg.run_id)  # nothing accepted: one line, exit status 2
 
@@ -75,18 +72,13 @@ def _with_status(start: Any) -> Any:
     """Run `start` under a progress bar: the data phase running, and shards done of a sharded stage."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rlvr import progress
+    from rlvr.flows.cli_common import with_progress
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     bar = Progress(*columns, console=err)
     task = bar.add_task("starting", total=None)
 
-    def listener(event: str, fields: dict[str, Any]) -> None:
-        if event == "warning":
-            bar.console.print(f"warning: {fields['message']}", markup=False, highlight=False)
-            return
-        if not bar.live.is_started:  # from the first event on: a refused run shows only its error
-            bar.start()
+    def update(event: str, fields: dict[str, Any]) -> None:
         if event == "stage":
             bar.update(task, description=fields["name"], total=None, completed=0)
         elif event == "data":
@@ -95,13 +87,7 @@ def _with_status(start: Any) -> Any:
         elif event == "shard":
             bar.update(task, description=f"{fields['stage']} shards", total=fields["total"], completed=fields["done"])
 
-    progress.listen(listener)
-    try:
-        return start()
-    finally:
-        progress.stop_listening(listener)
-        if bar.live.is_started:
-            bar.stop()
+    return with_progress(start, bar, update)
 
 
 def source_table(counts: dict[str, dict[str, Any]]) -> Table:
