@@ -112,6 +112,41 @@ def figures(root: Path, method: str, seed: int, budget: int | None, target: floa
     }
 
 
+def audit(root: Path, method: str, seed: int) -> dict[str, str]:
+    """Why a method did what it did, from its store's audit columns: the share of its rollouts per category,
+    Knapsack's rollouts per case, dynamic sampling's groups kept and filtered, CLPO's rewrites."""
+    from rlvr.storage.store import Store
+    from rlvr.storage.views import query
+
+    store = Store.open(str(store_path(root, method, seed)))
+    rows = query(
+        store,
+        "SELECT p.category, count(*) AS n, avg(r.score) AS reward FROM rewards r JOIN problems p USING (problem_id) "
+        "GROUP BY 1 ORDER BY 1",
+    ).to_pylist()
+    total = sum(r["n"] for r in rows)
+    found = {
+        "rollouts by category (share, mean reward)": ", ".join(
+            f"{r['category']} {r['n'] / total:.2f} ({r['reward']:.2f})" for r in rows
+        )
+    }
+    if "knapsack" in method:
+        cases = query(store, 'SELECT "case", sum(n_rollouts) AS n FROM allocations GROUP BY 1 ORDER BY 1').to_pylist()
+        found["knapsack rollouts by case"] = ", ".join(f"{c['case']} {c['n']}" for c in cases)
+    if method == "dynamic sampling":
+        groups = query(store, "SELECT reason, count(*) AS n FROM filtered_groups GROUP BY 1 ORDER BY 1").to_pylist()
+        rounds = query(store, "SELECT count(DISTINCT (step, round)) AS n FROM filtered_groups").to_pylist()[0]["n"]
+        found["groups (filter)"] = ", ".join(f"{g['reason']} {g['n']}" for g in groups) + f"; {rounds} rounds"
+    if method == "clpo":
+        made = query(
+            store,
+            "SELECT count(rewrite_prompt) AS made, count(rewrite_accuracy) AS checked, "
+            "count(*) FILTER (WHERE kept) AS kept FROM restructured",
+        ).to_pylist()[0]
+        found["rewrites"] = f"made {made['made']}, verified {made['checked']}, kept {made['kept']}"
+    return found
+
+
 def summarise(results: dict[str, list[dict]]) -> None:
     print(f"{'method':18}{'eff. ratio':>12}{'rollouts to target':>22}{'acc at budget':>22}{'wall s':>9}")
     for method, rows in results.items():
@@ -151,6 +186,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="keep the stores here (default: a temp dir)")
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="only read the finished stores under --out again")
+    parser.add_argument("--audit", action="store_true", help="also print each run's audit figures (why)")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="rlvr-curriculum-"))
     jobs = [(m, s) for s in args.seeds for m in args.methods]
@@ -168,6 +204,11 @@ def main() -> None:
     (root / "results.json").write_text(json.dumps(results, indent=2))
     print(f"stores and results.json in {root}")
     summarise(results)
+    if args.audit:
+        for m, s in jobs:
+            print(f"\n{m}, seed {s}:")
+            for name, text in audit(root, m, s).items():
+                print(f"  {name}: {text}")
 
 
 if __name__ == "__main__":
