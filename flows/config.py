@@ -28,6 +28,20 @@ from rlvr.storage.ids import canonical_json
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table, run_stage
 from rlvr.storage.store import Store
 
+if TYPE_CHECKING:
+    from rlvr.curricula.base import AllocateConfig, SelectConfig
+    from rlvr.curricula.clpo import RestructureConfig
+    from rlvr.curricula.filtering import DynamicSamplingConfig
+    from rlvr.tasks.checkpoint import CheckpointConfig
+    from rlvr.tasks.difficulty import DifficultyConfig
+    from rlvr.tasks.evaluate import EvaluateConfig
+    from rlvr.tasks.synthesize import SynthesizeConfig
+    from rlvr.tasks.train import TrainConfig
+    from rlvr.tasks.warmstart import WarmstartConfig
+    from rlvr.trainer.engine_base import EngineConfig
+    from rlvr.trainer.policy import PolicyConfig
+    from rlvr.verifiers.cache import VerifierConfig
+
 # The order sections are shown in (model_dump, --help): the order of the pipeline.
 SECTION_ORDER = (
     "policy",
@@ -64,9 +78,23 @@ class RunConfigBase(BaseModel):
     flow: FlowConfig = Field(default_factory=FlowConfig)
     openlineage: OpenLineageConfig = Field(default_factory=OpenLineageConfig)
 
-    if TYPE_CHECKING:  # the stage sections exist only at run time
-
-        def __getattr__(self, name: str) -> Any: ...
+    if TYPE_CHECKING:
+        # The stage sections are added at run time (`run_config_type`), where the sections chosen by `type` are
+        # unions over what is registered (plugins included); the type checker sees each as its base class, so
+        # `cfg.train.grpo.kl_beta` is checked and a misspelt key is an error (tests/test_config_typing.py).
+        policy: PolicyConfig
+        synthesize: SynthesizeConfig
+        warmstart: WarmstartConfig
+        difficulty: DifficultyConfig
+        select: SelectConfig
+        allocate: AllocateConfig
+        rollout: EngineConfig
+        label: VerifierConfig
+        filter: DynamicSamplingConfig
+        restructure: RestructureConfig
+        train: TrainConfig
+        evaluate: EvaluateConfig
+        checkpoint: CheckpointConfig
 
 
 def discover_stages() -> list[Stage[Any]]:
