@@ -13,7 +13,7 @@ from prefect import flow
 
 from rlvr.flows.config import RunConfigBase, commit_config
 from rlvr.flows.executors import current_fan_out, use_executor
-from rlvr.flows.stages import run
+from rlvr.flows.stages import run, run_context
 from rlvr.progress import report
 from rlvr.storage.stage import open_store
 from rlvr.tasks.difficulty import DIFFICULTY, DIFFICULTY_FROM_LABELS
@@ -47,17 +47,17 @@ def _data_stages(store: str, cfg: RunConfigBase, policy: str | None) -> dict[str
 def synthesized_problems(store: str, cfg: RunConfigBase, config_id: str) -> str:
     """The `problems` artifact of the run's sources (`synthesize`, one unit per source on the executor)."""
     report("stage", name="synthesize")
-    at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
     params = {"fan_out": current_fan_out()}
-    return run(SYNTHESIZE, cfg.synthesize, inputs={"config": config_id}, params=params, **at)["problems"]
+    return run(SYNTHESIZE, cfg.synthesize, run_context(store, cfg), inputs={"config": config_id}, params=params)[
+        "problems"
+    ]
 
 
 def initial_policy(store: str, cfg: RunConfigBase, config_id: str) -> str:
     """The run's starting policy as its step-0 checkpoint (`initialize`): built, loaded, or taken from
     `policy.checkpoint` (a checkpoint of an earlier run, or None)."""
-    at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
     inputs = {"config": config_id, "checkpoint": cfg.policy.checkpoint}
-    return run(INITIALIZE, cfg.policy, inputs=inputs, params={"seed": cfg.seed}, step=0, **at).id
+    return run(INITIALIZE, cfg.policy, run_context(store, cfg, 0), inputs=inputs, params={"seed": cfg.seed}).id
 
 
 def estimate_difficulty(store: str, cfg: RunConfigBase, problems: str, policy: str) -> str:
@@ -65,9 +65,8 @@ def estimate_difficulty(store: str, cfg: RunConfigBase, problems: str, policy: s
     require_policy(open_store(store), policy, "policy")
     report("stage", name="difficulty")
     inputs = {"problems": problems, "policy": policy}
-    at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
     params = {"verifier": cfg.label, "fan_out": current_fan_out(), "device": cfg.policy.device}
-    return run(DIFFICULTY, cfg.difficulty, inputs=inputs, params=params, **at).id
+    return run(DIFFICULTY, cfg.difficulty, run_context(store, cfg), inputs=inputs, params=params).id
 
 
 @flow(name="difficulty", validate_parameters=False)
@@ -77,5 +76,4 @@ def difficulty_run(store: str, cfg: RunConfigBase, problems: str, policy: str | 
     if policy is not None:
         with use_executor(cfg.flow.executor, store):
             return estimate_difficulty(store, cfg, problems, policy)
-    at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
-    return run(DIFFICULTY_FROM_LABELS, cfg.difficulty, inputs={"problems": problems}, **at).id
+    return run(DIFFICULTY_FROM_LABELS, cfg.difficulty, run_context(store, cfg), inputs={"problems": problems}).id

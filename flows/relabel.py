@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 
 from rlvr.errors import UserError
-from rlvr.flows.stages import run
+from rlvr.flows.stages import RunContext, run
 from rlvr.storage.stage import open_store
 from rlvr.tasks.relabel import RELABEL
 from rlvr.verifiers.cache import VerifierConfig
@@ -20,13 +20,7 @@ def relabel_rewards(store: str, rewards_ids: list[str], cfg: VerifierConfig) -> 
         if old.kind != "rewards":
             raise UserError(f"{rewards_id} is a {old.kind} artifact; relabel takes a rewards artifact")
         rollouts_id, problems_id = old.parents[0], old.parents[1]
-        done = run(
-            RELABEL,
-            cfg,
-            store=store,
-            run_id=old.run_id,
-            step=old.step,
-            inputs={"rewards": rewards_id, "rollouts": rollouts_id, "problems": problems_id},
-        )
+        at = RunContext(store, str(old.run_id), step=old.step)
+        done = run(RELABEL, cfg, at, inputs={"rewards": rewards_id, "rollouts": rollouts_id, "problems": problems_id})
         results.append((done["relabeled_rewards"], done["relabel_flips"]))
     return results

@@ -27,7 +27,7 @@ from rlvr.curricula.filtering import prompts_to_draw
 from rlvr.flows.config import RunConfigBase, commit_config, data_run_problems, require_problems
 from rlvr.flows.data_run import estimate_difficulty, initial_policy, synthesized_problems
 from rlvr.flows.executors import current_fan_out, use_executor
-from rlvr.flows.stages import run
+from rlvr.flows.stages import RunContext, run, run_context, step_of
 from rlvr.progress import report
 from rlvr.storage.stage import open_store, prune_transient
 from rlvr.tasks.allocate import ALLOCATE
@@ -83,7 +83,7 @@ def rl_step(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> tuple[
 
 
 def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> tuple[StepRefs, dict[str, Any]]:
-    at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed, step=step)
+    at = run_context(store, cfg, step)
     made = _generate(at, cfg, refs)
     samples = {"rollouts": made.rollouts, "rewards": made.rewards}
     restructured = None
@@ -91,6 +91,7 @@ def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> t
         restructured = run(
             RESTRUCTURE,
             cfg.restructure,
+            at,
             inputs={"problems": refs.problems, **samples, "policy": refs.policy_ref},
             params={
                 "verifier": cfg.label,
@@ -98,12 +99,12 @@ def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> t
                 "sources": cfg.synthesize.sources,
                 "device": cfg.policy.device,
             },
-            **at,
         )
     reference = refs.start_ref if cfg.train.grpo.kl_beta > 0 else None
     trained = run(
         TRAIN,
         cfg.train,
+        at,
         inputs={
             **samples,
             "policy": refs.policy_ref,
@@ -112,11 +113,11 @@ def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> t
             "reference": reference,
         },
         params={"device": cfg.policy.device},
-        **at,
     )
     updated = run(
         UPDATE,
         cfg.select,
+        at,
         inputs={
             "state": refs.state,
             "problems": refs.problems,
@@ -125,7 +126,6 @@ def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> t
             **samples,
         },
         params={"advantage_scale": cfg.train.grpo.advantage_scale},
-        **at,
     )
     problems = refs.problems
     if restructured is not None and restructured.manifest(open_store(store), "restructured").extra["kept"]:
@@ -137,7 +137,7 @@ def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> t
     return next_refs, metrics
 
 
-def _generate(at: dict[str, Any], cfg: RunConfigBase, refs: StepRefs) -> Generated:
+def _generate(at: RunContext, cfg: RunConfigBase, refs: StepRefs) -> Generated:
     """select -> allocate -> rollout -> label; with dynamic sampling, filter after each round and refill
     with new prompts until the batch has enough groups with reward variance or the refills run out."""
     made, drawn, refills = Generated(), 0, 0
@@ -147,27 +147,25 @@ def _generate(at: dict[str, Any], cfg: RunConfigBase, refs: StepRefs) -> Generat
         selections = run(
             SELECT,
             cfg.select,
+            at,
             inputs={"problems": refs.problems, "difficulty": refs.difficulty, "state": refs.state},
             params=rounds,
-            **at,
         )
         allocations = run(
             ALLOCATE,
             cfg.allocate,
+            at,
             inputs={"selections": selections.id, "difficulty": refs.difficulty, "rewards": refs.rewards},
-            **at,
         )
         rollouts = run(
             ROLLOUT,
             cfg.rollout,
+            at,
             inputs={"allocations": allocations.id, "problems": refs.problems, "policy": refs.policy_ref},
             params={"device": cfg.policy.device},
-            **at,
         )
         fanned = {"fan_out": current_fan_out()}  # it carries flow.executor.verify_chunk
-        rewards = run(
-            LABEL, cfg.label, inputs={"rollouts": rollouts.id, "problems": refs.problems}, params=fanned, **at
-        )
+        rewards = run(LABEL, cfg.label, at, inputs={"rollouts": rollouts.id, "problems": refs.problems}, params=fanned)
         made.selections.append(selections.id)
         made.rollouts.append(rollouts.id)
         made.rewards.append(rewards["rewards"])
@@ -176,15 +174,15 @@ def _generate(at: dict[str, Any], cfg: RunConfigBase, refs: StepRefs) -> Generat
         groups = run(
             FILTER,
             cfg.filter,
+            at,
             inputs={"rollouts": made.rollouts, "rewards": made.rewards},
             params={"batch_size": cfg.select.batch_size, "refills_done": refills, "first_slot": drawn},
-            **at,
         )
         made.groups.append(groups.id)
-        decision = groups.manifest(open_store(at["store"])).extra
+        decision = groups.manifest(open_store(at.store)).extra
         if not decision["refill_prompts"]:
             if decision["limit_reached"]:
-                _warn_refill_limit(cfg, at["step"], decision["kept"])
+                _warn_refill_limit(cfg, step_of(at), decision["kept"])
             return made
         drawn, count, refills = drawn + count, decision["refill_prompts"], refills + 1
 
@@ -207,10 +205,9 @@ def _warn_refill_limit(cfg: RunConfigBase, step: int, kept: int) -> None:
 
 def evaluate(store: str, cfg: RunConfigBase, step: int, phase: str, refs: StepRefs) -> float:
     """Greedy accuracy of `refs.policy_ref` on the held-out split of the synthesized problems (an `evals` row)."""
-    at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed, step=step)
     inputs = {"policy": refs.policy_ref, "problems": refs.problems[0]}
     params = {"phase": phase, "verifier": cfg.label, "device": cfg.policy.device}
-    result = run(EVALUATE, cfg.evaluate, inputs=inputs, params=params, **at)
+    result = run(EVALUATE, cfg.evaluate, run_context(store, cfg, step), inputs=inputs, params=params)
     return float(result.table(open_store(store)).column("accuracy")[0].as_py())
 
 
@@ -224,8 +221,7 @@ def rl_steps(store: str, cfg: RunConfigBase, first: int, last: int, refs: StepRe
         if step % cfg.evaluate.every == 0 or final:
             report("eval", step=step, accuracy=evaluate(store, cfg, step, "rl", refs))
         if step % cfg.checkpoint.every == 0 or final:
-            at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed, step=step)
-            run(CHECKPOINT, cfg.checkpoint, inputs={"policy": refs.policy_ref}, **at)
+            run(CHECKPOINT, cfg.checkpoint, run_context(store, cfg, step), inputs={"policy": refs.policy_ref})
     return refs
 
 
@@ -238,7 +234,6 @@ def rl_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
 
 def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     assert cfg.run_id is not None
-    at: dict[str, Any] = dict(store=store, run_id=cfg.run_id, seed=cfg.seed)
     config_id = commit_config(open_store(store), cfg)
     problems = problems_of_run(store, cfg, config_id)
     initial = initial_policy(store, cfg, config_id)
@@ -247,7 +242,8 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     if cfg.warmstart.steps:
         report("stage", name="warmstart")
         inputs = {"problems": problems, "policy": initial}
-        warm = run(WARMSTART, cfg.warmstart, inputs=inputs, params={"device": cfg.policy.device}, step=0, **at)
+        at = run_context(store, cfg, 0)
+        warm = run(WARMSTART, cfg.warmstart, at, inputs=inputs, params={"device": cfg.policy.device})
         refs = replace(refs, policy_ref=warm["checkpoints"], start_ref=warm["checkpoints"])
         report("eval", step=0, phase="warmstart", accuracy=evaluate(store, cfg, 0, "warmstart", refs))
     refs = replace(refs, difficulty=estimate_difficulty(store, cfg, problems, refs.policy_ref))

@@ -10,6 +10,7 @@ stage run is a row of the `stage_runs` view with its timings.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
 
@@ -20,24 +21,47 @@ from prefect.context import TaskRunContext
 from rlvr.storage.stage import InputRef, Stage, StageRun, open_store, run_stage
 
 
+@dataclass(frozen=True)
+class RunContext:
+    """Where and for which run a stage runs: the store root, the run's id and seed, and its RL step (None for
+    the stages outside the steps). Roots rather than Store objects, so a context crosses to other workers."""
+
+    store: str
+    run_id: str
+    seed: int = 0
+    step: int | None = None
+
+    def at_step(self, step: int | None) -> RunContext:
+        return replace(self, step=step)
+
+
+def run_context(store: str, cfg: Any, step: int | None = None) -> RunContext:
+    """The context of run `cfg` (its id and seed) on the store at `store`, at `step`."""
+    assert cfg.run_id is not None, "the run id is resolved before any stage runs"
+    return RunContext(store, str(cfg.run_id), int(cfg.seed), step)
+
+
+def step_of(at: RunContext) -> int:
+    """The RL step of a context inside the steps."""
+    assert at.step is not None, "a context inside an RL step has its step"
+    return at.step
+
+
 def run(
     stage: Stage[Any],
     cfg: Any,
+    at: RunContext,
     *,
-    store: str,
-    run_id: str,
-    seed: int = 0,
-    step: int | None = None,
     inputs: Mapping[str, InputRef] | None = None,
     params: Mapping[str, Any] | None = None,
 ) -> StageRun:
     """Run `stage` through the runner (skipped when committed), as a Prefect task unless inside one."""
     if TaskRunContext.get() is not None:
-        return run_stage(
-            open_store(store), stage, cfg, run_id=run_id, seed=seed, step=step, inputs=inputs, params=params
-        )
+        store = open_store(at.store)
+        return run_stage(store, stage, cfg, run_id=at.run_id, seed=at.seed, step=at.step, inputs=inputs, params=params)
     _stages[stage.name] = stage
-    return _task_of(stage.name)(store, stage.name, cfg, run_id, seed, step, dict(inputs or {}), dict(params or {}))
+    task = _task_of(stage.name)
+    return task(at.store, stage.name, cfg, at.run_id, at.seed, at.step, dict(inputs or {}), dict(params or {}))
 
 
 _stages: dict[str, Stage[Any]] = {}

@@ -271,18 +271,18 @@ WHERE: Stage[SplitConfig] = Stage(
 def test_prefect_task_per_stage_unless_inside_a_task(tmp_path, prefect_api):
     from prefect import flow, task
 
-    from rlvr.flows.stages import run
+    from rlvr.flows.stages import RunContext, run
 
     root = str(tmp_path / "store")
     Store.open(root, create=True)
 
     @task
     def step_task(step: int) -> str:
-        return run(WHERE, SplitConfig(), store=root, run_id="r", step=step).id
+        return run(WHERE, SplitConfig(), RunContext(root, "r", step=step)).id
 
     @flow
     def pipeline() -> list[str]:
-        return [run(WHERE, SplitConfig(), store=root, run_id="r", step=1).id, step_task(2)]
+        return [run(WHERE, SplitConfig(), RunContext(root, "r", step=1)).id, step_task(2)]
 
     in_task.clear()
     ids = pipeline()
