@@ -17,6 +17,22 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+__all__ = [
+    "AllocateConfig",
+    "Allocation",
+    "BudgetAllocator",
+    "Estimate",
+    "Pick",
+    "PoolProblem",
+    "ProblemOutcome",
+    "SelectConfig",
+    "SelectionStrategy",
+    "StepFeedback",
+    "arm_sizes",
+    "case_of",
+    "outcomes_by_arm",
+]
+
 
 @dataclass(frozen=True)
 class PoolProblem:

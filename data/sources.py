@@ -31,6 +31,27 @@ from rlvr.plugins import TypedRegistry
 from rlvr.verifiers import skills
 from rlvr.verifiers.arithmetic import GENERATOR_VERSION, ArithmeticSpec, generate
 
+__all__ = [
+    "SOURCES",
+    "ArithmeticSource",
+    "ArithmeticSourceConfig",
+    "DatasetSource",
+    "DatasetSourceConfig",
+    "FileSource",
+    "FileSourceConfig",
+    "ProblemSource",
+    "ProceduralRewriter",
+    "ReasoningGymSource",
+    "ReasoningGymSourceConfig",
+    "SkillsSource",
+    "SkillsSourceConfig",
+    "SourceConfig",
+    "expression_of",
+    "make_sources",
+    "question_of",
+    "source_names",
+]
+
 
 class SourceConfig(BaseModel):
     """Fields every source shares; each source's config subclasses it and adds `type`."""

@@ -3,6 +3,12 @@ line and exits non-zero; anything else is a bug."""
 
 import errno
 
+__all__ = [
+    "ConfigError",
+    "UserError",
+    "environment_failure",
+]
+
 
 class UserError(Exception):
     """A failure caused by input or environment that the user can fix (the message says how)."""

@@ -21,6 +21,11 @@ from pydantic import BaseModel, Discriminator, Tag
 
 from rlvr.errors import UserError
 
+__all__ = [
+    "TypedRegistry",
+    "generation",
+]
+
 Impl = TypeVar("Impl")
 
 _generation = 0  # bumped by every registration, so a cached run-config model knows it is stale

@@ -15,6 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.policy import Policy
 
+__all__ = [
+    "EngineConfig",
+    "RolloutEngine",
+    "SamplingParams",
+    "eos_ids",
+    "request_seed",
+    "with_eos",
+]
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -13,6 +13,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+__all__ = [
+    "MISSING_REFERENCE",
+    "STATUSES",
+    "Score",
+    "Verifier",
+    "is_missing",
+    "non_text_error",
+    "one_line",
+    "self_check_error",
+]
+
 Status = Literal["ok", "wrong", "unparseable", "timeout", "error"]
 STATUSES: tuple[str, ...] = ("ok", "wrong", "unparseable", "timeout", "error")
 MISSING_REFERENCE = "missing reference"
