@@ -317,3 +317,25 @@ def test_registering_the_engines_does_not_import_vllm() -> None:
     """This module imported both engines' configs; only starting the `vllm` engine imports vllm."""
     ENGINES.config_type()
     assert "vllm" not in sys.modules
+
+
+def test_the_static_cache_samples_what_the_shared_prompt_cache_samples():
+    """`rollout.cache=static` (transformers' static key/value cache, compiled on a GPU) draws the same tokens as
+    the default shared-prompt cache on the CPU, for the same seed; the key stays out of the config's dump (and
+    so of every id) at its default."""
+    from rlvr.trainer.generation import sample
+    from rlvr.trainer.policy import PolicyConfig, init_policy
+
+    policy = init_policy(PolicyConfig(), seed=3)
+    prompts, counts = ["12+3=", "7*8=", "5-2="], [8, 5, 1]
+    settings = dict(max_new_tokens=6, temperature=1.0, top_p=1.0, seed=11)
+    shared = sample(policy, prompts, counts, **settings)
+    static = sample(policy, prompts, counts, **settings, cache="static")
+    assert [s.completion_ids for s in static] == [s.completion_ids for s in shared]
+    assert len({tuple(s.completion_ids) for s in shared}) > 3  # the samples differ from one another
+    engine = ENGINES.make(TransformersEngineConfig(cache="static"))
+    engine.update_weights(policy, "p")
+    drawn = engine.generate(prompts, counts, SamplingParams(6, 1.0, 1.0, 11))
+    assert [s.completion_ids for s in drawn] == [s.completion_ids for s in shared]
+    assert "cache" not in TransformersEngineConfig().model_dump()
+    assert TransformersEngineConfig(cache="static").model_dump()["cache"] == "static"

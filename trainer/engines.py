@@ -17,9 +17,11 @@ import atexit
 from collections.abc import Sequence
 from typing import Literal
 
+from pydantic import Field
+
 from rlvr.plugins import TypedRegistry
 from rlvr.trainer.engine_base import EngineConfig, RolloutEngine, SamplingParams
-from rlvr.trainer.generation import Sample, sample
+from rlvr.trainer.generation import Cache, Sample, sample
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig
 from rlvr.trainer.vllm_engine import VLLMEngine, VLLMEngineConfig
@@ -29,6 +31,15 @@ __all__ = ["ENGINES", "EngineConfig", "RolloutEngine", "SamplingParams", "Transf
 
 class TransformersEngineConfig(EngineConfig):
     type: Literal["transformers"] = "transformers"
+    cache: Cache = Field(
+        "shared_prompt",
+        exclude_if=lambda value: value == "shared_prompt",  # left out of dumps, so ids from before it stay
+        description=(
+            "shared_prompt: each distinct prompt's key/value cache computed once for its group; static: "
+            "transformers' static cache, compiled on a GPU (a slow first call, then faster decoding; see "
+            "docs/training.md, Rollout engines)"
+        ),
+    )
 
 
 class TransformersEngine(RolloutEngine):
@@ -54,6 +65,7 @@ class TransformersEngine(RolloutEngine):
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             seed=sampling.seed,
+            cache=self.cfg.cache if isinstance(self.cfg, TransformersEngineConfig) else "shared_prompt",
         )
 
     def close(self) -> None:

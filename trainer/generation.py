@@ -44,19 +44,33 @@ def _eos_ids(policy: Policy) -> set[int]:
     return set(eos) if isinstance(eos, list) else {eos}
 
 
-def _generate(policy: Policy, prompts: list[str], max_new_tokens: int, **sampling: Any) -> list[list[int]]:
-    """New tokens per prompt row, cut after the first eos (the eos is kept)."""
+Cache = Literal["shared_prompt", "static"]
+
+
+def _generate(
+    policy: Policy, prompts: list[str], max_new_tokens: int, cache: Cache = "shared_prompt", **sampling: Any
+) -> list[list[int]]:
+    """New tokens per prompt row, cut after the first eos (the eos is kept).
+
+    `cache`: "shared_prompt" computes each distinct prompt's key/value cache once for all the rows that repeat it
+    (`_shared_prompt_cache`); "static" asks transformers for a static key/value cache of the batch's full length,
+    which transformers compiles on a GPU (a slow first call, then fast decoding; on the CPU only the cache changes).
+    """
     if not prompts:
         return []
     encoded = policy.tokenizer.pad({"input_ids": prompt_ids(policy.tokenizer, prompts)}, return_tensors="pt")
     encoded = encoded.to(policy.model.device)
+    if cache == "static":
+        caching: dict[str, Any] = {"cache_implementation": "static"}
+    else:
+        caching = {CACHE_ARGUMENT: _shared_prompt_cache(policy, encoded["input_ids"], encoded["attention_mask"])}
     with torch.no_grad():
         output = policy.model.generate(  # type: ignore[operator]  # GenerationMixin, not a module attribute
             **encoded,
             max_new_tokens=max_new_tokens,
             pad_token_id=policy.tokenizer.pad_token_id,
             eos_token_id=sorted(_eos_ids(policy)),
-            **{CACHE_ARGUMENT: _shared_prompt_cache(policy, encoded["input_ids"], encoded["attention_mask"])},
+            **caching,
             **sampling,
         )
     new_tokens = output[:, encoded["input_ids"].shape[1] :].tolist()
@@ -108,8 +122,10 @@ def sample(
     temperature: float,
     top_p: float,
     seed: int,
+    cache: Cache = "shared_prompt",
 ) -> list[Sample]:
-    """`counts[i]` samples of `prompts[i]` (ragged, zero allowed), grouped by prompt in order.
+    """`counts[i]` samples of `prompts[i]` (ragged, zero allowed), grouped by prompt in order (`cache`: see
+    `_generate`).
 
     All rows are generated in one batch; torch's RNG is seeded inside `fork_rng`, so the same call
     gives the same samples in any process and the caller's RNG state is untouched.
@@ -126,6 +142,7 @@ def sample(
             policy,
             [prompts[prompt_index] for prompt_index, _ in rows],
             max_new_tokens,
+            cache,
             do_sample=True,
             temperature=temperature,
             top_p=top_p,
