@@ -1,7 +1,7 @@
-"""The artifact store: Parquet artifacts with an atomic commit protocol, the catalog, lineage and DuckDB views.
+"""The artifact store: Parquet artifacts with an atomic commit protocol, the catalog, lineage and DuckDB views,
+and the stage runner (stage.py), which reads a stage's inputs and commits its outputs through a `Store`.
 
-Stages meet only here: each reads its inputs and commits its outputs through a `Store`, and every
-question about a run is a query over `connect(store)`.
+Stages meet only here, and every question about a run is a query over `connect(store)`.
 """
 
 from rlvr.storage.ids import artifact_id, derive_seed, row_id
