@@ -78,22 +78,28 @@ def run_seconds(root: Path, method: str, seed: int) -> float:
     return (datetime.fromisoformat(ended) - datetime.fromisoformat(started)).total_seconds()
 
 
-def figures(root: Path, method: str, seed: int, budget: int | None, target: float) -> dict:
-    """The method's figures from its store (see the module docstring)."""
+def rows(root: Path, method: str, seed: int, sql: str) -> list[dict]:
+    """The rows of one read-only query over the store of (method, seed)."""
     from rlvr.storage.store import Store
     from rlvr.storage.views import query
 
-    store = Store.open(str(store_path(root, method, seed)))
-    groups = query(
-        store,
+    return query(Store.open(str(store_path(root, method, seed))), sql).to_pylist()
+
+
+def figures(root: Path, method: str, seed: int, budget: int | None, target: float) -> dict:
+    """The method's figures from its store (see the module docstring)."""
+    groups = rows(
+        root,
+        method,
+        seed,
         "SELECT r.step, o.slot, count(*) AS n, min(r.score) <> max(r.score) AS mixed "
         "FROM rewards r JOIN rollouts o USING (rollout_id) GROUP BY r.step, o.slot",
-    ).to_pylist()
+    )
     per_step = {}
     for g in groups:
         per_step[g["step"]] = per_step.get(g["step"], 0) + g["n"]
-    checks = query(store, "SELECT step, count(rewrite_accuracy) AS n FROM restructured GROUP BY step").to_pylist()
-    config = json.loads(query(store, "SELECT config_json FROM config").column("config_json")[0].as_py())
+    checks = rows(root, method, seed, "SELECT step, count(rewrite_accuracy) AS n FROM restructured GROUP BY step")
+    config = json.loads(rows(root, method, seed, "SELECT config_json FROM config")[0]["config_json"])
     rollouts_per_check = config["restructure"]["rollouts"]
     for c in checks:
         per_step[c["step"]] = per_step.get(c["step"], 0) + c["n"] * rollouts_per_check
@@ -101,7 +107,7 @@ def figures(root: Path, method: str, seed: int, budget: int | None, target: floa
     for step in sorted(per_step):
         total += per_step[step]
         cumulative[step] = total
-    evals = query(store, "SELECT step, accuracy FROM evals WHERE phase = 'rl' ORDER BY step").to_pylist()
+    evals = rows(root, method, seed, "SELECT step, accuracy FROM evals WHERE phase = 'rl' ORDER BY step")
     within = [e for e in evals if budget is None or cumulative.get(e["step"], 0) <= budget]
     reached = next((cumulative[e["step"]] for e in within if e["accuracy"] >= target), None)
     return {
@@ -115,34 +121,32 @@ def figures(root: Path, method: str, seed: int, budget: int | None, target: floa
 def audit(root: Path, method: str, seed: int) -> dict[str, str]:
     """Why a method did what it did, from its store's audit columns: the share of its rollouts per category,
     Knapsack's rollouts per case, dynamic sampling's groups kept and filtered, CLPO's rewrites."""
-    from rlvr.storage.store import Store
-    from rlvr.storage.views import query
 
-    store = Store.open(str(store_path(root, method, seed)))
-    rows = query(
-        store,
+    def ask(sql: str) -> list[dict]:
+        return rows(root, method, seed, sql)
+
+    by_category = ask(
         "SELECT p.category, count(*) AS n, avg(r.score) AS reward FROM rewards r JOIN problems p USING (problem_id) "
-        "GROUP BY 1 ORDER BY 1",
-    ).to_pylist()
-    total = sum(r["n"] for r in rows)
+        "GROUP BY 1 ORDER BY 1"
+    )
+    total = sum(r["n"] for r in by_category)
     found = {
         "rollouts by category (share, mean reward)": ", ".join(
-            f"{r['category']} {r['n'] / total:.2f} ({r['reward']:.2f})" for r in rows
+            f"{r['category']} {r['n'] / total:.2f} ({r['reward']:.2f})" for r in by_category
         )
     }
     if "knapsack" in method:
-        cases = query(store, 'SELECT "case", sum(n_rollouts) AS n FROM allocations GROUP BY 1 ORDER BY 1').to_pylist()
+        cases = ask('SELECT "case", sum(n_rollouts) AS n FROM allocations GROUP BY 1 ORDER BY 1')
         found["knapsack rollouts by case"] = ", ".join(f"{c['case']} {c['n']}" for c in cases)
     if method == "dynamic sampling":
-        groups = query(store, "SELECT reason, count(*) AS n FROM filtered_groups GROUP BY 1 ORDER BY 1").to_pylist()
-        rounds = query(store, "SELECT count(DISTINCT (step, round)) AS n FROM filtered_groups").to_pylist()[0]["n"]
+        groups = ask("SELECT reason, count(*) AS n FROM filtered_groups GROUP BY 1 ORDER BY 1")
+        rounds = ask("SELECT count(DISTINCT (step, round)) AS n FROM filtered_groups")[0]["n"]
         found["groups (filter)"] = ", ".join(f"{g['reason']} {g['n']}" for g in groups) + f"; {rounds} rounds"
     if method == "clpo":
-        made = query(
-            store,
+        made = ask(
             "SELECT count(rewrite_prompt) AS made, count(rewrite_accuracy) AS checked, "
-            "count(*) FILTER (WHERE kept) AS kept FROM restructured",
-        ).to_pylist()[0]
+            "count(*) FILTER (WHERE kept) AS kept FROM restructured"
+        )[0]
         found["rewrites"] = f"made {made['made']}, verified {made['checked']}, kept {made['kept']}"
     return found
 

@@ -25,6 +25,7 @@ class DynamicSamplingConfig(BaseModel):
     max_refills: int = Field(2, ge=0, description="refill rounds after the first before training on fewer groups")
     band: tuple[float, float] | None = Field(
         None,
+        exclude_if=lambda value: value is None,  # left out of dumps (so of ids) when unset: earlier runs keep theirs
         description=(
             "keep only groups whose pass rate (share of correct answers) lies in [low, high], e.g. [0.2, 0.8] "
             "(verl issue 2791), besides having reward variance; None: every group with variance"

@@ -44,6 +44,7 @@ class KnapsackConfig(AllocateConfig):
     )
     unknown: Literal["prior", "uniform"] = Field(
         "prior",
+        exclude_if=lambda value: value == "prior",  # left out of dumps (so of ids) at what earlier runs did
         description=(
             "a prompt with no outcome in this run yet: prior = estimated by its pre-RL difficulty pass rate; "
             "uniform = the paper's choice, n rollouts as in a uniform budget"

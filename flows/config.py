@@ -239,31 +239,13 @@ def _config_build(inputs: Inputs, cfg: RunConfigBase, ctx: StageContext) -> Buil
     return Built(rows_to_table("config", [row]))
 
 
-# Keys added after runs had been stored, left out of the config's id while they hold the value that means
-# "as before", so that those runs keep their ids (a resume after an upgrade redoes nothing).
-LATER_KEYS: dict[tuple[str, ...], Any] = {
-    ("policy", "dtype"): "float32",
-    ("train", "state_every"): 1,
-    ("train", "grpo", "semantic_entropy"): None,
-    ("train", "grpo", "semantic_entropy_weighting"): "linear",
-    ("filter", "band"): None,
-    ("allocate", "unknown"): "prior",
-}
-
-
 def _config_identity(cfg: RunConfigBase, params: Any) -> dict[str, Any]:
     # Where lineage events go, where units run (flow.executor) and where models run (policy.device) change no
-    # artifact, so none is part of any id; nor is a later key at its old meaning (LATER_KEYS).
-    left_out: dict[str, Any] = {"openlineage": True, "flow": {"executor"}, "policy": {"device"}}
-    settings = json.loads(canonical_json(cfg.model_dump(mode="json", exclude=left_out)))
-    for path, old_meaning in LATER_KEYS.items():
-        *parents, key = path
-        node = settings
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and key in node and node[key] == old_meaning:
-            del node[key]
-    return settings
+    # artifact, so none is part of any id; nor is policy.dtype when it is float32, so that ids of runs from
+    # before it existed stay what they were. Keys added since leave every dump at their default (`exclude_if`).
+    policy = {"device"} | ({"dtype"} if cfg.policy.dtype == "float32" else set())
+    left_out: dict[str, Any] = {"openlineage": True, "flow": {"executor"}, "policy": policy}
+    return json.loads(canonical_json(cfg.model_dump(mode="json", exclude=left_out)))
 
 
 # The run's resolved config as an artifact: the root of every run's lineage (not a section of itself).

@@ -10,7 +10,6 @@ them with one query over the run's rewards, so resume never depends on what a pr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -18,7 +17,7 @@ import pyarrow as pa
 from rlvr.curricula.base import AllocateConfig, Estimate, Pick
 from rlvr.curricula.buffers import BUFFER_LENGTH, OutcomeBuffers
 from rlvr.curricula.registry import ALLOCATORS, make_allocator
-from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, default_identity, rows_to_table
+from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.storage.store import Store
 from rlvr.storage.views import data_paths, duckdb_connection, parquet_scan
 
@@ -119,15 +118,6 @@ def rebuild_buffers(store: Store, run_id: str, step: int, length: int = BUFFER_L
     return buffers
 
 
-def identity(cfg: AllocateConfig, params: Mapping[str, Any]) -> dict[str, Any]:
-    """The section and params; Knapsack's `unknown` only when it is not "prior", what every run did before
-    the key existed (their ids stay what they were)."""
-    settings = default_identity(cfg, params)
-    if settings.get("unknown") == "prior":
-        del settings["unknown"]
-    return settings
-
-
 ALLOCATE: Stage[AllocateConfig] = Stage(
     name="allocate",
     code_version="3",
@@ -137,5 +127,4 @@ ALLOCATE: Stage[AllocateConfig] = Stage(
     inputs=("selections", "difficulty", "rewards"),
     outputs={"allocations": Output("allocations")},
     build=build,
-    identity=identity,
 )

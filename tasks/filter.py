@@ -12,11 +12,10 @@ once).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
 from typing import Any
 
 from rlvr.curricula.filtering import DynamicSamplingConfig, filter_groups
-from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, default_identity, rows_to_table
+from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 
 
 def build(inputs: Inputs, cfg: DynamicSamplingConfig, ctx: StageContext) -> Built:
@@ -63,14 +62,6 @@ def build(inputs: Inputs, cfg: DynamicSamplingConfig, ctx: StageContext) -> Buil
     return Built(rows_to_table("filtered_groups", rows), extra=extra)
 
 
-def identity(cfg: DynamicSamplingConfig, params: Mapping[str, Any]) -> dict[str, Any]:
-    """The section and params; `band` only when set, so runs without one keep the ids they had before it."""
-    settings = default_identity(cfg, params)
-    if cfg.band is None:
-        settings.pop("band")
-    return settings
-
-
 FILTER: Stage[DynamicSamplingConfig] = Stage(
     name="filter",
     code_version="1",
@@ -79,5 +70,4 @@ FILTER: Stage[DynamicSamplingConfig] = Stage(
     inputs=("rollouts", "rewards"),
     outputs={"filtered_groups": Output("filtered_groups")},
     build=build,
-    identity=identity,
 )

@@ -53,6 +53,7 @@ class TrainConfig(BaseModel):
     state_every: int = Field(
         1,
         ge=1,
+        exclude_if=lambda value: value == 1,  # keys added later leave dumps, so ids, as they were at their default
         description=(
             "store the weights and optimizer state every this many steps (1: every step). Between, a resumed "
             "run replays the committed steps' updates from the last stored state (exact on the CPU). At 0.5B "
@@ -133,14 +134,9 @@ def state_built(inputs: Inputs, cfg: TrainConfig, ctx: StageContext, state: Trai
 
 def identity(cfg: TrainConfig, params: Mapping[str, Any]) -> dict[str, Any]:
     """The update depends on the GRPO settings, not on how many steps the run has; `state_every` changes what
-    the train_state holds (named only when it is not 1, so runs that store every step keep their ids), and
-    SEED-GRPO's keys are named only when it is on."""
-    every = {"state_every": cfg.state_every} if cfg.state_every != 1 else {}
-    grpo = cfg.grpo.model_dump()
-    if cfg.grpo.semantic_entropy is None:  # keys added later leave the ids of runs without them as they were
-        grpo.pop("semantic_entropy")
-        grpo.pop("semantic_entropy_weighting")
-    return {**grpo, **every}
+    the train_state holds. Keys added later are left out of dumps at their default (`exclude_if`), so the
+    ids of runs from before them stay what they were."""
+    return {**cfg.grpo.model_dump(), **cfg.model_dump(include={"state_every"})}
 
 
 TRAIN: Stage[TrainConfig] = Stage(

@@ -264,6 +264,7 @@ class GRPOConfig(BaseModel):
     advantage_clip: float | None = Field(default=None, gt=0, description="clamp advantages to [-c, c]")
     semantic_entropy: float | None = Field(
         default=None,
+        exclude_if=lambda value: value is None,  # left out of dumps (so of ids) when off: earlier runs keep theirs
         ge=0,
         le=1,
         description=(
@@ -272,7 +273,9 @@ class GRPOConfig(BaseModel):
         ),
     )
     semantic_entropy_weighting: Literal["linear", "exponential"] = Field(
-        default="linear", description="SEED-GRPO's f: 1 - x (linear) or exp(-x)"
+        default="linear",
+        exclude_if=lambda value: value == "linear",
+        description="SEED-GRPO's f: 1 - x (linear) or exp(-x)",
     )
     aggregation: Aggregation = "seq-mean-token-mean"
     overlong: Overlong = "none"
