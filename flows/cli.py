@@ -320,7 +320,7 @@ def schedule(
     Serving runs until Ctrl-C. Without PREFECT_API_URL it starts a Prefect server on the store's database.
     """
     from rlvr.flows.ui import point_prefect_at_store, ui_url_of
-    from rlvr.storage.store import Store
+    from rlvr.storage.store import open_store
 
     modes = [flag for flag, on in (("--list", list_), ("--pause", pause), ("--resume", resume_)) if on]
     if len(modes) > 1:
@@ -335,7 +335,7 @@ def schedule(
     if name is not None:
         check_schedule_name(name)
     root = _absolute_root(store_root(store))
-    found = Store.open(root, create=serving)
+    found = open_store(root, create=serving)
     config_json = _schedule_config(config, set_) if serving else ""
     target = point_prefect_at_store(found, need_server=serving)
     from rlvr.flows import schedule as schedules  # imports Prefect, now pointed at the right server

@@ -29,19 +29,19 @@ def store_root(store: str | None) -> str:
 
 def open_existing(store: str | None) -> Store:
     """The store named as `store_root` finds it (one-line errors when it is not a store)."""
-    from rlvr.storage.store import Store
+    from rlvr.storage.store import open_store
 
-    return Store.open(store_root(store))
+    return open_store(store_root(store))
 
 
 def flow_store(store: str | None) -> str:
     """The store root of a command that runs a flow, with Prefect set up on the store's database (created when
     the store is new)."""
     from rlvr.flows.prefect_env import configure_prefect
-    from rlvr.storage.store import Store
+    from rlvr.storage.store import open_store
 
     root = store_root(store)
-    configure_prefect(Store(root))
+    configure_prefect(open_store(root, create=True))
     return root
 
 

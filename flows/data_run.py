@@ -15,7 +15,7 @@ from rlvr.flows.config import RunConfigBase, commit_config
 from rlvr.flows.executors import current_fan_out, use_executor
 from rlvr.flows.stages import run, run_context
 from rlvr.progress import report
-from rlvr.storage.stage import open_store
+from rlvr.storage.store import open_store
 from rlvr.tasks.difficulty import DIFFICULTY, DIFFICULTY_FROM_LABELS
 from rlvr.tasks.initialize import INITIALIZE
 from rlvr.tasks.synthesize import SYNTHESIZE

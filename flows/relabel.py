@@ -6,7 +6,7 @@ from prefect import flow
 
 from rlvr.errors import UserError
 from rlvr.flows.stages import RunContext, run
-from rlvr.storage.stage import open_store
+from rlvr.storage.store import open_store
 from rlvr.tasks.relabel import RELABEL
 from rlvr.verifiers.cache import VerifierConfig
 

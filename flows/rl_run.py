@@ -29,7 +29,8 @@ from rlvr.flows.data_run import estimate_difficulty, initial_policy, synthesized
 from rlvr.flows.executors import current_fan_out, use_executor
 from rlvr.flows.stages import RunContext, run, run_context, step_of
 from rlvr.progress import report
-from rlvr.storage.stage import open_store, prune_transient
+from rlvr.storage.stage import prune_transient
+from rlvr.storage.store import open_store
 from rlvr.tasks.allocate import ALLOCATE
 from rlvr.tasks.checkpoint import CHECKPOINT
 from rlvr.tasks.evaluate import EVALUATE

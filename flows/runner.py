@@ -31,7 +31,7 @@ from rlvr.storage.errors import DamagedFile
 from rlvr.storage.integrity import repair_run
 from rlvr.storage.leases import Lease, owning
 from rlvr.storage.stage import failed_stage
-from rlvr.storage.store import Store, run_death, run_status, seconds_from_env
+from rlvr.storage.store import Store, open_store, run_death, run_status, seconds_from_env
 from rlvr.storage.views import query, sql_string
 
 DEFAULT_HEARTBEAT_S = 5.0
@@ -123,7 +123,7 @@ def _tracked(
     up to date (running, then completed or failed) and the run's OpenLineage events sent, if configured.
     Before `body`, what killed writers of this run left is removed and damaged artifacts of the run are set
     aside to be rebuilt (storage/integrity.py)."""
-    store = Store.open(store_root)
+    store = open_store(store_root)
     with owning(store, cfg.run_id, new=new) as lease:
         store.cleanup_run(cfg.run_id)
         for line in repair_run(store, cfg.run_id):
@@ -136,7 +136,7 @@ def _tracked_body(
     store: Store, lease: Lease, cfg: Any, body: Callable[[], dict[str, Any]], fields: dict[str, Any]
 ) -> dict[str, Any]:
     store_root = store.root
-    tracker = RunTracker(Store(store_root), cfg.run_id, lease=lease)  # its own Store: a beat never joins batches
+    tracker = RunTracker(store, cfg.run_id, lease=lease)  # a beat never joins a batch: batches are per thread
     openlineage_events.configure_run(store_root, cfg.run_id, cfg.openlineage, kind=fields.get("kind", "rl"))
     steps = cfg.train.steps if fields.get("kind") == "rl" else None
     started_fields = dict(status="running", store_root=store_root, config_json=cfg.model_dump_json(), steps=steps)
@@ -190,18 +190,18 @@ def _disk_full(store: Store) -> str | None:
 def execute(store_root: str, cfg: Any, *, new: bool = False) -> dict[str, Any]:
     """Run (or continue) `cfg`'s run in the store at `store_root`; return the summary. `new`: refuse a run
     id that exists already (`rlvr run`), instead of continuing it."""
-    configure_prefect(Store.open(store_root, create=True))
+    configure_prefect(open_store(store_root, create=True))
     from rlvr.flows.rl_run import rl_run  # after configure_prefect: Prefect reads settings on import
 
     quiet_run_failure_logs()
 
     summary = _tracked(store_root, cfg, lambda: rl_run(store_root, cfg), new=new, kind="rl")
-    return {**summary, **accuracy_summary(Store.open(store_root), cfg.run_id)}
+    return {**summary, **accuracy_summary(open_store(store_root), cfg.run_id)}
 
 
 def execute_data(store_root: str, cfg: Any, policy: str | None = None, *, new: bool = False) -> dict[str, Any]:
     """Run (or continue) the data stages of `cfg` (`rlvr data`); difficulty too when `policy` is given."""
-    configure_prefect(Store.open(store_root, create=True))
+    configure_prefect(open_store(store_root, create=True))
     from rlvr.flows.data_run import data_run
 
     quiet_run_failure_logs()
@@ -214,7 +214,7 @@ def resume(store_root: str, run_id: str) -> dict[str, Any]:
     """Finish a failed or killed run (RL or data) from its last committed work."""
     from rlvr.flows.config import config_from_json
 
-    record = resumable_run(Store.open(store_root), run_id)
+    record = resumable_run(open_store(store_root), run_id)
     cfg = config_from_json(record["config_json"])
     if record.get("kind") == "data":
         return execute_data(store_root, cfg, record.get("policy"))

@@ -54,7 +54,7 @@ from rlvr.flows.runner import final_checkpoint
 from rlvr.flows.ui import sigterm_as_interrupt
 from rlvr.storage.ids import artifact_id
 from rlvr.storage.schemas import SCHEMAS
-from rlvr.storage.store import Store, run_status, utc_now
+from rlvr.storage.store import Store, open_store, run_status, utc_now
 from rlvr.storage.views import query, sql_string
 
 FLOW_NAME = "rlvr-pipeline"
@@ -178,7 +178,7 @@ def pipeline_firing(store: str, name: str, config_json: str) -> dict[str, Any] |
     from rlvr.flows.config import config_from_json
     from rlvr.flows.runner import execute
 
-    found = Store.open(store)
+    found = open_store(store)
     when = _scheduled_at()
     run_id = firing_run_id(name, when)
     context = FlowRunContext.get()
@@ -328,7 +328,7 @@ class SkipRecorder(threading.Thread):
 
     def __init__(self, store_root: str, name: str, every: float) -> None:
         super().__init__(name=f"rlvr-skips-{name}", daemon=True)
-        self.store, self.schedule, self.every = Store.open(store_root), name, every  # one thread at a time uses it
+        self.store, self.schedule, self.every = open_store(store_root), name, every  # one thread at a time uses it
         self._stop_event = threading.Event()
         self._done: set[UUID] = set()
 
@@ -404,7 +404,7 @@ def skipped(flow_run: FlowRun) -> bool:
 
 def schedule_rows(store_root: str) -> list[dict[str, Any]]:
     """The store's schedules on the Prefect server, with what the store holds of each."""
-    store = Store.open(store_root)
+    store = open_store(store_root)
     with get_client(sync_client=True) as client:
         deployments = client.read_deployments(
             flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])), sort=DeploymentSort.NAME_ASC, limit=200

@@ -18,7 +18,8 @@ from prefect import task
 from prefect.cache_policies import NONE
 from prefect.context import TaskRunContext
 
-from rlvr.storage.stage import InputRef, Stage, StageRun, open_store, run_stage
+from rlvr.storage.stage import InputRef, Stage, StageRun, run_stage
+from rlvr.storage.store import open_store
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Stages meet only here, and every question about a run is a query over `connect(s
 
 from rlvr.storage.ids import artifact_id, derive_seed, row_id
 from rlvr.storage.lineage import ancestors, descendants, resolve_id
-from rlvr.storage.store import Manifest, Store, run_status
+from rlvr.storage.store import Manifest, Store, open_store, run_status
 from rlvr.storage.views import connect, query
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "connect",
     "derive_seed",
     "descendants",
+    "open_store",
     "query",
     "resolve_id",
     "row_id",

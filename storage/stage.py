@@ -28,7 +28,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any, Generic, TypeVar
 
 import pyarrow as pa
@@ -587,12 +586,6 @@ def prune_transient(store: Store, kind: str, run_id: str, keep: str) -> list[str
         store.delete_artifact(aid)
     _transient_latest[(store.root, run_id, kind)] = (keep, needs)
     return stale
-
-
-@lru_cache(maxsize=8)
-def open_store(root: str) -> Store:
-    """One Store object per root and process, so its manifest cache is shared by all stages."""
-    return Store.open(root)
 
 
 def rows_to_table(kind: str, rows: Sequence[Mapping[str, Any]]) -> pa.Table:

@@ -211,7 +211,7 @@ class Store:
         self.fs, root_path = fsspec.core.url_to_fs(root)
         self._root_path = root_path.rstrip("/")
         self._manifest_cache: dict[str, Manifest] = {}
-        self._batch: _Batch | None = None
+        self._thread = threading.local()  # the open batch belongs to the thread that opened it (`_batch`)
         self._unwritten: dict[str, _Unwritten] = {}  # deferred writes of background batches, by artifact id
         self._pending: list[tuple[_Batch, Future[None]]] = []  # batches committing in the background
         self._committer: ThreadPoolExecutor | None = None
@@ -221,7 +221,9 @@ class Store:
 
     @classmethod
     def open(cls, root: str, create: bool = False) -> Store:
-        """Open an existing store; only `create=True` makes a new one, so a typo never starts an empty store."""
+        """A new handle on an existing store; only `create=True` makes a new one, so a typo never starts an
+        empty store. The pipeline itself uses `open_store` (one handle per process); a second handle is
+        what another process would see (tests, tools)."""
         try:
             store = cls(root)
         except (ImportError, ValueError) as exc:  # an unknown protocol, or its fsspec package is missing
@@ -240,6 +242,16 @@ class Store:
         if found != STORE_FORMAT:
             raise UserError(f"store at {root} has format {found}; this version reads format {STORE_FORMAT}")
         return store
+
+    @property
+    def _batch(self) -> _Batch | None:
+        """The batch open in this thread: a run record or lease written by another thread (the heartbeat)
+        never joins a step's batch."""
+        return getattr(self._thread, "batch", None)
+
+    @_batch.setter
+    def _batch(self, batch: _Batch | None) -> None:
+        self._thread.batch = batch
 
     # ----- paths -----------------------------------------------------------------------------------
 
@@ -906,7 +918,7 @@ class Store:
         now = utc_now()
         written = {"created_at": now, "pid": os.getpid(), "host": socket.gethostname(), **record}
         written["updated_at"] = now
-        self._write_atomic(self.path("runs", f"{run_id}.json"), canonical_json(written).encode("utf-8"))
+        self.write_small(self.path("runs", f"{run_id}.json"), canonical_json(written).encode("utf-8"))
         return written
 
     def read_run(self, run_id: str) -> dict[str, Any] | None:
@@ -935,6 +947,22 @@ class Store:
                 except DamagedFile as exc:  # one bad record must not hide the other runs
                     self.unreadable[path] = str(exc)
         return sorted(records, key=lambda r: (str(r.get("created_at", "")), str(r.get("run_id", ""))))
+
+
+_handles: dict[tuple[int, str], Store] = {}
+_handles_lock = threading.Lock()
+
+
+def open_store(root: str, create: bool = False) -> Store:
+    """This process's one handle on the store at `root` (opened, or created with `create`, on first use):
+    every stage, the run record's heartbeat and the CLI share its manifest cache and its commit thread.
+    Keyed by the process id too, so a forked child opens its own."""
+    key = (os.getpid(), root)
+    with _handles_lock:
+        handle = _handles.get(key)
+        if handle is None:
+            handle = _handles[key] = Store.open(root, create=create)
+        return handle
 
 
 class ArtifactWriter:

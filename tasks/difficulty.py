@@ -20,7 +20,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.progress import report
-from rlvr.storage.stage import Built, Inputs, Output, Sharded, Stage, StageContext, open_store, rows_to_table
+from rlvr.storage.stage import Built, Inputs, Output, Sharded, Stage, StageContext, rows_to_table
+from rlvr.storage.store import open_store
 from rlvr.trainer.checkpoints import load_policy
 from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.generation import sample
