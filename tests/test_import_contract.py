@@ -4,7 +4,7 @@ modules import each other in a circle. `make lint` runs this file.
 
 Layers, lowest first: the package root `rlvr/` (errors, plugins, progress, chat prompts, the child guard);
 `storage/`; `curricula/` and `verifiers/` (which do not import each other); `data/`; `trainer/`; `tasks/`;
-`flows/`.
+`flows/`; the CLI (`flows/cli/`), which nothing else imports.
 """
 
 from __future__ import annotations
@@ -23,14 +23,15 @@ LAYERS: list[set[str]] = [
     {"trainer"},
     {"tasks"},
     {"flows"},
+    {"flows/cli"},
 ]
-FOLDERS = [folder for layer in LAYERS for folder in layer]
+FOLDERS = [folder for layer in LAYERS for folder in layer if "/" not in folder]  # the package's top folders
 RANK = {folder: rank for rank, layer in enumerate(LAYERS) for folder in layer}
 RANK["verifiers"] = RANK["curricula"]  # one layer: neither may import the other (checked below)
 
 
 def modules() -> dict[str, tuple[str, Path]]:
-    """Module name -> (its folder, its file), for every .py file of the package."""
+    """Module name -> (its layer's folder, its file), for every .py file of the package."""
     found = {}
     for folder in FOLDERS:
         for path in sorted((REPO / folder).rglob("*.py")):
@@ -38,8 +39,14 @@ def modules() -> dict[str, tuple[str, Path]]:
             if parts[-1] == "__init__":
                 parts.pop()
             name = ".".join(["rlvr"] + ([] if folder == "rlvr" else [folder]) + parts)
-            found[name] = (folder, path)
+            found[name] = (layer_of(path), path)
     return found
+
+
+def layer_of(path: Path) -> str:
+    """The most specific layer folder holding `path` (flows/cli/ before flows/)."""
+    relative = path.relative_to(REPO).as_posix()
+    return max((f for f in RANK if relative.startswith(f + "/")), key=len)
 
 
 def imports(found: dict[str, tuple[str, Path]]) -> dict[str, set[str]]:
@@ -113,7 +120,8 @@ def test_no_modules_import_each_other_in_a_circle():
 
 
 def test_the_check_finds_a_back_arrow_and_a_circle():
-    """The checks can fail: a storage module importing a task, and two trainer modules importing each other."""
+    """The checks can fail: a storage module importing a task, a flow importing the CLI, and two trainer modules
+    importing each other."""
     found = {
         "rlvr.storage.a": ("storage", Path("a")),
         "rlvr.tasks.b": ("tasks", Path("b")),
@@ -121,14 +129,18 @@ def test_the_check_finds_a_back_arrow_and_a_circle():
         "rlvr.trainer.d": ("trainer", Path("d")),
         "rlvr.verifiers.e": ("verifiers", Path("e")),
         "rlvr.curricula.f": ("curricula", Path("f")),
+        "rlvr.flows.g": ("flows", Path("g")),
+        "rlvr.flows.cli.h": ("flows/cli", Path("h")),
     }
     edges = {
         "rlvr.storage.a": {"rlvr.tasks.b"},
         "rlvr.trainer.c": {"rlvr.trainer.d"},
         "rlvr.trainer.d": {"rlvr.trainer.c"},
         "rlvr.verifiers.e": {"rlvr.curricula.f"},
+        "rlvr.flows.g": {"rlvr.flows.cli.h"},
     }
     assert back_arrows(found, edges) == [
+        "rlvr.flows.g (flows/) imports rlvr.flows.cli.h (flows/cli/)",
         "rlvr.storage.a (storage/) imports rlvr.tasks.b (tasks/)",
         "rlvr.verifiers.e (verifiers/) imports rlvr.curricula.f (curricula/)",
     ]

@@ -1,4 +1,4 @@
-"""The data commands of the CLI: `rlvr data`, `rlvr difficulty`, `rlvr export` (registered in flows/cli.py)."""
+"""The data commands of the CLI: `rlvr data`, `rlvr difficulty`, `rlvr export` (registered in flows/cli/commands.py)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def data(
     set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set synthesize.size=5000"),
 ) -> None:
     """Run the data stages alone: read the sources, validate, deduplicate, decontaminate, split (+ difficulty)."""
-    from rlvr.flows.cli_common import flow_store, open_existing
+    from rlvr.flows.cli.common import flow_store, open_existing
 
     root = flow_store(store)
     from rlvr.flows.config import require_problems
@@ -72,7 +72,7 @@ def _with_status(start: Any) -> Any:
     """Run `start` under a progress bar: the data phase running, and shards done of a sharded stage."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rlvr.flows.cli_common import with_progress
+    from rlvr.flows.cli.common import with_progress
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     bar = Progress(*columns, console=err)
@@ -155,7 +155,7 @@ def difficulty(
     set_: list[str] = typer.Option([], "--set", help="override a difficulty key, e.g. --set difficulty.k=16"),
 ) -> None:
     """Re-estimate a run's difficulty with another checkpoint: a new artifact; the old one stays queryable."""
-    from rlvr.flows.cli_common import open_existing
+    from rlvr.flows.cli.common import open_existing
     from rlvr.flows.prefect_env import configure_prefect
 
     found = open_existing(store)
@@ -190,7 +190,7 @@ def export(
 ) -> None:
     """Write a run's problems for another trainer: verl's Parquet layout, a TRL dataset, or plain JSONL."""
     from rlvr.data.export import export_problems
-    from rlvr.flows.cli_common import open_existing
+    from rlvr.flows.cli.common import open_existing
     from rlvr.flows.config import data_run_problems
 
     found = open_existing(store)

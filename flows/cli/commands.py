@@ -17,7 +17,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from rlvr.errors import UserError, environment_failure
-from rlvr.flows.cli_common import StoreOption, flow_store, open_existing, store_root, with_progress
+from rlvr.flows.cli.common import StoreOption, flow_store, open_existing, store_root, with_progress
 
 app = typer.Typer(
     add_completion=False,
@@ -420,7 +420,7 @@ def report(
 
 
 def _register_data_commands() -> None:
-    from rlvr.flows import check_command, data_commands
+    from rlvr.flows.cli import check_command, data_commands
 
     app.command()(data_commands.data)
     app.command()(data_commands.difficulty)
@@ -470,7 +470,3 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted; finish the run with `rlvr resume RUN_ID`", markup=False)
         sys.exit(130)
-
-
-if __name__ == "__main__":
-    main()

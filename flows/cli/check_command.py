@@ -1,6 +1,6 @@
 """`rlvr check`: verify a whole store (local or on object storage) and say what a resume would rebuild.
 
-Registered in flows/cli.py. Exit status 0 when nothing is damaged, 1 when something is.
+Registered in flows/cli/commands.py. Exit status 0 when nothing is damaged, 1 when something is.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def check(
 ) -> None:
     """Verify every committed file against its manifest (size, sha256, Parquet footer), find unreadable
     manifests, run records and Prefect database, and say what `rlvr resume` would rebuild."""
-    from rlvr.flows.cli_common import open_existing, store_root
+    from rlvr.flows.cli.common import open_existing, store_root
     from rlvr.flows.prefect_env import prefect_database_problem
 
     found = open_existing(store)
