@@ -35,7 +35,7 @@ def timed_run(root: str, steps: int, overrides: list[str], check: bool) -> tuple
     """(seconds per RL step in steady state, seconds of the whole run) with reads checked or not."""
     from rlvr import progress
     from rlvr.flows.config import load_config
-    from rlvr.flows.runner import execute
+    from rlvr.flows.runs import execute
     from rlvr.storage.stage import RESIDENTS, TABLES
     from rlvr.storage.store import Store
 

@@ -38,7 +38,7 @@ def pipeline_run(steps: int, overrides: list[str]) -> tuple[float, list[dict], f
     end-of-step group commits took (`Store.batch`: syncs, manifests, deferred deletes) over those steps."""
     from rlvr import progress
     from rlvr.flows.config import load_config
-    from rlvr.flows.runner import execute
+    from rlvr.flows.runs import execute
     from rlvr.storage.store import Store
     from rlvr.storage.views import query
 

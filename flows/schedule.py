@@ -50,7 +50,7 @@ from prefect.types.entrypoint import EntrypointType
 from pydantic import ValidationError
 
 from rlvr.errors import UserError
-from rlvr.flows.runner import final_checkpoint
+from rlvr.flows.runs import final_checkpoint
 from rlvr.flows.ui import sigterm_as_interrupt
 from rlvr.storage.ids import artifact_id
 from rlvr.storage.schemas import SCHEMAS
@@ -176,7 +176,7 @@ def _firing_name() -> str:
 def pipeline_firing(store: str, name: str, config_json: str) -> dict[str, Any] | State:
     """One firing of schedule `name`: a run NAME-<timestamp> continuing from the pipeline's newest checkpoint."""
     from rlvr.flows.config import config_from_json
-    from rlvr.flows.runner import execute
+    from rlvr.flows.runs import execute
 
     found = open_store(store)
     when = _scheduled_at()

@@ -18,7 +18,7 @@ from tests.cli_helpers import cli_env
 RUN = """
 import json, os, sys
 from rlvr.flows.config import load_config
-from rlvr.flows.runner import execute
+from rlvr.flows.runs import execute
 
 print("script body runs in", os.getpid(), flush=True)
 cfg = load_config(None, ["run_id=noguard", "train.steps=2", "warmstart.steps=0", "select.batch_size=4",

@@ -43,7 +43,7 @@ OVERRIDES = [
 
 
 def run_on(root: Path, executor: str) -> Store:
-    from rlvr.flows.runner import execute
+    from rlvr.flows.runs import execute
 
     cfg = load_config(None, [f"run_id={RUN_ID}", *OVERRIDES, *executor.split()])
     execute(str(root), cfg)

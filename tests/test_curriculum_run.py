@@ -17,7 +17,7 @@ BATCH, N, STEPS = 4, 4, 5
 @pytest.fixture(scope="module")
 def combo_run(tmp_path_factory, prefect_api):
     from rlvr.flows.config import load_config
-    from rlvr.flows.runner import execute
+    from rlvr.flows.runs import execute
 
     cfg = load_config(
         None,

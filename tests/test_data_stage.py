@@ -259,7 +259,7 @@ def mixed_overrides(folder: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_mixed_domains_train_end_to_end_each_scored_by_its_verifier(tmp_path, prefect_api):
-    from rlvr.flows.runner import execute
+    from rlvr.flows.runs import execute
 
     cfg = load_config(None, ["run_id=mixed", *mixed_overrides(tmp_path)])
     summary = execute(str(tmp_path / "store"), cfg)

@@ -154,7 +154,7 @@ def test_usage_on_the_cpu_names_it_and_has_no_peak():
 
 def run_recording_devices(root: str, run_id: str, device: str, monkeypatch: pytest.MonkeyPatch):
     """A two-step run with CLPO's policy rewriter and a KL reference; returns {stage: device names it asked for}."""
-    from rlvr.flows.runner import execute
+    from rlvr.flows.runs import execute
 
     asked: list[str] = []
     by_stage: dict[str, set[str]] = defaultdict(set)

@@ -95,7 +95,7 @@ def test_unknown_target_module_is_a_user_error():
 
 @pytest.mark.slow
 def test_a_lora_run_trains_only_the_adapters_and_checkpoints_them(tmp_path, prefect_api, tiny_config):
-    from rlvr.flows.runner import execute
+    from rlvr.flows.runs import execute
     from rlvr.storage.store import Store
     from rlvr.storage.views import query
 

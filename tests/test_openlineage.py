@@ -62,7 +62,7 @@ def tags(event: dict) -> dict[str, str]:
 def lineage_run(tmp_path_factory, prefect_api):
     """A short real run (tiny model, 2 RL steps) whose events go to a file through the run config."""
     from rlvr.flows.config import load_config
-    from rlvr.flows.runner import execute
+    from rlvr.flows.runs import execute
 
     tmp = tmp_path_factory.mktemp("openlineage")
     root, events = str(tmp / "store"), tmp / "events.jsonl"

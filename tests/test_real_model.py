@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlvr.errors import UserError
-from rlvr.flows.runner import final_checkpoint
+from rlvr.flows.runs import final_checkpoint
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.trainer.checkpoints import policy_files_of

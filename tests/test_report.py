@@ -49,7 +49,7 @@ document.body.setAttribute('data-height', document.documentElement.scrollHeight)
 def runs(tmp_path_factory, prefect_api):
     """A store with `sec` (SEC + Knapsack, 6 steps) and `uni` (uniform, 3 steps)."""
     from rlvr.flows.config import load_config
-    from rlvr.flows.runner import execute
+    from rlvr.flows.runs import execute
 
     root = str(tmp_path_factory.mktemp("report") / "store")
     sec = ["select.type=sec", "allocate.type=knapsack", "warmstart.steps=30", "difficulty.k=4"]
@@ -224,7 +224,7 @@ def test_report_figures_come_from_the_stores_rows(runs):
     assert [s["step"] for s in uni.data.steps] == [1, 2, 3]
     rewards = query(runs, "SELECT count(*) AS n FROM rewards WHERE run_id = 'sec'").column("n")[0].as_py()
     assert sum(r["n"] for r in sec.data.statuses) == rewards
-    from rlvr.flows.runner import accuracy_summary
+    from rlvr.flows.runs import accuracy_summary
 
     accuracy = accuracy_summary(runs, "sec")
     expected = " → ".join(f"{accuracy[k]:.2f}" for k in ("accuracy_init", "accuracy_warmstart", "accuracy_final"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlvr.flows.runner import execute
+from rlvr.flows.runs import execute
 from rlvr.storage.lineage import ancestors
 from rlvr.storage.store import Store
 from rlvr.storage.views import query

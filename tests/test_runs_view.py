@@ -16,7 +16,7 @@ import pytest
 
 from rlvr import progress
 from rlvr.errors import UserError
-from rlvr.flows.runner import RunTracker, describe_run, resumable_run
+from rlvr.flows.runs import RunTracker, describe_run, resumable_run
 from rlvr.storage.store import Store, run_status
 from tests.cli_helpers import REPO, cli_env, rlvr, rlvr_command, wait_for
 from tests.conftest import TINY_OVERRIDES
@@ -32,7 +32,7 @@ def ago(seconds: float) -> str:
 @pytest.mark.slow
 def test_completed_and_failed_runs(tmp_path, prefect_api):
     from rlvr.flows.config import load_config
-    from rlvr.flows.runner import execute
+    from rlvr.flows.runs import execute
 
     root = str(tmp_path / "store")
     summary = execute(root, load_config(None, ["run_id=good", *SHORT]))

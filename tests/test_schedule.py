@@ -18,7 +18,7 @@ from packaging.version import Version
 
 from rlvr.errors import UserError
 from rlvr.flows.cli.commands import check_schedule_name
-from rlvr.flows.runner import final_checkpoint
+from rlvr.flows.runs import final_checkpoint
 from rlvr.flows.schedule import Firing, firing_config, firing_run_id, firings, pipeline_runs, record_firing
 from rlvr.flows.ui import free_port, start_server
 from rlvr.storage.lineage import ancestors

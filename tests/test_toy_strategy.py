@@ -57,7 +57,7 @@ class LowestFirst(SelectionStrategy):
 
 def test_a_registered_strategy_runs_two_steps(tmp_path, prefect_api):
     from rlvr.flows.config import load_config
-    from rlvr.flows.runner import execute
+    from rlvr.flows.runs import execute
 
     STRATEGIES.register(LowestFirstConfig, LowestFirst)
     try:

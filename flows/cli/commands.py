@@ -48,7 +48,7 @@ def run(
     """Run the RL pipeline end to end: synthesize, warm start, difficulty, RL steps, evaluate, checkpoint."""
     root = flow_store(store)
     from rlvr.flows.config import load_config
-    from rlvr.flows.runner import execute, new_run_id
+    from rlvr.flows.runs import execute, new_run_id
     from rlvr.trainer.devices import resolve_device
     from rlvr.trainer.policy import check_policy_source
 
@@ -73,8 +73,8 @@ def resume(run_id: str = typer.Argument(..., help="the run to finish"), store: s
     found = open_existing(store)
     configure_prefect(found)
     from rlvr.flows.config import config_from_json
-    from rlvr.flows.runner import resumable_run
-    from rlvr.flows.runner import resume as resume_run
+    from rlvr.flows.runs import resumable_run
+    from rlvr.flows.runs import resume as resume_run
 
     cfg = config_from_json(resumable_run(found, run_id)["config_json"])
     _run_with_progress(lambda: resume_run(store_root(store), run_id), cfg)
@@ -134,7 +134,7 @@ def runs(
 ) -> None:
     """List the runs: status, progress, last held-out accuracy, heartbeat; why and where failed runs failed,
     and the command that resumes them. A run whose process died shows as failed."""
-    from rlvr.flows.runner import describe_run
+    from rlvr.flows.runs import describe_run
 
     if format not in ("table", "json"):
         raise UserError(f"unknown format {format!r}; use table or json")

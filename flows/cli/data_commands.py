@@ -57,7 +57,7 @@ def data(
 
     root = flow_store(store)
     from rlvr.flows.config import require_problems
-    from rlvr.flows.runner import execute_data, new_run_id
+    from rlvr.flows.runs import execute_data, new_run_id
 
     cfg = data_config(input, config, verifier, [*set_, *([f"run_id={run_id}"] if run_id else [])])
     if cfg.run_id is None:
