@@ -47,8 +47,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.errors import UserError
+from rlvr.storage.manifest import utc_now
 from rlvr.storage.stage import TABLES, observe_stage_work
-from rlvr.storage.store import Store, utc_now
+from rlvr.storage.store import Store
 
 log = logging.getLogger(__name__)
 

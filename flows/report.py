@@ -22,7 +22,8 @@ from rlvr.errors import UserError
 from rlvr.flows.report_plots import RUN_COLORS, Figure, RunData, all_figures, is_number, run_colors
 from rlvr.flows.runs import existing_run, final_checkpoint, format_age, last_by_phase
 from rlvr.storage.lineage import ancestors
-from rlvr.storage.store import Store, run_status
+from rlvr.storage.run_records import run_status
+from rlvr.storage.store import Store
 from rlvr.storage.views import connect
 
 MAX_RUNS = len(RUN_COLORS)

@@ -30,8 +30,10 @@ from rlvr.flows.prefect_env import configure_prefect, quiet_run_failure_logs
 from rlvr.storage.errors import DamagedFile
 from rlvr.storage.integrity import repair_run
 from rlvr.storage.leases import Lease, owning
+from rlvr.storage.processes import seconds_from_env
+from rlvr.storage.run_records import run_death, run_status
 from rlvr.storage.stage import failed_stage
-from rlvr.storage.store import Store, open_store, run_death, run_status, seconds_from_env
+from rlvr.storage.store import Store, open_store
 from rlvr.storage.views import query, sql_string
 
 DEFAULT_HEARTBEAT_S = 5.0

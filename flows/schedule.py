@@ -53,8 +53,10 @@ from rlvr.errors import UserError
 from rlvr.flows.runs import final_checkpoint
 from rlvr.flows.ui import sigterm_as_interrupt
 from rlvr.storage.ids import artifact_id
+from rlvr.storage.manifest import utc_now
+from rlvr.storage.run_records import run_status
 from rlvr.storage.schemas import SCHEMAS
-from rlvr.storage.store import Store, open_store, run_status, utc_now
+from rlvr.storage.store import Store, open_store
 from rlvr.storage.views import query, sql_string
 
 FLOW_NAME = "rlvr-pipeline"

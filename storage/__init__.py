@@ -6,7 +6,9 @@ Stages meet only here, and every question about a run is a query over `connect(s
 
 from rlvr.storage.ids import artifact_id, derive_seed, row_id
 from rlvr.storage.lineage import ancestors, descendants, resolve_id
-from rlvr.storage.store import Manifest, Store, open_store, run_status
+from rlvr.storage.manifest import Manifest
+from rlvr.storage.run_records import run_status
+from rlvr.storage.store import Store, open_store
 from rlvr.storage.views import connect, query
 
 __all__ = [

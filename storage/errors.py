@@ -22,3 +22,10 @@ class DamagedArtifact(UserError):
         super().__init__(message)
         self.artifact_id = artifact_id
         self.path = path
+
+
+def unreadable_message(what: str, path: str, exc: BaseException, remedy: str = "") -> str:
+    """The one line an unreadable store file gets: which file, why, what to do."""
+    reason = (str(exc).splitlines() or [""])[0][:200] or type(exc).__name__
+    remedy = remedy or "`rlvr resume RUN_ID` of its run sets it aside and rebuilds the artifact"
+    return f"{what} {path} is unreadable ({type(exc).__name__}: {reason}); `rlvr check` lists what is damaged; {remedy}"

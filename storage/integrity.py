@@ -19,8 +19,10 @@ from dataclasses import dataclass, replace
 
 from rlvr.storage.errors import DamagedFile
 from rlvr.storage.leases import RunClaimed, live_runs, newest_lease_number, owning
+from rlvr.storage.manifest import Manifest
 from rlvr.storage.policy_chain import policy_chain, train_state_of
-from rlvr.storage.store import Manifest, Store, heartbeat_timeout_s
+from rlvr.storage.processes import heartbeat_timeout_s
+from rlvr.storage.store import Store
 
 TRANSIENT_KINDS = frozenset({"train_state"})
 

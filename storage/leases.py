@@ -32,7 +32,9 @@ from typing import Any
 
 from rlvr.errors import UserError
 from rlvr.storage.ids import canonical_json
-from rlvr.storage.store import Store, heartbeat_timeout_s, pid_alive, pid_start_time, utc_now
+from rlvr.storage.manifest import utc_now
+from rlvr.storage.processes import heartbeat_timeout_s, pid_alive, pid_start_time
+from rlvr.storage.store import Store
 
 LEASES = "leases"
 _LEASE_RE = re.compile(r"^(\d{6})\.json$")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import deque
 
 from rlvr.storage.errors import ArtifactNotFound, DamagedFile
-from rlvr.storage.store import Manifest, Store
+from rlvr.storage.manifest import Manifest
+from rlvr.storage.store import Store
 from rlvr.storage.views import data_paths, duckdb_connection, parquet_scan
 
 # Where a row id may live, searched in this order: a rollout id names its rollouts artifact

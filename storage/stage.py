@@ -34,8 +34,9 @@ import pyarrow as pa
 from pydantic import BaseModel
 
 from rlvr.storage.ids import artifact_id, derive_seed
+from rlvr.storage.manifest import Manifest, conform_to_schema, utc_now
 from rlvr.storage.schemas import OPEN_KINDS, schema_for
-from rlvr.storage.store import Manifest, Store, conform_to_schema, utc_now
+from rlvr.storage.store import Store
 
 C = TypeVar("C")
 T = TypeVar("T")

@@ -29,7 +29,6 @@ leftovers from a live one's; only the owner of a run removes its uncommitted art
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -40,9 +39,8 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from functools import lru_cache
 from typing import Any
 
 import fsspec
@@ -50,14 +48,27 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from rlvr.child_guard import start_time
 from rlvr.errors import UserError
 from rlvr.storage.errors import ArtifactNotFound, DamagedArtifact, DamagedFile, StoreNotFound
+from rlvr.storage.files import (
+    damage_message,
+    file_damage,
+    file_problem,
+    fsync_path,
+    fsync_pool,
+    open_new,
+    parquet_problem,
+    reaching,
+    read_whole,
+    valid_shards,
+)
 from rlvr.storage.ids import canonical_json
-from rlvr.storage.schemas import OPEN_KINDS, schema_for
+from rlvr.storage.manifest import Manifest, basename, conform_to_schema, parquet_bytes, part_name, sha256_hex, utc_now
+from rlvr.storage.processes import TMP_MARK, host_tag, mtime_of, temp_writer_gone
+from rlvr.storage.run_records import RUN_STATUSES, parsed_run_record
+from rlvr.storage.schemas import schema_for
 
 STORE_FORMAT = 1
-RUN_STATUSES = ("running", "failed", "completed")
 # These names are catalog views in DuckDB, so no artifact kind may take them.
 RESERVED_KINDS = frozenset({"artifacts", "lineage", "runs", "stage_runs"})
 # Kinds whose readers poll for new artifacts (the reward cache, at every labelling call): each commit also
@@ -67,125 +78,9 @@ INDEXED_KINDS = frozenset({"reward_cache"})
 
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_SHARD_MARKER_RE = re.compile(r"^part-(\d{5})\.json$")
 _INDEX_ENTRY_RE = re.compile(r"^(\d{10})\.json$")
-_TMP_MARK = ".tmp-"
-_TMP_RE = re.compile(r"\.tmp-(?:([0-9a-f]{8})-)?(\d+)-[0-9a-f]+$")  # host tag (absent in older stores), pid
 OWNER_FILE = "_owner.json"
-_HASH_CHUNK = 1 << 20
 _MAX_SHARD_INDEX = 99_999
-
-
-def utc_now() -> str:
-    """Timestamps are ISO UTC strings with a fixed width, so sorting the strings sorts the times."""
-    return datetime.now(UTC).isoformat(timespec="microseconds")
-
-
-def part_name(index: int) -> str:
-    """The file name of data part `index`; the zero padding keeps name order equal to index order."""
-    return f"part-{index:05d}.parquet"
-
-
-def _basename(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """The commit record of one artifact and its row in the catalog; immutable once written."""
-
-    artifact_id: str
-    kind: str
-    run_id: str
-    stage: str
-    step: int | None
-    rows: int
-    schema: str
-    files: list[dict[str, Any]]
-    parents: list[str]
-    code_version: str
-    config: dict[str, Any]
-    created_at: str
-    seconds: float
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        """Indented so a person can read a manifest with `cat`."""
-        return json.dumps(asdict(self), sort_keys=True, indent=2, ensure_ascii=False, default=str)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Manifest:
-        """Parse a manifest written by `to_json`."""
-        return cls(**json.loads(text))
-
-    @classmethod
-    def from_file(cls, path: str, text: str | bytes) -> Manifest:
-        """Parse the manifest read from `path`; a DamagedFile naming it when it is not one."""
-        try:
-            manifest = cls.from_json(text)
-            if not isinstance(manifest.files, list) or not all(isinstance(e, dict) for e in manifest.files):
-                raise ValueError("its file list is not a list of entries")
-            return manifest
-        except (ValueError, TypeError, UnicodeDecodeError) as exc:
-            raise DamagedFile(unreadable_message("manifest", path, exc)) from None
-
-    @property
-    def table_files(self) -> list[dict[str, Any]]:
-        """The Parquet parts, in order (binary files have rows=None)."""
-        return [entry for entry in self.files if entry["rows"] is not None]
-
-    @property
-    def binary_files(self) -> list[dict[str, Any]]:
-        """The binary files (model weights, ...) that live beside the Parquet parts."""
-        return [entry for entry in self.files if entry["rows"] is None]
-
-
-def conform_to_schema(kind: str, table: pa.Table) -> pa.Table:
-    """Cast `table` to the declared schema of `kind`, so every artifact of a kind has the same columns.
-
-    Kinds without a declared schema keep their own columns (extensions add kinds freely); open kinds
-    (`OPEN_KINDS`) keep extra columns after the declared ones.
-    """
-    schema = schema_for(kind)
-    if schema is None:
-        return table.replace_schema_metadata(None)
-    if table.schema.equals(schema, check_metadata=True):
-        return table  # already conformed (the runner conforms before it writes and caches)
-    expected = schema.names
-    actual = table.column_names
-    missing = [name for name in expected if name not in actual]
-    extra = [name for name in actual if name not in expected]
-    duplicated = sorted({name for name in actual if actual.count(name) > 1})
-    if kind in OPEN_KINDS and not missing and not duplicated:
-        declared = table.select(expected).cast(schema)
-        return pa.Table.from_arrays(
-            [*declared.columns, *(table.column(name) for name in extra)], names=[*expected, *extra]
-        )
-    if missing or extra or duplicated:
-        raise ValueError(
-            f"{kind} table does not match its declared schema (storage/schemas.py): "
-            f"missing columns {missing}, extra columns {extra}, duplicated columns {duplicated}; "
-            f"expected exactly {expected}"
-        )
-    try:
-        return table.select(expected).cast(schema)
-    except pa.ArrowException as exc:
-        raise ValueError(f"{kind} table has a column that cannot be cast to its declared type: {exc}") from exc
-
-
-def parquet_bytes(table: pa.Table) -> bytes:
-    """Serialize in memory so the checksum is computed over exactly the bytes that are written.
-
-    Without dictionary encoding: on the small tables of an RL step it costs a third of the write
-    time for a few percent of size that snappy mostly wins back.
-    """
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, use_dictionary=False)
-    return sink.getvalue().to_pybytes()
 
 
 def _check_kind(kind: str) -> None:
@@ -229,7 +124,7 @@ class Store:
         except (ImportError, ValueError) as exc:  # an unknown protocol, or its fsspec package is missing
             raise UserError(f"cannot use {root} as a store: {exc}") from None
         marker = store.path("STORE")
-        with _reaching(root):
+        with reaching(root):
             if not store.fs.exists(marker):
                 if not create:
                     raise StoreNotFound(
@@ -307,9 +202,9 @@ class Store:
     def _write_temp(path: str, data: bytes, sync: bool) -> str:
         """`data` in a temp file beside `path` (fsynced when `sync`); the caller renames it into place.
         The name says which host and process wrote it (`temp_writer_gone`)."""
-        tmp = f"{path}{_TMP_MARK}{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = f"{path}{TMP_MARK}{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            with _open_new(tmp) as handle:
+            with open_new(tmp) as handle:
                 handle.write(data)
                 if sync:
                     handle.flush()
@@ -326,7 +221,7 @@ class Store:
         data = parquet_bytes(table)
         name = part_name(index)
         self._write_atomic(f"{self.artifact_dir(kind, artifact_id)}/{name}", data, batch)
-        return {"path": name, "rows": table.num_rows, "bytes": len(data), "sha256": _sha256(data)}
+        return {"path": name, "rows": table.num_rows, "bytes": len(data), "sha256": sha256_hex(data)}
 
     def _write_binary(
         self, kind: str, artifact_id: str, name: str, data: bytes, batch: _Batch | None = None
@@ -334,7 +229,7 @@ class Store:
         _check_name("file name", name)
         relative = f"files/{name}"
         self._write_atomic(f"{self.artifact_dir(kind, artifact_id)}/{relative}", data, batch)
-        return {"path": relative, "rows": None, "bytes": len(data), "sha256": _sha256(data)}
+        return {"path": relative, "rows": None, "bytes": len(data), "sha256": sha256_hex(data)}
 
     def _write_files(self, job: _Unwritten) -> Manifest:
         """Write a single-part artifact's data; its manifest, listing the files written."""
@@ -446,7 +341,7 @@ class Store:
         """fsync these files (or directories) all at once: from threads, the file system groups them into
         a few journal commits instead of one per file."""
         if self.is_local and paths:
-            list(_fsync_pool().map(_fsync_path, paths))
+            list(fsync_pool().map(fsync_path, paths))
 
     # ----- writing artifacts -----------------------------------------------------------------------
 
@@ -617,7 +512,7 @@ class Store:
         directory = self.path("manifests")
         self.fs.invalidate_cache(directory)
         try:  # one listing (asking whether the folder exists first would be another round trip)
-            names = [_basename(p) for p in self.fs.ls(directory, detail=False)]
+            names = [basename(p) for p in self.fs.ls(directory, detail=False)]
         except FileNotFoundError:
             return []
         return [name[: -len(".json")] for name in names if name.endswith(".json")]
@@ -638,7 +533,7 @@ class Store:
         """The position after the last entry of `kind`'s index log (one listing of the log)."""
         directory = self.path("indexes", kind)
         self.fs.invalidate_cache(directory)
-        found = (_INDEX_ENTRY_RE.match(_basename(path)) for path in self.fs.find(directory))
+        found = (_INDEX_ENTRY_RE.match(basename(path)) for path in self.fs.find(directory))
         end = max((int(match.group(1)) for match in found if match), default=-1) + 1
         with self._index_lock:  # where this process's next append starts, without a listing of its own
             self._index_next[kind] = max(self._index_next.get(kind, 0), end)
@@ -736,9 +631,9 @@ class Store:
         damaged = []
         for entry in manifest.files:
             path = self._entry_path(manifest, entry)
-            problem = _file_problem(self.fs, path, entry)
+            problem = file_problem(self.fs, path, entry)
             if problem is None and entry["rows"] is not None:
-                problem = _parquet_problem(self.fs, path)
+                problem = parquet_problem(self.fs, path)
             if problem is not None:
                 damaged.append((path, problem))
         return damaged
@@ -844,7 +739,7 @@ class Store:
         found = []
         for kind_dir in kind_dirs:
             if self.fs.isdir(kind_dir):
-                found += [d for d in sorted(self.fs.ls(kind_dir, detail=False)) if _basename(d) not in committed]
+                found += [d for d in sorted(self.fs.ls(kind_dir, detail=False)) if basename(d) not in committed]
         return [d for d in found if self.fs.isdir(d)]
 
     def cleanup_run(self, run_id: str) -> list[str]:
@@ -874,7 +769,7 @@ class Store:
             except FileNotFoundError:
                 continue
             with entries:
-                dead = [e.path for e in entries if temp_writer_gone(e.name, _mtime(e))]
+                dead = [e.path for e in entries if temp_writer_gone(e.name, mtime_of(e))]
             for path in dead:
                 try:
                     os.remove(path)
@@ -891,8 +786,8 @@ class Store:
             self.fs.rm(directory, recursive=True)
             return [directory]
         keep = {("_shards", f"part-{index:05d}.json") for index in valid}
-        keep |= {(_basename(directory), marker["path"]) for marker in valid.values()}
-        keep.add((_basename(directory), OWNER_FILE))
+        keep |= {(basename(directory), marker["path"]) for marker in valid.values()}
+        keep.add((basename(directory), OWNER_FILE))
         removed = []
         for path in sorted(self.fs.find(directory)):
             parts = path.rstrip("/").split("/")
@@ -927,7 +822,7 @@ class Store:
             return None
         path = self.path("runs", f"{run_id}.json")
         try:
-            return _run_record(path, self.fs.cat_file(path))
+            return parsed_run_record(path, self.fs.cat_file(path))
         except FileNotFoundError:
             return None
 
@@ -939,9 +834,9 @@ class Store:
             return []
         records = []
         for path in self.fs.ls(directory, detail=False):
-            if _basename(path).endswith(".json"):
+            if basename(path).endswith(".json"):
                 try:
-                    records.append(_run_record(path, self.fs.cat_file(path)))
+                    records.append(parsed_run_record(path, self.fs.cat_file(path)))
                 except FileNotFoundError:
                     continue
                 except DamagedFile as exc:  # one bad record must not hide the other runs
@@ -1106,238 +1001,3 @@ class _Unwritten:
     batch: _Batch | None
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: bool = False
-
-
-def _open_new(path: str) -> Any:
-    """Open `path` for writing, making its directory only when it is missing (a stat saved per file)."""
-    try:
-        return open(path, "wb")
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return open(path, "wb")
-
-
-@lru_cache(maxsize=1)
-def _fsync_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=8, thread_name_prefix="rlvr-fsync")
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def _reaching(root: str) -> Iterator[None]:
-    """A store that cannot be reached (no bucket, no credentials, no server) is one line, not a traceback."""
-    try:
-        yield
-    except UserError:
-        raise
-    except Exception as exc:
-        reason = (str(exc).strip().splitlines() or [""])[0] or type(exc).__name__
-        hint = ""
-        if root.startswith(("s3://", "s3a://")):
-            hint = (
-                "; the bucket must exist, and s3fs reads AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or a profile)"
-                " and, for an S3-compatible server, AWS_ENDPOINT_URL"
-            )
-        raise UserError(f"cannot reach the store at {root}: {reason}{hint}") from exc
-
-
-def read_whole(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
-    """A whole (non-empty) file in one request. A plain `cat_file` on s3fs asks for the size first (a
-    HEAD, to split large downloads); a range from byte 0 needs no size. For the store's small files."""
-    return bytes(fs.cat_file(path, start=0))
-
-
-def _file_checksum(fs: fsspec.AbstractFileSystem, path: str, size: int) -> str | None:
-    """The sha256 of the file, or None when its size is not `size` (a file cut short by a crash)."""
-    if not isinstance(fs, LocalFileSystem):
-        data = read_whole(fs, path)
-        return _sha256(data) if len(data) == size else None
-    if fs.size(path) != size:
-        return None
-    digest = hashlib.sha256()
-    with fs.open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def unreadable_message(what: str, path: str, exc: BaseException, remedy: str = "") -> str:
-    """The one line an unreadable store file gets: which file, why, what to do."""
-    reason = (str(exc).splitlines() or [""])[0][:200] or type(exc).__name__
-    remedy = remedy or "`rlvr resume RUN_ID` of its run sets it aside and rebuilds the artifact"
-    return f"{what} {path} is unreadable ({type(exc).__name__}: {reason}); `rlvr check` lists what is damaged; {remedy}"
-
-
-def _run_record(path: str, data: bytes) -> dict[str, Any]:
-    try:
-        record = json.loads(data)
-        if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):
-            raise ValueError("not a run record (a JSON object with a run_id)")
-        return record
-    except (ValueError, UnicodeDecodeError) as exc:
-        remedy = "`rlvr resume` of the run writes it again from the run's config artifact"
-        raise DamagedFile(unreadable_message("run record", path, exc, remedy)) from None
-
-
-def file_damage(data: bytes | None, entry: Mapping[str, Any]) -> str | None:
-    """What is wrong with a file's bytes (None: missing) against its manifest entry, or None when they match."""
-    if data is None:
-        return "the file is missing"
-    if len(data) != entry["bytes"]:
-        return f"{len(data)} bytes where the manifest recorded {entry['bytes']}"
-    if _sha256(data) != entry["sha256"]:
-        return f"sha256 {_sha256(data)[:12]}... where the manifest recorded {entry['sha256'][:12]}..."
-    return None
-
-
-def _file_problem(fs: fsspec.AbstractFileSystem, path: str, entry: Mapping[str, Any]) -> str | None:
-    """`file_damage` without holding a large file in memory (weights are hashed in chunks)."""
-    try:
-        size = fs.size(path)
-    except FileNotFoundError:
-        return "the file is missing"
-    if size != entry["bytes"]:
-        return f"{size} bytes where the manifest recorded {entry['bytes']}"
-    digest = _file_checksum(fs, path, size)
-    if digest != entry["sha256"]:
-        return f"sha256 {str(digest)[:12]}... where the manifest recorded {entry['sha256'][:12]}..."
-    return None
-
-
-def _parquet_problem(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
-    """A part whose bytes match its manifest but that Parquet cannot read (a bad file was committed)."""
-    try:
-        with fs.open(path, "rb") as handle:
-            pq.ParquetFile(handle).metadata  # noqa: B018 - reading the footer is the check
-    except (pa.ArrowException, OSError) as exc:
-        return f"not readable Parquet ({exc})"
-    return None
-
-
-def damage_message(manifest: Manifest, path: str, problem: str) -> str:
-    """The one line a damaged file of a committed artifact gets: which, what is wrong, what to do."""
-    step = f" step {manifest.step}" if manifest.step is not None else ""
-    return (
-        f"{manifest.kind} artifact {manifest.artifact_id} (run {manifest.run_id}{step}) is damaged: {path}: {problem}; "
-        f"`rlvr check` lists all damage and `rlvr resume {manifest.run_id}` rebuilds what can be rebuilt"
-    )
-
-
-def valid_shards(fs: fsspec.AbstractFileSystem, artifact_dir: str) -> dict[int, dict[str, Any]]:
-    """The shard markers of an artifact directory whose data file exists and matches, by index."""
-    markers_dir = f"{artifact_dir}/_shards"
-    fs.invalidate_cache(markers_dir)  # shards another process (a killed run) wrote count too
-    valid: dict[int, dict[str, Any]] = {}
-    for marker_path in sorted(fs.find(markers_dir)):  # [] when there is no such directory
-        match = _SHARD_MARKER_RE.match(_basename(marker_path))
-        if match is None:
-            continue
-        try:
-            marker = json.loads(read_whole(fs, marker_path))
-            if _file_checksum(fs, f"{artifact_dir}/{marker['path']}", marker["bytes"]) == marker["sha256"]:
-                valid[int(match.group(1))] = marker
-        except (FileNotFoundError, KeyError, ValueError):
-            continue
-    return valid
-
-
-def pid_alive(pid: Any) -> bool:
-    """Whether process `pid` exists on this host (an unknown pid counts as alive: trust the record)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # e.g. PermissionError: the process exists but belongs to someone else
-        return True
-    return True
-
-
-def pid_start_time(pid: int) -> int | None:
-    """When process `pid` started, in clock ticks since boot (Linux /proc), to tell a pid reused by a new
-    process from the one recorded; None where that cannot be read (another OS, a process gone or a zombie)."""
-    return start_time(pid)
-
-
-@lru_cache(maxsize=1)
-def host_tag() -> str:
-    """8 hex digits naming this host in temp file names (a hostname may hold any character)."""
-    return hashlib.sha256(socket.gethostname().encode("utf-8")).hexdigest()[:8]
-
-
-def _mtime(entry: os.DirEntry[str]) -> float:
-    try:
-        return entry.stat(follow_symlinks=False).st_mtime
-    except FileNotFoundError:
-        return time.time()
-
-
-def temp_writer_gone(name: str, mtime: float) -> bool:
-    """Whether a file named `name` is a temp file (`_write_temp`) whose writer will never rename it: its
-    process is gone from this host, or (another host, or a name from before host tags) it has not changed
-    for longer than the heartbeat timeout. No store write lasts that long."""
-    match = _TMP_RE.search(name)
-    if match is None:
-        return False
-    host, pid = match.group(1), int(match.group(2))
-    if host == host_tag() and not pid_alive(pid):
-        return True
-    return time.time() - mtime > heartbeat_timeout_s()
-
-
-HEARTBEAT_TIMEOUT_ENV = "RLVR_HEARTBEAT_TIMEOUT_S"
-DEFAULT_HEARTBEAT_TIMEOUT_S = 600.0
-
-
-def seconds_from_env(name: str, default: float) -> float:
-    """A duration in seconds from the environment variable `name` (default when unset); > 0, else a UserError."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise UserError(f"{name}={raw!r}: give a number of seconds greater than 0")
-    return value
-
-
-def heartbeat_timeout_s() -> float:
-    """How long a running run may go without a heartbeat before it counts as dead (RLVR_HEARTBEAT_TIMEOUT_S)."""
-    return seconds_from_env(HEARTBEAT_TIMEOUT_ENV, DEFAULT_HEARTBEAT_TIMEOUT_S)
-
-
-def run_death(record: Mapping[str, Any], now: datetime | None = None) -> str | None:
-    """Why a run recorded as running is dead, or None: its process on this host is gone, or (any host)
-    its heartbeat is older than `heartbeat_timeout_s()`. Records without a heartbeat get only the first check."""
-    if record.get("status") != "running":
-        return None
-    pid, host = record.get("pid"), record.get("host")
-    if host == socket.gethostname() and not pid_alive(pid):
-        return f"process {pid} on {host} ended without finishing the run (killed or crashed)"
-    beat = record.get("heartbeat_at")
-    if not beat:
-        return None
-    try:
-        age = ((now or datetime.now(UTC)) - datetime.fromisoformat(str(beat))).total_seconds()
-    except (TypeError, ValueError):
-        return None
-    limit = heartbeat_timeout_s()
-    if age > limit:
-        return f"no heartbeat from process {pid} on {host} for {age:.0f} s (limit {limit:g} s, {HEARTBEAT_TIMEOUT_ENV})"
-    return None
-
-
-def run_status(record: Mapping[str, Any]) -> str:
-    """The run's real status: a "running" run whose process is gone (`run_death`) has failed."""
-    status = str(record.get("status"))
-    return "failed" if run_death(record) is not None else status

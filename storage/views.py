@@ -26,8 +26,11 @@ import fsspec
 import pyarrow as pa
 
 from rlvr.errors import UserError
+from rlvr.storage.files import read_whole
+from rlvr.storage.manifest import Manifest
+from rlvr.storage.run_records import run_status
 from rlvr.storage.schemas import SCHEMAS
-from rlvr.storage.store import Manifest, Store, read_whole, run_status
+from rlvr.storage.store import Store
 
 _ARTIFACTS_SCHEMA = pa.schema(
     [

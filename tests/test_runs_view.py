@@ -17,7 +17,8 @@ import pytest
 from rlvr import progress
 from rlvr.errors import UserError
 from rlvr.flows.runs import RunTracker, describe_run, resumable_run
-from rlvr.storage.store import Store, run_status
+from rlvr.storage.run_records import run_status
+from rlvr.storage.store import Store
 from tests.cli_helpers import REPO, cli_env, rlvr, rlvr_command, wait_for
 from tests.conftest import TINY_OVERRIDES
 

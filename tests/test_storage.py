@@ -37,8 +37,8 @@ from rlvr.storage import (
 )
 from rlvr.storage.errors import ArtifactNotFound, DamagedArtifact, StoreNotFound
 from rlvr.storage.ids import canonical_json
+from rlvr.storage.processes import host_tag, temp_writer_gone
 from rlvr.storage.schemas import SCHEMAS
-from rlvr.storage.store import host_tag, temp_writer_gone
 
 # ----- helpers ---------------------------------------------------------------------------------------
 

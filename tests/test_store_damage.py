@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rlvr.storage.store import Manifest, Store
+from rlvr.storage.manifest import Manifest
+from rlvr.storage.store import Store
 from tests.cli_helpers import cli_env, rlvr
 from tests.conftest import TINY_OVERRIDES
 

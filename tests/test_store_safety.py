@@ -32,8 +32,9 @@ from rlvr.storage.leases import (
     owner_gone,
     owning,
 )
+from rlvr.storage.processes import pid_start_time
 from rlvr.storage.stage import rows_to_table
-from rlvr.storage.store import Store, pid_start_time
+from rlvr.storage.store import Store
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from rlvr.storage.integrity import Damage, Leftovers, clean_leftovers, find_damage, find_leftovers
-from rlvr.storage.store import Manifest, Store
+from rlvr.storage.manifest import Manifest
+from rlvr.storage.store import Store
 
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
