@@ -93,10 +93,57 @@ def test_every_pass_of_a_step_stays_within_the_budget():
         )
     budgeted = cfg.model_copy(update={"micro_batch_tokens": 3 * width})
     grpo_step(policy, make_optimizer(policy, 1e-3, 0.0), BATCH, budgeted, reference)
-    # no grad: 14 rows of the policy then of the reference, 3 at a time; then the loss on 8 + 6 rows
+    # no grad: 14 rows of the policy, then of the reference, 3 at a time; then the loss on 8 + 6 rows
     no_grad = [(name, rows) for name, grad, rows in passes if not grad]
-    assert no_grad == [(name, n) for n in (3, 3, 3, 3, 2) for name in ("policy", "reference")]
+    assert no_grad == [(name, n) for name in ("policy", "reference") for n in (3, 3, 3, 3, 2)]
     assert [rows for name, grad, rows in passes if grad] == [3, 3, 2, 3, 3]
+
+
+def _recorded_passes(model: torch.nn.Module) -> list[tuple[bool, int]]:
+    passes: list[tuple[bool, int]] = []
+    model.register_forward_pre_hook(
+        lambda _m, _a, kw: passes.append((torch.is_grad_enabled(), kw["input_ids"].shape[0])), with_kwargs=True
+    )
+    return passes
+
+
+def test_one_update_takes_old_logprobs_from_the_loss_pass():
+    """minibatches=1: no no-grad pass of the policy; the reference's alone, then the loss pass over all 14 rows."""
+    cfg = GRPOConfig(kl_beta=0.1, minibatches=1)
+    policy, reference = init_policy(PolicyConfig(), seed=0), init_policy(PolicyConfig(), seed=1)
+    width = _rows(policy).prompt_ids.shape[1] + _rows(policy).completion_ids.shape[1]
+    policy_passes, reference_passes = _recorded_passes(policy.model), _recorded_passes(reference.model)
+    budgeted = cfg.model_copy(update={"micro_batch_tokens": 3 * width})
+    stats = grpo_step(policy, make_optimizer(policy, 1e-3, 0.0), BATCH, budgeted, reference)
+    assert policy_passes == [(True, n) for n in (3, 3, 3, 3, 2)]
+    assert reference_passes == [(False, n) for n in (3, 3, 3, 3, 2)]
+    assert stats["updates"] == 1.0 and stats["clip_fraction"] == 0.0 and stats["kl"] == 0.0  # ρ = 1 exactly
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.1])
+def test_one_update_is_the_separate_old_logprob_pass_bit_for_bit(kl_beta):
+    """The shortcut and the step it replaces (a no-grad pass for π_old, then the update against it) give the same
+    weights and loss exactly on the CPU, and the same entropy."""
+    cfg = GRPOConfig(kl_beta=kl_beta, temperature=0.7, micro_batch_tokens=40)
+    reference = init_policy(PolicyConfig(), seed=1)
+    shortcut, separate = init_policy(PolicyConfig(), seed=0), init_policy(PolicyConfig(), seed=0)
+    stats = grpo_step(shortcut, make_optimizer(shortcut, 1e-3, 0.0), BATCH, cfg, reference)
+    rows = step_rows(separate, BATCH, cfg, reference)[1]
+    assert rows is not None
+    optimizer = make_optimizer(separate, 1e-3, 0.0)
+    with training_precision(separate, cfg):
+        old_logp, entropy, ref_logp = rollout_logprobs(separate, rows, cfg, reference if kl_beta else None)
+        optimizer.zero_grad(set_to_none=True)
+        whole = (float(rows.mask.shape[0]), float(rows.mask.sum()))
+        everything = torch.ones(rows.mask.shape[0], dtype=torch.bool)
+        sums = accumulate_gradients(separate, rows, everything, old_logp, ref_logp, cfg, BATCH.max_new_tokens, whole)
+        torch.nn.utils.clip_grad_norm_(separate.model.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+    assert stats["loss"] == float(sums[0]) and stats["ref_kl"] == float(sums[1])
+    # entropy: summed per micro-batch in float64 here, over the whole batch in float32 there
+    assert stats["entropy"] == pytest.approx(float((entropy * rows.mask).sum() / rows.mask.sum()), rel=1e-6)
+    for (name, a), b in zip(shortcut.model.state_dict().items(), separate.model.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

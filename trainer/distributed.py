@@ -30,6 +30,7 @@ from rlvr.errors import UserError
 from rlvr.trainer.devices import DEFAULT_DEVICE, resolve_device
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import (
+    STAT_SUMS,
     GRPOConfig,
     RolloutBatch,
     TrainingRows,
@@ -151,7 +152,7 @@ def _minibatch_update(
     `cfg.micro_batch_tokens` padded tokens), gradients summed, global-norm clip, step.
     `totals` = (sequences, tokens) of the whole minibatch; the stats returned are the whole minibatch's."""
     optimizer.zero_grad(set_to_none=True)
-    sums = torch.zeros(4, dtype=torch.float64)
+    sums = torch.zeros(STAT_SUMS, dtype=torch.float64)
     if shard is not None and groups.numel():
         selected = torch.isin(shard.rows.groups, groups.to(shard.rows.groups.device))
         whole = (float(totals[0]), float(totals[1]))  # this rank's parts are weighted against all ranks' counts

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from rlvr.plugins import TypedRegistry
 from rlvr.trainer.engine_base import EngineConfig, RolloutEngine, SamplingParams
-from rlvr.trainer.generation import Cache, Sample, sample
+from rlvr.trainer.generation import Cache, Precision, Sample, sample
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig
 from rlvr.trainer.vllm_engine import VLLMEngine, VLLMEngineConfig
@@ -38,6 +38,14 @@ class TransformersEngineConfig(EngineConfig):
             "shared_prompt: each distinct prompt's key/value cache computed once for its group; static: "
             "transformers' static cache, compiled on a GPU (a slow first call, then faster decoding; see "
             "docs/training.md, Rollout engines)"
+        ),
+    )
+    precision: Precision = Field(
+        "auto",
+        exclude_if=lambda value: value == "auto",
+        description=(
+            "auto: bf16 autocast when float32 weights are on a GPU, else the weights' dtype; weights: always the "
+            "weights' dtype; bf16: always bf16 autocast"
         ),
     )
 
@@ -57,6 +65,7 @@ class TransformersEngine(RolloutEngine):
     def generate(self, prompts: Sequence[str], counts: Sequence[int], sampling: SamplingParams) -> list[Sample]:
         if self._policy is None:
             raise RuntimeError("call update_weights before generate")
+        own = self.cfg if isinstance(self.cfg, TransformersEngineConfig) else TransformersEngineConfig()
         return sample(
             self._policy,
             list(prompts),
@@ -65,7 +74,8 @@ class TransformersEngine(RolloutEngine):
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             seed=sampling.seed,
-            cache=self.cfg.cache if isinstance(self.cfg, TransformersEngineConfig) else "shared_prompt",
+            cache=own.cache,
+            precision=own.precision,
         )
 
     def close(self) -> None:

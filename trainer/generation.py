@@ -11,6 +11,7 @@ import torch
 import transformers
 from packaging.version import Version
 
+from rlvr.trainer.logprobs import keeps_last_logits
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import prompt_ids
 from rlvr.trainer.rng import seeded_rng
@@ -45,26 +46,44 @@ def _eos_ids(policy: Policy) -> set[int]:
 
 
 Cache = Literal["shared_prompt", "static"]
+Precision = Literal["auto", "weights", "bf16"]
+
+
+def sampling_autocast(policy: Policy, precision: Precision = "auto") -> torch.autocast:
+    """The autocast that decoding runs under. "weights": none, the weights' own dtype. "bf16": bfloat16 autocast
+    on the model's device. "auto": bf16 when float32 weights sit on a GPU (as TRL samples with `bf16=True`: half
+    the key/value cache, tensor-core matmuls; see docs/training.md), else none,
+    so that CPU sampling, and everything that reproduces it, is unchanged."""
+    device_type = policy.model.device.type
+    if precision == "auto":
+        precision = "bf16" if device_type == "cuda" and policy.model.dtype == torch.float32 else "weights"
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
 def _generate(
-    policy: Policy, prompts: list[str], max_new_tokens: int, cache: Cache = "shared_prompt", **sampling: Any
+    policy: Policy,
+    prompts: list[str],
+    max_new_tokens: int,
+    cache: Cache = "shared_prompt",
+    precision: Precision = "auto",
+    **sampling: Any,
 ) -> list[list[int]]:
     """New tokens per prompt row, cut after the first eos (the eos is kept).
 
     `cache`: "shared_prompt" computes each distinct prompt's key/value cache once for all the rows that repeat it
     (`_shared_prompt_cache`); "static" asks transformers for a static key/value cache of the batch's full length,
     which transformers compiles on a GPU (a slow first call, then fast decoding; on the CPU only the cache changes).
+    `precision`: see `sampling_autocast`.
     """
     if not prompts:
         return []
     encoded = policy.tokenizer.pad({"input_ids": prompt_ids(policy.tokenizer, prompts)}, return_tensors="pt")
     encoded = encoded.to(policy.model.device)
-    if cache == "static":
-        caching: dict[str, Any] = {"cache_implementation": "static"}
-    else:
-        caching = {CACHE_ARGUMENT: _shared_prompt_cache(policy, encoded["input_ids"], encoded["attention_mask"])}
-    with torch.no_grad():
+    with torch.no_grad(), sampling_autocast(policy, precision):
+        if cache == "static":
+            caching: dict[str, Any] = {"cache_implementation": "static"}
+        else:
+            caching = {CACHE_ARGUMENT: _shared_prompt_cache(policy, encoded["input_ids"], encoded["attention_mask"])}
         output = policy.model.generate(  # type: ignore[operator]  # GenerationMixin, not a module attribute
             **encoded,
             max_new_tokens=max_new_tokens,
@@ -101,8 +120,9 @@ def _shared_prompt_cache(policy: Policy, input_ids: torch.Tensor, attention_mask
     first_row = first_row.scatter_reduce(0, row_to_distinct, rows, reduce="amin")  # one row per distinct prompt
     mask = attention_mask[first_row, :-1]
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    keep_last = {"logits_to_keep": 1} if keeps_last_logits(policy.model) else {}  # its logits are not used
     output = policy.model(
-        input_ids=input_ids[first_row, :-1], attention_mask=mask, position_ids=positions, use_cache=True
+        input_ids=input_ids[first_row, :-1], attention_mask=mask, position_ids=positions, use_cache=True, **keep_last
     )
     prefix = getattr(output, CACHE_ARGUMENT)
     prefix.batch_select_indices(row_to_distinct)
@@ -123,9 +143,10 @@ def sample(
     top_p: float,
     seed: int,
     cache: Cache = "shared_prompt",
+    precision: Precision = "auto",
 ) -> list[Sample]:
-    """`counts[i]` samples of `prompts[i]` (ragged, zero allowed), grouped by prompt in order (`cache`: see
-    `_generate`).
+    """`counts[i]` samples of `prompts[i]` (ragged, zero allowed), grouped by prompt in order (`cache`,
+    `precision`: see `_generate`).
 
     All rows are generated in one batch; torch's RNG is seeded inside `fork_rng`, so the same call
     gives the same samples in any process and the caller's RNG state is untouched.
@@ -143,6 +164,7 @@ def sample(
             [prompts[prompt_index] for prompt_index, _ in rows],
             max_new_tokens,
             cache,
+            precision,
             do_sample=True,
             temperature=temperature,
             top_p=top_p,

@@ -540,6 +540,8 @@ def _clipped_updates(
     """`cfg.minibatches` updates, each on a contiguous slice of the active groups, against one set of
     old logprobs (and reference logprobs when there is a KL term); returns the mean loss, clip fraction,
     KL estimates and grad norm, π_old's token-mean entropy, and the update count."""
+    if min(cfg.minibatches, rows.active_groups.numel()) == 1:
+        return _one_update(policy, optimizer, rows, cfg, reference, max_length)
     old_logp, entropy, ref_logp = rollout_logprobs(policy, rows, cfg, reference)
     mean_entropy = float((entropy * rows.mask).sum() / rows.mask.sum().clamp(min=1))
     slices = torch.tensor_split(rows.active_groups, min(cfg.minibatches, rows.active_groups.numel()))
@@ -553,6 +555,42 @@ def _clipped_updates(
     return {**averages, "entropy": mean_entropy, "updates": float(len(slices))}
 
 
+def _one_update(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    rows: TrainingRows,
+    cfg: GRPOConfig,
+    reference: Policy | None,
+    max_length: int | None,
+) -> dict[str, float]:
+    """`_clipped_updates` when the step makes one update: π_old is π_θ before that update, the policy that
+    sampled, so its log-probs are the loss pass's own, detached (ρ = 1), and the no-grad pass over every row is
+    skipped; entropy comes from the loss pass's blocks. Same loss, gradient and stats as with the separate pass
+    (bit for bit on the CPU: tests/test_grpo_memory.py); TRL does the same when it generates once per optimizer step."""
+    ref_logp = reference_logprobs(policy, rows, cfg, reference) if reference is not None else None
+    everything = torch.ones(rows.mask.shape[0], dtype=torch.bool, device=rows.mask.device)
+    stats = _update(policy, optimizer, rows, everything, None, ref_logp, cfg, max_length)
+    optimizer.zero_grad(set_to_none=True)
+    return {**stats, "updates": 1.0}
+
+
+def reference_logprobs(policy: Policy, rows: TrainingRows, cfg: GRPOConfig, reference: Policy) -> Tensor:
+    """The reference's logprobs [R, T] on every row, without gradients, one micro-batch at a time."""
+    ref_logp = torch.empty(rows.mask.shape, dtype=torch.float32, device=rows.mask.device)
+    everything = torch.ones(rows.mask.shape[0], dtype=torch.bool, device=rows.mask.device)
+    with torch.no_grad():
+        for part in micro_batches(rows, everything, micro_batch_budget(policy.model, cfg)):
+            ref_logp[part] = completion_logprobs(
+                reference.model,
+                rows.prompt_ids[part],
+                rows.completion_ids[part],
+                policy.tokenizer.pad_token_id,
+                rows.mask[part],
+                cfg.temperature,
+            )[0]
+    return ref_logp
+
+
 def rollout_logprobs(
     policy: Policy, rows: TrainingRows, cfg: GRPOConfig, reference: Policy | None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -562,18 +600,13 @@ def rollout_logprobs(
     pad_id = policy.tokenizer.pad_token_id
     old_logp = torch.empty(rows.mask.shape, dtype=torch.float32, device=rows.mask.device)
     entropy = torch.empty_like(old_logp)
-    ref_logp = torch.empty_like(old_logp) if reference is not None else None
     everything = torch.ones(rows.mask.shape[0], dtype=torch.bool, device=rows.mask.device)
     with torch.no_grad():
         for part in micro_batches(rows, everything, micro_batch_budget(policy.model, cfg)):
-            prompt_ids, completion_ids = rows.prompt_ids[part], rows.completion_ids[part]
             old_logp[part], entropy[part] = completion_logprobs_and_entropy(
-                policy.model, prompt_ids, completion_ids, pad_id, cfg.temperature
+                policy.model, rows.prompt_ids[part], rows.completion_ids[part], pad_id, cfg.temperature
             )
-            if reference is not None and ref_logp is not None:
-                ref_logp[part] = completion_logprobs(
-                    reference.model, prompt_ids, completion_ids, pad_id, rows.mask[part], cfg.temperature
-                )[0]
+    ref_logp = reference_logprobs(policy, rows, cfg, reference) if reference is not None else None
     return old_logp, entropy, ref_logp
 
 
@@ -581,25 +614,31 @@ def minibatch_loss(
     policy: Policy,
     rows: TrainingRows,
     selected: Tensor,
-    old_logp: Tensor,
+    old_logp: Tensor | None,
     ref_logp: Tensor | None,
     cfg: GRPOConfig,
     max_length: int | None,
 ) -> tuple[Tensor, Tensor | None, dict[str, float]]:
     """The loss of the `selected` rows (the clipped surrogate plus β x the reference KL when there is a
     reference), the KL term alone (before β; None without a reference) and the surrogate's stats.
+    `old_logp` None: π_old is the policy being trained (`_one_update`), so the old log-probs are these ones,
+    detached, and the stats add `entropy_sum`, the entropy summed over the rows' real tokens.
     Shared by the single-process update and the data-parallel one (trainer/distributed.py)."""
-    logp, token_mask = completion_logprobs(
-        policy.model,
-        rows.prompt_ids[selected],
-        rows.completion_ids[selected],
-        policy.tokenizer.pad_token_id,
-        rows.mask[selected],
-        cfg.temperature,
-    )
+    prompt_ids, completion_ids = rows.prompt_ids[selected], rows.completion_ids[selected]
+    token_mask = rows.mask[selected].to(torch.float32)
+    pad_id = policy.tokenizer.pad_token_id
+    entropy_sum = 0.0
+    if old_logp is None:
+        logp, entropy = completion_logprobs_and_entropy(
+            policy.model, prompt_ids, completion_ids, pad_id, cfg.temperature
+        )
+        old, entropy_sum = logp.detach(), float((entropy * token_mask).sum())
+    else:
+        logp = completion_logprobs(policy.model, prompt_ids, completion_ids, pad_id, token_mask, cfg.temperature)[0]
+        old = old_logp[selected]
     loss, loss_stats = clipped_surrogate_loss(
         logp,
-        old_logp[selected],
+        old,
         rows.advantages[selected],
         token_mask,
         clip_low=cfg.clip_low,
@@ -609,6 +648,7 @@ def minibatch_loss(
         ratio_cap=cfg.ratio_cap,
         max_length=max_length,
     )
+    loss_stats["entropy_sum"] = entropy_sum
     if ref_logp is None:
         return loss, None, loss_stats
     kl_term = reference_kl(logp, ref_logp[selected], token_mask, rows.kl_weights[selected], cfg.aggregation, max_length)
@@ -694,7 +734,7 @@ def accumulate_gradients(
     policy: Policy,
     rows: TrainingRows,
     selected: Tensor,
-    old_logp: Tensor,
+    old_logp: Tensor | None,
     ref_logp: Tensor | None,
     cfg: GRPOConfig,
     max_length: int | None,
@@ -702,18 +742,28 @@ def accumulate_gradients(
 ) -> Tensor:
     """Backward of the `selected` rows' loss, one micro-batch at a time (gradients add up), each weighted by its
     `loss_share` of the `whole` minibatch's (sequences, tokens), which the data-parallel ranks (trainer/
-    distributed.py) count over all ranks. Returns float64 sums to add over parts and ranks: (loss, reference KL,
-    clip fraction x tokens, approx KL x tokens); `minibatch_stats` turns them into the minibatch's stats."""
-    sums = torch.zeros(4, dtype=torch.float64)
+    distributed.py) count over all ranks. Returns float64 sums to add over parts and ranks (`STAT_SUMS`: loss,
+    reference KL, clip fraction x tokens, approx KL x tokens, entropy x tokens when `old_logp` is None, else 0);
+    `minibatch_stats` turns them into the minibatch's stats."""
+    sums = torch.zeros(STAT_SUMS, dtype=torch.float64)
     for part in micro_batches(rows, selected, micro_batch_budget(policy.model, cfg)):
         loss, kl_term, loss_stats = minibatch_loss(policy, rows, part, old_logp, ref_logp, cfg, max_length)
         share = loss_share(rows.mask[part], *whole, cfg.aggregation)
         (share * loss).backward()
         tokens = float(rows.mask[part].sum())
         ref_kl = share * kl_term.item() if kl_term is not None else 0.0
-        parts = [share * loss.item(), ref_kl, loss_stats["clip_fraction"] * tokens, loss_stats["approx_kl"] * tokens]
+        parts = [
+            share * loss.item(),
+            ref_kl,
+            loss_stats["clip_fraction"] * tokens,
+            loss_stats["approx_kl"] * tokens,
+            loss_stats["entropy_sum"],
+        ]
         sums += torch.tensor(parts, dtype=torch.float64)
     return sums
+
+
+STAT_SUMS = 5  # the sums `accumulate_gradients` returns
 
 
 def minibatch_stats(sums: Tensor, whole_tokens: float) -> dict[str, float]:
@@ -733,17 +783,20 @@ def _update(
     optimizer: torch.optim.Optimizer,
     rows: TrainingRows,
     selected: Tensor,
-    old_logp: Tensor,
+    old_logp: Tensor | None,
     ref_logp: Tensor | None,
     cfg: GRPOConfig,
     max_length: int | None,
 ) -> dict[str, float]:
     """One gradient update on the `selected` rows (accumulated over micro-batches when `cfg.micro_batch_tokens`
-    is set); returns its loss, clip fraction, KL estimates and grad norm."""
+    is set); returns its loss, clip fraction, KL estimates and grad norm, and π_old's token-mean entropy when
+    `old_logp` is None (the old log-probs are the loss pass's own, `minibatch_loss`)."""
     optimizer.zero_grad(set_to_none=True)
     whole = (float(selected.sum()), float(rows.mask[selected].sum()))
     sums = accumulate_gradients(policy, rows, selected, old_logp, ref_logp, cfg, max_length, whole)
     stats = minibatch_stats(sums, whole[1])
+    if old_logp is None:  # the loss pass measured π_old's entropy (`minibatch_loss`)
+        stats["entropy"] = float(sums[4]) / max(whole[1], 1.0)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), cfg.max_grad_norm)
     optimizer.step()
     return {**stats, "grad_norm": grad_norm.item()}

@@ -59,17 +59,23 @@ def _blockwise(
 
 
 class _SelectiveLogSoftmax(torch.autograd.Function):
-    """log softmax(logits / T)[token] whose backward recomputes each block's log-softmax instead of keeping it."""
+    """log softmax(logits / T)[token] whose backward recomputes each block's log-softmax instead of keeping it;
+    with `with_entropy`, also each position's entropy from the same block (no gradient; else an empty tensor)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, tokens: Tensor, temperature: float, positions: int) -> Tensor:
+    def forward(
+        ctx: Any, logits: Tensor, tokens: Tensor, temperature: float, positions: int, with_entropy: bool
+    ) -> tuple[Tensor, Tensor]:
         ctx.save_for_backward(logits, tokens)
         ctx.temperature, ctx.positions = temperature, positions
-        return _blockwise(logits, tokens, temperature, positions, with_entropy=False)[0]
+        logp, entropy = _blockwise(logits, tokens, temperature, positions, with_entropy)
+        entropy = entropy if entropy is not None else logp.new_empty(0)
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad: Tensor, _: Tensor) -> tuple[Tensor, None, None, None, None]:
         logits, tokens = ctx.saved_tensors
         grad_logits = torch.zeros_like(logits)
         rows, columns = tokens.shape
@@ -79,7 +85,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
                 chosen = _block_log_probs(block, ctx.temperature).gather(-1, tokens[r, c].unsqueeze(-1)).squeeze(-1)
                 (grad_block,) = torch.autograd.grad(chosen, block, grad[r, c])
             grad_logits[r, c] = grad_block
-        return grad_logits, None, None, None
+        return grad_logits, None, None, None, None
 
 
 def selective_log_softmax(
@@ -89,22 +95,20 @@ def selective_log_softmax(
     positions of `logits` [R, W >= T, V] (any float dtype), `positions` per block (default `block_positions`).
     Differentiable in `logits`; autograd keeps `logits` itself, no float32 full-vocabulary copy."""
     positions = positions or block_positions(logits.shape[-1])
-    return _SelectiveLogSoftmax.apply(logits, tokens, temperature, positions)
+    return _SelectiveLogSoftmax.apply(logits, tokens, temperature, positions, False)[0]
 
 
 def log_probs_and_entropy(
     logits: Tensor, tokens: Tensor, temperature: float = 1.0, positions: int | None = None
 ) -> tuple[Tensor, Tensor]:
-    """`selective_log_softmax` (no gradient) and the entropy -Σ_v π log π [R, T] of each position's distribution,
-    both from the same block, which is freed before the next."""
-    logp, entropy = _blockwise(
-        logits, tokens, temperature, positions or block_positions(logits.shape[-1]), with_entropy=True
-    )
-    assert entropy is not None
+    """`selective_log_softmax` (differentiable, when gradients are on) and the entropy -Σ_v π log π [R, T] of each
+    position's distribution (never differentiable), both from the same block, which is freed before the next."""
+    positions = positions or block_positions(logits.shape[-1])
+    logp, entropy = _SelectiveLogSoftmax.apply(logits, tokens, temperature, positions, True)
     return logp, entropy
 
 
-def _keeps_last_logits(model: torch.nn.Module) -> bool:
+def keeps_last_logits(model: torch.nn.Module) -> bool:
     """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs do): logits for the last
     positions only, so the prompt's positions never get vocabulary-sized logits."""
     return "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -119,7 +123,7 @@ def next_token_logits(model: torch.nn.Module, prompt_ids: Tensor, completion_ids
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     inputs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": position_ids, "use_cache": False}
     prompt_length, completion_length = prompt_ids.shape[1], completion_ids.shape[1]
-    if _keeps_last_logits(model):  # the last T + 1 positions: from the prompt's last token to the end
+    if keeps_last_logits(model):  # the last T + 1 positions: from the prompt's last token to the end
         return model(**inputs, logits_to_keep=completion_length + 1).logits
     logits = model(**inputs).logits
     return logits[:, prompt_length - 1 : prompt_length - 1 + completion_length].contiguous()
@@ -152,9 +156,8 @@ def completion_logprobs(
 def completion_logprobs_and_entropy(
     model: torch.nn.Module, prompt_ids: Tensor, completion_ids: Tensor, pad_id: int, temperature: float
 ) -> tuple[Tensor, Tensor]:
-    """`completion_logprobs` (same numbers, no gradient) and the entropy -Σ_v π log π of the next-token
-    distribution at each completion position [R, T], from one forward pass; entropy collapse is GRPO's
-    best-known failure."""
-    with torch.no_grad():
-        logits = next_token_logits(model, prompt_ids, completion_ids, pad_id)
-        return log_probs_and_entropy(logits, completion_ids, temperature)
+    """`completion_logprobs` (same numbers; differentiable when gradients are on) and the entropy -Σ_v π log π of
+    the next-token distribution at each completion position [R, T] (no gradient), from one forward pass; entropy
+    collapse is GRPO's best-known failure."""
+    logits = next_token_logits(model, prompt_ids, completion_ids, pad_id)
+    return log_probs_and_entropy(logits, completion_ids, temperature)

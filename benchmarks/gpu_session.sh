@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU checks of one lent-machine session, each part under its own time limit, so that one part failing or
+# running long leaves the others' figures. Here first (commit, then pack: ../shared/gpu/README.md):
+#     ../shared/gpu/bundle.sh . gpu --with-trl
+# There, from the checkout's root with `gpu` carried (device tool: carry ["gpu"]):
+#     bash benchmarks/gpu_session.sh [part ...]      parts: vs-trl throughput ours static (default: vs-trl throughput)
+# vs-trl: benchmarks/gpu_vs_trl.py (whole rlvr run against TRL GRPOTrainer, the 0.5B shape, 64 x 8 x 256 tokens);
+# throughput: benchmarks/gpu_throughput.py with the transformers engine (vLLM cannot be carried there);
+# ours: the vs-trl run without TRL; static: ours alone with rollout.cache=static (transformers' compiled static KV cache).
+# Output and the runs' logs land in $OUT (the device tool brings back at most 8 files).
+set -u
+OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# From /tmp: its import check runs `python3 -`, whose sys.path starts with the working directory, and the
+# checkout's rlvr/ folder would shadow the installed rlvr package there.
+here=$PWD
+s=$(cd /tmp && bash "$here/gpu/setup-on-device.sh") && eval "$s" || exit 1
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    (cd /tmp && python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)")
+    date -u
+} 2>&1 | tee "$OUT/gpu.txt"
+
+# vs_trl NAME LIMIT_S ARGS...: gpu_vs_trl.py in its own temp root, its output and the runs' logs (last 2 MB) to $OUT.
+vs_trl() {
+    local name=$1 limit=$2
+    shift 2
+    local root=/tmp/bench-$name
+    mkdir -p "$root"
+    TMPDIR=$root timeout -k 10 "$limit" python3 benchmarks/gpu_vs_trl.py --device cuda --keep "$@" 2>&1 | tee "$OUT/$name.txt"
+    for log in "$root"/rlvr-gpu-vs-trl-*/*.log; do
+        [ -f "$log" ] && tail -c 2000000 "$log" >"$OUT/$name-$(basename "$log")"
+    done
+    rm -rf "$root"
+}
+
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(vs-trl throughput)
+for part in "${parts[@]}"; do
+    echo "=== $part $(date -u +%T)"
+    case $part in
+    vs-trl) vs_trl vs_trl 330 --warmup 1 --steps 2 ;;
+    throughput)
+        timeout -k 10 100 python3 benchmarks/gpu_throughput.py --engines transformers 2>&1 | tee "$OUT/throughput.txt"
+        ;;
+    ours) vs_trl ours 200 --warmup 1 --steps 2 --no-trl ;;
+    static) vs_trl static 200 --warmup 1 --steps 2 --no-trl --set rollout.cache=static ;;
+    *) echo "unknown part $part" ;;
+    esac
+done
+echo "=== done $(date -u +%T)"
