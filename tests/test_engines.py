@@ -339,3 +339,28 @@ def test_the_static_cache_samples_what_the_shared_prompt_cache_samples():
     assert [s.completion_ids for s in drawn] == [s.completion_ids for s in shared]
     assert "cache" not in TransformersEngineConfig().model_dump()
     assert TransformersEngineConfig(cache="static").model_dump()["cache"] == "static"
+
+
+def test_sampling_precision_is_the_weights_on_the_cpu_unless_bf16_is_asked():
+    """`rollout.precision=auto` autocasts only float32 weights on a GPU: on the CPU it draws exactly what
+    `weights` draws; `bf16` autocasts on the CPU too; the key stays out
+    of the config's dump at its default."""
+    import torch
+
+    from rlvr.trainer.generation import sample, sampling_autocast
+    from rlvr.trainer.policy import PolicyConfig, init_policy
+
+    policy = init_policy(PolicyConfig(), seed=3)
+    prompts, counts = ["12+3=", "7*8=", "5-2="], [8, 5, 1]
+    settings = dict(max_new_tokens=6, temperature=1.0, top_p=1.0, seed=11)
+    auto = [s.completion_ids for s in sample(policy, prompts, counts, **settings)]
+    weights = [s.completion_ids for s in sample(policy, prompts, counts, **settings, precision="weights")]
+    bf16 = [s.completion_ids for s in sample(policy, prompts, counts, **settings, precision="bf16")]
+    assert auto == weights and len(bf16) == len(auto) == 14
+    assert not torch.is_autocast_enabled("cpu")
+    with sampling_autocast(policy, "bf16"):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with sampling_autocast(policy):
+        assert not torch.is_autocast_enabled("cpu")
+    assert "precision" not in TransformersEngineConfig().model_dump()
+    assert TransformersEngineConfig(precision="weights").model_dump()["precision"] == "weights"
