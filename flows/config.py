@@ -65,6 +65,15 @@ class FlowConfig(BaseModel):
         50, ge=1, description="RL steps grouped in one Prefect subflow (a subflow costs ~1 s to start)"
     )
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
+    async_level: int = Field(
+        0,
+        ge=0,
+        exclude_if=lambda value: value == 0,  # left out of dumps at its default, so ids from before it stay
+        description=(
+            "0: steps in order. k > 0: the rollouts of step s are sampled by the policy of step s - k (of step 1 "
+            "early on), on a thread beside the trainer, which trains on them with their stored log-probs"
+        ),
+    )
 
 
 class RunConfigBase(BaseModel):

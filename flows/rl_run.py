@@ -24,6 +24,7 @@ from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from rlvr.curricula.filtering import prompts_to_draw
+from rlvr.errors import UserError
 from rlvr.flows.config import RunConfigBase, commit_config, data_run_problems, require_problems
 from rlvr.flows.data_run import estimate_difficulty, initial_policy, synthesized_problems
 from rlvr.flows.executors import current_fan_out, use_executor
@@ -42,7 +43,7 @@ from rlvr.tasks.select import SELECT
 from rlvr.tasks.train import TRAIN
 from rlvr.tasks.update import UPDATE
 from rlvr.tasks.warmstart import WARMSTART
-from rlvr.trainer.checkpoints import weights_artifact
+from rlvr.trainer.checkpoints import keep_snapshots, weights_artifact
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class StepRefs:
     start_ref: str
     state: str | None = None
     rewards: tuple[str, ...] = ()
+    earlier: tuple[str, ...] = ()  # with flow.async_level k: the policies entering the k steps before, oldest first
 
 
 @dataclass
@@ -101,33 +103,8 @@ def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> t
                 "device": cfg.policy.device,
             },
         )
-    reference = refs.start_ref if cfg.train.grpo.kl_beta > 0 else None
-    trained = run(
-        TRAIN,
-        cfg.train,
-        at,
-        inputs={
-            **samples,
-            "policy": refs.policy_ref,
-            "groups": made.groups,
-            "restructured": restructured["restructured"] if restructured else None,
-            "reference": reference,
-        },
-        params={"device": cfg.policy.device},
-    )
-    updated = run(
-        UPDATE,
-        cfg.select,
-        at,
-        inputs={
-            "state": refs.state,
-            "problems": refs.problems,
-            "difficulty": refs.difficulty,
-            "selections": made.selections,
-            **samples,
-        },
-        params={"advantage_scale": cfg.train.grpo.advantage_scale},
-    )
+    trained = _train(at, cfg, refs, made, restructured)
+    updated = _update_state(at, cfg, refs, made)
     problems = refs.problems
     if restructured is not None and restructured.manifest(open_store(store), "restructured").extra["kept"]:
         problems = (*problems, restructured["problems"])
@@ -138,10 +115,63 @@ def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> t
     return next_refs, metrics
 
 
-def _generate(at: RunContext, cfg: RunConfigBase, refs: StepRefs) -> Generated:
+def _train(at: RunContext, cfg: RunConfigBase, refs: StepRefs, made: Generated, restructured: Any = None) -> Any:
+    """The train stage on the step's rounds: one update of `refs.policy_ref` (with flow.async_level k, its
+    stored state keeps the last k policies' too: a resumed sampler reads them)."""
+    behind = {"samplers_behind": cfg.flow.async_level} if cfg.flow.async_level else {}
+    reference = refs.start_ref if cfg.train.grpo.kl_beta > 0 else None
+    return run(
+        TRAIN,
+        cfg.train,
+        at,
+        inputs={
+            "rollouts": made.rollouts,
+            "rewards": made.rewards,
+            "policy": refs.policy_ref,
+            "groups": made.groups,
+            "restructured": restructured["restructured"] if restructured else None,
+            "reference": reference,
+        },
+        params={"device": cfg.policy.device, **behind},
+    )
+
+
+def _update_state(at: RunContext, cfg: RunConfigBase, refs: StepRefs, made: Generated) -> Any:
+    """The selection strategy's state after the step's outcomes (the update stage)."""
+    return run(
+        UPDATE,
+        cfg.select,
+        at,
+        inputs={
+            "state": refs.state,
+            "problems": refs.problems,
+            "difficulty": refs.difficulty,
+            "selections": made.selections,
+            "rollouts": made.rollouts,
+            "rewards": made.rewards,
+        },
+        params={"advantage_scale": cfg.train.grpo.advantage_scale},
+    )
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """With flow.async_level: the policy that samples a step's rollouts and how many steps it is behind."""
+
+    policy_ref: str
+    staleness: int
+
+
+def _generate(at: RunContext, cfg: RunConfigBase, refs: StepRefs, sampler: Sampler | None = None) -> Generated:
     """select -> allocate -> rollout -> label; with dynamic sampling, filter after each round and refill
-    with new prompts until the batch has enough groups with reward variance or the refills run out."""
+    with new prompts until the batch has enough groups with reward variance or the refills run out.
+    `sampler`: sample with that policy, beside the trainer, storing the log-probs it gives (flow.async_level)."""
     made, drawn, refills = Generated(), 0, 0
+    policy, sampling = refs.policy_ref, dict[str, Any](device=cfg.policy.device)
+    if sampler is not None:
+        behaviour = cfg.train.grpo.model_dump(include={"temperature", "autocast", "micro_batch_tokens"})
+        policy = sampler.policy_ref
+        sampling = {**sampling, "behaviour": behaviour, "staleness": sampler.staleness}
     count = prompts_to_draw(cfg.select.batch_size, cfg.filter)
     while True:
         rounds = {"round": refills, "count": count, "first_slot": drawn} if cfg.filter.enabled else {}
@@ -162,8 +192,8 @@ def _generate(at: RunContext, cfg: RunConfigBase, refs: StepRefs) -> Generated:
             ROLLOUT,
             cfg.rollout,
             at,
-            inputs={"allocations": allocations.id, "problems": refs.problems, "policy": refs.policy_ref},
-            params={"device": cfg.policy.device},
+            inputs={"allocations": allocations.id, "problems": refs.problems, "policy": policy},
+            params=sampling,
         )
         fanned = {"fan_out": current_fan_out()}  # it carries flow.executor.verify_chunk
         rewards = run(LABEL, cfg.label, at, inputs={"rollouts": rollouts.id, "problems": refs.problems}, params=fanned)
@@ -215,14 +245,74 @@ def evaluate(store: str, cfg: RunConfigBase, step: int, phase: str, refs: StepRe
 @flow(name="rl-steps", validate_parameters=False)
 def rl_steps(store: str, cfg: RunConfigBase, first: int, last: int, refs: StepRefs) -> StepRefs:
     """RL steps first..last; returns the refs after the last one."""
+    if cfg.flow.async_level:
+        return _async_steps(store, cfg, first, last, refs)
     for step in range(first, last + 1):
         refs, metrics = rl_step(store, cfg, step, refs)
-        report("step", step=step, reward=metrics["mean_reward"])
-        final = step == cfg.train.steps
-        if step % cfg.evaluate.every == 0 or final:
-            report("eval", step=step, accuracy=evaluate(store, cfg, step, "rl", refs))
-        if step % cfg.checkpoint.every == 0 or final:
-            run(CHECKPOINT, cfg.checkpoint, run_context(store, cfg, step), inputs={"policy": refs.policy_ref})
+        _after_step(store, cfg, step, refs, metrics)
+    return refs
+
+
+def _after_step(store: str, cfg: RunConfigBase, step: int, refs: StepRefs, metrics: dict[str, Any]) -> None:
+    """Progress, and the evaluation and checkpoint a step may have."""
+    report("step", step=step, reward=metrics["mean_reward"])
+    final = step == cfg.train.steps
+    if step % cfg.evaluate.every == 0 or final:
+        report("eval", step=step, accuracy=evaluate(store, cfg, step, "rl", refs))
+    if step % cfg.checkpoint.every == 0 or final:
+        run(CHECKPOINT, cfg.checkpoint, run_context(store, cfg, step), inputs={"policy": refs.policy_ref})
+
+
+@task(name="rl-generate", cache_policy=NONE)
+def rl_generate(store: str, cfg: RunConfigBase, step: int, refs: StepRefs, sampler: Sampler) -> tuple[Generated, str]:
+    """The sampling half of a step under flow.async_level, on a worker thread beside the trainer: its rounds
+    (sampled by `sampler`) and the selection state after their outcomes, committed as one group."""
+    with open_store(store).batch(background=True):
+        at = run_context(store, cfg, step)
+        made = _generate(at, cfg, refs, sampler)
+        return made, _update_state(at, cfg, refs, made).id
+
+
+@task(name="rl-train", cache_policy=NONE)
+def rl_train(store: str, cfg: RunConfigBase, step: int, refs: StepRefs, made: Generated) -> tuple[str, dict[str, Any]]:
+    """The training half of a step under flow.async_level: the update on rounds an earlier policy sampled."""
+    with open_store(store).batch(background=True):
+        trained = _train(run_context(store, cfg, step), cfg, refs, made)
+        return trained["train_steps"], trained.table(open_store(store), "train_steps").to_pylist()[0]
+
+
+def _async_steps(store: str, cfg: RunConfigBase, first: int, last: int, refs: StepRefs) -> StepRefs:
+    """Steps first..last with flow.async_level k: step s's rollouts are sampled by the policy entering step
+    max(1, s - k) while step s - 1 trains, so sampling one step runs beside training the one before.
+
+    Every decision is a stage of its own with committed inputs (the sampling policy is an input of the
+    rollout stage, the selection state one of select's), so a resumed run recomputes the same ids and
+    redoes exactly the work that was not committed. The sampler reads a private copy of its policy
+    (`keep_snapshots`), made here before the trainer takes the live one."""
+    k = cfg.flow.async_level
+    entering = dict(enumerate((*refs.earlier, refs.policy_ref), start=first - len(refs.earlier)))
+
+    def source(step: int) -> int:
+        return max(min(entering), step - k)
+
+    def submit(step: int, at_refs: StepRefs) -> Any:
+        return rl_generate.submit(store, cfg, step, at_refs, Sampler(entering[source(step)], step - source(step)))
+
+    keep_snapshots({entering[source(first)]})
+    sampled = refs
+    pending = submit(first, sampled)
+    for step in range(first, last + 1):
+        made, state = pending.result()
+        sampled = replace(sampled, state=state, rewards=tuple(made.rewards))
+        # before the trainer takes it: the policy the next step samples with, copied (the next subflow's too)
+        keep_snapshots({entering[source(step + 1)]} if step < cfg.train.steps else set())
+        if step < last:
+            pending = submit(step + 1, sampled)
+        policy_ref, metrics = rl_train(store, cfg, step, refs, made)
+        entering[step + 1] = policy_ref
+        earlier = tuple(entering[j] for j in sorted(entering) if step + 1 - k <= j <= step)
+        refs = replace(refs, policy_ref=policy_ref, state=state, rewards=tuple(made.rewards), earlier=earlier)
+        _after_step(store, cfg, step, refs, metrics)
     return refs
 
 
@@ -235,6 +325,7 @@ def rl_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
 
 def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     assert cfg.run_id is not None
+    check_async(cfg)
     config_id = commit_config(open_store(store), cfg)
     problems = problems_of_run(store, cfg, config_id)
     initial = initial_policy(store, cfg, config_id)
@@ -255,6 +346,19 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     _keep_newest_train_state(store, cfg.run_id, refs.policy_ref)
     open_store(store).wait()
     return {"run_id": cfg.run_id, "config_id": config_id, "problems_id": problems, "policy_id": refs.policy_ref}
+
+
+def check_async(cfg: RunConfigBase) -> None:
+    """flow.async_level's limits, as one-line errors before any work."""
+    if not cfg.flow.async_level:
+        return
+    if cfg.restructure.enabled:
+        raise UserError(
+            "flow.async_level > 0 does not combine with restructure.enabled (CLPO adds the problems the next "
+            "step samples from, so sampling cannot run ahead of it); set one of them off"
+        )
+    if cfg.train.data_parallel > 1:
+        raise UserError("flow.async_level > 0 needs train.data_parallel = 1 (the ranks recompute π_old)")
 
 
 def problems_of_run(store: str, cfg: RunConfigBase, config_id: str) -> str:

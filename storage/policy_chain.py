@@ -61,3 +61,18 @@ def weights_needed(store: Store, policy_ref: str) -> list[str]:
     if chain is None or store.manifest(chain.base).kind != "train_steps":
         return []
     return [train_state_of(store, chain.base)]
+
+
+def sampler_needs(store: Store, policy_ref: str, count: int) -> list[str]:
+    """The train_state ids that keep `policy_ref` and the `count` - 1 policies before it rebuildable: with
+    flow.async_level k, samplers still read the policies entering the last k steps after the newest state."""
+    needed: list[str] = []
+    ref = policy_ref
+    for _ in range(count):
+        manifest = store.manifest(ref)
+        if manifest.kind != "train_steps":
+            break  # a checkpoint, kept forever
+        state = train_state_of(store, ref)
+        needed += [state] if holds_weights(store, state) else weights_needed(store, ref)
+        ref = manifest.extra["stage_run"]["inputs"]["policy"][0]
+    return list(dict.fromkeys(needed))

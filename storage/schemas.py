@@ -163,6 +163,8 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("n_tokens", _i),
             ("finish_reason", _s),
             ("policy_id", _s),
+            ("staleness", _i),  # the step that trains on it minus the step whose policy sampled it (0: in sync)
+            ("logprobs", pa.list_(pa.float32())),  # the sampling policy's, per token (stored with flow.async_level)
         ]
     ),
     "rewards": pa.schema(

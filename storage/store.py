@@ -109,6 +109,7 @@ class Store:
         self._thread = threading.local()  # the open batch belongs to the thread that opened it (`_batch`)
         self._unwritten: dict[str, _Unwritten] = {}  # deferred writes of background batches, by artifact id
         self._pending: list[tuple[_Batch, Future[None]]] = []  # batches committing in the background
+        self._pending_lock = threading.Lock()  # steps on two threads (flow.async_level) submit and reap alike
         self._committer: ThreadPoolExecutor | None = None
         self._index_next: dict[str, int] = {}  # per indexed kind: where this process appends next
         self._index_lock = threading.RLock()  # index_end takes it inside _append_index
@@ -300,18 +301,29 @@ class Store:
         if self._committer is None:
             self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlvr-commit")
         self._reap()
-        self._pending.append((batch, self._committer.submit(self._flush, batch)))
+        with self._pending_lock:
+            self._pending.append((batch, self._committer.submit(self._flush, batch)))
 
     def _reap(self) -> None:
         """Forget finished background commits (raising the error of a failed one)."""
-        while self._pending and self._pending[0][1].done():
-            self._pending.pop(0)[1].result()
+        while True:
+            with self._pending_lock:
+                if not self._pending or not self._pending[0][1].done():
+                    return
+                _, done = self._pending.pop(0)
+            done.result()
 
     def wait(self) -> None:
         """Return once every batch committing in the background is on disk (raising if one failed)."""
-        while self._pending:
-            self._pending[0][1].result()
-            self._pending.pop(0)
+        while True:
+            with self._pending_lock:
+                if not self._pending:
+                    return
+                head = self._pending[0]
+            head[1].result()
+            with self._pending_lock:
+                if self._pending and self._pending[0] is head:
+                    self._pending.pop(0)
 
     def _flush(self, batch: _Batch) -> None:
         """Data durable, then manifests durable, then renamed into place (the commit), then deletes."""

@@ -1,5 +1,6 @@
 """rollout: sample the allocated number of responses per selected problem with the rollout engine
-(`rollout.type`) from the current policy."""
+(`rollout.type`) from the current policy, or, with flow.async_level k > 0, from the policy k steps back,
+beside the trainer: then each rollout keeps its staleness and the sampling policy's token log-probs."""
 
 from __future__ import annotations
 
@@ -7,27 +8,35 @@ from functools import partial
 
 from rlvr.storage.ids import row_id
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
-from rlvr.trainer.checkpoints import load_policy
+from rlvr.trainer.checkpoints import load_policy, sampler_policy
 from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.engines import ENGINES, EngineConfig, engine_for
+from rlvr.trainer.grpo import GRPOConfig, behaviour_logprobs
 
 
 def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> Built:
     """params: `device` (the run's policy.device: where the policy is loaded; an engine with its own copy of the
-    weights, vLLM or a server, samples where it runs)."""
+    weights, vLLM or a server, samples where it runs); with flow.async_level, `staleness` (the step that trains
+    on these rollouts minus the step whose policy samples them) and `behaviour` (the train stage's GRPO settings:
+    the sampling policy's log-probs are computed as its π_old pass would)."""
     slots = inputs.rows("allocations", ["slot", "problem_id", "n_rollouts"])
     prompt_of = dict(zip(*inputs.table("problems", ["problem_id", "prompt"]).to_pydict().values()))
     prompts = [prompt_of[s["problem_id"]] for s in slots]
     policy_ref = inputs.require_id("policy")
     engine = engine_for(cfg)
-    policy = inputs.load("policy", partial(load_policy, device=stage_device(ctx.params.get("device"))))
+    behaviour = ctx.params.get("behaviour")
+    loader = load_policy if behaviour is None else sampler_policy  # beside the trainer: never the live policy
+    policy = inputs.load("policy", partial(loader, device=stage_device(ctx.params.get("device"))))
     engine.update_weights(policy, policy_ref)
     first_slot = min((s["slot"] for s in slots), default=0)  # > 0 for a refill round of dynamic sampling
     seed = ctx.derive_seed("rollout", ctx.step, first_slot) if first_slot else ctx.derive_seed("rollout", ctx.step)
     samples = engine.generate(prompts, [s["n_rollouts"] for s in slots], cfg.sampling(seed))
+    logprobs: list[list[float] | None] = [None] * len(samples)
+    if behaviour is not None:
+        logprobs = list(behaviour_logprobs(policy, prompts, samples, GRPOConfig.model_validate(behaviour)))
     ctx.usage.update(usage(policy.model))
     rows = []
-    for s in samples:
+    for s, sample_logprobs in zip(samples, logprobs):
         slot = slots[s.prompt_index]
         rows.append(
             {
@@ -43,6 +52,8 @@ def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> Built:
                 "n_tokens": s.n_tokens,
                 "finish_reason": s.finish_reason,
                 "policy_id": policy_ref,
+                "staleness": int(ctx.params.get("staleness", 0)),
+                "logprobs": sample_logprobs,
             }
         )
     return Built(rows_to_table("rollouts", rows))

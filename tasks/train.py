@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlvr.storage.policy_chain import weights_needed
+from rlvr.storage.policy_chain import sampler_needs, weights_needed
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.storage.store import Store
 from rlvr.trainer.checkpoints import (
@@ -122,13 +122,19 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
 
 def state_built(inputs: Inputs, cfg: TrainConfig, ctx: StageContext, state: TrainerState, row: dict[str, Any]) -> Built:
     """The `train_state` output: the weights and optimizer state on every `state_every`-th step, else only
-    the row, naming the stored state a replay starts from (kept until a newer stored state replaces it)."""
+    the row, naming the stored state a replay starts from (kept until a newer stored state replaces it).
+    With param `samplers_behind` k (flow.async_level), it also names the states the policies entering the
+    last k steps are rebuilt from, which a resumed sampler reads."""
     table = rows_to_table("train_state", [row])
+    behind = int(ctx.params.get("samplers_behind", 0))  # flow.async_level: samplers read the last k policies
+    needs = sampler_needs(inputs.store, inputs.require_id("policy"), behind) if behind and inputs.store else []
     if ctx.step is None or ctx.step % cfg.state_every == 0:
         assert state.optimizer is not None
         weights = {name: data for name, data in policy_files(state.policy).items() if is_weights_file(name)}
-        return Built(table, files={**weights, OPTIMIZER_FILE: optimizer_state_bytes(state.optimizer)})
-    needs = weights_needed(inputs.store, inputs.require_id("policy")) if inputs.store is not None else []
+        files = {**weights, OPTIMIZER_FILE: optimizer_state_bytes(state.optimizer)}
+        return Built(table, files=files, extra={"needs": needs} if needs else {})
+    if inputs.store is not None:
+        needs = list(dict.fromkeys([*weights_needed(inputs.store, inputs.require_id("policy")), *needs]))
     return Built(table, extra={"weights": False, "needs": needs})
 
 

@@ -5,6 +5,11 @@ five kills (one inside the difficulty stage, between two of its shards, four spr
 steps) and the resumes that follow them, both stores hold exactly the same artifact ids, the same
 decisions (SEC's selections and arm values, Knapsack's allocations, the training figures) and final
 checkpoints with byte-identical weights. The run is the default task with SEC and Knapsack RL on.
+
+With flow.async_level=1 (sampling a step beside training the one before) the same holds, with a sixth kill
+while generation is ahead of training: a step's rollouts committed, its update not, and the next step's
+sampling in flight. Every rollout is then sampled once: the (problem, sample index, sampling policy) triples
+of the two stores are the same.
 """
 
 from __future__ import annotations
@@ -41,14 +46,14 @@ OVERRIDES = [
 ]
 
 
-def start(command: str, store: Path, env: dict[str, str]) -> subprocess.Popen:
+def start(command: str, store: Path, env: dict[str, str], extra: tuple[str, ...] = ()) -> subprocess.Popen:
     args = (
         ["run", "--store", str(store), "--run-id", RUN_ID]
         if command == "run"
         else ["resume", RUN_ID, "--store", str(store)]
     )
     if command == "run":
-        for o in OVERRIDES:
+        for o in (*OVERRIDES, *extra):
             args += ["--set", o]
     return subprocess.Popen(
         rlvr_command(*args), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -60,6 +65,19 @@ def manifest_count(store: Path) -> int:
         return sum(1 for name in os.listdir(store / "manifests") if name.endswith(".json"))
     except FileNotFoundError:
         return 0
+
+
+def committed(store: Path, kind: str) -> int:
+    try:
+        return sum(1 for name in os.listdir(store / "manifests") if name.startswith(f"{kind}-"))
+    except FileNotFoundError:
+        return 0
+
+
+def generation_ahead(store: Path) -> bool:
+    """True while a step's rollouts are committed and its update is not (past the first steps)."""
+    trained = committed(store, "train_steps")
+    return trained >= 3 and committed(store, "rollouts") > trained
 
 
 def between_difficulty_shards(store: Path) -> bool:
@@ -105,19 +123,29 @@ def decisions(store: Path) -> dict[str, list[dict]]:
     return {name: query(s, text).to_pylist() for name, text in sql.items()}
 
 
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api):
+def sampled(store: Path) -> list[tuple]:
+    s = Store.open(str(store))
+    sql = "SELECT step, problem_id, sample_index, policy_id, staleness FROM rollouts ORDER BY ALL"
+    return [tuple(row.values()) for row in query(s, sql).to_pylist()]
+
+
+@pytest.mark.parametrize("async_level", [0, 1])
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api, async_level):
     env = cli_env(PREFECT_API_URL=prefect_api)
     reference, killed = tmp_path / "reference", tmp_path / "killed"
+    extra = (f"flow.async_level={async_level}",) if async_level else ()
 
-    ref = start("run", reference, env)
+    ref = start("run", reference, env, extra)
     assert ref.wait(timeout=600) == 0, ref.stderr.read()
     total = manifest_count(reference)
     assert total > 40
 
     moments: list[Callable[[], bool]] = [lambda: between_difficulty_shards(killed)]
     moments += [lambda f=f: manifest_count(killed) >= int(total * f) for f in (0.35, 0.55, 0.75, 0.9)]
+    if async_level:
+        moments.insert(3, lambda: generation_ahead(killed))
     missed = []
-    proc = start("run", killed, env)
+    proc = start("run", killed, env, extra)
     for index, moment in enumerate(moments):
         if kill_when(proc, moment):
             if index == 0:  # the first kill landed inside the sharded stage: shards on disk, no manifest
@@ -132,5 +160,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api):
     assert ids(killed) == ids(reference)
     assert final_weights(killed) == final_weights(reference)
     assert decisions(killed) == decisions(reference)
+    assert sampled(killed) == sampled(reference)
+    assert {row[-1] for row in sampled(reference)} == ({0, 1} if async_level else {0})
     runs = Store.open(str(killed)).read_run(RUN_ID)
     assert runs["status"] == "completed"

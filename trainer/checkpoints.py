@@ -16,6 +16,8 @@ before it by replaying the updates between (`rebuilt_state`; storage/policy_chai
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,7 +31,14 @@ from rlvr.storage.store import Store
 from rlvr.trainer.devices import model_device
 from rlvr.trainer.grpo import GRPOConfig
 from rlvr.trainer.lora import ADAPTER_FILE
-from rlvr.trainer.policy import Policy, load_optimizer_state, make_optimizer, policy_files, policy_from_files
+from rlvr.trainer.policy import (
+    MODEL_BUILD_LOCK,
+    Policy,
+    load_optimizer_state,
+    make_optimizer,
+    policy_files,
+    policy_from_files,
+)
 from rlvr.trainer.updates import step_batch, update_policy
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -102,6 +111,38 @@ def load_policy(store: Store, policy_ref: str, *, device: torch.device) -> Polic
     live = RESIDENTS.get(policy_ref)
     if isinstance(live, TrainerState) and model_device(live.policy.model) == device:
         return live.policy
+    if not holds_weights(store, weights_artifact(store, policy_ref)):
+        return rebuilt_state(store, policy_ref, device=device).policy
+    return policy_from_files(policy_files_of(store, policy_ref), device=device)
+
+
+_snapshots: dict[str, Policy] = {}
+_snapshots_lock = threading.Lock()
+
+
+def keep_snapshots(policy_refs: set[str]) -> None:
+    """Keep a private copy of each of `policy_refs` that is live in this process, and drop the other copies.
+
+    With flow.async_level > 0 a sampler on another thread samples from an earlier policy while the trainer
+    updates the live one in place; the flow calls this before the trainer takes that policy, so the sampler
+    (`sampler_policy`) reads a copy that no update touches."""
+    with _snapshots_lock:
+        for ref in set(_snapshots) - policy_refs:
+            del _snapshots[ref]
+        for ref in policy_refs - set(_snapshots):
+            live = RESIDENTS.get(ref)
+            if isinstance(live, TrainerState):
+                with MODEL_BUILD_LOCK:
+                    _snapshots[ref] = copy.deepcopy(live.policy)
+
+
+def sampler_policy(store: Store, policy_ref: str, *, device: torch.device) -> Policy:
+    """The policy named by `policy_ref` for a sampler beside the trainer: the copy `keep_snapshots` kept, else
+    one loaded from the store; never the live one, which the trainer may be updating."""
+    with _snapshots_lock:
+        kept = _snapshots.get(policy_ref)
+    if kept is not None and model_device(kept.model) == device:
+        return kept
     if not holds_weights(store, weights_artifact(store, policy_ref)):
         return rebuilt_state(store, policy_ref, device=device).policy
     return policy_from_files(policy_files_of(store, policy_ref), device=device)

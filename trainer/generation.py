@@ -23,7 +23,8 @@ class Sample:
 
     `completion_ids` are the generated tokens up to and including the first eos (nothing after it);
     `text` is their decoding without special tokens; `n_tokens` = len(completion_ids);
-    `finish_reason` is "stop" when an eos was generated, "length" when max_new_tokens ran out.
+    `finish_reason` is "stop" when an eos was generated, "length" when max_new_tokens ran out; `logprobs`, when
+    set, are the behaviour policy's log-probabilities of the completion tokens (the trainer's π_old).
     """
 
     prompt_index: int
@@ -32,6 +33,7 @@ class Sample:
     text: str
     n_tokens: int
     finish_reason: Literal["stop", "length"]
+    logprobs: list[float] | None = None  # the sampling policy's per token, when stored (flow.async_level > 0)
 
 
 # transformers 5.24 renamed generate's and the model outputs' `past_key_values` to `cache` (the old name warns).

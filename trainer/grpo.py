@@ -350,6 +350,7 @@ class TrainingRows:
     groups: Tensor  # [R] group (prompt) index of each row
     active_groups: Tensor  # the groups with a non-zero advantage
     kl_weights: Tensor  # [R] the factor on β of each row (1 unless the batch gives weights)
+    old_logp: Tensor | None = None  # [R, T] the sampling policy's log-probs, when the samples carry them (stale)
 
 
 def batch_stats(rewards: Tensor, group_index: Tensor) -> dict[str, float]:
@@ -436,7 +437,11 @@ def training_rows(
     kl_weights = torch.tensor([per_group[batch.samples[k].prompt_index] for k in rows], dtype=torch.float32)
     tensors = (prompt_ids, completion_ids, mask, advantages[rows], group_index[rows], active_groups, kl_weights)
     device = next(policy.model.parameters()).device  # built on the CPU; the model may sit on a GPU
-    return TrainingRows(*(t.to(device) for t in tensors))
+    training = TrainingRows(*(t.to(device) for t in tensors))
+    if all(batch.samples[k].logprobs is not None for k in rows):
+        stored = [list(batch.samples[k].logprobs or []) for k in rows]
+        training.old_logp = torch.tensor([row + [0.0] * (mask.shape[1] - len(row)) for row in stored]).to(device)
+    return training
 
 
 def set_activation_checkpointing(model: PreTrainedModel, enabled: bool) -> None:
@@ -540,19 +545,25 @@ def _clipped_updates(
     """`cfg.minibatches` updates, each on a contiguous slice of the active groups, against one set of
     old logprobs (and reference logprobs when there is a KL term); returns the mean loss, clip fraction,
     KL estimates and grad norm, π_old's token-mean entropy, and the update count."""
-    if min(cfg.minibatches, rows.active_groups.numel()) == 1:
+    if rows.old_logp is None and min(cfg.minibatches, rows.active_groups.numel()) == 1:
         return _one_update(policy, optimizer, rows, cfg, reference, max_length)
-    old_logp, entropy, ref_logp = rollout_logprobs(policy, rows, cfg, reference)
-    mean_entropy = float((entropy * rows.mask).sum() / rows.mask.sum().clamp(min=1))
+    entropy: Tensor | None = None
+    if rows.old_logp is not None:  # sampled by an earlier policy (flow.async_level): its stored log-probs
+        old_logp = rows.old_logp
+        ref_logp = reference_logprobs(policy, rows, cfg, reference) if reference is not None else None
+    else:
+        old_logp, entropy, ref_logp = rollout_logprobs(policy, rows, cfg, reference)
     slices = torch.tensor_split(rows.active_groups, min(cfg.minibatches, rows.active_groups.numel()))
-    totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ref_kl": 0.0, "grad_norm": 0.0}
+    totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ref_kl": 0.0, "grad_norm": 0.0, "entropy": 0.0}
     for groups in slices:
         selected = torch.isin(rows.groups, groups)
         for name, value in _update(policy, optimizer, rows, selected, old_logp, ref_logp, cfg, max_length).items():
             totals[name] += value
     optimizer.zero_grad(set_to_none=True)
     averages = {name: value / len(slices) for name, value in totals.items()}
-    return {**averages, "entropy": mean_entropy, "updates": float(len(slices))}
+    if entropy is not None:  # π_old's, over every row; else π_θ's from the loss passes (`minibatch_loss`)
+        averages["entropy"] = float((entropy * rows.mask).sum() / rows.mask.sum().clamp(min=1))
+    return {**averages, "updates": float(len(slices))}
 
 
 def _one_update(
@@ -572,6 +583,21 @@ def _one_update(
     stats = _update(policy, optimizer, rows, everything, None, ref_logp, cfg, max_length)
     optimizer.zero_grad(set_to_none=True)
     return {**stats, "updates": 1.0}
+
+
+def behaviour_logprobs(policy: Policy, prompts: list[str], samples: list[Sample], cfg: GRPOConfig) -> list[list[float]]:
+    """Each sample's token log-probs under `policy`, the one that sampled them, as the train stage computes π_old
+    (`cfg`'s temperature, autocast and micro-batches; no gradient). Stored with rollouts that a later policy
+    trains on (flow.async_level), where π_old can no longer be recomputed from the trained model."""
+    if not samples:
+        return []
+    batch = RolloutBatch(prompts=prompts, samples=samples, rewards=[0.0] * len(samples))
+    group_index = torch.tensor([sample.prompt_index for sample in samples], dtype=torch.long)
+    rows = training_rows(policy, batch, torch.ones(len(samples)), group_index)
+    assert rows is not None  # every advantage is 1: every sample is a row, in order
+    with training_precision(policy, cfg.model_copy(update={"gradient_checkpointing": False})):
+        old_logp = rollout_logprobs(policy, rows, cfg, None)[0]
+    return [old_logp[i, : sample.n_tokens].tolist() for i, sample in enumerate(samples)]
 
 
 def reference_logprobs(policy: Policy, rows: TrainingRows, cfg: GRPOConfig, reference: Policy) -> Tensor:
@@ -622,20 +648,15 @@ def minibatch_loss(
     """The loss of the `selected` rows (the clipped surrogate plus β x the reference KL when there is a
     reference), the KL term alone (before β; None without a reference) and the surrogate's stats.
     `old_logp` None: π_old is the policy being trained (`_one_update`), so the old log-probs are these ones,
-    detached, and the stats add `entropy_sum`, the entropy summed over the rows' real tokens.
+    detached. The stats add `entropy_sum`, π_θ's entropy summed over the rows' real tokens, from the same blocks.
     Shared by the single-process update and the data-parallel one (trainer/distributed.py)."""
     prompt_ids, completion_ids = rows.prompt_ids[selected], rows.completion_ids[selected]
     token_mask = rows.mask[selected].to(torch.float32)
     pad_id = policy.tokenizer.pad_token_id
-    entropy_sum = 0.0
-    if old_logp is None:
-        logp, entropy = completion_logprobs_and_entropy(
-            policy.model, prompt_ids, completion_ids, pad_id, cfg.temperature
-        )
-        old, entropy_sum = logp.detach(), float((entropy * token_mask).sum())
-    else:
-        logp = completion_logprobs(policy.model, prompt_ids, completion_ids, pad_id, token_mask, cfg.temperature)[0]
-        old = old_logp[selected]
+    model, temperature = policy.model, cfg.temperature
+    logp, entropy = completion_logprobs_and_entropy(model, prompt_ids, completion_ids, pad_id, temperature)
+    entropy_sum = float((entropy * token_mask).sum())
+    old = logp.detach() if old_logp is None else old_logp[selected]
     loss, loss_stats = clipped_surrogate_loss(
         logp,
         old,
@@ -743,7 +764,7 @@ def accumulate_gradients(
     """Backward of the `selected` rows' loss, one micro-batch at a time (gradients add up), each weighted by its
     `loss_share` of the `whole` minibatch's (sequences, tokens), which the data-parallel ranks (trainer/
     distributed.py) count over all ranks. Returns float64 sums to add over parts and ranks (`STAT_SUMS`: loss,
-    reference KL, clip fraction x tokens, approx KL x tokens, entropy x tokens when `old_logp` is None, else 0);
+    reference KL, clip fraction x tokens, approx KL x tokens, entropy x tokens);
     `minibatch_stats` turns them into the minibatch's stats."""
     sums = torch.zeros(STAT_SUMS, dtype=torch.float64)
     for part in micro_batches(rows, selected, micro_batch_budget(policy.model, cfg)):
@@ -789,14 +810,13 @@ def _update(
     max_length: int | None,
 ) -> dict[str, float]:
     """One gradient update on the `selected` rows (accumulated over micro-batches when `cfg.micro_batch_tokens`
-    is set); returns its loss, clip fraction, KL estimates and grad norm, and π_old's token-mean entropy when
-    `old_logp` is None (the old log-probs are the loss pass's own, `minibatch_loss`)."""
+    is set); returns its loss, clip fraction, KL estimates, grad norm and π_θ's token-mean entropy before it
+    (with `old_logp` None, the policy that sampled: the old log-probs are the loss pass's own)."""
     optimizer.zero_grad(set_to_none=True)
     whole = (float(selected.sum()), float(rows.mask[selected].sum()))
     sums = accumulate_gradients(policy, rows, selected, old_logp, ref_logp, cfg, max_length, whole)
     stats = minibatch_stats(sums, whole[1])
-    if old_logp is None:  # the loss pass measured π_old's entropy (`minibatch_loss`)
-        stats["entropy"] = float(sums[4]) / max(whole[1], 1.0)
+    stats["entropy"] = float(sums[4]) / max(whole[1], 1.0)  # π_θ's before this update (`minibatch_loss`)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), cfg.max_grad_norm)
     optimizer.step()
     return {**stats, "grad_norm": grad_norm.item()}

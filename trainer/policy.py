@@ -7,6 +7,7 @@ vLLM or a user can load them with `from_pretrained`; the optimizer state travels
 import json
 import struct
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,10 +121,17 @@ def _prepare(
     return Policy(model=model, tokenizer=tokenizer, source=source)
 
 
+# transformers builds a model under process-wide switches (empty weights on the meta device, skipped inits);
+# two threads building at once (flow.async_level: the sampler loads a policy while the trainer loads its own)
+# break each other's models, so every build in this process holds this lock.
+MODEL_BUILD_LOCK = threading.RLock()
+
+
 def _load_directory(path: str, source: str, local_files_only: bool, dtype: torch.dtype = torch.float32) -> Policy:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=local_files_only)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only)
-    return _prepare(model, tokenizer, source, dtype)
+    with MODEL_BUILD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=local_files_only)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only)
+        return _prepare(model, tokenizer, source, dtype)
 
 
 def place(policy: Policy, device: torch.device) -> Policy:
@@ -194,7 +202,8 @@ def _base_policy(cfg: PolicyConfig, seed: int) -> Policy:
     source = check_policy_source(cfg)
     dtype = WEIGHTS_DTYPES[cfg.dtype]
     if source == "tiny":
-        return _prepare(build_tiny_model(cfg.tiny, seed), build_tiny_tokenizer(), "tiny", dtype)
+        with MODEL_BUILD_LOCK:
+            return _prepare(build_tiny_model(cfg.tiny, seed), build_tiny_tokenizer(), "tiny", dtype)
     if source.endswith(".gguf"):
         return _load_directory(str(dequantised_directory(Path(source))), cfg.model, local_files_only=True, dtype=dtype)
     resolved = str(Path(source).resolve()) if Path(source).expanduser().is_dir() else source

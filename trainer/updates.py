@@ -41,6 +41,7 @@ def rollout_batch(
                 text=r["response"],
                 n_tokens=r["n_tokens"],
                 finish_reason=r["finish_reason"],
+                logprobs=None if r.get("logprobs") is None else list(r["logprobs"]),
             )
         )
         rewards.append(score_of[r["rollout_id"]])

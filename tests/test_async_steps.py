@@ -1,0 +1,102 @@
+"""flow.async_level: a step's rollouts sampled by an earlier policy beside the trainer, which trains on them with
+the sampling policy's stored log-probs. Resume after SIGKILL is in tests/test_kill_resume.py; that level 0 is the
+synchronous run bit for bit is checked there too (same ids and weights as before the key existed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlvr.errors import UserError
+from rlvr.flows.config import FlowConfig, load_config
+from rlvr.flows.rl_run import check_async
+from rlvr.storage.store import Store
+from rlvr.storage.views import query
+from rlvr.trainer.checkpoints import load_policy
+from rlvr.trainer.generation import Sample
+from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, behaviour_logprobs, grpo_step
+from rlvr.trainer.policy import PolicyConfig, init_policy, make_optimizer
+from tests.cli_helpers import cli_env, rlvr
+from tests.conftest import TINY_OVERRIDES
+from tests.test_distributed import ragged_batch
+
+
+def test_level_0_leaves_the_config_dump_as_it_was():
+    assert "async_level" not in FlowConfig().model_dump()
+    assert FlowConfig(async_level=2).model_dump()["async_level"] == 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("restructure.enabled=true", "does not combine with restructure.enabled"),
+        ("train.data_parallel=2", "needs train.data_parallel = 1"),
+    ],
+)
+def test_what_async_cannot_combine_with_is_one_line(extra, message):
+    cfg = load_config(None, ["run_id=a", "flow.async_level=1", extra])
+    with pytest.raises(UserError, match=message):
+        check_async(cfg)
+    check_async(load_config(None, ["run_id=a", extra]))  # without async: no complaint
+
+
+def test_stored_logprobs_are_the_old_ones():
+    """Samples that carry their sampler's log-probs train against those: their own policy's (recomputed) give
+    ratio 1 (no clipping, KL 0); another policy's give a ratio away from 1."""
+    cfg = GRPOConfig(minibatches=1, clip_low=0.01, clip_high=0.01)
+    batch = ragged_batch(3, [5, 3, 4, 2])
+    policy, other = init_policy(PolicyConfig(), seed=0), init_policy(PolicyConfig(), seed=1)
+    own = behaviour_logprobs(policy, batch.prompts, batch.samples, cfg)
+    assert [len(lp) for lp in own] == [s.n_tokens for s in batch.samples]
+
+    def carrying(logprobs: list[list[float]]) -> RolloutBatch:
+        samples = [dataclasses.replace(s, logprobs=lp) for s, lp in zip(batch.samples, logprobs)]
+        return dataclasses.replace(batch, samples=samples)
+
+    same = grpo_step(policy, make_optimizer(policy, 1e-3, 0.0), carrying(own), cfg)
+    assert same["clip_fraction"] == 0.0 and abs(same["kl"]) < 1e-6
+    policy = init_policy(PolicyConfig(), seed=0)
+    stale = grpo_step(
+        policy,
+        make_optimizer(policy, 1e-3, 0.0),
+        carrying(behaviour_logprobs(other, batch.prompts, batch.samples, cfg)),
+        cfg,
+    )
+    assert stale["clip_fraction"] > 0.2 and stale["kl"] > 0.01
+
+
+@pytest.mark.slow
+def test_async_level_1_samples_one_step_behind_and_stores_what_it_sampled_with(tmp_path, prefect_api):
+    store_root = tmp_path / "store"
+    sets = [arg for o in (*TINY_OVERRIDES, "flow.async_level=1") for arg in ("--set", o)]
+    done = rlvr("run", "--store", str(store_root), "--run-id", "a", *sets, env=cli_env(PREFECT_API_URL=prefect_api))
+    assert done.returncode == 0, done.stderr
+    store = Store.open(str(store_root))
+    sql = (
+        "SELECT r.step, min(r.staleness) AS low, max(r.staleness) AS high, any_value(r.policy_id) AS policy, "
+        "count(DISTINCT r.policy_id) AS policies, any_value(t.step) AS sampler_step, count(r.logprobs) AS stored, "
+        "count(*) AS n FROM rollouts r LEFT JOIN train_steps t ON r.policy_id = t.policy_id GROUP BY r.step ORDER BY r.step"
+    )
+    steps = query(store, sql).to_pylist()
+    assert [(s["step"], s["low"], s["high"], s["policies"]) for s in steps] == [(1, 0, 0, 1)] + [
+        (step, 1, 1, 1) for step in range(2, 7)
+    ]
+    # steps 1 and 2 sample with the starting policy; step s > 2 with the one step s - 2 trained
+    assert [s["sampler_step"] for s in steps] == [None, None, 1, 2, 3, 4]
+    assert all(s["stored"] == s["n"] for s in steps)
+    # the stored log-probs are the sampling policy's, as the train stage computes π_old: step 5 sampled with
+    # the policy step 3 trained, whose checkpoint is kept (the run keeps only its newest trainer states)
+    rows = query(store, "SELECT * FROM rollouts WHERE step = 5 ORDER BY slot, sample_index").to_pylist()
+    checkpoint = query(store, "SELECT artifact_id FROM checkpoints WHERE step = 3").to_pylist()[0]["artifact_id"]
+    sampler = load_policy(store, checkpoint, device=torch.device("cpu"))
+    prompts = sorted({(r["slot"], r["prompt"]) for r in rows})
+    index = {slot: i for i, (slot, _) in enumerate(prompts)}
+    samples = [
+        Sample(index[r["slot"]], r["sample_index"], list(r["completion_ids"]), r["response"], r["n_tokens"], "stop")
+        for r in rows
+    ]
+    cfg = load_config(None, ["run_id=a", *TINY_OVERRIDES]).train.grpo
+    again = behaviour_logprobs(sampler, [p for _, p in prompts], samples, cfg)
+    assert again == [pytest.approx(list(r["logprobs"]), abs=1e-6) for r in rows]
