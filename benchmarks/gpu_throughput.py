@@ -20,13 +20,14 @@ request), and checks the lengths. Rollout tokens/s = generated tokens / wall tim
 after a warm-up call; engine start-up is printed apart. Rollouts sample in bf16 on CUDA (float32 on CPU).
 Training tokens/s = (prompt + completion tokens of the rows) / `grpo_step` time, which includes its no-grad
 old-logprob pass; float32 weights, bf16 autocast and gradient checkpointing on CUDA. It trains on the
-first --train-prompts groups only: `grpo_step` holds float32 log-probs over the whole vocabulary for every
-row at once ([rows, new tokens, 151936]: ~5 GB per 32 rows of 256 tokens, several times over).
+first --train-prompts groups only (one cold call: no warm-up step, so the first call's CUDA and cuBLAS set-up
+is in its time).
 The transformers engine and `grpo_step` build their tensors on the default device, so they run inside a
 `torch.device` context here. Order: transformers rollouts, training, then vLLM (started last, on the
 trained weights, so that its memory reservation does not distort the training peak).
 
-Figures in the README come from a GPU run; none was lent to this session.
+Figures from an H100 (2026-11-26) are in docs/benchmarks.md; there, both were far below the same work inside a
+whole `rlvr run` (benchmarks/gpu_vs_trl.py), which is not explained yet.
 """
 
 from __future__ import annotations
