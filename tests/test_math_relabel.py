@@ -13,6 +13,7 @@ import re
 
 import pyarrow as pa
 
+from rlvr.storage.stage import rows_to_table
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.verifiers.math import MathVerifier
@@ -135,7 +136,7 @@ def _write_store_labelled_by_version_1(root: str) -> str:
     common = {"run_id": RUN, "code_version": "1", "config": {}, "step": 0}
     store.write_artifact("problems", "problems-math-v1", _table(problems), stage="data", parents=[], **common)
     store.write_artifact(
-        "rollouts", "rollouts-math-v1", _table(rollouts), stage="rollout", parents=["problems-math-v1"], **common
+        "rollouts", "rollouts-math-v1", rows_to_table("rollouts", rollouts), stage="rollout", parents=["problems-math-v1"], **common
     )
     store.write_artifact(
         "rewards",
