@@ -136,7 +136,12 @@ def _write_store_labelled_by_version_1(root: str) -> str:
     common = {"run_id": RUN, "code_version": "1", "config": {}, "step": 0}
     store.write_artifact("problems", "problems-math-v1", _table(problems), stage="data", parents=[], **common)
     store.write_artifact(
-        "rollouts", "rollouts-math-v1", rows_to_table("rollouts", rollouts), stage="rollout", parents=["problems-math-v1"], **common
+        "rollouts",
+        "rollouts-math-v1",
+        rows_to_table("rollouts", rollouts),
+        stage="rollout",
+        parents=["problems-math-v1"],
+        **common,
     )
     store.write_artifact(
         "rewards",
