@@ -310,7 +310,8 @@ def _async_steps(store: str, cfg: RunConfigBase, first: int, last: int, refs: St
             pending = submit(step + 1, sampled)
         policy_ref, metrics = rl_train(store, cfg, step, refs, made)
         entering[step + 1] = policy_ref
-        earlier = tuple(entering[j] for j in sorted(entering) if step + 1 - k <= j <= step)
+        entering = {j: ref for j, ref in entering.items() if j >= step + 1 - k}  # what samplers may still read
+        earlier = tuple(entering[j] for j in sorted(entering) if j <= step)
         refs = replace(refs, policy_ref=policy_ref, state=state, rewards=tuple(made.rewards), earlier=earlier)
         _after_step(store, cfg, step, refs, metrics)
     return refs

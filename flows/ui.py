@@ -32,6 +32,7 @@ from typing import Any
 
 from rlvr.errors import UserError
 from rlvr.flows.prefect_env import configure_prefect
+from rlvr.storage.processes import pid_alive
 from rlvr.storage.store import Store
 
 SERVER_FILE = "server.json"
@@ -200,14 +201,8 @@ def _write_record(server: StoreServer) -> None:
 
 
 def _alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
+    """Whether the server's recorded process runs here (an unusable pid counts as gone: start a new server)."""
+    return isinstance(pid, int) and pid > 0 and pid_alive(pid)
     return True
 
 

@@ -111,6 +111,11 @@ def load_policy(store: Store, policy_ref: str, *, device: torch.device) -> Polic
     live = RESIDENTS.get(policy_ref)
     if isinstance(live, TrainerState) and model_device(live.policy.model) == device:
         return live.policy
+    return _stored_policy(store, policy_ref, device)
+
+
+def _stored_policy(store: Store, policy_ref: str, device: torch.device) -> Policy:
+    """The policy loaded from the store: its stored weights, or rebuilt by replaying the steps since them."""
     if not holds_weights(store, weights_artifact(store, policy_ref)):
         return rebuilt_state(store, policy_ref, device=device).policy
     return policy_from_files(policy_files_of(store, policy_ref), device=device)
@@ -143,9 +148,7 @@ def sampler_policy(store: Store, policy_ref: str, *, device: torch.device) -> Po
         kept = _snapshots.get(policy_ref)
     if kept is not None and model_device(kept.model) == device:
         return kept
-    if not holds_weights(store, weights_artifact(store, policy_ref)):
-        return rebuilt_state(store, policy_ref, device=device).policy
-    return policy_from_files(policy_files_of(store, policy_ref), device=device)
+    return _stored_policy(store, policy_ref, device)
 
 
 def checkpoint_built(

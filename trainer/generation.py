@@ -54,8 +54,8 @@ Precision = Literal["auto", "weights", "bf16"]
 def sampling_autocast(policy: Policy, precision: Precision = "auto") -> torch.autocast:
     """The autocast that decoding runs under. "weights": none, the weights' own dtype. "bf16": bfloat16 autocast
     on the model's device. "auto": bf16 when float32 weights sit on a GPU (as TRL samples with `bf16=True`: half
-    the key/value cache, tensor-core matmuls; see docs/training.md), else none,
-    so that CPU sampling, and everything that reproduces it, is unchanged."""
+    the key/value cache, tensor-core matmuls; see docs/training.md), else none, so that CPU sampling, and
+    everything that reproduces it, is unchanged."""
     device_type = policy.model.device.type
     if precision == "auto":
         precision = "bf16" if device_type == "cuda" and policy.model.dtype == torch.float32 else "weights"

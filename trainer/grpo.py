@@ -542,47 +542,34 @@ def _clipped_updates(
     reference: Policy | None,
     max_length: int | None,
 ) -> dict[str, float]:
-    """`cfg.minibatches` updates, each on a contiguous slice of the active groups, against one set of
-    old logprobs (and reference logprobs when there is a KL term); returns the mean loss, clip fraction,
-    KL estimates and grad norm, π_old's token-mean entropy, and the update count."""
-    if rows.old_logp is None and min(cfg.minibatches, rows.active_groups.numel()) == 1:
-        return _one_update(policy, optimizer, rows, cfg, reference, max_length)
+    """`cfg.minibatches` updates, each on a contiguous slice of the active groups, against one set of old
+    logprobs (and reference logprobs when there is a KL term); returns the mean loss, clip fraction, KL estimates
+    and grad norm, the token-mean entropy, and the update count.
+
+    π_old: the rows' stored log-probs when an earlier policy sampled them (flow.async_level; the entropy is then
+    π_θ's, from the loss passes). With one update, π_old is π_θ before it, the policy that sampled, so the loss
+    pass's own log-probs, detached, are π_old's (ρ = 1) and its entropy π_old's: no separate pass, the same
+    weights bit for bit on the CPU (tests/test_grpo_memory.py), as TRL does when it generates once per optimizer
+    step. Otherwise a no-grad pass over every row before the first update gives π_old's log-probs and entropy."""
+    updates = min(cfg.minibatches, rows.active_groups.numel())
     entropy: Tensor | None = None
-    if rows.old_logp is not None:  # sampled by an earlier policy (flow.async_level): its stored log-probs
-        old_logp = rows.old_logp
-        ref_logp = reference_logprobs(policy, rows, cfg, reference) if reference is not None else None
-    else:
+    old_logp: Tensor | None
+    if rows.old_logp is None and updates > 1:
         old_logp, entropy, ref_logp = rollout_logprobs(policy, rows, cfg, reference)
-    slices = torch.tensor_split(rows.active_groups, min(cfg.minibatches, rows.active_groups.numel()))
-    totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ref_kl": 0.0, "grad_norm": 0.0, "entropy": 0.0}
-    for groups in slices:
+    else:
+        old_logp = rows.old_logp  # None: the loss pass's own
+        ref_logp = reference_logprobs(policy, rows, cfg, reference) if reference is not None else None
+    totals: dict[str, float] = {}
+    for groups in torch.tensor_split(rows.active_groups, updates):
         selected = torch.isin(rows.groups, groups)
-        for name, value in _update(policy, optimizer, rows, selected, old_logp, ref_logp, cfg, max_length).items():
-            totals[name] += value
+        stats = _update(policy, optimizer, rows, selected, old_logp, ref_logp, cfg, max_length, entropy is None)
+        for name, value in stats.items():
+            totals[name] = totals.get(name, 0.0) + value
     optimizer.zero_grad(set_to_none=True)
-    averages = {name: value / len(slices) for name, value in totals.items()}
-    if entropy is not None:  # π_old's, over every row; else π_θ's from the loss passes (`minibatch_loss`)
+    averages = {name: value / updates for name, value in totals.items()}
+    if entropy is not None:
         averages["entropy"] = float((entropy * rows.mask).sum() / rows.mask.sum().clamp(min=1))
-    return {**averages, "updates": float(len(slices))}
-
-
-def _one_update(
-    policy: Policy,
-    optimizer: torch.optim.Optimizer,
-    rows: TrainingRows,
-    cfg: GRPOConfig,
-    reference: Policy | None,
-    max_length: int | None,
-) -> dict[str, float]:
-    """`_clipped_updates` when the step makes one update: π_old is π_θ before that update, the policy that
-    sampled, so its log-probs are the loss pass's own, detached (ρ = 1), and the no-grad pass over every row is
-    skipped; entropy comes from the loss pass's blocks. Same loss, gradient and stats as with the separate pass
-    (bit for bit on the CPU: tests/test_grpo_memory.py); TRL does the same when it generates once per optimizer step."""
-    ref_logp = reference_logprobs(policy, rows, cfg, reference) if reference is not None else None
-    everything = torch.ones(rows.mask.shape[0], dtype=torch.bool, device=rows.mask.device)
-    stats = _update(policy, optimizer, rows, everything, None, ref_logp, cfg, max_length)
-    optimizer.zero_grad(set_to_none=True)
-    return {**stats, "updates": 1.0}
+    return {**averages, "updates": float(updates)}
 
 
 def behaviour_logprobs(policy: Policy, prompts: list[str], samples: list[Sample], cfg: GRPOConfig) -> list[list[float]]:
@@ -644,18 +631,22 @@ def minibatch_loss(
     ref_logp: Tensor | None,
     cfg: GRPOConfig,
     max_length: int | None,
+    with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None, dict[str, float]]:
     """The loss of the `selected` rows (the clipped surrogate plus β x the reference KL when there is a
     reference), the KL term alone (before β; None without a reference) and the surrogate's stats.
-    `old_logp` None: π_old is the policy being trained (`_one_update`), so the old log-probs are these ones,
-    detached. The stats add `entropy_sum`, π_θ's entropy summed over the rows' real tokens, from the same blocks.
-    Shared by the single-process update and the data-parallel one (trainer/distributed.py)."""
+    `old_logp` None: π_old is the policy being trained (one update), so the old log-probs are these ones,
+    detached. `with_entropy`: the stats add `entropy_sum`, π_θ's entropy over the rows' real tokens, from the
+    same blocks (else 0). Shared by the single-process update and the data-parallel one (trainer/distributed.py)."""
     prompt_ids, completion_ids = rows.prompt_ids[selected], rows.completion_ids[selected]
     token_mask = rows.mask[selected].to(torch.float32)
-    pad_id = policy.tokenizer.pad_token_id
-    model, temperature = policy.model, cfg.temperature
-    logp, entropy = completion_logprobs_and_entropy(model, prompt_ids, completion_ids, pad_id, temperature)
-    entropy_sum = float((entropy * token_mask).sum())
+    pad_id, model, temperature = policy.tokenizer.pad_token_id, policy.model, cfg.temperature
+    entropy_sum = 0.0
+    if with_entropy:
+        logp, entropy = completion_logprobs_and_entropy(model, prompt_ids, completion_ids, pad_id, temperature)
+        entropy_sum = float((entropy * token_mask).sum())
+    else:
+        logp = completion_logprobs(model, prompt_ids, completion_ids, pad_id, token_mask, temperature)[0]
     old = logp.detach() if old_logp is None else old_logp[selected]
     loss, loss_stats = clipped_surrogate_loss(
         logp,
@@ -760,15 +751,18 @@ def accumulate_gradients(
     cfg: GRPOConfig,
     max_length: int | None,
     whole: tuple[float, float],
+    with_entropy: bool = False,
 ) -> Tensor:
     """Backward of the `selected` rows' loss, one micro-batch at a time (gradients add up), each weighted by its
     `loss_share` of the `whole` minibatch's (sequences, tokens), which the data-parallel ranks (trainer/
     distributed.py) count over all ranks. Returns float64 sums to add over parts and ranks (`STAT_SUMS`: loss,
-    reference KL, clip fraction x tokens, approx KL x tokens, entropy x tokens);
+    reference KL, clip fraction x tokens, approx KL x tokens, and with `with_entropy` entropy x tokens, else 0);
     `minibatch_stats` turns them into the minibatch's stats."""
     sums = torch.zeros(STAT_SUMS, dtype=torch.float64)
     for part in micro_batches(rows, selected, micro_batch_budget(policy.model, cfg)):
-        loss, kl_term, loss_stats = minibatch_loss(policy, rows, part, old_logp, ref_logp, cfg, max_length)
+        loss, kl_term, loss_stats = minibatch_loss(
+            policy, rows, part, old_logp, ref_logp, cfg, max_length, with_entropy
+        )
         share = loss_share(rows.mask[part], *whole, cfg.aggregation)
         (share * loss).backward()
         tokens = float(rows.mask[part].sum())
@@ -808,15 +802,17 @@ def _update(
     ref_logp: Tensor | None,
     cfg: GRPOConfig,
     max_length: int | None,
+    with_entropy: bool,
 ) -> dict[str, float]:
     """One gradient update on the `selected` rows (accumulated over micro-batches when `cfg.micro_batch_tokens`
-    is set); returns its loss, clip fraction, KL estimates, grad norm and π_θ's token-mean entropy before it
-    (with `old_logp` None, the policy that sampled: the old log-probs are the loss pass's own)."""
+    is set); returns its loss, clip fraction, KL estimates and grad norm, and with `with_entropy` π_θ's token-mean
+    entropy before it (`old_logp` None: the old log-probs are the loss pass's own)."""
     optimizer.zero_grad(set_to_none=True)
     whole = (float(selected.sum()), float(rows.mask[selected].sum()))
-    sums = accumulate_gradients(policy, rows, selected, old_logp, ref_logp, cfg, max_length, whole)
+    sums = accumulate_gradients(policy, rows, selected, old_logp, ref_logp, cfg, max_length, whole, with_entropy)
     stats = minibatch_stats(sums, whole[1])
-    stats["entropy"] = float(sums[4]) / max(whole[1], 1.0)  # π_θ's before this update (`minibatch_loss`)
+    if with_entropy:
+        stats["entropy"] = float(sums[4]) / max(whole[1], 1.0)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), cfg.max_grad_norm)
     optimizer.step()
     return {**stats, "grad_norm": grad_norm.item()}
