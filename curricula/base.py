@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlvr.curricula.hints import HintConfig
+
 __all__ = [
     "AllocateConfig",
     "Allocation",
@@ -115,6 +117,11 @@ class SelectConfig(BaseModel):
         "category",
         pattern="^(category|bin|category_bin)$",
         description="what an arm is: the problem's category, its difficulty bin, or both (SEC's 2-D arms)",
+    )
+    hints: HintConfig = Field(
+        default_factory=HintConfig,
+        exclude_if=lambda value: not value.enabled,  # left out of dumps (so of ids) when off: earlier runs keep theirs
+        description="GHPO: hints from the problem's solution after all-wrong groups (curricula/hints.py)",
     )
 
 

@@ -538,6 +538,13 @@ class ColumnMapping(BaseModel):
     category: str | None = "category"
     id: str | None = "id"
     difficulty_label: str | None = Field(None, description="a difficulty the source states, e.g. MATH's 'level'")
+    solution: str | None = Field(
+        "solution",
+        description=(
+            "a reference solution (GHPO's hints), e.g. MATH's 'solution'; without one, a reference extracted "
+            "from a worked text (gsm8k, boxed) keeps that text as the solution"
+        ),
+    )
 
 
 def extract_answer(text: str, mode: Extraction) -> str | None:
@@ -553,6 +560,13 @@ def extract_answer(text: str, mode: Extraction) -> str | None:
         starts = [match.end() for match in _BOXED.finditer(text)]
         return _braced(text, starts[-1]) if starts else None
     return text
+
+
+def worked_text(text: str, mode: Extraction) -> str | None:
+    """The worked solution a reference was extracted from: GSM8K's rationale before its `####` line (the
+    answer line itself left out), a boxed solution whole; None when empty."""
+    worked = text.rpartition("####")[0] if mode == "gsm8k" else text
+    return worked.strip() or None
 
 
 def _check_extraction(mode: str) -> None:
@@ -596,6 +610,9 @@ def map_record(values: dict[str, Any], mapping: ColumnMapping, extraction: Extra
             value = _optional(values, getattr(mapping, field), field)
             if value is not None:
                 row[field] = value
+        solution = _solution(values, mapping, extraction)
+        if solution is not None:
+            row["solution"] = solution
     except _Rejected as rejected:
         return str(rejected)
     return row
@@ -626,6 +643,17 @@ def _is_chat(value: Any) -> bool:
             for message in value
         )
     )
+
+
+def _solution(values: dict[str, Any], mapping: ColumnMapping, extraction: Extraction) -> str | None:
+    """The record's own solution column, else (with answer extraction) the worked text of its reference."""
+    reference_column = mapping.reference or ("reference" if values.get("reference") is not None else "answer")
+    if mapping.solution is not None and mapping.solution != reference_column:
+        own = _optional(values, mapping.solution, "solution")
+        if own is not None:
+            return own
+    worked = values.get(reference_column)
+    return worked_text(worked, extraction) if extraction != "none" and isinstance(worked, str) else None
 
 
 def _reference(values: dict[str, Any], column: str | None, extraction: Extraction) -> Any:

@@ -9,7 +9,7 @@ A raw row is a dict with `source_index` (its position in the source) and either 
 could not be read or mapped, quarantined with that reason; `error_check` names the check, default
 "read") or `prompt` and `reference` (or `answer`), plus optional `answer` (the plain answer text: a warm
 start's target), `verifier`, `domain`, `category` (the arm a curriculum samples through), `params` (JSON
-of what made it) and `difficulty_label`.
+of what made it), `difficulty_label` and `solution` (worked steps: GHPO's hints).
 The synthesize stage validates, deduplicates, decontaminates and splits the rows.
 """
 
@@ -29,7 +29,7 @@ from rlvr.curricula.clpo import Rewrite, Rewriter, RewriteRequest
 from rlvr.data.readers import ColumnMapping, RawRecord
 from rlvr.plugins import TypedRegistry
 from rlvr.verifiers import skills
-from rlvr.verifiers.arithmetic import GENERATOR_VERSION, ArithmeticSpec, generate
+from rlvr.verifiers.arithmetic import GENERATOR_VERSION, ArithmeticSpec, generate, worked_solution
 
 __all__ = [
     "SOURCES",
@@ -174,7 +174,9 @@ class SkillsSource(ProblemSource):
     default_verifier = "arithmetic"
 
     def rows(self, seed: int) -> Iterable[dict[str, Any]]:
-        return skills.generate(skills.SkillsSpec(**spec_of(self.cfg)), seed)
+        for row in skills.generate(skills.SkillsSpec(**spec_of(self.cfg)), seed):
+            parsed = parse_expression(row["prompt"])
+            yield {**row, "solution": worked_solution(*parsed) if parsed else None}
 
     def rewrite(self, prompt: str, answer: str, mode: str) -> tuple[str, str] | None:
         return skills.rewrite(prompt, mode)

@@ -9,6 +9,7 @@ The checks, in order (the first that fails is the row's `failed_check` in `quara
   verifier   names no registered verifier
   id         repeats the `id` of an earlier row of the same source
   parse      the problem's verifier cannot use the reference (`Verifier.reference_error`)
+  solution   a reference solution (optional) that is not text, or holds such a control character
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Candidate:
     category: str
     params: str
     difficulty_label: str | None
+    solution: str | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ class Validator:
             category=str(row.get("category") or ""),
             params=str(row.get("params") or ""),
             difficulty_label=row.get("difficulty_label"),
+            solution=row.get("solution") or None,
         )
 
     def _first_failure(self, row: Mapping[str, Any], index: int) -> tuple[str, str] | None:
@@ -149,7 +152,18 @@ class Validator:
         if name not in self.verifiers:
             self.verifiers[name] = get_verifier(name)
         error = self.verifiers[name].reference_error(reference)
-        return ("parse", f"{name}: {error}") if error else None
+        if error:
+            return "parse", f"{name}: {error}"
+        return _solution_problem(row.get("solution"))
+
+
+def _solution_problem(solution: Any) -> tuple[str, str] | None:
+    if solution is None:
+        return None
+    if not isinstance(solution, str):
+        return "solution", f"solution must be text, got {type(solution).__name__}"
+    error = _text_error(solution)
+    return ("solution", f"solution {error}") if error else None
 
 
 def _row_json(row: Mapping[str, Any]) -> str:

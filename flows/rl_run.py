@@ -188,13 +188,7 @@ def _generate(at: RunContext, cfg: RunConfigBase, refs: StepRefs, sampler: Sampl
             at,
             inputs={"selections": selections.id, "difficulty": refs.difficulty, "rewards": refs.rewards},
         )
-        rollouts = run(
-            ROLLOUT,
-            cfg.rollout,
-            at,
-            inputs={"allocations": allocations.id, "problems": refs.problems, "policy": policy},
-            params=sampling,
-        )
+        rollouts = _rollout(at, cfg, refs.problems, selections.id, allocations.id, policy, sampling)
         fanned = {"fan_out": current_fan_out()}  # it carries flow.executor.verify_chunk
         rewards = run(LABEL, cfg.label, at, inputs={"rollouts": rollouts.id, "problems": refs.problems}, params=fanned)
         made.selections.append(selections.id)
@@ -216,6 +210,31 @@ def _generate(at: RunContext, cfg: RunConfigBase, refs: StepRefs, sampler: Sampl
                 _warn_refill_limit(cfg, step_of(at), decision["kept"])
             return made
         drawn, count, refills = drawn + count, decision["refill_prompts"], refills + 1
+
+
+def _rollout(
+    at: RunContext,
+    cfg: RunConfigBase,
+    problems: tuple[str, ...],
+    selections: str,
+    allocations: str,
+    policy: str,
+    sampling: dict[str, Any],
+) -> Any:
+    """The rollout stage of a round; with GHPO's hints it reads the selections (their hint ratios) too."""
+    hinted = cfg.select.hints.enabled
+    return run(
+        ROLLOUT,
+        cfg.rollout,
+        at,
+        inputs={
+            "allocations": allocations,
+            "problems": problems,
+            "policy": policy,
+            "selections": selections if hinted else None,
+        },
+        params={**sampling, "hints": cfg.select.hints.model_dump()} if hinted else sampling,
+    )
 
 
 _warned: set[str] = set()

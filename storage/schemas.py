@@ -35,6 +35,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("parent_problem_id", _s),
             ("derivation", _s),
             ("difficulty_label", _s),
+            ("solution", _s),  # a reference solution (worked steps), when the source has one: GHPO's hints
         ]
     ),
     "quarantine": pa.schema(
@@ -84,6 +85,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("arm", _s),
             ("probability", _f),
             ("strategy", _s),
+            ("hint_ratio", _f),  # GHPO: the share of the problem's solution shown as a hint (0: none)
         ]
     ),
     "allocations": pa.schema(
@@ -165,6 +167,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("policy_id", _s),
             ("staleness", _i),  # the step that trains on it minus the step whose policy sampled it (0: in sync)
             ("logprobs", pa.list_(pa.float32())),  # the sampling policy's, per token (stored with flow.async_level)
+            ("hint_ratio", _f),  # GHPO: the share of the solution the prompt showed (0: none; `prompt` includes it)
         ]
     ),
     "rewards": pa.schema(

@@ -1,11 +1,14 @@
 """rollout: sample the allocated number of responses per selected problem with the rollout engine
 (`rollout.type`) from the current policy, or, with flow.async_level k > 0, from the policy k steps back,
-beside the trainer: then each rollout keeps its staleness and the sampling policy's token log-probs."""
+beside the trainer: then each rollout keeps its staleness and the sampling policy's token log-probs.
+With GHPO's hints (`select.hints`) a prompt carries the share of its solution its selection row gives."""
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
+from rlvr.curricula.hints import HintConfig, hinted_prompt
 from rlvr.storage.ids import row_id
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy, sampler_policy
@@ -18,10 +21,10 @@ def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> Built:
     """params: `device` (the run's policy.device: where the policy is loaded; an engine with its own copy of the
     weights, vLLM or a server, samples where it runs); with flow.async_level, `staleness` (the step that trains
     on these rollouts minus the step whose policy samples them) and `behaviour` (the train stage's GRPO settings:
-    the sampling policy's log-probs are computed as its π_old pass would)."""
+    the sampling policy's log-probs are computed as its π_old pass would); with GHPO, `hints` (select.hints)
+    and the `selections` input, whose hint_ratio each slot's prompt shows."""
     slots = inputs.rows("allocations", ["slot", "problem_id", "n_rollouts"])
-    prompt_of = dict(zip(*inputs.table("problems", ["problem_id", "prompt"]).to_pydict().values()))
-    prompts = [prompt_of[s["problem_id"]] for s in slots]
+    ratios, prompts = slot_prompts(inputs, slots, ctx.params.get("hints"))
     policy_ref = inputs.require_id("policy")
     engine = engine_for(cfg)
     behaviour = ctx.params.get("behaviour")
@@ -54,9 +57,25 @@ def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> Built:
                 "policy_id": policy_ref,
                 "staleness": int(ctx.params.get("staleness", 0)),
                 "logprobs": sample_logprobs,
+                "hint_ratio": ratios[s.prompt_index],
             }
         )
     return Built(rows_to_table("rollouts", rows))
+
+
+def slot_prompts(
+    inputs: Inputs, slots: list[dict[str, Any]], hints: dict[str, Any] | None
+) -> tuple[list[float], list[str]]:
+    """Each slot's hint ratio and the prompt it samples from (the problem's own without hints)."""
+    if hints is None:
+        prompt_of = dict(zip(*inputs.table("problems", ["problem_id", "prompt"]).to_pydict().values()))
+        return [0.0] * len(slots), [prompt_of[s["problem_id"]] for s in slots]
+    cfg = HintConfig.model_validate(hints)
+    problem_of = {p["problem_id"]: p for p in inputs.rows("problems", ["problem_id", "prompt", "solution"])}
+    ratio_of = {row["slot"]: row["hint_ratio"] for row in inputs.rows("selections", ["slot", "hint_ratio"])}
+    ratios = [ratio_of[s["slot"]] for s in slots]
+    problems = [problem_of[s["problem_id"]] for s in slots]
+    return ratios, [hinted_prompt(p["prompt"], p["solution"], r, cfg) for p, r in zip(problems, ratios)]
 
 
 ROLLOUT: Stage[EngineConfig] = Stage(
@@ -65,7 +84,7 @@ ROLLOUT: Stage[EngineConfig] = Stage(
     section="rollout",
     config=ENGINES.config_type,
     default=ENGINES.default_config,
-    inputs=("allocations", "problems", "policy"),
+    inputs=("allocations", "problems", "policy", "selections"),
     outputs={"rollouts": Output("rollouts")},
     build=build,
 )

@@ -1,11 +1,13 @@
 """select: the selection strategy (`select.type`) picks the step's problems; each pick is a row with its
-arm and probability, so "why was problem X trained at step t" is a query."""
+arm and probability, so "why was problem X trained at step t" is a query. With `select.hints` (GHPO) a
+pick also has the share of its problem's solution the rollouts see as a hint (curricula/hints.py)."""
 
 from __future__ import annotations
 
 import random
 
 from rlvr.curricula.base import SelectConfig
+from rlvr.curricula.hints import STATE_KEY, ratio_of
 from rlvr.curricula.pool import build_pool
 from rlvr.curricula.registry import STRATEGIES, make_strategy
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, carried_state, rows_to_table
@@ -24,8 +26,11 @@ def build(inputs: Inputs, cfg: SelectConfig, ctx: StageContext) -> Built:
         cfg.arms,
     )
     strategy = make_strategy(cfg)
+    levels: dict[str, int] = {}
     if inputs.id("state") is not None:
-        strategy.load_state_dict(inputs.load("state", carried_state))
+        state = inputs.load("state", carried_state)
+        levels = state.pop(STATE_KEY, {})
+        strategy.load_state_dict(state)
     round_ = ctx.params.get("round", 0)
     seed = ctx.derive_seed("select", ctx.step, round_) if round_ else ctx.derive_seed("select", ctx.step)
     picks = strategy.select(pool, ctx.params.get("count", cfg.batch_size), random.Random(seed))
@@ -39,6 +44,7 @@ def build(inputs: Inputs, cfg: SelectConfig, ctx: StageContext) -> Built:
             "arm": pick.arm,
             "probability": pick.probability,
             "strategy": strategy.type,
+            "hint_ratio": ratio_of(levels.get(pick.problem_id, 0), cfg.hints),
         }
         for slot, pick in enumerate(picks)
     ]

@@ -250,6 +250,7 @@ def problem_rows(pool: Pool, cfg: SynthesizeConfig, ctx: StageContext) -> list[d
                 "parent_problem_id": None,
                 "derivation": "original",
                 "difficulty_label": c.difficulty_label,
+                "solution": c.solution,
             }
             for c, split in zip(mine, splits)
         ]

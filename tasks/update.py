@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch
 
 from rlvr.curricula.base import ProblemOutcome, SelectConfig, StepFeedback
+from rlvr.curricula.hints import STATE_KEY, GroupOutcome, next_levels
 from rlvr.curricula.pool import build_pool
 from rlvr.curricula.registry import STRATEGIES, make_strategy
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
@@ -74,10 +75,35 @@ def build(inputs: Inputs, cfg: SelectConfig, ctx: StageContext) -> Built:
         ctx.params["advantage_scale"],
     )
     strategy = make_strategy(cfg)
-    strategy.load_state_dict(ctx.state or {})
+    state = dict(ctx.state or {})
+    levels = state.pop(STATE_KEY, {})
+    strategy.load_state_dict(state)
     audit = strategy.observe(StepFeedback(ctx.step or 0, pool, outcomes))
     rows = [{"run_id": ctx.run_id, "step": ctx.step, "strategy": strategy.type, **row} for row in audit]
-    return Built(rows_to_table("curriculum_state", rows), state=strategy.state_dict())
+    after = strategy.state_dict()
+    if cfg.hints.enabled:
+        after[STATE_KEY] = next_levels(levels, hint_outcomes(inputs), hintable(inputs), cfg.hints)
+    return Built(rows_to_table("curriculum_state", rows), state=after)
+
+
+def hint_outcomes(inputs: Inputs) -> list[GroupOutcome]:
+    """Each group of the step (every round) and whether any sample was correct: raw correctness (status "ok"),
+    since a shaped reward can vary in a group that is all wrong."""
+    correct = {
+        rid: status == "ok"
+        for rid, status in zip(*inputs.table("rewards", ["rollout_id", "status"]).to_pydict().values())
+    }
+    groups: dict[int, GroupOutcome] = {}
+    for r in inputs.rows("rollouts", ["rollout_id", "slot", "problem_id"]):
+        seen = groups.get(r["slot"])
+        any_correct = correct[r["rollout_id"]] or (seen is not None and seen.any_correct)
+        groups[r["slot"]] = GroupOutcome(r["slot"], r["problem_id"], any_correct)
+    return list(groups.values())
+
+
+def hintable(inputs: Inputs) -> set[str]:
+    """The problems with a solution to hint from."""
+    return {row["problem_id"] for row in inputs.rows("problems", ["problem_id", "solution"]) if row["solution"]}
 
 
 UPDATE: Stage[SelectConfig] = Stage(

@@ -4,7 +4,8 @@ The killed run and a reference run share seed, config and run id but live in dif
 five kills (one inside the difficulty stage, between two of its shards, four spread over the RL
 steps) and the resumes that follow them, both stores hold exactly the same artifact ids, the same
 decisions (SEC's selections and arm values, Knapsack's allocations, the training figures) and final
-checkpoints with byte-identical weights. The run is the default task with SEC and Knapsack RL on.
+checkpoints with byte-identical weights. The run is the default task with SEC and Knapsack RL on, and in
+the synchronous case GHPO's hints and CLPO's rewrites too (their levels and rewrites must survive a kill).
 
 With flow.async_level=1 (sampling a step beside training the one before) the same holds, with a sixth kill
 while generation is ahead of training: a step's rollouts committed, its update not, and the next step's
@@ -114,11 +115,12 @@ def decisions(store: Path) -> dict[str, list[dict]]:
     """Every curriculum decision and training figure, in order: what must match, not just the ids."""
     s = Store.open(str(store))
     sql = {
-        "selections": "SELECT step, slot, problem_id, arm, probability FROM selections ORDER BY step, slot",
+        "selections": "SELECT step, slot, problem_id, arm, probability, hint_ratio FROM selections ORDER BY step, slot",
         "allocations": 'SELECT step, slot, n_rollouts, p_hat, p_hat_source, "case", value FROM allocations '
         "ORDER BY step, slot",
         "curriculum_state": "SELECT step, arm, q_before, probability, q_after FROM curriculum_state ORDER BY step, arm",
         "train_steps": "SELECT step, loss, mean_reward, effective_ratio FROM train_steps ORDER BY step",
+        "restructured": "SELECT step, slot, label, mode, rewrite_prompt, kept FROM restructured ORDER BY step, slot",
     }
     return {name: query(s, text).to_pylist() for name, text in sql.items()}
 
@@ -129,11 +131,13 @@ def sampled(store: Path) -> list[tuple]:
     return [tuple(row.values()) for row in query(s, sql).to_pylist()]
 
 
-@pytest.mark.parametrize("async_level", [0, 1])
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api, async_level):
+SYNC_WITH_HINTS_AND_REWRITES = ("select.hints.enabled=true", "restructure.enabled=true")
+
+
+@pytest.mark.parametrize(("async_level", "extra"), [(0, SYNC_WITH_HINTS_AND_REWRITES), (1, ("flow.async_level=1",))])
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api, async_level, extra):
     env = cli_env(PREFECT_API_URL=prefect_api)
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    extra = (f"flow.async_level={async_level}",) if async_level else ()
 
     ref = start("run", reference, env, extra)
     assert ref.wait(timeout=600) == 0, ref.stderr.read()
@@ -162,5 +166,9 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api, async_l
     assert decisions(killed) == decisions(reference)
     assert sampled(killed) == sampled(reference)
     assert {row[-1] for row in sampled(reference)} == ({0, 1} if async_level else {0})
+    if not async_level:  # the hints and rewrites happened, so their resume was tested
+        made = decisions(reference)
+        assert any(row["hint_ratio"] > 0 for row in made["selections"])
+        assert any(row["kept"] for row in made["restructured"])
     runs = Store.open(str(killed)).read_run(RUN_ID)
     assert runs["status"] == "completed"

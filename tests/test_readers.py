@@ -325,9 +325,29 @@ def test_map_record_custom_columns_and_extraction() -> None:
     mapping = ColumnMapping(prompt="question", reference="solution", difficulty_label="level", id=None)
     values = {"question": "Q", "solution": "Work... #### 2,000", "level": "Level 3", "id": "ignored"}
 
-    assert map_record(values, mapping, "gsm8k") == {"prompt": "Q", "reference": "2000", "difficulty_label": "Level 3"}
+    assert map_record(values, mapping, "gsm8k") == {
+        "prompt": "Q",
+        "reference": "2000",
+        "difficulty_label": "Level 3",
+        "solution": "Work...",  # the worked text the answer came from, less its #### line
+    }
     boxed = {"question": "Q", "solution": "so $\\boxed{\\sqrt{2}}$"}
-    assert map_record(boxed, mapping, "boxed") == {"prompt": "Q", "reference": "\\sqrt{2}"}
+    assert map_record(boxed, mapping, "boxed") == {
+        "prompt": "Q",
+        "reference": "\\sqrt{2}",
+        "solution": "so $\\boxed{\\sqrt{2}}$",
+    }
+
+
+def test_map_record_solution_column() -> None:
+    """A record's own `solution` (MATH's) wins over the worked reference; a non-text one is a reason."""
+    values = {"prompt": "Q", "answer": "Steps #### 7", "solution": "Own steps"}
+    assert map_record(values, ColumnMapping(), "gsm8k")["solution"] == "Own steps"
+    assert map_record({"prompt": "Q", "answer": "Steps\n#### 7"}, ColumnMapping(), "gsm8k")["solution"] == "Steps"
+    assert "solution" not in map_record({"prompt": "Q", "answer": "7"}, ColumnMapping(), "none")
+    assert map_record({"prompt": "Q", "answer": "7", "solution": 3}, ColumnMapping(), "none") == (
+        "field 'solution' must be a string, got int"
+    )
 
 
 def test_map_record_keeps_chat_prompts_and_structured_references() -> None:

@@ -116,7 +116,7 @@ class ArithmeticSpec(BaseModel):
     count: int = Field(100, ge=1)
 
 
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "2"  # 2: rows carry a worked solution
 
 
 def space_size(spec: ArithmeticSpec) -> int:
@@ -132,7 +132,8 @@ def _render(operands: list[int], operators: list[str]) -> str:
 
 
 def generate(spec: ArithmeticSpec, seed: int) -> list[dict[str, Any]]:
-    """Distinct problems `{"prompt": "3+4=", "answer": "7", "source_index": i}`, seeded.
+    """Distinct problems `{"prompt": "3+4=", "answer": "7", "solution": "3 + 4 = 7. The answer is 7.",
+    "source_index": i}`, seeded.
 
     When the spec's space is no larger than `count`, every problem is produced once, in a seeded
     order; otherwise distinct problems are drawn at random until `count` are found.
@@ -162,8 +163,42 @@ def generate(spec: ArithmeticSpec, seed: int) -> list[dict[str, Any]]:
     for index, (operands, operators) in enumerate(combos):
         expression = _render(operands, operators)
         answer = _evaluate(operands, operators)
-        problems.append({"prompt": f"{expression}=", "answer": str(answer), "source_index": index})
+        solution = worked_solution(operands, operators)
+        problems.append(
+            {"prompt": f"{expression}=", "answer": str(answer), "solution": solution, "source_index": index}
+        )
     return problems
+
+
+def worked_solution(operands: list[int], operators: list[str]) -> str:
+    """The steps a person would write, ending with the answer: products first, then sums and differences left
+    to right; a multi-digit right operand is split into its tens and the rest, so a hint that shows part of
+    the steps shows a usable partial result."""
+    steps, terms, signs = [], [operands[0]], []
+    for op, value in zip(operators, operands[1:]):
+        if op == "*":
+            steps.append(_step(terms[-1], "*", value))
+            terms[-1] *= value
+        else:
+            terms.append(value)
+            signs.append(op)
+    total = terms[0]
+    for op, value in zip(signs, terms[1:]):
+        steps.append(_step(total, op, value))
+        total = total + value if op == "+" else total - value
+    return " ".join([*steps, f"The answer is {total}."])
+
+
+def _step(left: int, op: str, right: int) -> str:
+    """One operation written out: "37 * 48 = 37 * 40 + 37 * 8 = 1480 + 296 = 1776." """
+    apply = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}[op]
+    result = apply(left, right)
+    tens, units = right - right % 10, right % 10
+    if right < 10 or units == 0:
+        return f"{left} {op} {right} = {result}."
+    if op == "*":
+        return f"{left} * {right} = {left} * {tens} + {left} * {units} = {left * tens} + {left * units} = {result}."
+    return f"{left} {op} {right} = {left} {op} {tens} {op} {units} = {apply(left, tens)} {op} {units} = {result}."
 
 
 def _evaluate(operands: list[int], operators: list[str]) -> int:
