@@ -8,6 +8,7 @@ Plain decisions and the rewriter interface; generating, verifying and writing ar
 
 from __future__ import annotations
 
+import math
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -37,6 +38,26 @@ class RestructureConfig(BaseModel):
     rollouts: int = Field(4, ge=2, description="samples of each rewrite that decide whether it is kept")
     max_new_tokens: int = Field(400, ge=1, description="length limit of a policy rewrite")
     kl_weight_hard: float = Field(0.5, ge=0, description="KL weight multiplier of hard-labelled samples")
+    join: Literal["next_step", "same_step"] = Field(
+        "next_step",
+        exclude_if=lambda value: value == "next_step",  # left out of dumps (so of ids) at what earlier runs did
+        description=(
+            "same_step (the paper): kept rewrites train in the step that made them, on the samples that judged "
+            "them, within the step's rollout budget (`share` of its prompts are left for rewrites); next_step: "
+            "they join the pool for later steps only and their samples are extra"
+        ),
+    )
+    share: float = Field(
+        0.25,
+        gt=0,
+        lt=1,
+        exclude_if=lambda value: value == 0.25,
+        description="same_step: the share of select.batch_size (so of the rollout budget) kept for rewrites",
+    )
+
+    def rewrite_slots(self, batch_size: int) -> int:
+        """How many of a step's `batch_size` prompts are rewrites (same_step; 0 otherwise): at least one."""
+        return max(1, math.floor(self.share * batch_size)) if self.enabled and self.join == "same_step" else 0
 
     @model_validator(mode="after")
     def _ordered(self) -> RestructureConfig:

@@ -72,6 +72,7 @@ class Generated:
     rollouts: list[str] = field(default_factory=list)
     rewards: list[str] = field(default_factory=list)
     groups: list[str] = field(default_factory=list)
+    drawn: int = 0  # the slots the rounds used (the next free slot)
 
 
 @task(name="rl-step", cache_policy=NONE)
@@ -87,32 +88,48 @@ def rl_step(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> tuple[
 
 def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> tuple[StepRefs, dict[str, Any]]:
     at = run_context(store, cfg, step)
-    made = _generate(at, cfg, refs)
-    samples = {"rollouts": made.rollouts, "rewards": made.rewards}
-    restructured = None
-    if cfg.restructure.enabled:
-        restructured = run(
-            RESTRUCTURE,
-            cfg.restructure,
-            at,
-            inputs={"problems": refs.problems, **samples, "policy": refs.policy_ref},
-            params={
-                "verifier": cfg.label,
-                "rollout": cfg.rollout,
-                "sources": cfg.synthesize.sources,
-                "device": cfg.policy.device,
-            },
+    rewrite_slots = cfg.restructure.rewrite_slots(cfg.select.batch_size)
+    made = _generate(at, cfg, refs, batch_size=cfg.select.batch_size - rewrite_slots)
+    restructured = _restructure(at, cfg, refs, made, rewrite_slots) if cfg.restructure.enabled else None
+    training = made
+    if rewrite_slots and restructured is not None:  # CLPO, same step: the kept rewrites' groups train too
+        training = replace(
+            made, rollouts=[*made.rollouts, restructured["rollouts"]], rewards=[*made.rewards, restructured["rewards"]]
         )
-    trained = _train(at, cfg, refs, made, restructured)
+    trained = _train(at, cfg, refs, training, restructured)
     updated = _update_state(at, cfg, refs, made)
     problems = refs.problems
     if restructured is not None and restructured.manifest(open_store(store), "restructured").extra["kept"]:
         problems = (*problems, restructured["problems"])
     metrics = trained.table(open_store(store), "train_steps").to_pylist()[0]
     next_refs = replace(
-        refs, problems=problems, policy_ref=trained["train_steps"], state=updated.id, rewards=tuple(made.rewards)
+        refs, problems=problems, policy_ref=trained["train_steps"], state=updated.id, rewards=tuple(training.rewards)
     )
     return next_refs, metrics
+
+
+def _restructure(at: RunContext, cfg: RunConfigBase, refs: StepRefs, made: Generated, rewrite_slots: int) -> Any:
+    """CLPO's restructure stage on the step's rounds; with join same_step, the `rewrite_slots` slots after
+    the drawn ones are its rewrites'."""
+    same_step = {"slots": rewrite_slots, "first_slot": made.drawn, "n": cfg.allocate.n} if rewrite_slots else {}
+    return run(
+        RESTRUCTURE,
+        cfg.restructure,
+        at,
+        inputs={
+            "problems": refs.problems,
+            "rollouts": made.rollouts,
+            "rewards": made.rewards,
+            "policy": refs.policy_ref,
+        },
+        params={
+            "verifier": cfg.label,
+            "rollout": cfg.rollout,
+            "sources": cfg.synthesize.sources,
+            "device": cfg.policy.device,
+            **same_step,
+        },
+    )
 
 
 def _train(at: RunContext, cfg: RunConfigBase, refs: StepRefs, made: Generated, restructured: Any = None) -> Any:
@@ -162,19 +179,25 @@ class Sampler:
     staleness: int
 
 
-def _generate(at: RunContext, cfg: RunConfigBase, refs: StepRefs, sampler: Sampler | None = None) -> Generated:
+def _generate(
+    at: RunContext, cfg: RunConfigBase, refs: StepRefs, sampler: Sampler | None = None, batch_size: int | None = None
+) -> Generated:
     """select -> allocate -> rollout -> label; with dynamic sampling, filter after each round and refill
     with new prompts until the batch has enough groups with reward variance or the refills run out.
-    `sampler`: sample with that policy, beside the trainer, storing the log-probs it gives (flow.async_level)."""
+    `sampler`: sample with that policy, beside the trainer, storing the log-probs it gives (flow.async_level).
+    `batch_size`: the groups to draw when fewer than select.batch_size (CLPO's rewrites take the rest)."""
     made, drawn, refills = Generated(), 0, 0
+    batch = batch_size or cfg.select.batch_size
     policy, sampling = refs.policy_ref, dict[str, Any](device=cfg.policy.device)
     if sampler is not None:
         behaviour = cfg.train.grpo.model_dump(include={"temperature", "autocast", "micro_batch_tokens"})
         policy = sampler.policy_ref
         sampling = {**sampling, "behaviour": behaviour, "staleness": sampler.staleness}
-    count = prompts_to_draw(cfg.select.batch_size, cfg.filter)
+    count = prompts_to_draw(batch, cfg.filter)
     while True:
         rounds = {"round": refills, "count": count, "first_slot": drawn} if cfg.filter.enabled else {}
+        if batch != cfg.select.batch_size and not cfg.filter.enabled:
+            rounds = {"count": count}
         selections = run(
             SELECT,
             cfg.select,
@@ -194,6 +217,7 @@ def _generate(at: RunContext, cfg: RunConfigBase, refs: StepRefs, sampler: Sampl
         made.selections.append(selections.id)
         made.rollouts.append(rollouts.id)
         made.rewards.append(rewards["rewards"])
+        made.drawn = drawn + count
         if not cfg.filter.enabled:
             return made
         groups = run(
@@ -201,7 +225,7 @@ def _generate(at: RunContext, cfg: RunConfigBase, refs: StepRefs, sampler: Sampl
             cfg.filter,
             at,
             inputs={"rollouts": made.rollouts, "rewards": made.rewards},
-            params={"batch_size": cfg.select.batch_size, "refills_done": refills, "first_slot": drawn},
+            params={"batch_size": batch, "refills_done": refills, "first_slot": drawn},
         )
         made.groups.append(groups.id)
         decision = groups.manifest(open_store(at.store)).extra
@@ -346,6 +370,7 @@ def rl_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
 def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     assert cfg.run_id is not None
     check_async(cfg)
+    check_clpo(cfg)
     config_id = commit_config(open_store(store), cfg)
     problems = problems_of_run(store, cfg, config_id)
     initial = initial_policy(store, cfg, config_id)
@@ -366,6 +391,16 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     _keep_newest_train_state(store, cfg.run_id, refs.policy_ref)
     open_store(store).wait()
     return {"run_id": cfg.run_id, "config_id": config_id, "problems_id": problems, "policy_id": refs.policy_ref}
+
+
+def check_clpo(cfg: RunConfigBase) -> None:
+    """restructure.join same_step needs prompts left for the drawn groups, as a one-line error before any work."""
+    slots = cfg.restructure.rewrite_slots(cfg.select.batch_size)
+    if slots and slots >= cfg.select.batch_size:
+        raise UserError(
+            f"restructure.join=same_step keeps {slots} of select.batch_size={cfg.select.batch_size} prompts for "
+            "rewrites, leaving none to draw; raise select.batch_size or lower restructure.share"
+        )
 
 
 def check_async(cfg: RunConfigBase) -> None:

@@ -131,7 +131,12 @@ def sampled(store: Path) -> list[tuple]:
     return [tuple(row.values()) for row in query(s, sql).to_pylist()]
 
 
-SYNC_WITH_HINTS_AND_REWRITES = ("select.hints.enabled=true", "restructure.enabled=true")
+SYNC_WITH_HINTS_AND_REWRITES = (
+    "select.hints.enabled=true",
+    "restructure.enabled=true",
+    "restructure.join=same_step",
+    "restructure.share=0.5",
+)
 
 
 @pytest.mark.parametrize(("async_level", "extra"), [(0, SYNC_WITH_HINTS_AND_REWRITES), (1, ("flow.async_level=1",))])

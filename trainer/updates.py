@@ -93,9 +93,9 @@ def step_batch(inputs: Inputs, grpo: GRPOConfig) -> RolloutBatch:
     verifier's extracted answers (SEED-GRPO)."""
     score_of = dict(zip(*inputs.table("rewards", ["rollout_id", "score"]).to_pydict().values()))
     rollouts = inputs.rows("rollouts")
-    if inputs.ids.get("groups"):
-        kept = {r["slot"] for r in inputs.rows("groups", ["slot", "kept"]) if r["kept"]}
-        rollouts = [r for r in rollouts if r["slot"] in kept]
+    if inputs.ids.get("groups"):  # groups the filter judged train only if kept (CLPO's same-step rewrites it never saw)
+        judged = {r["slot"]: r["kept"] for r in inputs.rows("groups", ["slot", "kept"])}
+        rollouts = [r for r in rollouts if judged.get(r["slot"], True)]
     components_of = reward_components(inputs) if grpo.advantage_components is not None else None
     batch = rollout_batch(rollouts, score_of, components_of)
     if grpo.needs_max_length:
