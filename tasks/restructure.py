@@ -179,7 +179,8 @@ def _judge(
     todo = [i for i, reason in enumerate(reasons) if reason is None]
     judged = Judged()
     if todo:
-        rows = _sampled_rows(todo, [rewrites[i] for i in todo], requests, pool, policy, cfg, ctx)
+        chosen = [rewrite for i in todo if (rewrite := rewrites[i]) is not None]  # all: screened ones exist
+        rows = _sampled_rows(todo, chosen, requests, pool, policy, cfg, ctx)
         references = {r["problem_id"]: (pool[r["parent"]]["verifier"], r["reference"]) for r in rows}
         verdicts, _ = score_rollouts(ctx.store, ctx.params["verifier"], rows, references)
         for row, verdict in zip(rows, verdicts):
@@ -209,7 +210,7 @@ def _judge(
 
 def _sampled_rows(
     todo: list[int],
-    chosen: list[Rewrite | None],
+    chosen: list[Rewrite],
     requests: list[RewriteRequest],
     pool: dict[str, dict[str, Any]],
     policy: Policy,
@@ -230,7 +231,6 @@ def _sampled_rows(
     rows = []
     for s in samples:
         index, rewrite = todo[s.prompt_index], chosen[s.prompt_index]
-        assert rewrite is not None
         parent = pool[requests[index].problem_id]
         slot = first_slot + s.prompt_index
         rows.append(
