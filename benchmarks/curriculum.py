@@ -1,5 +1,6 @@
-"""Curricula and rollout budgets side by side: uniform, SEC, Knapsack, SEC + Knapsack, dynamic sampling and
-CLPO on the same task, several seeds, compared at equal total rollouts.
+"""Curricula and rollout budgets side by side: uniform, SEC, Knapsack, SEC + Knapsack, dynamic sampling,
+CLPO (rewrites for later steps, or the paper's same-step) and GHPO's hints on the same task, several seeds,
+compared at equal total rollouts.
 
 Each (method, seed) is a real `rlvr run` in its own store (two at a time, one per core). Figures, all read
 back from the stores with SQL:
@@ -35,10 +36,20 @@ from pathlib import Path
 METHODS: dict[str, list[str]] = {
     "uniform": ["select.type=uniform", "allocate.type=uniform"],
     "sec": ["select.type=sec", "allocate.type=uniform"],
-    "knapsack": ["select.type=uniform", "allocate.type=knapsack"],
-    "sec+knapsack": ["select.type=sec", "allocate.type=knapsack"],
+    # Knapsack with its difficulty-stage prior for prompts without outcomes: what the published tables measured
+    # (the default became the paper's allocate.unknown=uniform on 2026-11-26)
+    "knapsack": ["select.type=uniform", "allocate.type=knapsack", "allocate.unknown=prior"],
+    "sec+knapsack": ["select.type=sec", "allocate.type=knapsack", "allocate.unknown=prior"],
     "dynamic sampling": ["select.type=uniform", "allocate.type=uniform", "filter.enabled=true"],
     "clpo": ["select.type=uniform", "allocate.type=uniform", "restructure.enabled=true"],
+    # the paper's CLPO: kept rewrites train in the step that made them, within its budget
+    "clpo same-step": [
+        "select.type=uniform",
+        "allocate.type=uniform",
+        "restructure.enabled=true",
+        "restructure.join=same_step",
+    ],
+    "ghpo": ["select.type=uniform", "allocate.type=uniform", "select.hints.enabled=true"],
 }
 
 
@@ -98,9 +109,12 @@ def figures(root: Path, method: str, seed: int, budget: int | None, target: floa
     per_step = {}
     for g in groups:
         per_step[g["step"]] = per_step.get(g["step"], 0) + g["n"]
-    checks = rows(root, method, seed, "SELECT step, count(rewrite_accuracy) AS n FROM restructured GROUP BY step")
     config = json.loads(rows(root, method, seed, "SELECT config_json FROM config")[0]["config_json"])
-    rollouts_per_check = config["restructure"]["rollouts"]
+    # a rewrite's check samples: extra with join next_step; with same_step a kept one's are rollouts already
+    same_step = config["restructure"].get("join") == "same_step"
+    counted = "count(rewrite_accuracy) FILTER (WHERE NOT kept)" if same_step else "count(rewrite_accuracy)"
+    checks = rows(root, method, seed, f"SELECT step, {counted} AS n FROM restructured GROUP BY step")
+    rollouts_per_check = config["allocate"]["n"] if same_step else config["restructure"]["rollouts"]
     for c in checks:
         per_step[c["step"]] = per_step.get(c["step"], 0) + c["n"] * rollouts_per_check
     cumulative, total = {}, 0
@@ -142,13 +156,50 @@ def audit(root: Path, method: str, seed: int) -> dict[str, str]:
         groups = ask("SELECT reason, count(*) AS n FROM filtered_groups GROUP BY 1 ORDER BY 1")
         rounds = ask("SELECT count(DISTINCT (step, round)) AS n FROM filtered_groups")[0]["n"]
         found["groups (filter)"] = ", ".join(f"{g['reason']} {g['n']}" for g in groups) + f"; {rounds} rounds"
-    if method == "clpo":
+    found["all-wrong groups, share by quarter of the run"] = all_wrong_by_quarter(ask)
+    if method == "ghpo":
+        found["hints"] = hint_audit(ask)
+    if method.startswith("clpo"):
         made = ask(
             "SELECT count(rewrite_prompt) AS made, count(rewrite_accuracy) AS checked, "
             "count(*) FILTER (WHERE kept) AS kept FROM restructured"
         )[0]
         found["rewrites"] = f"made {made['made']}, verified {made['checked']}, kept {made['kept']}"
     return found
+
+
+def all_wrong_by_quarter(ask) -> str:
+    """The share of groups with no correct sample (raw correctness), per quarter of the run's steps."""
+    groups = ask(
+        "SELECT o.step, bool_or(r.status = 'ok') AS solved FROM rewards r JOIN rollouts o USING (rollout_id) "
+        "GROUP BY o.step, o.slot"
+    )
+    last = max(g["step"] for g in groups)
+    shares = []
+    for quarter in range(4):
+        inside = [g for g in groups if quarter * last / 4 < g["step"] <= (quarter + 1) * last / 4]
+        shares.append(f"{sum(not g['solved'] for g in inside) / len(inside):.2f}" if inside else "n/a")
+    return ", ".join(shares)
+
+
+def hint_audit(ask) -> str:
+    """GHPO: hinted groups and how often they were solved, and the hard problems that became solvable without a
+    hint (a hinted draw, then a later unhinted group with a correct sample)."""
+    hinted = ask(
+        "SELECT count(*) AS n, count(*) FILTER (WHERE solved) AS solved FROM (SELECT o.step, o.slot, "
+        "bool_or(r.status = 'ok') AS solved FROM rollouts o JOIN rewards r USING (rollout_id) "
+        "WHERE o.hint_ratio > 0 GROUP BY 1, 2)"
+    )[0]
+    unaided = ask(
+        "WITH g AS (SELECT o.step, o.slot, o.problem_id, max(o.hint_ratio) AS hint, bool_or(r.status = 'ok') AS solved "
+        "FROM rollouts o JOIN rewards r USING (rollout_id) GROUP BY 1, 2, 3) "
+        "SELECT count(DISTINCT h.problem_id) AS hinted, count(DISTINCT s.problem_id) AS unaided FROM g h "
+        "LEFT JOIN g s ON s.problem_id = h.problem_id AND s.step > h.step AND s.hint = 0 AND s.solved WHERE h.hint > 0"
+    )[0]
+    return (
+        f"{hinted['n']} hinted groups ({hinted['solved']} with a correct sample); of {unaided['hinted']} problems "
+        f"ever hinted, {unaided['unaided']} later solved without a hint"
+    )
 
 
 def summarise(results: dict[str, list[dict]]) -> None:
@@ -167,9 +218,10 @@ def summarise(results: dict[str, list[dict]]) -> None:
         print(f"{method:18}{eff:>12.3f}{to_target:>22}{acc:>22}{wall:>9.0f}")
     base = results["uniform"]
     base_eff = statistics.mean(r["effective_ratio"] for r in base)
-    knap_eff = statistics.mean(r["effective_ratio"] for r in results["knapsack"])
-    print(f"knapsack / uniform effective-gradient ratio: {knap_eff / base_eff:.2f}x (target >= 1.20x)")
-    for method in ("sec", "knapsack", "sec+knapsack"):
+    if "knapsack" in results:
+        knap_eff = statistics.mean(r["effective_ratio"] for r in results["knapsack"])
+        print(f"knapsack / uniform effective-gradient ratio: {knap_eff / base_eff:.2f}x (target >= 1.20x)")
+    for method in (m for m in ("sec", "knapsack", "sec+knapsack") if m in results):
         pairs = [(m["rollouts_to_target"], u["rollouts_to_target"]) for m, u in zip(results[method], base)]
         if all(m is not None and u is not None for m, u in pairs):
             ratio = statistics.mean(m / u for m, u in pairs)

@@ -43,8 +43,7 @@ class KnapsackConfig(AllocateConfig):
         "greedy", description="greedy: exact priority queue; dp_reference: the authors' DP, for parity"
     )
     unknown: Literal["prior", "uniform"] = Field(
-        "prior",
-        exclude_if=lambda value: value == "prior",  # left out of dumps (so of ids) at what earlier runs did
+        "uniform",  # the paper's; runs before 2026-11-26 used prior (and their dumps leave the key out)
         description=(
             "a prompt with no outcome in this run yet: prior = estimated by its pre-RL difficulty pass rate; "
             "uniform = the paper's choice, n rollouts as in a uniform budget"

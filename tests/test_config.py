@@ -78,8 +78,8 @@ def test_config_round_trips_through_json():
 
 
 def test_keys_added_later_leave_the_ids_of_earlier_runs_as_they_were():
-    """The default config's id is the one runs had before train.state_every, filter.band and SEED-GRPO's keys
-    existed (config-0789b2d3512a8a667779, computed with the code of 2026-11-23); each key changes the id only
+    """The default config's id is the one runs had before train.state_every, filter.band, SEED-GRPO's, GHPO's
+    and CLPO's join keys existed (config-0789b2d3512a8a667779, computed with the code of 2026-11-23); each key changes the id only
     when it is set to something other than its old meaning."""
     from rlvr.flows.config import CONFIG
 
@@ -95,9 +95,15 @@ def test_keys_added_later_leave_the_ids_of_earlier_runs_as_they_were():
     changed = {config_id("train.state_every=5"), config_id("filter.band=[0.2, 0.8]")}
     changed |= {config_id("train.grpo.semantic_entropy=0.5"), config_id("policy.dtype=bfloat16")}
     assert len(changed) == 4 and config_id() not in changed
+    # allocate.unknown's default moved from prior to the paper's uniform (2026-11-26): a behaviour change, so the
+    # key is in every Knapsack dump and neither reading reuses the ids of Knapsack runs from before
     knapsack = config_id("allocate.type=knapsack")
     assert (
-        config_id("allocate.type=knapsack", "allocate.unknown=prior")
+        config_id("allocate.type=knapsack", "allocate.unknown=uniform")
         == knapsack
-        != config_id("allocate.type=knapsack", "allocate.unknown=uniform")
+        != config_id("allocate.type=knapsack", "allocate.unknown=prior")
     )
+    # GHPO's hints and CLPO's same-step join are left out of dumps while off / at the old meaning
+    assert config_id("select.hints.enabled=false") == config_id()
+    assert config_id("restructure.join=next_step", "restructure.share=0.25") == config_id()
+    assert config_id("select.hints.enabled=true") != config_id()

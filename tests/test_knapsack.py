@@ -273,9 +273,10 @@ def test_registered_under_its_type():
 
 
 def test_unknown_prompts_take_the_prior_or_the_uniform_count():
-    """The allocate stage at step 1 (no outcomes yet): `unknown: prior` (default) estimates each prompt by its
-    difficulty pass rate, so the p̂ = 1 prompt drops to positive_n and the frontier gets the rest; `unknown:
-    uniform` (the paper's) leaves every prompt unknown: n rollouts each, as a uniform budget."""
+    """The allocate stage at step 1 (no outcomes yet): `unknown: prior` estimates each prompt by its difficulty
+    pass rate, so the p̂ = 1 prompt drops to positive_n and the frontier gets the rest; `unknown: uniform` (the
+    paper's, and the default since 2026-11-26) leaves every prompt unknown: n rollouts each, as a uniform budget.
+    The key is in every dump now, so a config that names neither differs from one that said prior."""
     import pyarrow as pa
 
     from rlvr.storage.stage import Inputs, StageContext
@@ -293,17 +294,17 @@ def test_unknown_prompts_take_the_prior_or_the_uniform_count():
         rows = build(inputs, KnapsackConfig(n=4, **settings), ctx).table.to_pylist()
         return [(r["n_rollouts"], r["case"], r["p_hat_source"]) for r in rows]
 
-    prior = allocations()
+    prior = allocations(unknown="prior")
     assert [row[1:] for row in prior] == [
         ("one", "difficulty"),
         ("effective", "difficulty"),
         ("effective", "difficulty"),
     ]
     assert prior[0][0] == 2 and sum(n for n, *_ in prior) == 12
-    assert allocations(unknown="uniform") == [(4, "unknown", "none")] * 3
+    assert allocations() == allocations(unknown="uniform") == [(4, "unknown", "none")] * 3
     ids = lambda cfg: ALLOCATE.output_ids("r", 1, cfg, {}, {})  # noqa: E731
     assert (
         ids(KnapsackConfig(n=4))
-        == ids(KnapsackConfig(n=4, unknown="prior"))
-        != ids(KnapsackConfig(n=4, unknown="uniform"))
+        == ids(KnapsackConfig(n=4, unknown="uniform"))
+        != ids(KnapsackConfig(n=4, unknown="prior"))
     )
