@@ -23,7 +23,7 @@ def block_positions(vocab_size: int) -> int:
     return max(1, BLOCK_BYTES // (4 * vocab_size))
 
 
-def _blocks(rows: int, columns: int, positions: int) -> list[tuple[slice, slice]]:
+def position_blocks(rows: int, columns: int, positions: int) -> list[tuple[slice, slice]]:
     """(row slice, column slice) tiles of an [rows, columns] grid with at most `positions` cells each: whole
     rows when a row fits, else pieces of one row."""
     if columns <= positions:
@@ -33,7 +33,7 @@ def _blocks(rows: int, columns: int, positions: int) -> list[tuple[slice, slice]
     return [(slice(r, r + 1), slice(c, min(c + positions, columns))) for r in range(rows) for c in pieces]
 
 
-def _block_log_probs(logits: Tensor, temperature: float) -> Tensor:
+def block_log_probs(logits: Tensor, temperature: float) -> Tensor:
     """The full-vocabulary log-softmax of one block: log_softmax(logits.float() / temperature), with one float32
     temporary at most (x / 1 is x exactly, so temperature 1 divides nothing)."""
     if temperature == 1.0:
@@ -49,8 +49,8 @@ def _blockwise(
     logp = torch.empty(rows, columns, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp) if with_entropy else None
     with torch.no_grad():
-        for r, c in _blocks(rows, columns, positions):
-            log_probs = _block_log_probs(logits[r, c], temperature)
+        for r, c in position_blocks(rows, columns, positions):
+            log_probs = block_log_probs(logits[r, c], temperature)
             logp[r, c] = log_probs.gather(-1, tokens[r, c].unsqueeze(-1)).squeeze(-1)
             if entropy is not None:
                 entropy[r, c] = -log_probs.exp().mul_(log_probs).sum(dim=-1)
@@ -79,10 +79,10 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         logits, tokens = ctx.saved_tensors
         grad_logits = torch.zeros_like(logits)
         rows, columns = tokens.shape
-        for r, c in _blocks(rows, columns, ctx.positions):
+        for r, c in position_blocks(rows, columns, ctx.positions):
             with torch.enable_grad():
                 block = logits[r, c].detach().requires_grad_()
-                chosen = _block_log_probs(block, ctx.temperature).gather(-1, tokens[r, c].unsqueeze(-1)).squeeze(-1)
+                chosen = block_log_probs(block, ctx.temperature).gather(-1, tokens[r, c].unsqueeze(-1)).squeeze(-1)
                 (grad_block,) = torch.autograd.grad(chosen, block, grad[r, c])
             grad_logits[r, c] = grad_block
         return grad_logits, None, None, None, None
@@ -136,6 +136,7 @@ def completion_logprobs(
     pad_id: int,
     completion_mask: Tensor | None = None,
     temperature: float = 1.0,
+    fused: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """log π(completion token | prompt, earlier tokens) per position, and which positions are real.
 
@@ -144,20 +145,37 @@ def completion_logprobs(
     at 0 on each row's first real prompt token, as `generate` numbers them, so these logprobs match the
     sampler's. The mask defaults to
     `completion_ids != pad_id`; pass `completion_mask` when a pad id can be a real token (a model whose
-    pad token is its eos, or a sampled pad), as `grpo_step` does.
+    pad token is its eos, or a sampled pad), as `grpo_step` does. `fused`: the LM head block by block, never
+    the whole logits (trainer/fused_head.py); None: on CUDA for the architectures it supports.
     """
+    from rlvr.trainer.fused_head import fused_logprobs_and_entropy, use_fused  # it builds on this module
+
     if completion_mask is None:
         completion_mask = completion_ids != pad_id
-    logits = next_token_logits(model, prompt_ids, completion_ids, pad_id)
-    logp = selective_log_softmax(logits, completion_ids, temperature)
+    if use_fused(model, fused):
+        logp = fused_logprobs_and_entropy(model, prompt_ids, completion_ids, pad_id, temperature, False)[0]
+    else:
+        logits = next_token_logits(model, prompt_ids, completion_ids, pad_id)
+        logp = selective_log_softmax(logits, completion_ids, temperature)
     return logp, completion_mask.to(logp.dtype)
 
 
 def completion_logprobs_and_entropy(
-    model: torch.nn.Module, prompt_ids: Tensor, completion_ids: Tensor, pad_id: int, temperature: float
+    model: torch.nn.Module,
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    pad_id: int,
+    temperature: float,
+    fused: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`completion_logprobs` (same numbers; differentiable when gradients are on) and the entropy -Σ_v π log π of
     the next-token distribution at each completion position [R, T] (no gradient), from one forward pass; entropy
     collapse is GRPO's best-known failure."""
+    from rlvr.trainer.fused_head import fused_logprobs_and_entropy, use_fused
+
+    if use_fused(model, fused):
+        logp, entropy = fused_logprobs_and_entropy(model, prompt_ids, completion_ids, pad_id, temperature, True)
+        assert entropy is not None
+        return logp, entropy
     logits = next_token_logits(model, prompt_ids, completion_ids, pad_id)
     return log_probs_and_entropy(logits, completion_ids, temperature)

@@ -1,0 +1,109 @@
+"""The fused LM head (trainer/fused_head.py): the numbers and gradients of the logits path, without keeping
+vocabulary-sized logits for the backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+from rlvr.trainer.fused_head import head_parts, use_fused
+from rlvr.trainer.logprobs import completion_logprobs, completion_logprobs_and_entropy
+
+VOCAB, PAD = 301, 0
+
+
+def model(tied: bool) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        pad_token_id=PAD,
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts [6, 5] and completions [6, 9] (8 x 9 = 54 positions: more than the hidden width)."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, VOCAB, (6, 5), generator=generator)
+    prompts[0, :2] = PAD
+    prompts[3, :1] = PAD
+    completions = torch.randint(1, VOCAB, (6, 9), generator=generator)
+    return prompts, completions
+
+
+def logp_and_grads(m: torch.nn.Module, fused: bool, temperature: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    m.zero_grad()
+    prompts, completions = batch()
+    logp = completion_logprobs(m, prompts, completions, PAD, temperature=temperature, fused=fused)[0]
+    weights = torch.linspace(-1, 1, logp.numel()).reshape(logp.shape)
+    (logp * weights).sum().backward()
+    return logp.detach(), {name: p.grad.clone() for name, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_same_logprobs_and_gradients_as_the_logits_path(tied, temperature) -> None:
+    m = model(tied)
+    plain, plain_grads = logp_and_grads(m, False, temperature)
+    fused, fused_grads = logp_and_grads(m, True, temperature)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    assert fused_grads.keys() == plain_grads.keys()
+    assert "lm_head.weight" in fused_grads or tied
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_entropy_matches_and_bf16_autocast_stays_close() -> None:
+    m = model(tied=True)
+    prompts, completions = batch()
+    with torch.no_grad():
+        plain = completion_logprobs_and_entropy(m, prompts, completions, PAD, 1.0, fused=False)
+        fused = completion_logprobs_and_entropy(m, prompts, completions, PAD, 1.0, fused=True)
+        for got, want in zip(fused, plain):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plain_bf16 = completion_logprobs(m, prompts, completions, PAD, fused=False)[0]
+            fused_bf16 = completion_logprobs(m, prompts, completions, PAD, fused=True)[0]
+    assert (plain_bf16 - plain[0]).abs().max() > 1e-4  # autocast really changed the numbers
+    torch.testing.assert_close(fused_bf16, plain_bf16, rtol=0, atol=2e-2)
+
+
+def saved_sizes(m: torch.nn.Module, fused: bool) -> list[int]:
+    """The element counts of every tensor autograd saves for the backward of one log-prob pass."""
+    sizes: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        sizes.append(tensor.numel())
+        return tensor
+
+    prompts, completions = batch()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        completion_logprobs(m, prompts, completions, PAD, fused=fused)
+    return sizes
+
+
+def test_no_vocabulary_sized_logits_are_kept_for_the_backward() -> None:
+    m = model(tied=False)
+    prompts, completions = batch()
+    logits_numel = completions.numel() * VOCAB  # [R, T, V]
+    assert max(saved_sizes(m, fused=False)) >= logits_numel
+    assert max(saved_sizes(m, fused=True)) < logits_numel
+
+
+def test_which_models_fuse() -> None:
+    qwen = model(tied=True)
+    assert head_parts(qwen) is not None
+    assert not use_fused(qwen, None)  # auto: CUDA only, so CPU figures stay exact
+    assert use_fused(qwen, True)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2)).eval()
+    assert head_parts(gpt2) is None and not use_fused(gpt2, None)
+    prompts, completions = batch()
+    with pytest.raises(ValueError, match=r"^the fused LM head needs one of \['LlamaForCausalLM', "):
+        completion_logprobs(gpt2, prompts, completions, PAD, fused=True)

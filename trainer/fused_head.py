@@ -1,0 +1,138 @@
+"""Completion log-probabilities without vocabulary-sized logits: the LM head applied block by block.
+
+`trainer/logprobs.py` keeps the model's logits [R, T, V] for the backward (and the backward makes a gradient of
+that size): at Qwen2.5-0.5B's vocabulary, 32 rows of 257 positions in bf16 are 2.5 GB each, the largest
+tensors of a GRPO step on a GPU. Here the decoder's last hidden states [R, T, H] are kept instead; each block
+of positions gets its logits from the head's weight, is log-softmaxed, and leaves only the chosen token's
+log-prob (and, without gradients, the entropy); the backward recomputes each block's logits and accumulates
+the gradients of the hidden states and of the head's weight. Memory for the head drops from O(R·T·V) to
+O(block·V + V·H).
+
+It applies to decoders whose logits are exactly `lm_head(final hidden state)`: the architectures listed in
+`FUSABLE` (no logit scaling or soft-capping, no bias). The numbers are the logits path's up to the order of
+floating-point sums in the matmul (blocks instead of one product); `auto` uses it on CUDA only, so CPU runs
+keep their exact figures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rlvr.trainer.logprobs import block_log_probs, block_positions, position_blocks
+
+FUSABLE = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"})
+
+
+def head_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """(decoder, LM head) of a model whose logits are the head applied to the decoder's output; None otherwise
+    (a LoRA wrapper, another architecture, a head with a bias)."""
+    if type(model).__name__ not in FUSABLE:
+        return None
+    decoder, head = getattr(model, "model", None), model.get_output_embeddings()
+    if decoder is None or not isinstance(head, nn.Linear) or head.bias is not None:
+        return None
+    return decoder, head
+
+
+def use_fused(model: nn.Module, fused: bool | None) -> bool:
+    """`fused` None (auto): on a CUDA model the head's memory matters and exact CPU figures do not."""
+    if fused is None:
+        return head_parts(model) is not None and next(model.parameters()).is_cuda
+    return fused
+
+
+def completion_hidden(decoder: nn.Module, prompt_ids: Tensor, completion_ids: Tensor, pad_id: int) -> Tensor:
+    """The decoder's last hidden states [R, T, H] at the positions that predict the T completion tokens (the
+    prompt's last token to the completion's second last), with the inputs `next_token_logits` builds."""
+    prompt_attention = (prompt_ids != pad_id).long()
+    attention = torch.cat([prompt_attention, torch.ones_like(completion_ids)], dim=1)
+    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    hidden = decoder(
+        input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
+    start = prompt_ids.shape[1] - 1
+    return hidden[:, start : start + completion_ids.shape[1]]
+
+
+def _logits(hidden: Tensor, weight: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """One block's logits as the head computes them, under autocast `dtype` (inputs cast, output in `dtype`)."""
+    if dtype is None:
+        return hidden @ weight.t()
+    return hidden.to(dtype) @ weight.t()
+
+
+class _FusedSelectiveLogSoftmax(torch.autograd.Function):
+    """log softmax(head(hidden) / T)[token] per position, and the entropy when asked (no gradient; else an empty
+    tensor); the backward recomputes each block's logits. `dtype`: the autocast dtype of the forward (None: off),
+    under which the head's weight is cast once per pass."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        tokens: Tensor,
+        temperature: float,
+        dtype: torch.dtype | None,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(hidden, weight, tokens)
+        ctx.temperature, ctx.dtype = temperature, dtype
+        rows, columns = tokens.shape
+        logp = torch.empty(rows, columns, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        cast = weight.to(dtype) if dtype is not None else weight
+        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+            for r, c in position_blocks(rows, columns, block_positions(weight.shape[0])):
+                log_probs = block_log_probs(_logits(hidden[r, c], cast, dtype), temperature)
+                logp[r, c] = log_probs.gather(-1, tokens[r, c].unsqueeze(-1)).squeeze(-1)
+                if with_entropy:
+                    entropy[r, c] = -log_probs.exp().mul_(log_probs).sum(dim=-1)
+                del log_probs
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor, _: Tensor) -> tuple[Tensor, Tensor, None, None, None, None]:
+        hidden, weight, tokens = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        rows, columns = tokens.shape
+        with torch.enable_grad(), torch.autocast(hidden.device.type, enabled=False):
+            cast = (weight.to(ctx.dtype) if ctx.dtype is not None else weight).detach().requires_grad_()
+            for r, c in position_blocks(rows, columns, block_positions(weight.shape[0])):
+                block = hidden[r, c].detach().requires_grad_()
+                log_probs = block_log_probs(_logits(block, cast, ctx.dtype), ctx.temperature)
+                chosen = log_probs.gather(-1, tokens[r, c].unsqueeze(-1)).squeeze(-1)
+                grad_block, grad_w = torch.autograd.grad(chosen, (block, cast), grad[r, c])
+                grad_hidden[r, c] = grad_block
+                grad_weight += grad_w  # float32 sums of the (possibly bf16) block gradients
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def fused_logprobs_and_entropy(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    pad_id: int,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """log π(completion token) [R, T] (differentiable in the decoder and the head when gradients are on) and,
+    with `with_entropy`, each position's entropy [R, T]; the numbers of `completion_logprobs(_and_entropy)`."""
+    parts = head_parts(model)
+    if parts is None:
+        raise ValueError(f"the fused LM head needs one of {sorted(FUSABLE)}, got {type(model).__name__}")
+    decoder, head = parts
+    hidden = completion_hidden(decoder, prompt_ids, completion_ids, pad_id)
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    logp, entropy = _FusedSelectiveLogSoftmax.apply(
+        hidden, head.weight, completion_ids, temperature, dtype, with_entropy
+    )
+    return logp, entropy if with_entropy else None
