@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers import PreTrainedModel
 
 from rlvr.trainer.logprobs import block_log_probs, block_positions, position_blocks
 
@@ -29,7 +30,7 @@ FUSABLE = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
 def head_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     """(decoder, LM head) of a model whose logits are the head applied to the decoder's output; None otherwise
     (a LoRA wrapper, another architecture, a head with a bias)."""
-    if type(model).__name__ not in FUSABLE:
+    if type(model).__name__ not in FUSABLE or not isinstance(model, PreTrainedModel):
         return None
     decoder, head = getattr(model, "model", None), model.get_output_embeddings()
     if decoder is None or not isinstance(head, nn.Linear) or head.bias is not None:
