@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from rlvr.trainer.logprobs import block_log_probs, block_positions, position_blocks
+from rlvr.trainer.vocab_blocks import block_log_probs, block_positions, position_blocks
 
 FUSABLE = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"})
 

@@ -15,30 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-BLOCK_BYTES = 32 * 2**20  # float32 bytes of one block of full-vocabulary log-probs (a few such temporaries live)
-
-
-def block_positions(vocab_size: int) -> int:
-    """Positions per block, so that one block's float32 log-probs take about `BLOCK_BYTES`."""
-    return max(1, BLOCK_BYTES // (4 * vocab_size))
-
-
-def position_blocks(rows: int, columns: int, positions: int) -> list[tuple[slice, slice]]:
-    """(row slice, column slice) tiles of an [rows, columns] grid with at most `positions` cells each: whole
-    rows when a row fits, else pieces of one row."""
-    if columns <= positions:
-        step = positions // max(columns, 1)
-        return [(slice(r, r + step), slice(0, columns)) for r in range(0, rows, step)]
-    pieces = range(0, columns, positions)
-    return [(slice(r, r + 1), slice(c, min(c + positions, columns))) for r in range(rows) for c in pieces]
-
-
-def block_log_probs(logits: Tensor, temperature: float) -> Tensor:
-    """The full-vocabulary log-softmax of one block: log_softmax(logits.float() / temperature), with one float32
-    temporary at most (x / 1 is x exactly, so temperature 1 divides nothing)."""
-    if temperature == 1.0:
-        return torch.log_softmax(logits.float(), dim=-1)
-    return torch.log_softmax(logits.to(torch.float32, copy=True).div_(temperature), dim=-1)
+from rlvr.trainer.fused_head import fused_logprobs_and_entropy, use_fused
+from rlvr.trainer.vocab_blocks import block_log_probs, block_positions, position_blocks
 
 
 def _blockwise(
@@ -148,8 +126,6 @@ def completion_logprobs(
     pad token is its eos, or a sampled pad), as `grpo_step` does. `fused`: the LM head block by block, never
     the whole logits (trainer/fused_head.py); None: on CUDA for the architectures it supports.
     """
-    from rlvr.trainer.fused_head import fused_logprobs_and_entropy, use_fused  # it builds on this module
-
     if completion_mask is None:
         completion_mask = completion_ids != pad_id
     if use_fused(model, fused):
@@ -171,8 +147,6 @@ def completion_logprobs_and_entropy(
     """`completion_logprobs` (same numbers; differentiable when gradients are on) and the entropy -Σ_v π log π of
     the next-token distribution at each completion position [R, T] (no gradient), from one forward pass; entropy
     collapse is GRPO's best-known failure."""
-    from rlvr.trainer.fused_head import fused_logprobs_and_entropy, use_fused
-
     if use_fused(model, fused):
         logp, entropy = fused_logprobs_and_entropy(model, prompt_ids, completion_ids, pad_id, temperature, True)
         assert entropy is not None
