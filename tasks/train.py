@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlvr.storage.policy_chain import sampler_needs, weights_needed
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
@@ -37,11 +37,14 @@ from rlvr.trainer.policy import optimizer_state_bytes, policy_files
 from rlvr.trainer.updates import step_batch, update_policy
 
 
+RUN_MINIBATCHES = 2  # a run's updates per step unless its config says otherwise (GRPOConfig alone: 1)
+
+
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     steps: int = Field(600, ge=0, description="RL steps")
-    grpo: GRPOConfig = Field(default_factory=lambda: GRPOConfig(minibatches=2))
+    grpo: GRPOConfig = Field(default_factory=lambda: GRPOConfig(minibatches=RUN_MINIBATCHES))
     data_parallel: int = Field(
         1,
         ge=1,
@@ -60,6 +63,14 @@ class TrainConfig(BaseModel):
             "parameters a stored state is ~6 GB (float32 weights + Adam moments), more than a GPU step's compute"
         ),
     )
+
+    @field_validator("grpo", mode="before")
+    @classmethod
+    def _run_minibatches(cls, value: Any) -> Any:
+        """A `train.grpo` given in part keeps the run's minibatches default, not GRPOConfig's own."""
+        if isinstance(value, dict) and "minibatches" not in value:
+            return {**value, "minibatches": RUN_MINIBATCHES}
+        return value
 
 
 def step_row(

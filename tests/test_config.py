@@ -88,7 +88,8 @@ def test_keys_added_later_leave_the_ids_of_earlier_runs_as_they_were():
 
     assert config_id() == "config-0789b2d3512a8a667779"
     assert config_id("train.state_every=1", "filter.band=null") == config_id()
-    grpo = ["train.grpo.minibatches=2"]  # a train.grpo key replaces the section's default (minibatches 2) whole
+    grpo = ["train.grpo.minibatches=2"]  # the run's default; a train.grpo given in part keeps it
+    assert config_id("train.grpo.lr=0.001") == config_id()  # lr 1e-3 is the default: minibatches stays 2
     assert config_id(*grpo, "train.grpo.semantic_entropy=null", "train.grpo.semantic_entropy_weighting=linear") == (
         config_id(*grpo)
     )
