@@ -36,7 +36,6 @@ from rlvr.trainer.grpo import GRPOConfig, RolloutBatch
 from rlvr.trainer.policy import optimizer_state_bytes, policy_files
 from rlvr.trainer.updates import step_batch, update_policy
 
-
 RUN_MINIBATCHES = 2  # a run's updates per step unless its config says otherwise (GRPOConfig alone: 1)
 
 
