@@ -3,10 +3,11 @@
 # running long leaves the others' figures. Here first (commit, then pack: ../shared/gpu/README.md):
 #     ../shared/gpu/bundle.sh . gpu --with-trl
 # There, from the checkout's root with `gpu` carried (device tool: carry ["gpu"]):
-#     bash benchmarks/gpu_session.sh [part ...]      parts: vs-trl throughput ours static (default: vs-trl throughput)
+#     bash benchmarks/gpu_session.sh [part ...]      parts: vs-trl throughput ours logits static (default: vs-trl throughput)
 # vs-trl: benchmarks/gpu_vs_trl.py (whole rlvr run against TRL GRPOTrainer, the 0.5B shape, 64 x 8 x 256 tokens);
 # throughput: benchmarks/gpu_throughput.py with the transformers engine (vLLM cannot be carried there);
-# ours: the vs-trl run without TRL; static: ours alone with rollout.cache=static (transformers' compiled static KV cache).
+# ours: the vs-trl run without TRL (the fused LM head on, its CUDA default); logits: ours with the full-logits loss
+# pass (train.grpo.fused_head=false), to compare; static: ours with rollout.cache=static (compiled static KV cache).
 # Output and the runs' logs land in $OUT (the device tool brings back at most 8 files).
 set -u
 OUT=${OUT:-/tmp/gpu-session}
@@ -45,6 +46,7 @@ for part in "${parts[@]}"; do
         timeout -k 10 100 python3 benchmarks/gpu_throughput.py --engines transformers 2>&1 | tee "$OUT/throughput.txt"
         ;;
     ours) vs_trl ours 200 --warmup 1 --steps 2 --no-trl ;;
+    logits) vs_trl logits 200 --warmup 1 --steps 2 --no-trl --set train.grpo.fused_head=false ;;
     static) vs_trl static 200 --warmup 1 --steps 2 --no-trl --set rollout.cache=static ;;
     *) echo "unknown part $part" ;;
     esac

@@ -50,7 +50,8 @@ vLLM), the device (`policy.device`; TRL on cuda, or `use_cpu`) and the same torc
 bf16 autocast (its `bf16=True` wraps the model's forward) where ours samples in the weights' dtype (`policy.dtype`,
 float32; `--set policy.dtype=bfloat16` stores the weights in bf16 instead); ours computes the old log-probs in a
 no-grad pass before the update where TRL, with generation aligned to the optimizer step, reuses the detached
-log-probs of the loss pass; TRL's loss pass uses its fused LM head (log-probs without the full logits); ours
+log-probs of the loss pass; both loss passes apply the LM head without keeping the full logits (TRL's fused
+head; ours `train.grpo.fused_head`, on by default on CUDA since 2026-11-26, after the figures of that date); ours
 shares each prompt's key/value cache across its group while sampling; ours commits every artifact of every step
 (rollouts, rewards, metrics) where TRL keeps everything in memory, and the weights and optimizer state (~6 GB at
 0.5B) at the last step only (`train.state_every`: a resumed run replays the steps since the last stored state).

@@ -302,6 +302,14 @@ class GRPOConfig(BaseModel):
     gradient_checkpointing: bool = Field(
         default=False, description="recompute activations in backward instead of keeping them (less memory)"
     )
+    fused_head: bool | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,  # left out of dumps (so of ids) at auto
+        description=(
+            "apply the LM head block by block, never keeping [rows, tokens, vocabulary] logits "
+            "(trainer/fused_head.py); None (auto): on CUDA for Llama/Qwen2/Qwen3/Mistral, off on the CPU"
+        ),
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "GRPOConfig":
@@ -600,6 +608,7 @@ def reference_logprobs(policy: Policy, rows: TrainingRows, cfg: GRPOConfig, refe
                 policy.tokenizer.pad_token_id,
                 rows.mask[part],
                 cfg.temperature,
+                cfg.fused_head,
             )[0]
     return ref_logp
 
@@ -617,7 +626,7 @@ def rollout_logprobs(
     with torch.no_grad():
         for part in micro_batches(rows, everything, micro_batch_budget(policy.model, cfg)):
             old_logp[part], entropy[part] = completion_logprobs_and_entropy(
-                policy.model, rows.prompt_ids[part], rows.completion_ids[part], pad_id, cfg.temperature
+                policy.model, rows.prompt_ids[part], rows.completion_ids[part], pad_id, cfg.temperature, cfg.fused_head
             )
     ref_logp = reference_logprobs(policy, rows, cfg, reference) if reference is not None else None
     return old_logp, entropy, ref_logp
@@ -643,10 +652,14 @@ def minibatch_loss(
     pad_id, model, temperature = policy.tokenizer.pad_token_id, policy.model, cfg.temperature
     entropy_sum = 0.0
     if with_entropy:
-        logp, entropy = completion_logprobs_and_entropy(model, prompt_ids, completion_ids, pad_id, temperature)
+        logp, entropy = completion_logprobs_and_entropy(
+            model, prompt_ids, completion_ids, pad_id, temperature, cfg.fused_head
+        )
         entropy_sum = float((entropy * token_mask).sum())
     else:
-        logp = completion_logprobs(model, prompt_ids, completion_ids, pad_id, token_mask, temperature)[0]
+        logp = completion_logprobs(model, prompt_ids, completion_ids, pad_id, token_mask, temperature, cfg.fused_head)[
+            0
+        ]
     old = logp.detach() if old_logp is None else old_logp[selected]
     loss, loss_stats = clipped_surrogate_loss(
         logp,
