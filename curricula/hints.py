@@ -19,9 +19,10 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["GroupOutcome", "HintConfig", "hint_prefix", "hinted_prompt", "next_levels", "ratio_of"]
+__all__ = ["GroupOutcome", "HintConfig", "hint_prefix", "hinted_prompt", "next_levels", "ratio_of", "solutions_of"]
 
 STATE_KEY = "hint_levels"  # where the levels live in the selection state dict
 
@@ -95,3 +96,11 @@ def hinted_prompt(prompt: str, solution: str | None, ratio: float, cfg: HintConf
     """The prompt a rollout samples from: unchanged at ratio 0 or without a solution."""
     hint = hint_prefix(solution or "", ratio)
     return cfg.template.format(prompt=prompt, hint=hint) if hint else prompt
+
+
+def solutions_of(problems: pa.Table) -> dict[str, str]:
+    """problem_id -> solution of the problems that have one (none for a problems table from before the column)."""
+    if "solution" not in problems.column_names:
+        return {}
+    columns = problems.select(["problem_id", "solution"]).to_pydict()
+    return {pid: text for pid, text in zip(columns["problem_id"], columns["solution"]) if text}

@@ -24,13 +24,14 @@ from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from rlvr.curricula.filtering import prompts_to_draw
+from rlvr.curricula.hints import solutions_of
 from rlvr.errors import UserError
 from rlvr.flows.config import RunConfigBase, commit_config, data_run_problems, require_problems
 from rlvr.flows.data_run import estimate_difficulty, initial_policy, synthesized_problems
 from rlvr.flows.executors import current_fan_out, use_executor
 from rlvr.flows.stages import RunContext, run, run_context, step_of
 from rlvr.progress import report
-from rlvr.storage.stage import prune_transient
+from rlvr.storage.stage import TABLES, prune_transient
 from rlvr.storage.store import open_store
 from rlvr.tasks.allocate import ALLOCATE
 from rlvr.tasks.checkpoint import CHECKPOINT
@@ -373,6 +374,7 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     check_clpo(cfg)
     config_id = commit_config(open_store(store), cfg)
     problems = problems_of_run(store, cfg, config_id)
+    _warn_without_solutions(store, cfg, problems)
     initial = initial_policy(store, cfg, config_id)
     refs = StepRefs(problems=(problems,), difficulty="", policy_ref=initial, start_ref=initial)
     report("eval", step=0, phase="init", accuracy=evaluate(store, cfg, 0, "init", refs))
@@ -391,6 +393,20 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     _keep_newest_train_state(store, cfg.run_id, refs.policy_ref)
     open_store(store).wait()
     return {"run_id": cfg.run_id, "config_id": config_id, "problems_id": problems, "policy_id": refs.policy_ref}
+
+
+def _warn_without_solutions(store: str, cfg: RunConfigBase, problems: str) -> None:
+    """GHPO's hints come from the problems' solutions: say so when they have none (the run goes on unhinted)."""
+    if not cfg.select.hints.enabled:
+        return
+    table = TABLES.get(open_store(store), problems)
+    if not solutions_of(table):
+        message = (
+            f"select.hints is on but none of the run's {table.num_rows} problems has a solution, so no hint will be "
+            "given (sources give one through a `solution` column or a worked reference: docs/data.md)"
+        )
+        log.warning(message)
+        report("warning", message=message)
 
 
 def check_clpo(cfg: RunConfigBase) -> None:

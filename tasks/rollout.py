@@ -8,7 +8,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from rlvr.curricula.hints import HintConfig, hinted_prompt
+from rlvr.curricula.hints import HintConfig, hinted_prompt, solutions_of
 from rlvr.storage.ids import row_id
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy, sampler_policy
@@ -71,11 +71,13 @@ def slot_prompts(
         prompt_of = dict(zip(*inputs.table("problems", ["problem_id", "prompt"]).to_pydict().values()))
         return [0.0] * len(slots), [prompt_of[s["problem_id"]] for s in slots]
     cfg = HintConfig.model_validate(hints)
-    problem_of = {p["problem_id"]: p for p in inputs.rows("problems", ["problem_id", "prompt", "solution"])}
+    problems = inputs.table("problems")
+    prompt_of = dict(zip(*problems.select(["problem_id", "prompt"]).to_pydict().values()))
+    solution_of = solutions_of(problems)
     ratio_of = {row["slot"]: row["hint_ratio"] for row in inputs.rows("selections", ["slot", "hint_ratio"])}
     ratios = [ratio_of[s["slot"]] for s in slots]
-    problems = [problem_of[s["problem_id"]] for s in slots]
-    return ratios, [hinted_prompt(p["prompt"], p["solution"], r, cfg) for p, r in zip(problems, ratios)]
+    pids = [s["problem_id"] for s in slots]
+    return ratios, [hinted_prompt(prompt_of[p], solution_of.get(p), r, cfg) for p, r in zip(pids, ratios)]
 
 
 ROLLOUT: Stage[EngineConfig] = Stage(

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 
 from rlvr.curricula.base import ProblemOutcome, SelectConfig, StepFeedback
-from rlvr.curricula.hints import STATE_KEY, GroupOutcome, next_levels
+from rlvr.curricula.hints import STATE_KEY, GroupOutcome, next_levels, solutions_of
 from rlvr.curricula.pool import build_pool
 from rlvr.curricula.registry import STRATEGIES, make_strategy
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
@@ -103,7 +103,7 @@ def hint_outcomes(inputs: Inputs) -> list[GroupOutcome]:
 
 def hintable(inputs: Inputs) -> set[str]:
     """The problems with a solution to hint from."""
-    return {row["problem_id"] for row in inputs.rows("problems", ["problem_id", "solution"]) if row["solution"]}
+    return set(solutions_of(inputs.table("problems")))
 
 
 UPDATE: Stage[SelectConfig] = Stage(

@@ -175,3 +175,39 @@ def test_evaluation_never_sees_a_hint(hinted_run) -> None:
         {"n": 0}
     ]
     assert rows(hinted_run, "SELECT count(*) AS n FROM evals WHERE phase = 'rl'") == [{"n": 2}]
+
+
+def test_solutions_of_a_table_with_and_without_the_column() -> None:
+    import pyarrow as pa
+
+    from rlvr.curricula.hints import solutions_of
+
+    with_column = pa.table({"problem_id": ["a", "b", "c"], "solution": ["2 + 3 = 5.", None, ""]})
+    assert solutions_of(with_column) == {"a": "2 + 3 = 5."}
+    assert solutions_of(pa.table({"problem_id": ["a"], "prompt": ["2+3="]})) == {}  # a table from before the column
+
+
+def test_a_run_whose_problems_have_no_solution_is_warned(tmp_path) -> None:
+    """What the progress display shows (a `warning` event), once, and only with hints on."""
+    from rlvr.flows.config import load_config
+    from rlvr.flows.rl_run import _warn_without_solutions
+    from rlvr.progress import listen, stop_listening
+    from rlvr.storage.stage import rows_to_table
+    from rlvr.storage.store import Store
+
+    store = Store.open(str(tmp_path / "store"), create=True)
+    table = rows_to_table("problems", [{"problem_id": "a", "prompt": "2+3="}, {"problem_id": "b", "prompt": "4+4="}])
+    common = {"run_id": "r", "code_version": "1", "config": {}, "stage": "data", "parents": []}
+    store.write_artifact("problems", "problems-plain", table, **common)
+    seen: list[tuple[str, dict]] = []
+    listener = lambda event, fields: seen.append((event, fields))  # noqa: E731
+    listen(listener)
+    try:
+        _warn_without_solutions(
+            str(tmp_path / "store"), load_config(None, ["select.hints.enabled=true"]), "problems-plain"
+        )
+        _warn_without_solutions(str(tmp_path / "store"), load_config(None, []), "problems-plain")  # hints off: silent
+    finally:
+        stop_listening(listener)
+    assert [event for event, _ in seen] == ["warning"]
+    assert seen[0][1]["message"].startswith("select.hints is on but none of the run's 2 problems has a solution")
