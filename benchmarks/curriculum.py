@@ -1,5 +1,5 @@
 """Curricula and rollout budgets side by side: uniform, SEC, Knapsack, SEC + Knapsack, dynamic sampling,
-CLPO (rewrites for later steps, or the paper's same-step) and GHPO's hints on the same task, several seeds,
+CLPO (rewrites for later steps, or the paper's same-step), GHPO's hints and SEED-GRPO on the same task, several seeds,
 compared at equal total rollouts.
 
 Each (method, seed) is a real `rlvr run` in its own store (two at a time, one per core). Figures, all read
@@ -50,6 +50,8 @@ METHODS: dict[str, list[str]] = {
         "restructure.join=same_step",
     ],
     "ghpo": ["select.type=uniform", "allocate.type=uniform", "select.hints.enabled=true"],
+    # SEED-GRPO: each group's advantages scaled by the semantic entropy of its answers (alpha 0.5)
+    "seed-grpo": ["select.type=uniform", "allocate.type=uniform", "train.grpo.semantic_entropy=0.5"],
 }
 
 
