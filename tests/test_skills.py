@@ -80,7 +80,9 @@ def test_the_source_rows_pass_the_synthesize_checks():
 
     source = SkillsSource(SkillsSourceConfig())
     rows = list(source.rows(0))
-    assert rows == list(source.rows(0)) == generate(SkillsSpec(), 0)
+    assert rows == list(source.rows(0))
+    assert [{k: v for k, v in r.items() if k != "solution"} for r in rows] == generate(SkillsSpec(), 0)
+    assert rows[0]["prompt"] == "89*0=" and rows[0]["solution"] == "89 * 0 = 0. The answer is 0."  # GHPO's hints
     assert {r["category"] for r in rows} == set(DEFAULT_CATEGORIES)
     accepted, rejected, _ = validate(rows, "skills", "arithmetic", max_prompt_chars=48)
     assert rejected == [] and len(accepted) == len(rows) > 700
