@@ -95,7 +95,12 @@ def _with_outcomes(buffers: OutcomeBuffers, rewards: pa.Table) -> OutcomeBuffers
 
 
 def rebuild_buffers(store: Store, run_id: str, step: int, length: int = BUFFER_LENGTH) -> OutcomeBuffers:
-    """The buffers from scratch: one query over the run's rewards before `step`, newest `length` per problem."""
+    """The buffers from scratch: one query over the run's rewards before `step`, newest `length` per problem.
+
+    This process's background commits are drained first: the rewards of the steps before may still be on their
+    way to the store (a first allocation in a process after steps that needed none: step 1, or steps whose
+    allocations a resumed run found committed), and a listing without them would give other buffers."""
+    store.wait()
     manifests = [m for m in store.manifests(kind="rewards", run_id=run_id) if m.step is not None and m.step < step]
     buffers = OutcomeBuffers(length=length)
     if not manifests:

@@ -52,7 +52,14 @@ def runs(tmp_path_factory, prefect_api):
     from rlvr.flows.runs import execute
 
     root = str(tmp_path_factory.mktemp("report") / "store")
-    sec = ["select.type=sec", "allocate.type=knapsack", "warmstart.steps=30", "difficulty.k=4"]
+    # Knapsack from the difficulty prior, so its budgets vary from the first step (the report plots them)
+    sec = [
+        "select.type=sec",
+        "allocate.type=knapsack",
+        "allocate.unknown=prior",
+        "warmstart.steps=30",
+        "difficulty.k=4",
+    ]
     execute(root, load_config(None, ["run_id=sec", *TINY_OVERRIDES, *sec]))
     execute(root, load_config(None, ["run_id=uni", *TINY_OVERRIDES, "train.steps=3"]))
     return Store.open(root)
