@@ -99,6 +99,7 @@ def _write_store_labelled_by_version_1(root: str) -> str:
                 "parent_problem_id": None,
                 "derivation": None,
                 "difficulty_label": None,
+                "solution": None,
             }
         )
         rollouts.append(
