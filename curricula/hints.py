@@ -50,7 +50,7 @@ class HintConfig(BaseModel):
 
     @field_validator("template")
     @classmethod
-    def _placeholders(cls, template: str) -> str:
+    def _has_prompt_and_hint_fields(cls, template: str) -> str:
         if "{prompt}" not in template or "{hint}" not in template:
             raise ValueError("the hint template needs both {prompt} and {hint}")
         return template

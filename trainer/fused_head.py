@@ -45,16 +45,20 @@ def use_fused(model: nn.Module, fused: bool | None) -> bool:
     return fused
 
 
-def completion_hidden(decoder: nn.Module, prompt_ids: Tensor, completion_ids: Tensor, pad_id: int) -> Tensor:
-    """The decoder's last hidden states [R, T, H] at the positions that predict the T completion tokens (the
-    prompt's last token to the completion's second last), with the inputs `next_token_logits` builds."""
+def causal_inputs(prompt_ids: Tensor, completion_ids: Tensor, pad_id: int) -> dict[str, Tensor | bool]:
+    """The forward inputs that score completions: left-padded prompts then completions, position ids restarting
+    at each row's first real prompt token (as `generate` numbers them), no cache."""
     prompt_attention = (prompt_ids != pad_id).long()
     attention = torch.cat([prompt_attention, torch.ones_like(completion_ids)], dim=1)
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    hidden = decoder(
-        input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False
-    ).last_hidden_state
+    return {"input_ids": input_ids, "attention_mask": attention, "position_ids": position_ids, "use_cache": False}
+
+
+def completion_hidden(decoder: nn.Module, prompt_ids: Tensor, completion_ids: Tensor, pad_id: int) -> Tensor:
+    """The decoder's last hidden states [R, T, H] at the positions that predict the T completion tokens (the
+    prompt's last token to the completion's second last)."""
+    hidden = decoder(**causal_inputs(prompt_ids, completion_ids, pad_id)).last_hidden_state
     start = prompt_ids.shape[1] - 1
     return hidden[:, start : start + completion_ids.shape[1]]
 

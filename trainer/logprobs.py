@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlvr.trainer.fused_head import fused_logprobs_and_entropy, use_fused
+from rlvr.trainer.fused_head import causal_inputs, fused_logprobs_and_entropy, use_fused
 from rlvr.trainer.vocab_blocks import block_log_probs, block_positions, position_blocks
 
 
@@ -95,11 +95,7 @@ def keeps_last_logits(model: torch.nn.Module) -> bool:
 def next_token_logits(model: torch.nn.Module, prompt_ids: Tensor, completion_ids: Tensor, pad_id: int) -> Tensor:
     """Logits [R, W >= T, V] whose first T positions predict the T completion tokens (position t sees the prompt
     and the completion tokens before t), in the model's dtype."""
-    prompt_attention = (prompt_ids != pad_id).long()
-    attention = torch.cat([prompt_attention, torch.ones_like(completion_ids)], dim=1)
-    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    inputs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": position_ids, "use_cache": False}
+    inputs = causal_inputs(prompt_ids, completion_ids, pad_id)
     prompt_length, completion_length = prompt_ids.shape[1], completion_ids.shape[1]
     if keeps_last_logits(model):  # the last T + 1 positions: from the prompt's last token to the end
         return model(**inputs, logits_to_keep=completion_length + 1).logits
