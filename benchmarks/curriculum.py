@@ -52,6 +52,12 @@ METHODS: dict[str, list[str]] = {
     "ghpo": ["select.type=uniform", "allocate.type=uniform", "select.hints.enabled=true"],
     # SEED-GRPO: each group's advantages scaled by the semantic entropy of its answers (alpha 0.5)
     "seed-grpo": ["select.type=uniform", "allocate.type=uniform", "train.grpo.semantic_entropy=0.5"],
+    # the band-pass filter verl users asked for: groups whose pass rate lies outside [0.2, 0.8] are dropped and
+    # refilled, as dynamic sampling drops all-equal ones
+    "band-pass": ["select.type=uniform", "allocate.type=uniform", "filter.enabled=true", "filter.band=[0.2,0.8]"],
+    # uniform with each step sampled by the policy one step behind, beside the trainer (flow.async_level=1):
+    # what staleness costs in learning
+    "async-1": ["select.type=uniform", "allocate.type=uniform", "flow.async_level=1"],
 }
 
 

@@ -14,7 +14,7 @@ import importlib
 import json
 import pkgutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
@@ -71,7 +71,15 @@ class FlowConfig(BaseModel):
         exclude_if=lambda value: value == 0,  # left out of dumps at its default, so ids from before it stay
         description=(
             "0: steps in order. k > 0: the rollouts of step s are sampled by the policy of step s - k (of step 1 "
-            "early on), on a thread beside the trainer, which trains on them with their stored log-probs"
+            "early on), beside the trainer, which trains on them with their stored log-probs"
+        ),
+    )
+    sampler: Literal["process", "thread"] = Field(
+        "process",
+        exclude_if=lambda value: value == "process",  # how sampling runs, not what it computes: same ids
+        description=(
+            "with async_level > 0, where sampling runs: its own process (its own interpreter, so neither side "
+            "waits on the other's Python; needs a store another process can open) or a thread of the run's"
         ),
     )
 
@@ -249,11 +257,12 @@ def _config_build(inputs: Inputs, cfg: RunConfigBase, ctx: StageContext) -> Buil
 
 
 def _config_identity(cfg: RunConfigBase, params: Any) -> dict[str, Any]:
-    # Where lineage events go, where units run (flow.executor) and where models run (policy.device) change no
-    # artifact, so none is part of any id; nor is policy.dtype when it is float32, so that ids of runs from
-    # before it existed stay what they were. Keys added since leave every dump at their default (`exclude_if`).
+    # Where lineage events go, where units run (flow.executor), where sampling runs (flow.sampler) and where
+    # models run (policy.device) change no artifact, so none is part of any id; nor is policy.dtype when it
+    # is float32, so that ids of runs from before it existed stay what they were. Keys added since leave
+    # every dump at their default (`exclude_if`).
     policy = {"device"} | ({"dtype"} if cfg.policy.dtype == "float32" else set())
-    left_out: dict[str, Any] = {"openlineage": True, "flow": {"executor"}, "policy": policy}
+    left_out: dict[str, Any] = {"openlineage": True, "flow": {"executor", "sampler"}, "policy": policy}
     return json.loads(canonical_json(cfg.model_dump(mode="json", exclude=left_out)))
 
 

@@ -17,6 +17,8 @@ work whose outputs are already committed, so running this flow again on a killed
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,11 +28,12 @@ from prefect.cache_policies import NONE
 from rlvr.curricula.filtering import prompts_to_draw
 from rlvr.curricula.hints import solutions_of
 from rlvr.errors import UserError
-from rlvr.flows.config import RunConfigBase, commit_config, data_run_problems, require_problems
+from rlvr.flows.config import RunConfigBase, commit_config, config_from_json, data_run_problems, require_problems
 from rlvr.flows.data_run import estimate_difficulty, initial_policy, synthesized_problems
 from rlvr.flows.executors import current_fan_out, use_executor
-from rlvr.flows.stages import RunContext, run, run_context, step_of
-from rlvr.progress import report
+from rlvr.flows.sampler_process import WorkerProcess
+from rlvr.flows.stages import RunContext, run, run_context, stages_in_place, step_of
+from rlvr.progress import listen, report
 from rlvr.storage.stage import TABLES, prune_transient
 from rlvr.storage.store import open_store
 from rlvr.tasks.allocate import ALLOCATE
@@ -44,7 +47,8 @@ from rlvr.tasks.select import SELECT
 from rlvr.tasks.train import TRAIN
 from rlvr.tasks.update import UPDATE
 from rlvr.tasks.warmstart import WARMSTART
-from rlvr.trainer.checkpoints import keep_snapshots, weights_artifact
+from rlvr.trainer.checkpoints import keep_snapshots, wait_committed, weights_artifact
+from rlvr.trainer.policy import set_threads
 
 log = logging.getLogger(__name__)
 
@@ -309,8 +313,9 @@ def _after_step(store: str, cfg: RunConfigBase, step: int, refs: StepRefs, metri
 
 @task(name="rl-generate", cache_policy=NONE)
 def rl_generate(store: str, cfg: RunConfigBase, step: int, refs: StepRefs, sampler: Sampler) -> tuple[Generated, str]:
-    """The sampling half of a step under flow.async_level, on a worker thread beside the trainer: its rounds
-    (sampled by `sampler`) and the selection state after their outcomes, committed as one group."""
+    """The sampling half of a step under flow.async_level with flow.sampler=thread, on a worker thread beside
+    the trainer: its rounds (sampled by `sampler`) and the selection state after their outcomes, committed
+    as one group."""
     with open_store(store).batch(background=True):
         at = run_context(store, cfg, step)
         made = _generate(at, cfg, refs, sampler)
@@ -325,40 +330,167 @@ def rl_train(store: str, cfg: RunConfigBase, step: int, refs: StepRefs, made: Ge
         return trained["train_steps"], trained.table(open_store(store), "train_steps").to_pylist()[0]
 
 
+class Lag:
+    """Which policy samples which step under flow.async_level k: step s's rollouts are sampled by the policy
+    entering step max(first known, s - k). `entering[j]` is the policy entering step j, kept while a sampler
+    may still read it."""
+
+    def __init__(self, k: int, first: int, refs: StepRefs) -> None:
+        self.k = k
+        self.entering = dict(enumerate((*refs.earlier, refs.policy_ref), start=first - len(refs.earlier)))
+
+    def sampler(self, step: int) -> Sampler | None:
+        """Who samples `step`; None while its policy is not trained yet."""
+        source = max(min(self.entering), step - self.k)
+        ref = self.entering.get(source)
+        return None if ref is None else Sampler(ref, step - source)
+
+    def trained(self, step: int, policy_ref: str) -> tuple[str, ...]:
+        """Record the policy step `step` trained; returns the policies entering the k steps up to it, oldest
+        first (`StepRefs.earlier`, what the next subflow's samplers may read)."""
+        self.entering[step + 1] = policy_ref
+        self.entering = {j: ref for j, ref in self.entering.items() if j >= step + 1 - self.k}
+        return tuple(self.entering[j] for j in sorted(self.entering) if j <= step)
+
+
 def _async_steps(store: str, cfg: RunConfigBase, first: int, last: int, refs: StepRefs) -> StepRefs:
     """Steps first..last with flow.async_level k: step s's rollouts are sampled by the policy entering step
-    max(1, s - k) while step s - 1 trains, so sampling one step runs beside training the one before.
+    max(1, s - k) while earlier steps train.
 
     Every decision is a stage of its own with committed inputs (the sampling policy is an input of the
     rollout stage, the selection state one of select's), so a resumed run recomputes the same ids and
-    redoes exactly the work that was not committed. The sampler reads a private copy of its policy
-    (`keep_snapshots`), made here before the trainer takes the live one."""
-    k = cfg.flow.async_level
-    entering = dict(enumerate((*refs.earlier, refs.policy_ref), start=first - len(refs.earlier)))
+    redoes exactly the work that was not committed, whichever way sampling runs (`flow.sampler`)."""
+    lag = Lag(cfg.flow.async_level, first, refs)
+    if cfg.flow.sampler == "process":
+        return _process_steps(store, cfg, first, last, refs, lag)
+    return _thread_steps(store, cfg, first, last, refs, lag)
 
-    def source(step: int) -> int:
-        return max(min(entering), step - k)
+
+def _thread_steps(store: str, cfg: RunConfigBase, first: int, last: int, refs: StepRefs, lag: Lag) -> StepRefs:
+    """flow.sampler=thread: one step sampled on a Prefect worker thread while the step before trains (at most
+    one ahead: a step's selection needs the state its predecessor's outcomes left). The sampler reads a
+    private copy of its policy (`keep_snapshots`), made here before the trainer takes the live one."""
 
     def submit(step: int, at_refs: StepRefs) -> Any:
-        return rl_generate.submit(store, cfg, step, at_refs, Sampler(entering[source(step)], step - source(step)))
+        sampler = lag.sampler(step)
+        assert sampler is not None, "one step ahead, a step's sampling policy is always trained"
+        return rl_generate.submit(store, cfg, step, at_refs, sampler)
 
-    keep_snapshots({entering[source(first)]})
+    keep_snapshots({_sampler_ref(lag, first)})
     sampled = refs
     pending = submit(first, sampled)
     for step in range(first, last + 1):
         made, state = pending.result()
         sampled = replace(sampled, state=state, rewards=tuple(made.rewards))
         # before the trainer takes it: the policy the next step samples with, copied (the next subflow's too)
-        keep_snapshots({entering[source(step + 1)]} if step < cfg.train.steps else set())
+        keep_snapshots({_sampler_ref(lag, step + 1)} if step < cfg.train.steps else set())
         if step < last:
             pending = submit(step + 1, sampled)
-        policy_ref, metrics = rl_train(store, cfg, step, refs, made)
-        entering[step + 1] = policy_ref
-        entering = {j: ref for j, ref in entering.items() if j >= step + 1 - k}  # what samplers may still read
-        earlier = tuple(entering[j] for j in sorted(entering) if j <= step)
-        refs = replace(refs, policy_ref=policy_ref, state=state, rewards=tuple(made.rewards), earlier=earlier)
-        _after_step(store, cfg, step, refs, metrics)
+        refs = _trained_step(store, cfg, step, refs, made, state, lag)
     return refs
+
+
+def _sampler_ref(lag: Lag, step: int) -> str:
+    sampler = lag.sampler(step)
+    assert sampler is not None
+    return sampler.policy_ref
+
+
+def _process_steps(store: str, cfg: RunConfigBase, first: int, last: int, refs: StepRefs, lag: Lag) -> StepRefs:
+    """flow.sampler=process: the run's sampler process gets every step whose sampling policy is trained, so
+    with k > 1 it runs up to k steps ahead; it carries the selection state from one step to the next itself,
+    and waits for each policy's commit before it loads it from the store."""
+    worker = sampler_worker(store, cfg)
+    queued = first
+
+    def queue() -> None:
+        nonlocal queued
+        while queued <= last and (sampler := lag.sampler(queued)) is not None:
+            worker.submit(SampleJob(queued, refs if queued == first else None, sampler))
+            queued += 1
+
+    queue()
+    for step in range(first, last + 1):
+        made, state, events = worker.result()
+        for event, fields in events:  # the warnings the sampler's stages gave, for this process's listeners
+            report(event, **fields)
+        refs = _trained_step(store, cfg, step, refs, made, state, lag, after=queue)
+    return refs
+
+
+def _trained_step(
+    store: str,
+    cfg: RunConfigBase,
+    step: int,
+    refs: StepRefs,
+    made: Generated,
+    state: str,
+    lag: Lag,
+    after: Callable[[], None] | None = None,
+) -> StepRefs:
+    """Train step `step` on `made`, then its progress, evaluation and checkpoint; returns the next step's refs.
+    `after` runs between the update and the evaluation (the process sampler queues the steps it unblocked)."""
+    policy_ref, metrics = rl_train(store, cfg, step, refs, made)
+    earlier = lag.trained(step, policy_ref)
+    refs = replace(refs, policy_ref=policy_ref, state=state, rewards=tuple(made.rewards), earlier=earlier)
+    if after is not None:
+        after()
+    _after_step(store, cfg, step, refs, metrics)
+    return refs
+
+
+@dataclass(frozen=True)
+class SampleJob:
+    """One step for the sampler process: `refs` None goes on from the state its previous job left."""
+
+    step: int
+    refs: StepRefs | None
+    sampler: Sampler
+
+
+class SamplingServer:
+    """The sampler process's side (flow.sampler=process): the sampling half of each step, committed before the
+    answer, with the stages run in place (this process has no Prefect run) on the run's executor."""
+
+    def __init__(self, store: str, cfg_json: str) -> None:
+        self.store, self.cfg = store, config_from_json(cfg_json)
+        self.refs: StepRefs | None = None
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        listen(lambda event, fields: self.events.append((event, fields)))
+        self._scope = ExitStack()
+        self._scope.enter_context(use_executor(self.cfg.flow.executor, store))
+        self._scope.enter_context(stages_in_place())
+        set_threads(self.cfg.policy.threads)
+
+    def __call__(self, job: SampleJob) -> tuple[Generated, str, list[tuple[str, dict[str, Any]]]]:
+        refs = job.refs or self.refs
+        assert refs is not None, "a sampler's first job carries the step's refs"
+        the_store = open_store(self.store)
+        wait_committed(the_store, job.sampler.policy_ref)
+        with the_store.batch():
+            at = run_context(self.store, self.cfg, job.step)
+            made = _generate(at, self.cfg, refs, job.sampler)
+            state = _update_state(at, self.cfg, refs, made).id
+        self.refs = replace(refs, state=state, rewards=tuple(made.rewards))
+        events, self.events = self.events, []
+        return made, state, events
+
+
+_workers: dict[tuple[str, str], WorkerProcess] = {}
+
+
+def sampler_worker(store: str, cfg: RunConfigBase) -> WorkerProcess:
+    """The run's sampler process, started on first use; `_whole_run` stops it when the run ends."""
+    key = (store, str(cfg.run_id))
+    if key not in _workers:
+        _workers[key] = WorkerProcess(SamplingServer, (store, cfg.model_dump_json()), name="rlvr-sampler")
+    return _workers[key]
+
+
+def stop_sampler_worker(store: str, cfg: RunConfigBase) -> None:
+    worker = _workers.pop((store, str(cfg.run_id)), None)
+    if worker is not None:
+        worker.close()
 
 
 @flow(name="rl-run", validate_parameters=False)
@@ -370,7 +502,7 @@ def rl_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
 
 def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     assert cfg.run_id is not None
-    check_async(cfg)
+    check_async(cfg, store)
     check_clpo(cfg)
     config_id = commit_config(open_store(store), cfg)
     problems = problems_of_run(store, cfg, config_id)
@@ -388,8 +520,11 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     refs = replace(refs, difficulty=estimate_difficulty(store, cfg, problems, refs.policy_ref))
     report("stage", name="rl")
     size = cfg.flow.steps_per_subflow
-    for first in range(1, cfg.train.steps + 1, size):
-        refs = rl_steps(store, cfg, first, min(first + size - 1, cfg.train.steps), refs)
+    try:
+        for first in range(1, cfg.train.steps + 1, size):
+            refs = rl_steps(store, cfg, first, min(first + size - 1, cfg.train.steps), refs)
+    finally:
+        stop_sampler_worker(store, cfg)
     _keep_newest_train_state(store, cfg.run_id, refs.policy_ref)
     open_store(store).wait()
     return {"run_id": cfg.run_id, "config_id": config_id, "problems_id": problems, "policy_id": refs.policy_ref}
@@ -419,7 +554,7 @@ def check_clpo(cfg: RunConfigBase) -> None:
         )
 
 
-def check_async(cfg: RunConfigBase) -> None:
+def check_async(cfg: RunConfigBase, store: str = "") -> None:
     """flow.async_level's limits, as one-line errors before any work."""
     if not cfg.flow.async_level:
         return
@@ -430,6 +565,11 @@ def check_async(cfg: RunConfigBase) -> None:
         )
     if cfg.train.data_parallel > 1:
         raise UserError("flow.async_level > 0 needs train.data_parallel = 1 (the ranks recompute π_old)")
+    if cfg.flow.sampler == "process" and store.startswith("memory://"):
+        raise UserError(
+            f"flow.sampler=process needs a store another process can open; {store} lives in this process's "
+            "memory: use a local path or an object-store URL, or set flow.sampler=thread"
+        )
 
 
 def problems_of_run(store: str, cfg: RunConfigBase, config_id: str) -> str:

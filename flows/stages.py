@@ -9,7 +9,9 @@ stage run is a row of the `stage_runs` view with its timings.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
@@ -56,8 +58,9 @@ def run(
     inputs: Mapping[str, InputRef] | None = None,
     params: Mapping[str, Any] | None = None,
 ) -> StageRun:
-    """Run `stage` through the runner (skipped when committed), as a Prefect task unless inside one."""
-    if TaskRunContext.get() is not None:
+    """Run `stage` through the runner (skipped when committed), as a Prefect task unless inside one (or in a
+    process that runs stages in place, `stages_in_place`)."""
+    if _in_place.get() or TaskRunContext.get() is not None:
         store = open_store(at.store)
         return run_stage(store, stage, cfg, run_id=at.run_id, seed=at.seed, step=at.step, inputs=inputs, params=params)
     _stages[stage.name] = stage
@@ -66,6 +69,19 @@ def run(
 
 
 _stages: dict[str, Stage[Any]] = {}
+_in_place: ContextVar[bool] = ContextVar("stages_in_place", default=False)
+
+
+@contextmanager
+def stages_in_place() -> Iterator[None]:
+    """Every `run` in the block (in this thread) runs its stage in place, without a Prefect task run: for a
+    worker process that does stages for a flow in another process (flow.sampler=process) and has no Prefect
+    run of its own. The stage runs are rows of the `stage_runs` view as any other."""
+    token = _in_place.set(True)
+    try:
+        yield
+    finally:
+        _in_place.reset(token)
 
 
 @cache

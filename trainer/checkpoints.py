@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from safetensors.torch import load as safetensors_load
 
 from rlvr.errors import UserError
 from rlvr.storage.policy_chain import holds_weights, policy_chain
@@ -148,7 +150,69 @@ def sampler_policy(store: Store, policy_ref: str, *, device: torch.device) -> Po
         kept = _snapshots.get(policy_ref)
     if kept is not None and model_device(kept.model) == device:
         return kept
-    return _stored_policy(store, policy_ref, device)
+    return reloaded_policy(store, policy_ref, device=device)
+
+
+def wait_committed(store: Store, policy_ref: str, timeout: float = 600.0) -> None:
+    """Wait until `policy_ref` and the artifact holding its weights are committed, for a sampler in another
+    process than the trainer that commits them in the background (flow.sampler=process)."""
+    deadline, pause = time.monotonic() + timeout, 0.001
+    while not (store.exists(policy_ref) and store.exists(weights_artifact(store, policy_ref))):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"policy {policy_ref} was not committed to {store.root} within {timeout:.0f} s")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+
+
+@dataclass
+class _Reloadable:
+    source: str  # the checkpoint the chain of policies started from (config and tokenizer)
+    policy_ref: str  # whose weights the model holds now
+    policy: Policy
+
+
+_reloadable: list[_Reloadable] = []  # at most one: a sampler samples one policy at a time
+
+
+def reloaded_policy(store: Store, policy_ref: str, *, device: torch.device) -> Policy:
+    """The policy named by `policy_ref`, loaded from the store, for a sampler that samples one policy after
+    another (flow.sampler=process): the model built for the previous one gets the new stored weights in place,
+    since building a model every step would cost more than a small model's whole step. Anything else (LoRA,
+    sharded or unstored weights, another chain or device) is built afresh. Callers must not keep the returned
+    policy past their next call."""
+    source = source_checkpoint(store, policy_ref)
+    kept = _reloadable[0] if _reloadable else None
+    if kept is not None and kept.source == source and model_device(kept.policy.model) == device:
+        if kept.policy_ref == policy_ref:
+            return kept.policy
+        weights = _plain_weights(store, policy_ref)
+        if weights is not None and _load_in_place(kept.policy.model, weights):
+            kept.policy_ref = policy_ref
+            return kept.policy
+    policy = _stored_policy(store, policy_ref, device)
+    _reloadable[:] = [_Reloadable(source, policy_ref, policy)]
+    return policy
+
+
+def _plain_weights(store: Store, policy_ref: str) -> dict[str, torch.Tensor] | None:
+    """The tensors of `policy_ref`'s stored `model.safetensors` when that one file holds all its weights."""
+    artifact = weights_artifact(store, policy_ref)
+    if not holds_weights(store, artifact):
+        return None
+    names = {f["path"].removeprefix("files/") for f in store.manifest(artifact).binary_files}
+    if {name for name in names if is_weights_file(name)} != {"model.safetensors"}:
+        return None
+    return safetensors_load(store.read_file(artifact, "model.safetensors"))
+
+
+def _load_in_place(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> bool:
+    """Copy `weights` into `model`'s parameters; False (model untouched or partly written, so the caller
+    builds afresh) unless every parameter is either loaded or tied to a loaded one."""
+    result = model.load_state_dict(weights, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {param.data_ptr() for name, param in params.items() if name in weights}
+    untied = [name for name in result.missing_keys if name not in params or params[name].data_ptr() not in loaded]
+    return not result.unexpected_keys and not untied
 
 
 def checkpoint_built(

@@ -1,0 +1,171 @@
+"""flow.sampler=process: the worker process that samples beside the trainer (flows/sampler_process.py), the
+in-place weight reload it samples each new policy with (trainer/checkpoints.py `reloaded_policy`), and a run
+whose steps are sampled there: the same artifacts and weights as with the sampler on a thread, up to k steps
+ahead with the staleness bound held on every row."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load as safetensors_load
+
+from rlvr.child_guard import start_time
+from rlvr.errors import UserError
+from rlvr.flows.config import load_config
+from rlvr.flows.rl_run import Lag, StepRefs, check_async
+from rlvr.flows.sampler_process import SamplerDied, WorkerProcess
+from rlvr.storage.store import Store
+from rlvr.storage.views import query
+from rlvr.trainer.checkpoints import _load_in_place
+from rlvr.trainer.policy import PolicyConfig, init_policy, policy_files
+from tests.cli_helpers import REPO, cli_env, rlvr
+from tests.conftest import TINY_OVERRIDES
+
+
+class Doubler:
+    """A server for the worker: doubles numbers; "fail" raises, "user" raises a UserError, "exit" dies."""
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+    def __call__(self, job: object) -> object:
+        if job == "fail":
+            raise ValueError("no such number")
+        if job == "user":
+            raise UserError("a one-line reason")
+        if job == "exit":
+            os._exit(7)
+        if job == "pid":
+            return os.getpid()
+        assert isinstance(job, int)
+        return 2 * job + self.offset
+
+
+def test_worker_answers_queued_jobs_in_order_and_raises_what_a_job_raised():
+    worker = WorkerProcess(Doubler, (1,), name="test-worker")
+    try:
+        for job in (1, 2, "fail", 3, "user", 4):
+            worker.submit(job)
+        assert worker.pending == 6
+        assert [worker.result(), worker.result()] == [3, 5]
+        with pytest.raises(RuntimeError, match="ValueError: no such number"):
+            worker.result()
+        assert worker.result() == 7  # a failed job does not stop the worker
+        with pytest.raises(UserError, match="^a one-line reason$"):
+            worker.result()
+        assert worker.result() == 9 and worker.pending == 0
+        worker.submit("exit")
+        with pytest.raises(SamplerDied, match="exit code 7"):
+            worker.result()
+    finally:
+        worker.close()
+
+
+def test_worker_exits_when_the_run_is_killed():
+    """SIGKILL the process that started a worker: the worker is gone within a few seconds."""
+    script = (
+        "import sys, time\n"
+        "from rlvr.flows.sampler_process import WorkerProcess\n"
+        "from tests.test_sampler_process import Doubler\n"
+        "if __name__ == '__main__':\n"
+        "    worker = WorkerProcess(Doubler, (0,), name='test-worker')\n"
+        "    worker.submit('pid')\n"
+        "    print(worker.result(), flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    run = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pid = int(run.stdout.readline())
+        started = start_time(worker_pid)
+        assert started is not None
+        run.send_signal(signal.SIGKILL)
+        run.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while start_time(worker_pid) == started and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert start_time(worker_pid) != started, "the worker outlived the killed run"
+    finally:
+        run.kill()
+
+
+def test_lag_names_the_sampling_policy_up_to_k_steps_back():
+    refs = StepRefs(problems=("p",), difficulty="d", policy_ref="P1", start_ref="P1")
+    lag = Lag(2, 1, refs)
+    assert [(s.policy_ref, s.staleness) for s in map(lag.sampler, (1, 2, 3))] == [("P1", 0), ("P1", 1), ("P1", 2)]
+    assert lag.sampler(4) is None  # the policy entering step 2 is not trained yet
+    assert lag.trained(1, "P2") == ("P1",)
+    assert (lag.sampler(4).policy_ref, lag.sampler(4).staleness) == ("P2", 2)
+    assert lag.trained(2, "P3") == ("P1", "P2")
+    assert lag.trained(3, "P4") == ("P2", "P3")  # P1 is read by no later step
+    # a later subflow starts from those: the same sampler for each step
+    later = Lag(2, 4, StepRefs(problems=("p",), difficulty="d", policy_ref="P4", start_ref="P1", earlier=("P2", "P3")))
+    assert [later.sampler(s).policy_ref for s in (4, 5, 6)] == ["P2", "P3", "P4"]
+
+
+def test_weights_reload_in_place_and_refuse_what_they_do_not_cover():
+    target, source = init_policy(PolicyConfig(), seed=0), init_policy(PolicyConfig(), seed=1)
+    weights = safetensors_load(policy_files(source)["model.safetensors"])
+    assert "lm_head.weight" not in weights  # tied: stored once, as save_pretrained does
+    assert _load_in_place(target.model, weights)
+    for (name, mine), theirs in zip(target.model.named_parameters(), source.model.parameters(), strict=True):
+        assert torch.equal(mine, theirs), name
+    assert target.model.lm_head.weight.data_ptr() == target.model.model.embed_tokens.weight.data_ptr()
+    partial = {name: t for name, t in weights.items() if "layers.0.mlp" not in name}
+    assert not _load_in_place(target.model, partial)
+    assert not _load_in_place(target.model, {**weights, "extra.weight": torch.zeros(1)})
+
+
+def test_a_process_sampler_needs_a_store_another_process_can_open():
+    cfg = load_config(None, ["run_id=a", "flow.async_level=1"])
+    with pytest.raises(UserError, match="flow.sampler=process needs a store another process can open"):
+        check_async(cfg, "memory://runs")
+    check_async(load_config(None, ["run_id=a", "flow.async_level=1", "flow.sampler=thread"]), "memory://runs")
+    assert "sampler" not in load_config(None, ["run_id=a", "flow.sampler=process"]).flow.model_dump()
+
+
+def _run(store: str, prefect_api: str, *extra: str) -> None:
+    sets = [arg for o in (*TINY_OVERRIDES, *extra) for arg in ("--set", o)]
+    done = rlvr("run", "--store", store, "--run-id", "a", *sets, env=cli_env(PREFECT_API_URL=prefect_api))
+    assert done.returncode == 0, done.stderr
+
+
+def _weights(root: str) -> bytes:
+    store = Store.open(root)
+    final = query(store, "SELECT artifact_id FROM checkpoints ORDER BY step DESC LIMIT 1").to_pylist()[0]
+    return store.read_file(final["artifact_id"], "model.safetensors")
+
+
+@pytest.mark.slow
+def test_process_and_thread_samplers_commit_the_same_run(tmp_path, prefect_api):
+    process, thread = str(tmp_path / "process"), str(tmp_path / "thread")
+    _run(process, prefect_api, "flow.async_level=1")
+    _run(thread, prefect_api, "flow.async_level=1", "flow.sampler=thread")
+    ids = lambda root: sorted(m.artifact_id for m in Store.open(root).manifests() if m.kind != "runs")  # noqa: E731
+    assert ids(process) == ids(thread)
+    assert _weights(process) == _weights(thread)
+
+
+@pytest.mark.slow
+def test_level_2_samples_two_steps_ahead_within_the_bound(tmp_path, prefect_api):
+    store = str(tmp_path / "store")
+    _run(store, prefect_api, "flow.async_level=2")
+    sql = (
+        "SELECT r.step, min(r.staleness) AS low, max(r.staleness) AS high, any_value(t.step) AS sampler_step "
+        "FROM rollouts r LEFT JOIN train_steps t ON r.policy_id = t.policy_id GROUP BY r.step ORDER BY r.step"
+    )
+    rows = query(Store.open(store), sql).to_pylist()
+    # step s is sampled by the policy entering step max(1, s - 2): trained by step s - 3 from step 4 on
+    assert [(r["step"], r["low"], r["high"], r["sampler_step"]) for r in rows] == [
+        (1, 0, 0, None),
+        (2, 1, 1, None),
+        (3, 2, 2, None),
+        (4, 2, 2, 1),
+        (5, 2, 2, 2),
+        (6, 2, 2, 3),
+    ]
