@@ -47,7 +47,7 @@ from rlvr.tasks.select import SELECT
 from rlvr.tasks.train import TRAIN
 from rlvr.tasks.update import UPDATE
 from rlvr.tasks.warmstart import WARMSTART
-from rlvr.trainer.checkpoints import keep_snapshots, wait_committed, weights_artifact
+from rlvr.trainer.checkpoints import keep_snapshots, weights_artifact
 from rlvr.trainer.policy import set_threads
 
 log = logging.getLogger(__name__)
@@ -414,6 +414,7 @@ def _process_steps(store: str, cfg: RunConfigBase, first: int, last: int, refs: 
         made, state, events = worker.result()
         for event, fields in events:  # the warnings the sampler's stages gave, for this process's listeners
             report(event, **fields)
+        open_store(store).await_committed(state)  # the step's last artifact: its group is on disk
         refs = _trained_step(store, cfg, step, refs, made, state, lag, after=queue)
     return refs
 
@@ -449,8 +450,10 @@ class SampleJob:
 
 
 class SamplingServer:
-    """The sampler process's side (flow.sampler=process): the sampling half of each step, committed before the
-    answer, with the stages run in place (this process has no Prefect run) on the run's executor."""
+    """The sampler process's side (flow.sampler=process): the sampling half of each step, with the stages run
+    in place (this process has no Prefect run) on the run's executor. Each step's artifacts commit as one
+    group in the background while the next step samples; the trainer waits for the group's last artifact
+    (the selection state) before it reads them."""
 
     def __init__(self, store: str, cfg_json: str) -> None:
         self.store, self.cfg = store, config_from_json(cfg_json)
@@ -466,14 +469,19 @@ class SamplingServer:
         refs = job.refs or self.refs
         assert refs is not None, "a sampler's first job carries the step's refs"
         the_store = open_store(self.store)
-        wait_committed(the_store, job.sampler.policy_ref)
-        with the_store.batch():
+        the_store.await_committed(job.sampler.policy_ref)  # the trainer commits it in the background
+        with the_store.batch(background=True):
             at = run_context(self.store, self.cfg, job.step)
             made = _generate(at, self.cfg, refs, job.sampler)
             state = _update_state(at, self.cfg, refs, made).id
         self.refs = replace(refs, state=state, rewards=tuple(made.rewards))
         events, self.events = self.events, []
         return made, state, events
+
+    def close(self) -> None:
+        """The last groups on disk before the process ends."""
+        open_store(self.store).wait()
+        self._scope.close()
 
 
 _workers: dict[tuple[str, str], WorkerProcess] = {}

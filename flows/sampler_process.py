@@ -34,7 +34,8 @@ class SamplerDied(RuntimeError):
 def _serve_loop(
     jobs: Connection, owner: tuple[int, int | None], make_server: Callable[..., Serve], args: tuple[Any, ...]
 ) -> None:
-    """The worker's body: build the server once, then answer each job until the pipe says stop or closes."""
+    """The worker's body: build the server once, then answer each job until the pipe says stop (then the
+    server's `close`, when it has one) or closes."""
     exit_when_gone(*owner)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve = make_server(*args)
@@ -44,6 +45,9 @@ def _serve_loop(
         except EOFError:
             return
         if job is None:
+            close = getattr(serve, "close", None)
+            if close is not None:
+                close()
             return
         try:
             jobs.send(("ok", serve(job)))

@@ -461,6 +461,17 @@ class Store:
         # process may have committed since), and the manifest read is the one a caller asks for next.
         return self._fetch_manifest(artifact_id) is not None
 
+    def await_committed(self, artifact_id: str, timeout: float = 600.0) -> None:
+        """Return once `artifact_id` is committed, for an artifact another process commits in the background
+        (flow.sampler=process: the sampler waits for the trainer's policies, the trainer for the sampler's
+        steps). Polls every few milliseconds; a TimeoutError after `timeout` seconds."""
+        deadline, pause = time.monotonic() + timeout, 0.0005
+        while not self.exists(artifact_id):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{artifact_id} was not committed to {self.root} within {timeout:.0f} s")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.004)
+
     def manifest(self, artifact_id: str) -> Manifest:
         """The manifest of a committed artifact (cached: manifests never change)."""
         self._ensure_written(artifact_id)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -151,17 +150,6 @@ def sampler_policy(store: Store, policy_ref: str, *, device: torch.device) -> Po
     if kept is not None and model_device(kept.model) == device:
         return kept
     return reloaded_policy(store, policy_ref, device=device)
-
-
-def wait_committed(store: Store, policy_ref: str, timeout: float = 600.0) -> None:
-    """Wait until `policy_ref` and the artifact holding its weights are committed, for a sampler in another
-    process than the trainer that commits them in the background (flow.sampler=process)."""
-    deadline, pause = time.monotonic() + timeout, 0.001
-    while not (store.exists(policy_ref) and store.exists(weights_artifact(store, policy_ref))):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"policy {policy_ref} was not committed to {store.root} within {timeout:.0f} s")
-        time.sleep(pause)
-        pause = min(2 * pause, 0.05)
 
 
 @dataclass
