@@ -246,6 +246,13 @@ def _one_source_as_list(tree: dict[str, Any]) -> None:
         section["sources"] = [section.pop("source")]
 
 
+def engine_param(cfg: RunConfigBase) -> dict[str, Any]:
+    """`{"rollout": cfg.rollout}` when the run samples through another engine than transformers, for the
+    stages that sample besides rollout (evaluate, difficulty); nothing otherwise, so their ids stay those of
+    runs from before they took it."""
+    return {} if getattr(cfg.rollout, "type", "transformers") == "transformers" else {"rollout": cfg.rollout}
+
+
 def config_from_json(text: str) -> Any:
     return run_config_type().model_validate(json.loads(text))
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from prefect import flow
 
-from rlvr.flows.config import RunConfigBase, commit_config
+from rlvr.flows.config import RunConfigBase, commit_config, engine_param
 from rlvr.flows.executors import current_fan_out, use_executor
 from rlvr.flows.stages import run, run_context
 from rlvr.progress import report
@@ -65,7 +65,7 @@ def estimate_difficulty(store: str, cfg: RunConfigBase, problems: str, policy: s
     require_policy(open_store(store), policy, "policy")
     report("stage", name="difficulty")
     inputs = {"problems": problems, "policy": policy}
-    params = {"verifier": cfg.label, "fan_out": current_fan_out(), "device": cfg.policy.device}
+    params = {"verifier": cfg.label, "fan_out": current_fan_out(), "device": cfg.policy.device, **engine_param(cfg)}
     return run(DIFFICULTY, cfg.difficulty, run_context(store, cfg), inputs=inputs, params=params).id
 
 

@@ -28,7 +28,14 @@ from prefect.cache_policies import NONE
 from rlvr.curricula.filtering import prompts_to_draw
 from rlvr.curricula.hints import solutions_of
 from rlvr.errors import UserError
-from rlvr.flows.config import RunConfigBase, commit_config, config_from_json, data_run_problems, require_problems
+from rlvr.flows.config import (
+    RunConfigBase,
+    commit_config,
+    config_from_json,
+    data_run_problems,
+    engine_param,
+    require_problems,
+)
 from rlvr.flows.data_run import estimate_difficulty, initial_policy, synthesized_problems
 from rlvr.flows.executors import current_fan_out, use_executor
 from rlvr.flows.sampler_process import WorkerProcess
@@ -285,7 +292,7 @@ def _warn_refill_limit(cfg: RunConfigBase, step: int, kept: int) -> None:
 def evaluate(store: str, cfg: RunConfigBase, step: int, phase: str, refs: StepRefs) -> float:
     """Greedy accuracy of `refs.policy_ref` on the held-out split of the synthesized problems (an `evals` row)."""
     inputs = {"policy": refs.policy_ref, "problems": refs.problems[0]}
-    params = {"phase": phase, "verifier": cfg.label, "device": cfg.policy.device}
+    params = {"phase": phase, "verifier": cfg.label, "device": cfg.policy.device, **engine_param(cfg)}
     result = run(EVALUATE, cfg.evaluate, run_context(store, cfg, step), inputs=inputs, params=params)
     return float(result.table(open_store(store)).column("accuracy")[0].as_py())
 

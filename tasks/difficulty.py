@@ -24,7 +24,9 @@ from rlvr.storage.stage import Built, Inputs, Output, Sharded, Stage, StageConte
 from rlvr.storage.store import open_store
 from rlvr.trainer.checkpoints import load_policy
 from rlvr.trainer.devices import stage_device, usage
-from rlvr.trainer.generation import sample
+from rlvr.trainer.engine_base import SamplingParams
+from rlvr.trainer.engines import EngineConfig, engine_for
+from rlvr.trainer.generation import Sample, sample
 from rlvr.trainer.policy import Policy
 from rlvr.verifiers.cache import (
     VerifierConfig,
@@ -80,6 +82,7 @@ class ShardJob:
     policy_id: str
     policy: Policy | None = None
     device: str | None = None
+    engine: EngineConfig | None = None  # the run's engine when it is not transformers
 
 
 @dataclass(frozen=True)
@@ -100,16 +103,8 @@ def estimate_shard(job: ShardJob) -> ShardEstimate:
     """k sampled rollouts per problem of one shard, verified."""
     device = stage_device(job.device)
     policy = job.policy or shard_policy(job.store or "", job.policy_id, device)
-    problems, cfg = job.problems, job.cfg
-    samples = sample(
-        policy,
-        [p["prompt"] for p in problems],
-        [cfg.k] * len(problems),
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=1.0,
-        seed=job.seed,
-    )
+    problems = job.problems
+    samples = _sampled(policy, job, [p["prompt"] for p in problems])
     pairs = [(s.text, problems[s.prompt_index]["reference"]) for s in samples]
     names = [job.verifier.verifier_of(problems[s.prompt_index]["verifier"]) for s in samples]
     store = open_store(job.store) if job.store is not None else None
@@ -119,6 +114,25 @@ def estimate_shard(job: ShardJob) -> ShardEstimate:
         successes[s.prompt_index] += score.status == "ok"
     entries = cache_entries(verdict_keys(names, pairs), scores)
     return ShardEstimate(job.index, successes, entries, **usage(policy.model))
+
+
+def _sampled(policy: Policy, job: ShardJob, prompts: list[str]) -> list[Sample]:
+    """k samples of each prompt: through the run's engine when the job names one, else transformers."""
+    cfg = job.cfg
+    if job.engine is None:
+        return sample(
+            policy,
+            prompts,
+            [cfg.k] * len(prompts),
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=1.0,
+            seed=job.seed,
+        )
+    engine = engine_for(job.engine)
+    engine.update_weights(policy, job.policy_id)
+    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, 1.0, job.seed)
+    return engine.generate(prompts, [cfg.k] * len(prompts), sampling)
 
 
 @lru_cache(maxsize=1)
@@ -131,7 +145,8 @@ def shard_policy(store_root: str, policy_id: str, device: torch.device) -> Polic
 
 def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
     """params: `verifier` (the label section), `fan_out` (where shards run; in place without one), `device`
-    (the run's policy.device). Problems are taken in id order, `shard_size` per shard."""
+    (the run's policy.device) and, when the run samples through another engine than transformers, `rollout`
+    (that engine's config). Problems are taken in id order, `shard_size` per shard."""
     verifier: VerifierConfig = ctx.params["verifier"]
     fan_out: Callable[..., Iterator[Any]] = ctx.params.get("fan_out", map)
     problems = [
@@ -156,6 +171,7 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
             policy_ref,
             given,
             device,
+            ctx.params.get("rollout"),
         )
         for index in range(count)
     ]
@@ -225,7 +241,9 @@ def labels_build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Bu
 
 
 def identity(cfg: DifficultyConfig, params: Mapping[str, Any]) -> dict[str, Any]:
-    return {**cfg.model_dump(), **verifier_identity(params["verifier"])}
+    """The engine counts when it is not transformers (params `rollout`: its samples differ)."""
+    engine = {"engine": params["rollout"].type} if params.get("rollout") is not None else {}
+    return {**cfg.model_dump(), **verifier_identity(params["verifier"]), **engine}
 
 
 DIFFICULTY: Stage[DifficultyConfig] = Stage(

@@ -11,7 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy
 from rlvr.trainer.devices import stage_device, usage
+from rlvr.trainer.engines import EngineConfig, engine_for
 from rlvr.trainer.generation import greedy
+from rlvr.trainer.policy import Policy
 from rlvr.verifiers.cache import VerifierConfig, score_cached, verifier_identity
 
 
@@ -24,15 +26,16 @@ class EvaluateConfig(BaseModel):
 
 
 def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
-    """params: `phase` (init, warmstart, rl), `verifier` (the label section: how answers are scored) and
-    `device` (the run's policy.device)."""
+    """params: `phase` (init, warmstart, rl), `verifier` (the label section: how answers are scored),
+    `device` (the run's policy.device) and, when the run samples through another engine than transformers,
+    `rollout` (that engine's config: the answers come from it, as the rollouts do)."""
     verifier: VerifierConfig = ctx.params["verifier"]
     columns = ["split", "prompt", "reference", "verifier"]
     problems = [p for p in inputs.rows("problems", columns) if p["split"] == cfg.split]
     if not problems:
         raise ValueError(f"evaluation split {cfg.split!r} has no problems")
     policy = inputs.load("policy", partial(load_policy, device=stage_device(ctx.params.get("device"))))
-    answers = greedy(policy, [p["prompt"] for p in problems], max_new_tokens=cfg.max_new_tokens)
+    answers = greedy_answers(policy, inputs.require_id("policy"), [p["prompt"] for p in problems], cfg, ctx)
     ctx.usage.update(usage(policy.model))
     pairs = [(a, p["reference"]) for a, p in zip(answers, problems)]
     scores, _, _ = score_cached(ctx.store, verifier, pairs, [p["verifier"] for p in problems])
@@ -50,13 +53,29 @@ def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
     return Built(rows_to_table("evals", [row]))
 
 
+def greedy_answers(
+    policy: Policy, policy_ref: str, prompts: list[str], cfg: EvaluateConfig, ctx: StageContext
+) -> list[str]:
+    """The policy's greedy answers: through the run's engine when params name one, else transformers on the
+    policy itself (what the `transformers` engine does too)."""
+    engine_cfg: EngineConfig | None = ctx.params.get("rollout")
+    if engine_cfg is None:
+        return greedy(policy, prompts, max_new_tokens=cfg.max_new_tokens)
+    engine = engine_for(engine_cfg)
+    engine.update_weights(policy, policy_ref)
+    return engine.greedy(prompts, cfg.max_new_tokens)
+
+
 def identity(cfg: EvaluateConfig, params: Mapping[str, Any]) -> dict[str, Any]:
-    """How often evaluations run does not change one, and only the verifiers matter, not their pool."""
+    """How often evaluations run does not change one, and only the verifiers matter, not their pool; the
+    engine counts when it is not transformers (its greedy decoding may differ in the last bits)."""
+    engine = {"engine": params["rollout"].type} if params.get("rollout") is not None else {}
     return {
         "split": cfg.split,
         "max_new_tokens": cfg.max_new_tokens,
         **verifier_identity(params["verifier"]),
         "phase": params["phase"],
+        **engine,
     }
 
 

@@ -130,8 +130,13 @@ def _rewriter(cfg: RestructureConfig, pool: dict[str, dict[str, Any]], policy: P
         return ProceduralRewriter(make_sources(ctx.params["sources"]), {pid: p["source"] for pid, p in pool.items()})
     scoring: VerifierConfig = ctx.params["verifier"]
     verifier_of_domain = {p["domain"] or "": scoring.verifier_of(p["verifier"]) for p in pool.values()}
+    engine = engine_for(ctx.params["rollout"])  # the run's engine writes the rewrites, as it samples them
+    engine.update_weights(policy, ctx.input_ids["policy"][0])
     return PolicyRewriter(
-        policy, lambda domain: verifier_class(verifier_of_domain[domain]).rewrite_templates, cfg.max_new_tokens
+        policy,
+        lambda domain: verifier_class(verifier_of_domain[domain]).rewrite_templates,
+        cfg.max_new_tokens,
+        complete=engine.greedy,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections import Counter
 import sys
 import threading
 import time
@@ -17,12 +18,16 @@ from typing import Any
 import pytest
 
 from rlvr.errors import UserError
+from rlvr.storage.store import Store
+from rlvr.storage.views import query
 from rlvr.trainer.engine_base import SamplingParams, request_seed
 from rlvr.trainer.engines import ENGINES, TransformersEngine, TransformersEngineConfig
-from rlvr.trainer.generation import Sample, sample
+from rlvr.trainer.generation import Sample, greedy, sample
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy, policy_from_files
 from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig
 from rlvr.trainer.vllm_engine import VLLMEngineConfig
+from tests.cli_helpers import cli_env, rlvr
+from tests.conftest import TINY_OVERRIDES
 
 PROMPTS = ["1+2=", "3+4=", "5+5=", "9-2="]
 
@@ -56,6 +61,10 @@ def completions_answer(state: ServerState, body: dict[str, Any]) -> dict[str, An
     if isinstance(prompt, list):  # token ids: the text they spell (`sample` tokenizes it back, BOS included)
         prompt = state.policy.tokenizer.decode(prompt, skip_special_tokens=True)
     with state.sampling_lock:
+        if float(body["temperature"]) == 0:  # greedy, as vLLM's server decodes at temperature 0
+            text = greedy(state.policy, [prompt], max_new_tokens=int(body["max_tokens"]))[0]
+            choice = {"index": 0, "text": text, "finish_reason": "length"}
+            return {"object": "text_completion", "model": "tiny", "choices": [choice] * int(body["n"])}
         samples = sample(
             state.policy,
             [prompt],
@@ -299,6 +308,36 @@ def test_reload_sync_serves_each_new_policy(server, policy, tmp_path) -> None:
 def test_reload_needs_a_directory() -> None:
     with pytest.raises(ValueError, match="sync_dir"):
         OpenAIEngineConfig(sync="reload")
+
+
+def test_greedy_is_one_temperature_0_request_a_prompt(server, policy) -> None:
+    url, state = server
+    answers = engine_at(url, policy).greedy(PROMPTS, 4)
+    assert answers == greedy(policy, PROMPTS, max_new_tokens=4)
+    assert [(r["n"], r["temperature"], r["max_tokens"]) for r in state.requests] == [(1, 0.0, 4)] * len(PROMPTS)
+    local = TransformersEngine(TransformersEngineConfig())
+    local.update_weights(policy, "policy-0")
+    assert local.greedy(PROMPTS, 4) == answers  # the built-in engine: transformers' greedy on the policy
+
+
+@pytest.mark.slow
+def test_evaluation_and_difficulty_sample_through_the_runs_engine(server, tmp_path, prefect_api) -> None:
+    """A run with rollout.type=openai: its evaluations ask the server for greedy answers, its difficulty pass
+    for difficulty.k samples a problem at difficulty.temperature; nothing samples on the side."""
+    url, state = server
+    overrides = [*TINY_OVERRIDES, "rollout.type=openai", f"rollout.base_url={url}", "difficulty.temperature=0.7"]
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    done = rlvr("run", "--store", str(tmp_path / "store"), "--run-id", "a", *sets, env=cli_env(PREFECT_API_URL=prefect_api))
+    assert done.returncode == 0, done.stderr
+    store = Store.open(str(tmp_path / "store"))
+    evals = query(store, "SELECT sum(n) AS answered, count(*) AS evals FROM evals").to_pylist()[0]
+    difficulty = query(store, "SELECT count(*) AS problems FROM difficulty").to_pylist()[0]["problems"]
+    rollouts = query(store, "SELECT count(DISTINCT (step, slot)) AS groups FROM rollouts").to_pylist()[0]["groups"]
+    kinds = Counter((r["n"], r["temperature"]) for r in state.requests)
+    assert kinds[(1, 0.0)] == evals["answered"] and evals["evals"] == 4  # init, warm start, steps 3 and 6
+    assert kinds[(2, 0.7)] == difficulty  # difficulty.k = 2
+    assert kinds[(4, 1.0)] == rollouts  # allocate.n = 4
+    assert sum(kinds.values()) == len(state.requests)
 
 
 def test_rollout_type_chooses_the_engine(tiny_config) -> None:

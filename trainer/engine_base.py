@@ -90,5 +90,11 @@ class RolloutEngine(ABC):
     def generate(self, prompts: Sequence[str], counts: Sequence[int], sampling: SamplingParams) -> list[Sample]:
         """`counts[i]` samples of `prompts[i]`, grouped by prompt in order; the same for the same seed."""
 
+    def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
+        """The greedy completion of each prompt (evaluation, the CLPO policy rewriter): one sample at
+        temperature 0, which vLLM and OpenAI-compatible servers decode greedily."""
+        samples = self.generate(prompts, [1] * len(prompts), SamplingParams(max_new_tokens, 0.0, 1.0, 0))
+        return [s.text for s in samples]
+
     def close(self) -> None:
         """Release processes, memory or connections the engine holds."""

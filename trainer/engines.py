@@ -21,7 +21,7 @@ from pydantic import Field
 
 from rlvr.plugins import TypedRegistry
 from rlvr.trainer.engine_base import EngineConfig, RolloutEngine, SamplingParams
-from rlvr.trainer.generation import Cache, Precision, Sample, sample
+from rlvr.trainer.generation import Cache, Precision, Sample, greedy, sample
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig
 from rlvr.trainer.vllm_engine import VLLMEngine, VLLMEngineConfig
@@ -77,6 +77,11 @@ class TransformersEngine(RolloutEngine):
             cache=own.cache,
             precision=own.precision,
         )
+
+    def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
+        if self._policy is None:
+            raise RuntimeError("call update_weights before greedy")
+        return greedy(self._policy, list(prompts), max_new_tokens=max_new_tokens)
 
     def close(self) -> None:
         self._policy = None

@@ -2,7 +2,9 @@
 beside the domain's verifier (`Verifier.rewrite_templates`), as the paper does for language-model policies.
 
 A template has `{question}` and `{answer}` fields (the reference is shown so the rewrite can keep it, and
-the stage rejects a rewrite that reveals it); the policy's greedy completion is the new problem.
+the stage rejects a rewrite that reveals it); the policy's greedy completion is the new problem, from the
+run's rollout engine when the stage gives one (`complete`), else from transformers on the policy. A chat
+model reads the filled template through its own chat template, as it reads every prompt.
 """
 
 from __future__ import annotations
@@ -21,10 +23,19 @@ class PolicyRewriter(Rewriter):
 
     name = "policy"
 
-    def __init__(self, policy: Policy, templates_of: Callable[[str], Mapping[str, str]], max_new_tokens: int) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        templates_of: Callable[[str], Mapping[str, str]],
+        max_new_tokens: int,
+        complete: Callable[[list[str], int], list[str]] | None = None,
+    ) -> None:
+        """`complete(prompts, max_new_tokens)`: greedy completions (an engine's `greedy`); default: transformers
+        on `policy`."""
         self.policy = policy
         self.templates_of = templates_of
         self.max_new_tokens = max_new_tokens
+        self.complete = complete or (lambda prompts, limit: greedy(policy, prompts, max_new_tokens=limit))
 
     def rewrite(self, requests: Sequence[RewriteRequest]) -> list[Rewrite | None]:
         prompts: dict[int, str] = {}
@@ -34,9 +45,8 @@ class PolicyRewriter(Rewriter):
                 prompt = template.format(question=request.prompt, answer=request.answer)
                 if self._fits(prompt):
                     prompts[i] = prompt
-        completions = dict(
-            zip(prompts, greedy(self.policy, list(prompts.values()), max_new_tokens=self.max_new_tokens))
-        )
+        texts = self.complete(list(prompts.values()), self.max_new_tokens) if prompts else []
+        completions = dict(zip(prompts, texts, strict=True))
         results: list[Rewrite | None] = []
         for i, request in enumerate(requests):
             text = completions.get(i, "").strip()
