@@ -16,7 +16,14 @@ from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.trainer.checkpoints import load_policy
 from rlvr.trainer.generation import Sample
-from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, behaviour_logprobs, grpo_step
+from rlvr.trainer.grpo import (
+    GRPOConfig,
+    RolloutBatch,
+    behaviour_logprobs,
+    behaviour_weights,
+    clipped_surrogate_loss,
+    grpo_step,
+)
 from rlvr.trainer.policy import PolicyConfig, init_policy, make_optimizer
 from tests.cli_helpers import cli_env, rlvr
 from tests.conftest import TINY_OVERRIDES
@@ -100,3 +107,50 @@ def test_async_level_1_samples_one_step_behind_and_stores_what_it_sampled_with(t
     cfg = load_config(None, ["run_id=a", *TINY_OVERRIDES]).train.grpo
     again = behaviour_logprobs(sampler, [p for _, p in prompts], samples, cfg)
     assert again == [pytest.approx(list(r["logprobs"]), abs=1e-6) for r in rows]
+
+
+def test_token_weights_scale_each_tokens_objective():
+    """clipped_surrogate_loss with token_weight: ℓ = -mean over tokens of w x min(ρA, clip(ρ)A), by hand."""
+    logp = torch.log(torch.tensor([[0.5, 0.3]]))
+    old = torch.log(torch.tensor([[0.25, 0.3]]))  # ρ = 2 (clipped to 1.2), then ρ = 1
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    weight = torch.tensor([[0.5, 3.0]])
+    settings = dict(clip_low=0.2, clip_high=0.2, aggregation="seq-mean-token-mean")
+    plain, _ = clipped_surrogate_loss(logp, old, torch.tensor([1.0]), mask, **settings)
+    weighted, stats = clipped_surrogate_loss(logp, old, torch.tensor([1.0]), mask, token_weight=weight, **settings)
+    assert float(plain) == pytest.approx(-(1.2 + 1.0) / 2)
+    assert float(weighted) == pytest.approx(-(0.5 * 1.2 + 3.0 * 1.0) / 2)
+    assert stats["clip_fraction"] == 0.5
+
+
+def test_decoupled_ppo_clips_around_the_policy_entering_the_step():
+    """decoupled=true on stale samples: the clip is centred on π_prox (the policy being trained, before its
+    update), so a first update on another policy's samples clips nothing (where the plain loss clips most
+    tokens), and each token is weighted by π_prox / π_behaviour. On the policy's own samples the weights are 1
+    and the update is the plain one."""
+    cfg = GRPOConfig(minibatches=1, clip_low=0.01, clip_high=0.01, decoupled=True)
+    batch = ragged_batch(3, [5, 3, 4, 2])
+    policy, other = init_policy(PolicyConfig(), seed=0), init_policy(PolicyConfig(), seed=1)
+    stale = [
+        dataclasses.replace(s, logprobs=lp)
+        for s, lp in zip(batch.samples, behaviour_logprobs(other, batch.prompts, batch.samples, cfg))
+    ]
+    decoupled = grpo_step(policy, make_optimizer(policy, 1e-3, 0.0), dataclasses.replace(batch, samples=stale), cfg)
+    assert decoupled["clip_fraction"] == 0.0 and abs(decoupled["kl"]) < 1e-6
+
+    own = behaviour_logprobs(init_policy(PolicyConfig(), seed=0), batch.prompts, batch.samples, cfg)
+    mine = [dataclasses.replace(s, logprobs=lp) for s, lp in zip(batch.samples, own)]
+    trained, plain = init_policy(PolicyConfig(), seed=0), init_policy(PolicyConfig(), seed=0)
+    sgd = lambda p: torch.optim.SGD(p.model.parameters(), lr=1.0)  # noqa: E731  (Adam's first step is sign(grad))
+    grpo_step(trained, sgd(trained), dataclasses.replace(batch, samples=mine), cfg)
+    grpo_step(plain, sgd(plain), batch, GRPOConfig(minibatches=1, clip_low=0.01, clip_high=0.01))
+    for a, b in zip(trained.model.parameters(), plain.model.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_behaviour_weights_are_the_capped_ratio_and_1_on_padding():
+    prox = torch.log(torch.tensor([[0.4, 0.9, 0.5]]))
+    behaviour = torch.log(torch.tensor([[0.2, 0.1, 0.5]]))
+    mask = torch.tensor([[True, True, False]])
+    assert behaviour_weights(prox, behaviour, mask, None).tolist() == [pytest.approx([2.0, 9.0, 1.0])]
+    assert behaviour_weights(prox, behaviour, mask, 5.0).tolist() == [pytest.approx([2.0, 5.0, 1.0])]

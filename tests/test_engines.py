@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import socket
-from collections import Counter
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -327,7 +327,9 @@ def test_evaluation_and_difficulty_sample_through_the_runs_engine(server, tmp_pa
     url, state = server
     overrides = [*TINY_OVERRIDES, "rollout.type=openai", f"rollout.base_url={url}", "difficulty.temperature=0.7"]
     sets = [arg for o in overrides for arg in ("--set", o)]
-    done = rlvr("run", "--store", str(tmp_path / "store"), "--run-id", "a", *sets, env=cli_env(PREFECT_API_URL=prefect_api))
+    done = rlvr(
+        "run", "--store", str(tmp_path / "store"), "--run-id", "a", *sets, env=cli_env(PREFECT_API_URL=prefect_api)
+    )
     assert done.returncode == 0, done.stderr
     store = Store.open(str(tmp_path / "store"))
     evals = query(store, "SELECT sum(n) AS answered, count(*) AS evals FROM evals").to_pylist()[0]

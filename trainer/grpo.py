@@ -13,7 +13,7 @@ update; dynamic sampling's refills are the filter stage's. Every default reprodu
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -149,6 +149,7 @@ def clipped_surrogate_loss(
     dual_clip: float | None = None,
     ratio_cap: float | None = None,
     max_length: int | None = None,
+    token_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO/GRPO loss ℓ = -min(ρ A, clip(ρ, 1 - clip_low, 1 + clip_high) A), ρ = exp(logp - old_logp),
     aggregated over the real tokens (`aggregate`; "token-sum" needs `max_length`).
@@ -160,6 +161,7 @@ def clipped_surrogate_loss(
     keeps a bounded gradient where dual clip drops it. With C above the upper clip it only ever acts on A < 0.
     stats: clip_fraction = share of tokens whose gradient a clip removes (the clipped term or the dual-clip
     bound is the one taken); approx_kl = token mean of (ρ - 1) - log ρ, the k3 estimate of KL(π_old ‖ π_θ).
+    token_weight [R, T] (detached): each token's objective times it (decoupled PPO's π_prox / π_behaviour).
     """
     if ratio_cap is not None and ratio_cap <= 1.0 + clip_high:
         raise ValueError(f"ratio_cap {ratio_cap} must exceed 1 + clip_high = {1.0 + clip_high}")
@@ -177,6 +179,8 @@ def clipped_surrogate_loss(
         bounded = (advantage < 0) & (bound > objective)
         objective = torch.where(bounded, bound, objective)
         cut = cut | bounded
+    if token_weight is not None:
+        objective = objective * token_weight.to(objective.dtype)
     loss = aggregate(-objective, mask, aggregation, max_length)
     with torch.no_grad():
         tokens = mask.sum().clamp(min=1)
@@ -302,6 +306,15 @@ class GRPOConfig(BaseModel):
     gradient_checkpointing: bool = Field(
         default=False, description="recompute activations in backward instead of keeping them (less memory)"
     )
+    decoupled: bool = Field(
+        default=False,
+        exclude_if=lambda value: value is False,  # left out of dumps (so of ids) when off
+        description=(
+            "for stale samples (flow.async_level > 0): clip around the policy entering the step (π_prox, one "
+            "more no-grad pass) and weight each token by π_prox / π_behaviour (capped at ratio_cap when set): "
+            "AReaL's decoupled PPO; off: clip around the sampling policy itself"
+        ),
+    )
     fused_head: bool | None = Field(
         default=None,
         exclude_if=lambda value: value is None,  # left out of dumps (so of ids) at auto
@@ -359,6 +372,7 @@ class TrainingRows:
     active_groups: Tensor  # the groups with a non-zero advantage
     kl_weights: Tensor  # [R] the factor on β of each row (1 unless the batch gives weights)
     old_logp: Tensor | None = None  # [R, T] the sampling policy's log-probs, when the samples carry them (stale)
+    behaviour_weight: Tensor | None = None  # [R, T] π_prox / π_behaviour per token (decoupled PPO), else None
 
 
 def batch_stats(rewards: Tensor, group_index: Tensor) -> dict[str, float]:
@@ -558,11 +572,16 @@ def _clipped_updates(
     π_θ's, from the loss passes). With one update, π_old is π_θ before it, the policy that sampled, so the loss
     pass's own log-probs, detached, are π_old's (ρ = 1) and its entropy π_old's: no separate pass, the same
     weights bit for bit on the CPU (tests/test_grpo_memory.py), as TRL does when it generates once per optimizer
-    step. Otherwise a no-grad pass over every row before the first update gives π_old's log-probs and entropy."""
+    step. Otherwise a no-grad pass over every row before the first update gives π_old's log-probs and entropy.
+    With `decoupled` and stale rows that pass gives π_prox, the clip's centre, and the stored log-probs only the
+    per-token weight π_prox / π_behaviour."""
     updates = min(cfg.minibatches, rows.active_groups.numel())
     entropy: Tensor | None = None
     old_logp: Tensor | None
-    if rows.old_logp is None and updates > 1:
+    if cfg.decoupled and rows.old_logp is not None:  # stale samples: clip around π_prox, weight by π_prox / π_b
+        old_logp, entropy, ref_logp = rollout_logprobs(policy, rows, cfg, reference)
+        rows = replace(rows, behaviour_weight=behaviour_weights(old_logp, rows.old_logp, rows.mask, cfg.ratio_cap))
+    elif rows.old_logp is None and updates > 1:
         old_logp, entropy, ref_logp = rollout_logprobs(policy, rows, cfg, reference)
     else:
         old_logp = rows.old_logp  # None: the loss pass's own
@@ -593,6 +612,12 @@ def behaviour_logprobs(policy: Policy, prompts: list[str], samples: list[Sample]
     with training_precision(policy, cfg.model_copy(update={"gradient_checkpointing": False})):
         old_logp = rollout_logprobs(policy, rows, cfg, None)[0]
     return [old_logp[i, : sample.n_tokens].tolist() for i, sample in enumerate(samples)]
+
+
+def behaviour_weights(prox_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, cap: float | None) -> Tensor:
+    """Decoupled PPO's per-token weight π_prox / π_behaviour [R, T] (1 on padding), capped at `cap` when set."""
+    weight = torch.exp(prox_logp - behaviour_logp).masked_fill(~mask, 1.0)
+    return weight if cap is None else weight.clamp(max=cap)
 
 
 def reference_logprobs(policy: Policy, rows: TrainingRows, cfg: GRPOConfig, reference: Policy) -> Tensor:
@@ -670,8 +695,9 @@ def minibatch_loss(
         clip_high=cfg.clip_high,
         aggregation=cfg.aggregation,
         dual_clip=cfg.dual_clip,
-        ratio_cap=cfg.ratio_cap,
+        ratio_cap=None if rows.behaviour_weight is not None else cfg.ratio_cap,  # decoupled: it caps the weight
         max_length=max_length,
+        token_weight=None if rows.behaviour_weight is None else rows.behaviour_weight[selected],
     )
     loss_stats["entropy_sum"] = entropy_sum
     if ref_logp is None:
