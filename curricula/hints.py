@@ -10,7 +10,9 @@ Evaluation and difficulty estimation read the problems' own prompts: they never 
 
 GHPO (Liu et al. 2025) detects all-wrong groups and retries them with 1/4, 1/2, 3/4 of the solution;
 here the retry is the next time the problem is drawn, and the level shrinks again once the problem has
-signal, so a problem that became solvable is trained on without help.
+signal, so a problem that became solvable is trained on without help. A short run draws most problems
+once, so that retry rarely comes; with `from_difficulty` the difficulty pass's samples stand for the
+first all-wrong group: a problem it never saw solved starts at level 1.
 """
 
 from __future__ import annotations
@@ -22,7 +24,18 @@ from dataclasses import dataclass
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["GroupOutcome", "HintConfig", "hint_prefix", "hinted_prompt", "next_levels", "ratio_of", "solutions_of"]
+__all__ = [
+    "GroupOutcome",
+    "HintConfig",
+    "hint_prefix",
+    "hinted_prompt",
+    "level_of",
+    "next_levels",
+    "ratio_of",
+    "solutions_of",
+    "start_levels",
+    "starting_levels",
+]
 
 STATE_KEY = "hint_levels"  # where the levels live in the selection state dict
 
@@ -39,6 +52,14 @@ class HintConfig(BaseModel):
     template: str = Field(
         "{prompt}\n\nThe beginning of a solution, to continue from: {hint}",
         description="how a hint joins the prompt ({prompt} and {hint})",
+    )
+    from_difficulty: bool = Field(
+        False,
+        exclude_if=lambda value: value is False,  # left out of dumps (so of ids) when off
+        description=(
+            "a problem the difficulty pass never saw solved (pass rate 0) starts at level 1: its first draw is "
+            "hinted, so hints act in runs too short to draw a problem twice"
+        ),
     )
 
     @field_validator("ratios")
@@ -65,24 +86,51 @@ class GroupOutcome:
     any_correct: bool
 
 
+def start_levels(pass_rates: Mapping[str, float | None], hintable: set[str], cfg: HintConfig) -> dict[str, int]:
+    """The level of each problem before its first group (`from_difficulty`): 1 for a hintable problem whose
+    difficulty pass rate is 0, none otherwise (level 0)."""
+    if not cfg.from_difficulty:
+        return {}
+    return {pid: 1 for pid, rate in pass_rates.items() if rate == 0 and pid in hintable}
+
+
+def starting_levels(problems: pa.Table, difficulty: Iterable[Mapping[str, object]], cfg: HintConfig) -> dict[str, int]:
+    """`start_levels` of a run's problems table and its difficulty rows (problem_id, pass_rate)."""
+    if not (cfg.enabled and cfg.from_difficulty):
+        return {}
+    rates = {str(row["problem_id"]): row["pass_rate"] for row in difficulty}
+    return start_levels(rates, set(solutions_of(problems)), cfg)  # type: ignore[arg-type]
+
+
+def level_of(problem_id: str, levels: Mapping[str, int], start: Mapping[str, int]) -> int:
+    """A problem's level: the carried one once it has had a group, else its start level."""
+    return levels.get(problem_id, start.get(problem_id, 0))
+
+
 def ratio_of(level: int, cfg: HintConfig) -> float:
     """The share of the solution a level shows (0.0 at level 0)."""
     return 0.0 if level <= 0 else cfg.ratios[min(level, len(cfg.ratios)) - 1]
 
 
 def next_levels(
-    levels: Mapping[str, int], outcomes: Iterable[GroupOutcome], hintable: set[str], cfg: HintConfig
+    levels: Mapping[str, int],
+    outcomes: Iterable[GroupOutcome],
+    hintable: set[str],
+    cfg: HintConfig,
+    start: Mapping[str, int] | None = None,
 ) -> dict[str, int]:
     """The levels after a step: each group of a problem in `hintable` (those with a solution), in slot order,
-    moves its problem's level up one when it was all wrong and down one otherwise. Level 0 is not stored."""
+    moves its problem's level (its `start` level before its first group) up one when it was all wrong and
+    down one otherwise. Level 0 is stored only for problems with a start level, which it then replaces."""
+    start = start or {}
     after = dict(levels)
     for outcome in sorted(outcomes, key=lambda o: o.slot):
         if outcome.problem_id not in hintable:
             continue
-        level = after.get(outcome.problem_id, 0)
+        level = level_of(outcome.problem_id, after, start)
         level = max(level - 1, 0) if outcome.any_correct else min(level + 1, len(cfg.ratios))
         after[outcome.problem_id] = level
-    return {problem: level for problem, level in sorted(after.items()) if level > 0}
+    return {problem: level for problem, level in sorted(after.items()) if level > 0 or problem in start}
 
 
 def hint_prefix(solution: str, ratio: float) -> str:

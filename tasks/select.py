@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from rlvr.curricula.base import SelectConfig
-from rlvr.curricula.hints import STATE_KEY, ratio_of
+from rlvr.curricula.hints import STATE_KEY, level_of, ratio_of, starting_levels
 from rlvr.curricula.pool import build_pool
 from rlvr.curricula.registry import STRATEGIES, make_strategy
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, carried_state, rows_to_table
@@ -19,11 +19,9 @@ def build(inputs: Inputs, cfg: SelectConfig, ctx: StageContext) -> Built:
     params (refill rounds of dynamic sampling only): `round`, `count` (prompts to draw) and `first_slot`
     (slots keep counting across a step's rounds, so (step, slot) names one group).
     """
+    difficulty = inputs.rows("difficulty", ["problem_id", "bin", "pass_rate"])
     pool = build_pool(
-        inputs.rows("problems", ["problem_id", "split", "category", "domain"]),
-        inputs.rows("difficulty", ["problem_id", "bin", "pass_rate"]),
-        cfg.splits,
-        cfg.arms,
+        inputs.rows("problems", ["problem_id", "split", "category", "domain"]), difficulty, cfg.splits, cfg.arms
     )
     strategy = make_strategy(cfg)
     levels: dict[str, int] = {}
@@ -35,6 +33,7 @@ def build(inputs: Inputs, cfg: SelectConfig, ctx: StageContext) -> Built:
     seed = ctx.derive_seed("select", ctx.step, round_) if round_ else ctx.derive_seed("select", ctx.step)
     picks = strategy.select(pool, ctx.params.get("count", cfg.batch_size), random.Random(seed))
     first = ctx.params.get("first_slot", 0)
+    start = starting_levels(inputs.table("problems"), difficulty, cfg.hints) if cfg.hints.from_difficulty else {}
     rows = [
         {
             "run_id": ctx.run_id,
@@ -44,7 +43,7 @@ def build(inputs: Inputs, cfg: SelectConfig, ctx: StageContext) -> Built:
             "arm": pick.arm,
             "probability": pick.probability,
             "strategy": strategy.type,
-            "hint_ratio": ratio_of(levels.get(pick.problem_id, 0), cfg.hints),
+            "hint_ratio": ratio_of(level_of(pick.problem_id, levels, start), cfg.hints),
         }
         for slot, pick in enumerate(picks)
     ]

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 
 from rlvr.curricula.base import ProblemOutcome, SelectConfig, StepFeedback
-from rlvr.curricula.hints import STATE_KEY, GroupOutcome, next_levels, solutions_of
+from rlvr.curricula.hints import STATE_KEY, GroupOutcome, next_levels, solutions_of, starting_levels
 from rlvr.curricula.pool import build_pool
 from rlvr.curricula.registry import STRATEGIES, make_strategy
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
@@ -61,11 +61,9 @@ def step_outcomes(
 
 def build(inputs: Inputs, cfg: SelectConfig, ctx: StageContext) -> Built:
     """params: `advantage_scale` (the trainer's, so the advantages seen here are the trainer's)."""
+    difficulty = inputs.rows("difficulty", ["problem_id", "bin", "pass_rate"])
     pool = build_pool(
-        inputs.rows("problems", ["problem_id", "split", "category", "domain"]),
-        inputs.rows("difficulty", ["problem_id", "bin", "pass_rate"]),
-        cfg.splits,
-        cfg.arms,
+        inputs.rows("problems", ["problem_id", "split", "category", "domain"]), difficulty, cfg.splits, cfg.arms
     )
     score_of = dict(zip(*inputs.table("rewards", ["rollout_id", "score"]).to_pydict().values()))
     outcomes = step_outcomes(
@@ -82,7 +80,8 @@ def build(inputs: Inputs, cfg: SelectConfig, ctx: StageContext) -> Built:
     rows = [{"run_id": ctx.run_id, "step": ctx.step, "strategy": strategy.type, **row} for row in audit]
     after = strategy.state_dict()
     if cfg.hints.enabled:
-        after[STATE_KEY] = next_levels(levels, hint_outcomes(inputs), hintable(inputs), cfg.hints)
+        start = starting_levels(inputs.table("problems"), difficulty, cfg.hints)
+        after[STATE_KEY] = next_levels(levels, hint_outcomes(inputs), hintable(inputs), cfg.hints, start)
     return Built(rows_to_table("curriculum_state", rows), state=after)
 
 

@@ -7,7 +7,16 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from rlvr.curricula.hints import GroupOutcome, HintConfig, hint_prefix, hinted_prompt, next_levels, ratio_of
+from rlvr.curricula.hints import (
+    GroupOutcome,
+    HintConfig,
+    hint_prefix,
+    hinted_prompt,
+    level_of,
+    next_levels,
+    ratio_of,
+    start_levels,
+)
 from rlvr.data.validate import Validator
 from rlvr.verifiers.arithmetic import worked_solution
 
@@ -92,31 +101,51 @@ def test_a_solution_that_is_not_text_is_quarantined() -> None:
 # A real run with hints on
 
 
-@pytest.fixture(scope="module")
-def hinted_run(tmp_path_factory, prefect_api):
+def test_from_difficulty_starts_unsolved_problems_at_level_1() -> None:
+    """A problem the difficulty pass never saw solved starts at level 1 (with a solution to hint from); once it
+    has had a group its carried level replaces the start, level 0 included."""
+    cfg = HintConfig(enabled=True, from_difficulty=True)
+    rates = {"p": 0.0, "q": 0.5, "r": 0.0, "s": None}
+    start = start_levels(rates, {"p", "q", "s"}, cfg)
+    assert start == {"p": 1}  # r has no solution, s was never estimated
+    assert start_levels(rates, {"p", "q", "s"}, CFG) == {}  # off by default
+    assert next_levels({}, [outcome(0, "p", False)], {"p"}, cfg, start) == {"p": 2}
+    solved = next_levels({}, [outcome(0, "p", True)], {"p"}, cfg, start)
+    assert solved == {"p": 0} and level_of("p", solved, start) == 0  # stored, so it does not start over at 1
+    assert level_of("p", {}, start) == 1 and level_of("q", {}, start) == 0
+
+
+GHPO_RUN = [
+    "train.steps=8",
+    "select.batch_size=4",
+    "allocate.n=4",
+    "warmstart.steps=30",
+    "difficulty.k=2",
+    "evaluate.every=4",
+    "checkpoint.every=8",
+    "select.hints.enabled=true",
+    "synthesize.source.type=arithmetic",
+    "synthesize.source.count=16",
+]
+
+
+def ghpo_run(root: str, run_id: str, *extra: str):
     from rlvr.flows.config import load_config
     from rlvr.flows.runs import execute
     from rlvr.storage.store import Store
 
-    cfg = load_config(
-        None,
-        [
-            "run_id=ghpo",
-            "train.steps=8",
-            "select.batch_size=4",
-            "allocate.n=4",
-            "warmstart.steps=30",
-            "difficulty.k=2",
-            "evaluate.every=4",
-            "checkpoint.every=8",
-            "select.hints.enabled=true",
-            "synthesize.source.type=arithmetic",
-            "synthesize.source.count=16",
-        ],
-    )
-    root = str(tmp_path_factory.mktemp("ghpo"))
-    execute(root, cfg)
+    execute(root, load_config(None, [f"run_id={run_id}", *GHPO_RUN, *extra]))
     return Store.open(root)
+
+
+@pytest.fixture(scope="module")
+def from_difficulty_run(tmp_path_factory, prefect_api):
+    return ghpo_run(str(tmp_path_factory.mktemp("ghpo-start")), "start", "select.hints.from_difficulty=true")
+
+
+@pytest.fixture(scope="module")
+def hinted_run(tmp_path_factory, prefect_api):
+    return ghpo_run(str(tmp_path_factory.mktemp("ghpo")), "ghpo")
 
 
 def rows(store, sql: str) -> list[dict]:
@@ -125,17 +154,17 @@ def rows(store, sql: str) -> list[dict]:
     return query(store, sql).to_pylist()
 
 
-@pytest.mark.slow
-def test_selections_follow_the_schedule_over_the_run(hinted_run) -> None:
-    """Replayed by hand from the store: each pick's hint ratio is its problem's level before the step, and the
-    level moves up after an all-wrong group, down after one with a correct sample."""
-    picks = rows(hinted_run, "SELECT step, slot, problem_id, hint_ratio FROM selections ORDER BY step, slot")
+def replay_levels(store, start: dict[str, int]) -> tuple[int, int]:
+    """Replay the hint schedule by hand from the store: each pick's hint ratio is its problem's level before the
+    step (`start` before its first group), and the level moves up after an all-wrong group, down after one with
+    a correct sample. Returns how many groups raised a level and how many picks were hinted."""
+    picks = rows(store, "SELECT step, slot, problem_id, hint_ratio FROM selections ORDER BY step, slot")
     groups = rows(
-        hinted_run,
+        store,
         "SELECT r.step, r.slot, r.problem_id, bool_or(w.status = 'ok') AS any_correct FROM rollouts r "
         "JOIN rewards w USING (rollout_id) GROUP BY ALL ORDER BY r.step, r.slot",
     )
-    ratios, level, grew = [0.0, 0.25, 0.5, 0.75], {}, 0
+    ratios, level, grew = [0.0, 0.25, 0.5, 0.75], dict(start), 0
     for step in sorted({p["step"] for p in picks}):
         for pick in (p for p in picks if p["step"] == step):
             assert pick["hint_ratio"] == ratios[level.get(pick["problem_id"], 0)], pick
@@ -143,8 +172,28 @@ def test_selections_follow_the_schedule_over_the_run(hinted_run) -> None:
             before = level.get(group["problem_id"], 0)
             level[group["problem_id"]] = max(before - 1, 0) if group["any_correct"] else min(before + 1, 3)
             grew += level[group["problem_id"]] > before
-    assert grew > 0
-    assert any(p["hint_ratio"] > 0 for p in picks)
+    return grew, sum(p["hint_ratio"] > 0 for p in picks)
+
+
+@pytest.mark.slow
+def test_selections_follow_the_schedule_over_the_run(hinted_run) -> None:
+    grew, hinted = replay_levels(hinted_run, {})
+    assert grew > 0 and hinted > 0
+
+
+@pytest.mark.slow
+def test_from_difficulty_hints_the_first_draw_of_unsolved_problems(from_difficulty_run) -> None:
+    """Every problem the difficulty pass never solved starts at level 1, so its first pick is hinted."""
+    unsolved = rows(from_difficulty_run, "SELECT problem_id FROM difficulty WHERE pass_rate = 0")
+    assert unsolved
+    start = {row["problem_id"]: 1 for row in unsolved}  # the arithmetic generator writes every solution
+    grew, hinted = replay_levels(from_difficulty_run, start)
+    first = rows(
+        from_difficulty_run,
+        "SELECT problem_id, arg_min(hint_ratio, step * 1000 + slot) AS first FROM selections GROUP BY problem_id",
+    )
+    assert all(row["first"] == 0.25 for row in first if row["problem_id"] in start)
+    assert any(row["problem_id"] in start for row in first) and hinted > 0
 
 
 @pytest.mark.slow
