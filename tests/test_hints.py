@@ -187,7 +187,7 @@ def test_from_difficulty_hints_the_first_draw_of_unsolved_problems(from_difficul
     unsolved = rows(from_difficulty_run, "SELECT problem_id FROM difficulty WHERE pass_rate = 0")
     assert unsolved
     start = {row["problem_id"]: 1 for row in unsolved}  # the arithmetic generator writes every solution
-    grew, hinted = replay_levels(from_difficulty_run, start)
+    _, hinted = replay_levels(from_difficulty_run, start)
     first = rows(
         from_difficulty_run,
         "SELECT problem_id, arg_min(hint_ratio, step * 1000 + slot) AS first FROM selections GROUP BY problem_id",
