@@ -168,6 +168,9 @@ def main() -> None:
         print(f"  {name:46}{value:>10.1f}{value / (ours * 1000):>8.1%}")
     print(f"  {'(group commit: syncs and manifests, on the':46}{flush_seconds * 1000 / timed:>10.1f}")
     print("   committer thread while the next step runs)")
+    if any(o.startswith("flow.async_level=") and o != "flow.async_level=0" for o in args.overrides):
+        print("   (flow.async_level > 0: the sampling stages run beside the trainer, so the parts overlap: their")
+        print("    sum can pass the step, and what no stage accounts for, 'orchestration', can be negative)")
     print(f"{'pipeline step (ours)':48}{ours * 1000:>10.1f}")
     print(f"{'plain loop step (peer)':48}{plain * 1000:>10.1f}")
     overhead = sum(value for name, value in parts.items() if name.startswith(("storage", "orchestration")))

@@ -23,6 +23,7 @@ from typing import Any
 
 from rlvr.child_guard import exit_when_gone, start_time
 from rlvr.errors import UserError
+from rlvr.spawn_main import without_main
 
 Serve = Callable[[Any], Any]  # one job in, its result out
 
@@ -66,7 +67,8 @@ class WorkerProcess:
         self._jobs, theirs = context.Pipe()
         owner = (os.getpid(), start_time(os.getpid()))
         self._process = context.Process(target=_serve_loop, args=(theirs, owner, make_server, args), name=name)
-        self._process.start()
+        with without_main():  # its work is all in the package: a script without a main guard is not run again
+            self._process.start()
         theirs.close()
         self.pending = 0
 

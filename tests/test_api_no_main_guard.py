@@ -23,7 +23,7 @@ from rlvr.flows.runs import execute
 print("script body runs in", os.getpid(), flush=True)
 cfg = load_config(None, ["run_id=noguard", "train.steps=2", "warmstart.steps=0", "select.batch_size=4",
                          "allocate.n=4", "difficulty.k=2", "evaluate.every=2", "checkpoint.every=2",
-                         "synthesize.source.per_category=4", "label.workers=2"])
+                         "synthesize.source.per_category=4", "label.workers=2", *sys.argv[2:]])
 summary = execute(sys.argv[1], cfg)
 print("SUMMARY " + json.dumps({k: summary[k] for k in ("run_id", "accuracy_init", "accuracy_final", "final_checkpoint")}))
 """
@@ -74,11 +74,12 @@ def tagged(stdout: str, tag: str) -> dict:
 
 
 @pytest.mark.slow
-def test_execute_from_a_script_without_main_guard_finishes(tmp_path, prefect_api):
+@pytest.mark.parametrize("extra", [(), ("flow.async_level=1",)])  # the second also starts the sampler process
+def test_execute_from_a_script_without_main_guard_finishes(tmp_path, prefect_api, extra):
     root = tmp_path / "store"
-    done = run_script(tmp_path, RUN, str(root), env=cli_env(PREFECT_API_URL=prefect_api))
+    done = run_script(tmp_path, RUN, str(root), *extra, env=cli_env(PREFECT_API_URL=prefect_api))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("script body runs in") == 1  # no worker re-ran the script
+    assert done.stdout.count("script body runs in") == 1  # no worker (nor the sampler) re-ran the script
     assert "bootstrapping phase" not in done.stderr
     summary = tagged(done.stdout, "SUMMARY")
     assert summary["run_id"] == "noguard"

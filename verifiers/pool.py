@@ -33,16 +33,15 @@ import os
 import resource
 import signal
 import sys
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing import spawn
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
 from rlvr.child_guard import exit_when_gone, start_time
+from rlvr.spawn_main import without_main
 from rlvr.verifiers.base import Score, Verifier
 from rlvr.verifiers.registry import get_verifier, verifier_spec
 
@@ -56,23 +55,6 @@ PIPELINE_DEPTH = 8  # calls queued per worker (2 idled workers on cheap calls: 8
 
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(["rlvr.verifiers.registry"])
-
-# multiprocessing tells every forkserver/spawn child to re-import the parent's main module before it runs
-# anything. Workers started while `_launching.without_main` is set (this thread only) are told not to.
-_launching = threading.local()
-_stdlib_preparation_data = spawn.get_preparation_data
-
-
-def _preparation_data(name: str) -> dict[str, Any]:
-    data = _stdlib_preparation_data(name)
-    if getattr(_launching, "without_main", False):
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
-    return data
-
-
-if getattr(spawn.get_preparation_data, "__module__", None) != __name__:  # once, even if this module is reloaded
-    spawn.get_preparation_data = _preparation_data
 
 
 def main_is_guarded() -> bool:
@@ -230,11 +212,8 @@ class VerifierPool:
             daemon=True,
             name=f"verifier-{self.spec}",
         )
-        _launching.without_main = not self._needs_main
-        try:
+        with without_main(not self._needs_main):
             process.start()
-        finally:
-            _launching.without_main = False
         child_end.close()
         return _Worker(process=process, conn=parent_end, started_at=time.monotonic())
 

@@ -67,6 +67,7 @@ def test_vllm_engine_after_a_weight_sync_decodes_like_transformers() -> None:
         expected = greedy(trained, PROMPTS, max_new_tokens=3)
         assert len(set(expected)) > 5  # a meaningful comparison, not one repeated string
         assert [output.outputs[0].text for output in outputs] == expected
+        assert engine.greedy(PROMPTS, 3) == expected  # what evaluation and the CLPO rewriter ask the engine for
 
         sampling = SamplingParams(max_new_tokens=3, temperature=1.0, top_p=1.0, seed=5)
         samples = engine.generate(PROMPTS[:4], [3, 0, 5, 2], sampling)
