@@ -119,3 +119,26 @@ def test_the_example_config_is_the_documented_recipe() -> None:
     grpo = cfg.train.grpo
     assert (cfg.train.steps, grpo.lr, cfg.select.batch_size, cfg.allocate.n) == (20, 2e-5, 8, 4)
     assert cfg.rollout.max_new_tokens == cfg.evaluate.max_new_tokens == 32
+
+
+@needs_model
+@pytest.mark.slow
+def test_clpos_policy_rewriter_runs_on_the_real_chat_model() -> None:
+    """CLPO's policy rewriter with SmolLM2: the verifier's templates go through the model's chat template and
+    every request gets a one-line rewrite, not an echo of the template. (What it writes: on 2026-11-26 all
+    three stated their answer, "37 * 53 = 1961", which the restructure stage rejects: docs/real-model.md.)"""
+    from rlvr.curricula.clpo import RewriteRequest
+    from rlvr.trainer.policy import init_policy
+    from rlvr.trainer.rewriting import PolicyRewriter
+    from rlvr.verifiers.registry import verifier_class
+
+    policy = init_policy(PolicyConfig(model="smollm2-135m-instruct", threads=2), seed=0)
+    templates = verifier_class("final_number").rewrite_templates
+    requests = [
+        RewriteRequest("p1", "What is 37 times 53? Answer with just the number.", "1961", "math", "simplify"),
+        RewriteRequest("p2", "What is 38 + 55 + 33? Answer with just the number.", "126", "math", "simplify"),
+        RewriteRequest("p3", "What is 10 - 72? Answer with just the number.", "-62", "math", "diversify"),
+    ]
+    rewrites = PolicyRewriter(policy, lambda domain: templates, 48).rewrite(requests)
+    assert all(r is not None and r.prompt.strip() and r.answer == q.answer for r, q in zip(rewrites, requests))
+    assert not any("Rewritten problem" in r.prompt or "do not reveal" in r.prompt for r in rewrites if r)
