@@ -22,7 +22,7 @@ from rlvr.flows.rl_run import Lag, StepRefs, check_async
 from rlvr.flows.sampler_process import SamplerDied, WorkerProcess
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
-from rlvr.trainer.checkpoints import _load_in_place
+from rlvr.trainer.checkpoints import _load_in_place, _plain_weights
 from rlvr.trainer.policy import PolicyConfig, init_policy, policy_files
 from tests.cli_helpers import REPO, cli_env, rlvr
 from tests.conftest import TINY_OVERRIDES
@@ -169,3 +169,8 @@ def test_level_2_samples_two_steps_ahead_within_the_bound(tmp_path, prefect_api)
         (5, 2, 2, 2),
         (6, 2, 2, 3),
     ]
+    # what the sampler process copies into its model in place: the newest stored state's weights file alone
+    store_ = Store.open(store)
+    newest = query(store_, "SELECT policy_id FROM train_steps ORDER BY step DESC LIMIT 1").to_pylist()[0]
+    weights = _plain_weights(store_, newest["policy_id"])
+    assert weights is not None and "model.embed_tokens.weight" in weights

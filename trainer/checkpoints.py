@@ -188,7 +188,7 @@ def _plain_weights(store: Store, policy_ref: str) -> dict[str, torch.Tensor] | N
     if not holds_weights(store, artifact):
         return None
     names = {f["path"].removeprefix("files/") for f in store.manifest(artifact).binary_files}
-    if {name for name in names if is_weights_file(name)} != {"model.safetensors"}:
+    if {name for name in names if is_weights_file(name) and name != OPTIMIZER_FILE} != {"model.safetensors"}:
         return None
     return safetensors_load(store.read_file(artifact, "model.safetensors"))
 
