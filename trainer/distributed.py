@@ -95,7 +95,8 @@ def _shard(
     per_row = {
         field.name: getattr(rows, field.name)[selected].to(device)
         for field in dataclasses.fields(rows)
-        if field.name not in ("active_groups", "old_logp")  # flow.async_level, which stores it, needs one process
+        # flow.async_level's stored log-probs (and decoupled PPO's weights) need one process
+        if field.name not in ("active_groups", "old_logp", "behaviour_weight")
     }
     own = TrainingRows(**per_row, active_groups=groups.to(device))
     old_logp, entropy, ref_logp = rollout_logprobs(policy, own, cfg, reference)  # micro-batched, as the loss
