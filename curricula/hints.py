@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -94,12 +95,12 @@ def start_levels(pass_rates: Mapping[str, float | None], hintable: set[str], cfg
     return {pid: 1 for pid, rate in pass_rates.items() if rate == 0 and pid in hintable}
 
 
-def starting_levels(problems: pa.Table, difficulty: Iterable[Mapping[str, object]], cfg: HintConfig) -> dict[str, int]:
+def starting_levels(problems: pa.Table, difficulty: Iterable[Mapping[str, Any]], cfg: HintConfig) -> dict[str, int]:
     """`start_levels` of a run's problems table and its difficulty rows (problem_id, pass_rate)."""
     if not (cfg.enabled and cfg.from_difficulty):
         return {}
     rates = {str(row["problem_id"]): row["pass_rate"] for row in difficulty}
-    return start_levels(rates, set(solutions_of(problems)), cfg)  # type: ignore[arg-type]
+    return start_levels(rates, set(solutions_of(problems)), cfg)
 
 
 def level_of(problem_id: str, levels: Mapping[str, int], start: Mapping[str, int]) -> int:

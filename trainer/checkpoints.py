@@ -187,10 +187,8 @@ def _plain_weights(store: Store, policy_ref: str) -> dict[str, torch.Tensor] | N
     artifact = weights_artifact(store, policy_ref)
     if not holds_weights(store, artifact):
         return None
-    names = {f["path"].removeprefix("files/") for f in store.manifest(artifact).binary_files}
-    if {name for name in names if is_weights_file(name) and name != OPTIMIZER_FILE} != {"model.safetensors"}:
-        return None
-    return safetensors_load(store.read_file(artifact, "model.safetensors"))
+    files = _files(store, artifact, is_weights_file)  # the optimizer state left out, as everywhere
+    return safetensors_load(files["model.safetensors"]) if set(files) == {"model.safetensors"} else None
 
 
 def _load_in_place(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> bool:
