@@ -204,7 +204,7 @@ def _generate(
     if sampler is not None:
         behaviour = cfg.train.grpo.model_dump(include={"temperature", "autocast", "micro_batch_tokens"})
         policy = sampler.policy_ref
-        sampling = {**sampling, "behaviour": behaviour, "staleness": sampler.staleness}
+        sampling = {**sampling, "behaviour": behaviour, "staleness": sampler.staleness, "logprobs": "sampling"}
     count = prompts_to_draw(batch, cfg.filter)
     while True:
         rounds = {"round": refills, "count": count, "first_slot": drawn} if cfg.filter.enabled else {}
@@ -329,10 +329,13 @@ def rl_generate(store: str, cfg: RunConfigBase, step: int, refs: StepRefs, sampl
         return made, _update_state(at, cfg, refs, made).id
 
 
-@task(name="rl-train", cache_policy=NONE)
 def rl_train(store: str, cfg: RunConfigBase, step: int, refs: StepRefs, made: Generated) -> tuple[str, dict[str, Any]]:
-    """The training half of a step under flow.async_level: the update on rounds an earlier policy sampled."""
-    with open_store(store).batch(background=True):
+    """The training half of a step under flow.async_level: the update on rounds an earlier policy sampled.
+
+    Its stages run in place in the steps' subflow, as the sampler's do, rather than in a Prefect task run of
+    their own: at the TRL benchmark's shape a task run a step kept the embedded Prefect server busy for half a
+    core (~37 ms of its CPU a step), which the sampler and the trainer need (docs/training.md)."""
+    with stages_in_place(), open_store(store).batch(background=True):
         trained = _train(run_context(store, cfg, step), cfg, refs, made)
         return trained["train_steps"], trained.table(open_store(store), "train_steps").to_pylist()[0]
 

@@ -5,6 +5,7 @@ With GHPO's hints (`select.hints`) a prompt carries the share of its solution it
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -21,7 +22,8 @@ def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> Built:
     """params: `device` (the run's policy.device: where the policy is loaded; an engine with its own copy of the
     weights, vLLM or a server, samples where it runs); with flow.async_level, `staleness` (the step that trains
     on these rollouts minus the step whose policy samples them) and `behaviour` (the train stage's GRPO settings:
-    the sampling policy's log-probs are computed as its π_old pass would); with GHPO, `hints` (select.hints)
+    the sampling policy's log-probs are computed as its π_old pass would, or, with `logprobs` "sampling", recorded
+    at its temperature while sampling when the engine gives them); with GHPO, `hints` (select.hints)
     and the `selections` input, whose hint_ratio each slot's prompt shows."""
     slots = inputs.rows("allocations", ["slot", "problem_id", "n_rollouts"])
     ratios, prompts = slot_prompts(inputs, slots, ctx.params.get("hints"))
@@ -33,9 +35,12 @@ def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> Built:
     engine.update_weights(policy, policy_ref)
     first_slot = min((s["slot"] for s in slots), default=0)  # > 0 for a refill round of dynamic sampling
     seed = ctx.derive_seed("rollout", ctx.step, first_slot) if first_slot else ctx.derive_seed("rollout", ctx.step)
-    samples = engine.generate(prompts, [s["n_rollouts"] for s in slots], cfg.sampling(seed))
-    logprobs: list[list[float] | None] = [None] * len(samples)
-    if behaviour is not None:
+    sampling = cfg.sampling(seed)
+    if behaviour is not None and ctx.params.get("logprobs") == "sampling":
+        sampling = replace(sampling, logprob_temperature=behaviour["temperature"])
+    samples = engine.generate(prompts, [s["n_rollouts"] for s in slots], sampling)
+    logprobs = [s.logprobs for s in samples]
+    if behaviour is not None and any(lp is None for lp in logprobs):  # an engine that does not give them
         logprobs = list(behaviour_logprobs(policy, prompts, samples, GRPOConfig.model_validate(behaviour)))
     ctx.usage.update(usage(policy.model))
     rows = []

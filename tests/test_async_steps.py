@@ -93,8 +93,8 @@ def test_async_level_1_samples_one_step_behind_and_stores_what_it_sampled_with(t
     # steps 1 and 2 sample with the starting policy; step s > 2 with the one step s - 2 trained
     assert [s["sampler_step"] for s in steps] == [None, None, 1, 2, 3, 4]
     assert all(s["stored"] == s["n"] for s in steps)
-    # the stored log-probs are the sampling policy's, as the train stage computes π_old: step 5 sampled with
-    # the policy step 3 trained, whose checkpoint is kept (the run keeps only its newest trainer states)
+    # the stored log-probs, recorded while sampling, are the sampling policy's as the train stage computes π_old:
+    # step 5 sampled with the policy step 3 trained, whose checkpoint is kept (the run keeps only its newest states)
     rows = query(store, "SELECT * FROM rollouts WHERE step = 5 ORDER BY slot, sample_index").to_pylist()
     checkpoint = query(store, "SELECT artifact_id FROM checkpoints WHERE step = 3").to_pylist()[0]["artifact_id"]
     sampler = load_policy(store, checkpoint, device=torch.device("cpu"))

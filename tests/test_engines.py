@@ -323,9 +323,11 @@ def test_greedy_is_one_temperature_0_request_a_prompt(server, policy) -> None:
 @pytest.mark.slow
 def test_evaluation_and_difficulty_sample_through_the_runs_engine(server, tmp_path, prefect_api) -> None:
     """A run with rollout.type=openai: its evaluations ask the server for greedy answers, its difficulty pass
-    for difficulty.k samples a problem at difficulty.temperature; nothing samples on the side."""
+    for difficulty.k samples a problem at difficulty.temperature; nothing samples on the side. With
+    flow.async_level=1 the server gives no log-probs: the rollout stage computes the sampling policy's."""
     url, state = server
     overrides = [*TINY_OVERRIDES, "rollout.type=openai", f"rollout.base_url={url}", "difficulty.temperature=0.7"]
+    overrides.append("flow.async_level=1")
     sets = [arg for o in overrides for arg in ("--set", o)]
     done = rlvr(
         "run", "--store", str(tmp_path / "store"), "--run-id", "a", *sets, env=cli_env(PREFECT_API_URL=prefect_api)
@@ -335,6 +337,8 @@ def test_evaluation_and_difficulty_sample_through_the_runs_engine(server, tmp_pa
     evals = query(store, "SELECT sum(n) AS answered, count(*) AS evals FROM evals").to_pylist()[0]
     difficulty = query(store, "SELECT count(*) AS problems FROM difficulty").to_pylist()[0]["problems"]
     rollouts = query(store, "SELECT count(DISTINCT (step, slot)) AS groups FROM rollouts").to_pylist()[0]["groups"]
+    stored = query(store, "SELECT count(logprobs) AS n FROM rollouts WHERE staleness = 1").to_pylist()[0]["n"]
+    assert stored == 4 * 5 * 4  # steps 2-6 sample a step behind: 4 groups of allocate.n = 4, every one stored
     kinds = Counter((r["n"], r["temperature"]) for r in state.requests)
     assert kinds[(1, 0.0)] == evals["answered"] and evals["evals"] == 4  # init, warm start, steps 3 and 6
     assert kinds[(2, 0.7)] == difficulty  # difficulty.k = 2

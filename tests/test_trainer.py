@@ -11,6 +11,7 @@ from rlvr.trainer.generation import Sample, greedy, sample
 from rlvr.trainer.grpo import (
     GRPOConfig,
     RolloutBatch,
+    behaviour_logprobs,
     clipped_surrogate_loss,
     completion_logprobs,
     effective_ratio,
@@ -247,6 +248,22 @@ def test_shared_prompt_cache_draws_the_same_tokens_as_plain_generate(policy, mon
     monkeypatch.setattr(generation, "_shared_prompt_cache", lambda *args: None)
     plain = [[s.completion_ids for s in sample(policy, p, c, seed=i, **kwargs)] for i, (p, c) in enumerate(cases)]
     assert with_cache == plain
+
+
+def test_sampling_records_the_log_probs_the_old_pass_computes(policy):
+    """`logprob_temperature` changes no drawn token and records, per sample and token (ragged stops, left padding,
+    top-p and a sampling temperature other than the loss's), what the train stage's π_old pass computes."""
+    prompts = ["3+4=", "12+9=", "9+9=", "405+1="]
+    kwargs = dict(max_new_tokens=5, temperature=1.3, top_p=0.9, seed=4)
+    plain = sample(policy, prompts, [3, 1, 0, 4], **kwargs)
+    recorded = sample(policy, prompts, [3, 1, 0, 4], logprob_temperature=0.7, **kwargs)
+    assert [s.completion_ids for s in recorded] == [s.completion_ids for s in plain]
+    assert all(s.logprobs is None for s in plain)
+    assert [len(s.logprobs or []) for s in recorded] == [s.n_tokens for s in recorded]
+    assert len({s.n_tokens for s in recorded}) > 1  # some stopped early
+    again = behaviour_logprobs(policy, prompts, recorded, GRPOConfig(temperature=0.7))
+    assert again == [pytest.approx(s.logprobs, abs=1e-5) for s in recorded]
+    assert all(lp < 0 for s in recorded for lp in s.logprobs or [])
 
 
 def test_completion_logprobs_ignore_left_padding(policy):

@@ -27,10 +27,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """`logprob_temperature`: ask for each sample's token log-probs under the raw logits at that temperature
+    (`Sample.logprobs`); an engine that cannot give them leaves them None and the caller computes them."""
+
     max_new_tokens: int
     temperature: float
     top_p: float
     seed: int
+    logprob_temperature: float | None = None
 
 
 def request_seed(seed: int, prompt_index: int) -> int:

@@ -76,6 +76,7 @@ class TransformersEngine(RolloutEngine):
             seed=sampling.seed,
             cache=own.cache,
             precision=own.precision,
+            logprob_temperature=sampling.logprob_temperature,
         )
 
     def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:

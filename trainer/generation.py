@@ -62,15 +62,49 @@ def sampling_autocast(policy: Policy, precision: Precision = "auto") -> torch.au
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
+class TokenLogprobs(transformers.LogitsProcessor):
+    """Records, while `generate` decodes, each generated token's log-probability under the model's raw logits at
+    `temperature` (before top-p and the sampling temperature): the π_old that the train stage would compute,
+    without a second forward pass over the completions.
+
+    transformers runs custom processors before its sampling warpers, so `scores` here are the model's logits.
+    A call sees the tokens chosen so far: it scores the previous call's choice, and `finish` the last one.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self._pending: torch.Tensor | None = None  # [B, V] log-probs of the next token, not chosen yet
+        self.columns: list[torch.Tensor] = []  # one [B] per generated token
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._pending is not None:
+            self._take(input_ids[:, -1])
+        self._pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _take(self, chosen: torch.Tensor) -> None:
+        assert self._pending is not None
+        self.columns.append(self._pending.gather(1, chosen.unsqueeze(1)).squeeze(1))
+        self._pending = None
+
+    def finish(self, last_tokens: torch.Tensor) -> list[list[float]]:
+        """Every row's log-probs [B][new tokens], given the last generated column."""
+        if self._pending is not None:
+            self._take(last_tokens)
+        return torch.stack(self.columns, dim=1).tolist() if self.columns else []
+
+
 def _generate(
     policy: Policy,
     prompts: list[str],
     max_new_tokens: int,
     cache: Cache = "shared_prompt",
     precision: Precision = "auto",
+    recorder: TokenLogprobs | None = None,
     **sampling: Any,
-) -> list[list[int]]:
-    """New tokens per prompt row, cut after the first eos (the eos is kept).
+) -> tuple[list[list[int]], list[list[float]]]:
+    """New tokens per prompt row, cut after the first eos (the eos is kept), and, with a `recorder`, their
+    log-probs cut the same way (else no rows).
 
     `cache`: "shared_prompt" computes each distinct prompt's key/value cache once for all the rows that repeat it
     (`_shared_prompt_cache`); "static" asks transformers for a static key/value cache of the batch's full length,
@@ -92,15 +126,19 @@ def _generate(
             pad_token_id=policy.tokenizer.pad_token_id,
             eos_token_id=sorted(_eos_ids(policy)),
             **caching,
+            **({"logits_processor": transformers.LogitsProcessorList([recorder])} if recorder else {}),
             **sampling,
         )
-    new_tokens = output[:, encoded["input_ids"].shape[1] :].tolist()
+    generated = output[:, encoded["input_ids"].shape[1] :]
+    token_logprobs = recorder.finish(generated[:, -1]) if recorder and generated.shape[1] else []
     eos = _eos_ids(policy)
-    completions = []
-    for row in new_tokens:
+    completions, logprobs = [], []
+    for row_index, row in enumerate(generated.tolist()):
         end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
         completions.append(row[:end])
-    return completions
+        if token_logprobs:
+            logprobs.append(token_logprobs[row_index][:end])
+    return completions, logprobs
 
 
 def _shared_prompt_cache(policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
@@ -146,9 +184,11 @@ def sample(
     seed: int,
     cache: Cache = "shared_prompt",
     precision: Precision = "auto",
+    logprob_temperature: float | None = None,
 ) -> list[Sample]:
     """`counts[i]` samples of `prompts[i]` (ragged, zero allowed), grouped by prompt in order (`cache`,
-    `precision`: see `_generate`).
+    `precision`: see `_generate`). With `logprob_temperature`, each sample carries its tokens' log-probs under
+    the raw logits at that temperature (`TokenLogprobs`); the samples drawn are the same either way.
 
     All rows are generated in one batch; torch's RNG is seeded inside `fork_rng`, so the same call
     gives the same samples in any process and the caller's RNG state is untouched.
@@ -160,13 +200,15 @@ def sample(
     if temperature <= 0:
         raise ValueError("temperature must be > 0 for sampling; use greedy() for deterministic decoding")
     rows = [(prompt_index, sample_index) for prompt_index, count in enumerate(counts) for sample_index in range(count)]
+    recorder = None if logprob_temperature is None else TokenLogprobs(logprob_temperature)
     with seeded_rng(seed, policy.model.device):
-        completions = _generate(
+        completions, logprobs = _generate(
             policy,
             [prompts[prompt_index] for prompt_index, _ in rows],
             max_new_tokens,
             cache,
             precision,
+            recorder,
             do_sample=True,
             temperature=temperature,
             top_p=top_p,
@@ -181,12 +223,13 @@ def sample(
             text=_decode(policy, ids),
             n_tokens=len(ids),
             finish_reason="stop" if ids and ids[-1] in eos else "length",
+            logprobs=logprobs[row] if logprobs else None,
         )
-        for (prompt_index, sample_index), ids in zip(rows, completions)
+        for row, ((prompt_index, sample_index), ids) in enumerate(zip(rows, completions))
     ]
 
 
 def greedy(policy: Policy, prompts: list[str], *, max_new_tokens: int) -> list[str]:
     """Greedy completions, decoded and cut at eos: the deterministic answer used for accuracy evals."""
-    completions = _generate(policy, prompts, max_new_tokens, do_sample=False)
+    completions, _ = _generate(policy, prompts, max_new_tokens, do_sample=False)
     return [_decode(policy, ids) for ids in completions]
