@@ -112,7 +112,7 @@ def _generate(
     `precision`: see `sampling_autocast`.
     """
     if not prompts:
-        return []
+        return [], []
     encoded = policy.tokenizer.pad({"input_ids": prompt_ids(policy.tokenizer, prompts)}, return_tensors="pt")
     encoded = encoded.to(policy.model.device)
     with torch.no_grad(), sampling_autocast(policy, precision):
