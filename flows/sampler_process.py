@@ -73,7 +73,10 @@ class WorkerProcess:
         self.pending = 0
 
     def submit(self, job: Any) -> None:
-        self._jobs.send(job)
+        try:
+            self._jobs.send(job)
+        except OSError:  # a broken pipe or a connection reset: the process is gone
+            raise self._died() from None
         self.pending += 1
 
     def result(self) -> Any:
@@ -83,7 +86,7 @@ class WorkerProcess:
                 raise self._died()
         try:
             kind, payload = self._jobs.recv()
-        except EOFError:  # its end of the pipe closed: it is exiting
+        except (EOFError, OSError):  # its end of the pipe closed or was reset: it is exiting or gone
             raise self._died() from None
         self.pending -= 1
         if kind == "user_error":
@@ -94,7 +97,14 @@ class WorkerProcess:
 
     def _died(self) -> SamplerDied:
         self._process.join(timeout=5)
-        return SamplerDied(f"the sampler process ended (exit code {self._process.exitcode}) mid-job")
+        code = self._process.exitcode
+        if code is None or code >= 0:
+            return SamplerDied(f"the sampler process ended (exit code {code}) mid-job")
+        name = signal.Signals(-code).name
+        why = ""
+        if name == "SIGKILL":
+            why = " (the kernel's out-of-memory killer sends it; the sampler holds a model of its own)"
+        return SamplerDied(f"the sampler process was killed by {name}{why} mid-job; `rlvr resume` goes on")
 
     def close(self) -> None:
         """Stop the worker: after its current job when it is healthy, at once when it does not stop."""

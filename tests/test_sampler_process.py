@@ -67,6 +67,23 @@ def test_worker_answers_queued_jobs_in_order_and_raises_what_a_job_raised():
         worker.close()
 
 
+def test_a_killed_worker_is_named_by_its_signal_whether_sent_to_or_read_from():
+    """SIGKILL (what the out-of-memory killer sends) with a job queued: reading its answer and queueing the next
+    one both raise SamplerDied naming the signal, not a bare pipe error."""
+    worker = WorkerProcess(Doubler, (1,), name="test-worker")
+    try:
+        worker.submit("pid")
+        os.kill(worker.result(), signal.SIGKILL)
+        worker.submit(1)  # the pipe may still take it
+        with pytest.raises(SamplerDied, match=r"^the sampler process was killed by SIGKILL \(the kernel's out-of"):
+            worker.result()
+        with pytest.raises(SamplerDied, match="killed by SIGKILL"):
+            for _ in range(1000):  # a send fills the dead pipe's buffer or meets its reset
+                worker.submit(list(range(10_000)))
+    finally:
+        worker.close()
+
+
 def test_worker_exits_when_the_run_is_killed():
     """SIGKILL the process that started a worker: the worker is gone within a few seconds."""
     script = (
