@@ -29,7 +29,8 @@ from tests.conftest import TINY_OVERRIDES
 
 
 class Doubler:
-    """A server for the worker: doubles numbers; "fail" raises, "user" raises a UserError, "exit" dies."""
+    """A server for the worker: doubles numbers; "fail" raises, "user" raises a UserError, "exit" exits, "kill"
+    is SIGKILLed."""
 
     def __init__(self, offset: int) -> None:
         self.offset = offset
@@ -41,6 +42,8 @@ class Doubler:
             raise UserError("a one-line reason")
         if job == "exit":
             os._exit(7)
+        if job == "kill":  # what the out-of-memory killer does
+            os.kill(os.getpid(), signal.SIGKILL)
         if job == "pid":
             return os.getpid()
         assert isinstance(job, int)
@@ -72,9 +75,7 @@ def test_a_killed_worker_is_named_by_its_signal_whether_sent_to_or_read_from():
     one both raise SamplerDied naming the signal, not a bare pipe error."""
     worker = WorkerProcess(Doubler, (1,), name="test-worker")
     try:
-        worker.submit("pid")
-        os.kill(worker.result(), signal.SIGKILL)
-        worker.submit(1)  # the pipe may still take it
+        worker.submit("kill")  # dies mid-job: the read sees it
         with pytest.raises(SamplerDied, match=r"^the sampler process was killed by SIGKILL \(the kernel's out-of"):
             worker.result()
         with pytest.raises(SamplerDied, match="killed by SIGKILL"):

@@ -67,7 +67,9 @@ class TokenLogprobs(transformers.LogitsProcessor):
     `temperature` (before top-p and the sampling temperature): the π_old that the train stage would compute,
     without a second forward pass over the completions.
 
-    transformers runs custom processors before its sampling warpers, so `scores` here are the model's logits.
+    transformers runs custom processors before its sampling warpers, so `scores` here are the model's logits,
+    unless the model's generation config sets a processor of its own (a repetition penalty, say), which runs
+    first: then these are the penalised logits that were really sampled from, which the π_old pass does not see.
     A call sees the tokens chosen so far: it scores the previous call's choice, and `finish` the last one.
     """
 
