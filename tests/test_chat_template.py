@@ -46,6 +46,18 @@ def test_without_a_template_text_is_read_as_is_and_a_chat_is_joined():
     assert prompt_ids(tokenizer, ["3+4="]) == [tokenizer("3+4=")["input_ids"]]
 
 
+def test_a_repeated_prompt_is_tokenized_once_and_each_row_is_its_own_list(monkeypatch):
+    tokenizer = build_tiny_tokenizer()
+    seen: list[list[str]] = []
+    tokenize = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, texts, **kw: seen.append(texts) or tokenize(self, texts, **kw))
+    rows = prompt_ids(tokenizer, ["1+1=", "3+4=", "1+1=", "1+1="])
+    assert seen == [["1+1=", "3+4="]]
+    assert rows == [ids("<s>1+1="), ids("<s>3+4="), ids("<s>1+1="), ids("<s>1+1=")]
+    rows[0].append(0)  # a caller may extend a row (padding) without touching the rows that repeat it
+    assert rows[2] == ids("<s>1+1=")
+
+
 def test_rollouts_and_loss_rows_condition_on_the_templated_prompt(chat_policy):
     plain = init_policy(PolicyConfig(), seed=0)  # same weights, no template: given the rendered text itself
     kwargs = dict(max_new_tokens=4, temperature=1.0, top_p=1.0, seed=3)

@@ -22,7 +22,8 @@ from rlvr.flows.rl_run import Lag, StepRefs, check_async
 from rlvr.flows.sampler_process import SamplerDied, WorkerProcess
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
-from rlvr.trainer.checkpoints import _load_in_place, _plain_weights
+from rlvr.trainer import checkpoints
+from rlvr.trainer.checkpoints import _load_in_place, _plain_weights, source_checkpoint
 from rlvr.trainer.policy import PolicyConfig, init_policy, policy_files
 from tests.cli_helpers import REPO, cli_env, rlvr
 from tests.conftest import TINY_OVERRIDES
@@ -170,7 +171,7 @@ def test_process_and_thread_samplers_commit_the_same_run(tmp_path, prefect_api):
 
 
 @pytest.mark.slow
-def test_level_2_samples_two_steps_ahead_within_the_bound(tmp_path, prefect_api):
+def test_level_2_samples_two_steps_ahead_within_the_bound(tmp_path, prefect_api, monkeypatch):
     store = str(tmp_path / "store")
     _run(store, prefect_api, "flow.async_level=2")
     sql = (
@@ -192,3 +193,21 @@ def test_level_2_samples_two_steps_ahead_within_the_bound(tmp_path, prefect_api)
     newest = query(store_, "SELECT policy_id FROM train_steps ORDER BY step DESC LIMIT 1").to_pylist()[0]
     weights = _plain_weights(store_, newest["policy_id"])
     assert weights is not None and "model.embed_tokens.weight" in weights
+    # the chain's checkpoint, walked once (a manifest a step), then remembered for every policy on the chain
+    initial = store_.manifest(rows_policy(store_, step=1)).extra["stage_run"]["inputs"]["policy"][0]
+    assert store_.manifest(initial).kind == "checkpoints"  # the warm start's
+    third = rows_policy(store_, step=3)
+    reads: list[str] = []
+    read_manifest = store_.manifest
+    monkeypatch.setattr(store_, "manifest", lambda ref: reads.append(ref) or read_manifest(ref))
+    monkeypatch.setattr(checkpoints, "_sources", {})
+    assert source_checkpoint(store_, newest["policy_id"]) == initial
+    assert len(reads) == 7  # six train steps and the checkpoint they started from
+    assert source_checkpoint(store_, newest["policy_id"]) == initial
+    assert source_checkpoint(store_, third) == initial
+    assert len(reads) == 7
+
+
+def rows_policy(store: Store, step: int) -> str:
+    """The policy step `step` trained."""
+    return query(store, f"SELECT policy_id FROM train_steps WHERE step = {step}").to_pylist()[0]["policy_id"]

@@ -79,12 +79,22 @@ def _files(store: Store, artifact_id: str, keep: Callable[[str], bool]) -> dict[
     return {name: store.read_file(artifact_id, name) for name in names if keep(name) and name != OPTIMIZER_FILE}
 
 
+_sources: dict[tuple[str, str], str] = {}  # (store root, policy id) -> its chain's checkpoint; ids never change
+
+
 def source_checkpoint(store: Store, policy_ref: str) -> str:
-    """The checkpoint a chain of train steps started from (walking each step's input policy)."""
-    ref = policy_ref
-    while (manifest := store.manifest(ref)).kind == "train_steps":
+    """The checkpoint a chain of train steps started from (walking each step's input policy). The answers are
+    remembered, so a sampler asking for each step's policy in turn reads one manifest a step, not one per
+    step trained so far."""
+    root, walked, ref = str(store.root), [], policy_ref
+    while (root, ref) not in _sources and (manifest := store.manifest(ref)).kind == "train_steps":
+        walked.append(ref)
         ref = manifest.extra["stage_run"]["inputs"]["policy"][0]
-    return ref
+    source = _sources.get((root, ref), ref)
+    if len(_sources) > 100_000:
+        _sources.clear()
+    _sources.update({(root, step): source for step in walked})
+    return source
 
 
 def policy_files_of(store: Store, policy_ref: str) -> dict[str, bytes]:

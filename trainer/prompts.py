@@ -37,6 +37,8 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> li
     """
     if not prompts:
         return []
-    texts = [prompt_text(tokenizer, prompt) for prompt in prompts]
+    distinct = list(dict.fromkeys(prompts))  # a GRPO batch repeats each prompt once per sample
+    texts = [prompt_text(tokenizer, prompt) for prompt in distinct]
     encoded = tokenizer(texts, add_special_tokens=not has_chat_template(tokenizer))
-    return [list(ids) for ids in encoded["input_ids"]]
+    ids = {prompt: list(row) for prompt, row in zip(distinct, encoded["input_ids"])}
+    return [list(ids[prompt]) for prompt in prompts]
