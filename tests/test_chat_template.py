@@ -50,7 +50,9 @@ def test_a_repeated_prompt_is_tokenized_once_and_each_row_is_its_own_list(monkey
     tokenizer = build_tiny_tokenizer()
     seen: list[list[str]] = []
     tokenize = type(tokenizer).__call__
-    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, texts, **kw: seen.append(texts) or tokenize(self, texts, **kw))
+    monkeypatch.setattr(
+        type(tokenizer), "__call__", lambda self, texts, **kw: seen.append(texts) or tokenize(self, texts, **kw)
+    )
     rows = prompt_ids(tokenizer, ["1+1=", "3+4=", "1+1=", "1+1="])
     assert seen == [["1+1=", "3+4="]]
     assert rows == [ids("<s>1+1="), ids("<s>3+4="), ids("<s>1+1="), ids("<s>1+1=")]
