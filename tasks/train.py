@@ -157,7 +157,7 @@ def identity(cfg: TrainConfig, params: Mapping[str, Any]) -> dict[str, Any]:
 
 TRAIN: Stage[TrainConfig] = Stage(
     name="train",
-    code_version="3",
+    code_version="4",  # 4: a pad-id token inside a prompt is attended to (trainer/fused_head.py)
     section="train",
     config=TrainConfig,
     inputs=("rollouts", "rewards", "policy", "groups", "restructured", "reference"),

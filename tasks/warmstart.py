@@ -61,7 +61,7 @@ def build(inputs: Inputs, cfg: WarmstartConfig, ctx: StageContext) -> dict[str, 
 
 WARMSTART: Stage[WarmstartConfig] = Stage(
     name="warmstart",
-    code_version="2",
+    code_version="3",  # 3: a pad-id token inside a prompt is attended to (trainer/fused_head.py)
     section="warmstart",
     config=WarmstartConfig,
     inputs=("problems", "policy"),

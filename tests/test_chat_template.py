@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlvr.trainer.generation import Sample, sample
-from rlvr.trainer.grpo import RolloutBatch, training_rows
+from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, behaviour_logprobs, training_rows
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
 from rlvr.trainer.prompts import prompt_ids, prompt_text
 from rlvr.trainer.tiny_model import VOCAB, build_tiny_tokenizer
@@ -71,3 +71,18 @@ def test_rollouts_and_loss_rows_condition_on_the_templated_prompt(chat_policy):
     rows = training_rows(chat_policy, batch, torch.tensor([1.0, -1.0]), torch.tensor([0, 0]))
     assert rows is not None
     assert rows.prompt_ids.tolist() == [ids("<s>*1-3+4==")] * 2
+
+
+def test_an_end_of_turn_token_that_is_also_the_pad_token_is_attended_to_by_the_loss(chat_policy):
+    """SmolLM2's template ends every turn with <|im_end|>, which is also its pad token: the loss must read the
+    prompt as the sampler did (only the leading pad run is padding), or π_old and π_θ drift from the sampler."""
+    chat_policy.tokenizer.chat_template = TEMPLATE.replace("{{ m.content }}", "{{ m.content }}{{ eos_token }}")
+    chat_policy.tokenizer.pad_token = chat_policy.tokenizer.eos_token
+    chat_policy.model.generation_config.pad_token_id = chat_policy.tokenizer.pad_token_id
+    prompts = [CHAT, "1+1="]  # different lengths: the shorter is left-padded with the same id its turns end with
+    assert prompt_ids(chat_policy.tokenizer, prompts)[1] == ids("<s>-1+1=") + [VOCAB.index("</s>")] + ids("=")
+    samples = sample(
+        chat_policy, prompts, [3, 3], max_new_tokens=4, temperature=1.0, top_p=1.0, seed=5, logprob_temperature=1.0
+    )
+    again = behaviour_logprobs(chat_policy, prompts, samples, GRPOConfig())
+    assert again == [pytest.approx(s.logprobs, abs=1e-5) for s in samples]

@@ -47,8 +47,11 @@ def use_fused(model: nn.Module, fused: bool | None) -> bool:
 
 def causal_inputs(prompt_ids: Tensor, completion_ids: Tensor, pad_id: int) -> dict[str, Tensor | bool]:
     """The forward inputs that score completions: left-padded prompts then completions, position ids restarting
-    at each row's first real prompt token (as `generate` numbers them), no cache."""
-    prompt_attention = (prompt_ids != pad_id).long()
+    at each row's first real prompt token (as `generate` numbers them), no cache.
+
+    Only the leading run of `pad_id` is padding: a chat model's pad token is often its end-of-turn token, which
+    its template also puts inside the prompt (SmolLM2's `<|im_end|>`), and the sampler attends to those."""
+    prompt_attention = ((prompt_ids != pad_id).cumsum(dim=1) > 0).long()
     attention = torch.cat([prompt_attention, torch.ones_like(completion_ids)], dim=1)
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
