@@ -194,9 +194,9 @@ def test_level_2_samples_two_steps_ahead_within_the_bound(tmp_path, prefect_api,
     weights = _plain_weights(store_, newest["policy_id"])
     assert weights is not None and "model.embed_tokens.weight" in weights
     # the chain's checkpoint, walked once (a manifest a step), then remembered for every policy on the chain
-    initial = store_.manifest(rows_policy(store_, step=1)).extra["stage_run"]["inputs"]["policy"][0]
+    initial = store_.manifest(trained_policy(store_, step=1)).extra["stage_run"]["inputs"]["policy"][0]
     assert store_.manifest(initial).kind == "checkpoints"  # the warm start's
-    third = rows_policy(store_, step=3)
+    third = trained_policy(store_, step=3)
     reads: list[str] = []
     read_manifest = store_.manifest
     monkeypatch.setattr(store_, "manifest", lambda ref: reads.append(ref) or read_manifest(ref))
@@ -208,6 +208,6 @@ def test_level_2_samples_two_steps_ahead_within_the_bound(tmp_path, prefect_api,
     assert len(reads) == 7
 
 
-def rows_policy(store: Store, step: int) -> str:
+def trained_policy(store: Store, step: int) -> str:
     """The policy step `step` trained."""
     return query(store, f"SELECT policy_id FROM train_steps WHERE step = {step}").to_pylist()[0]["policy_id"]

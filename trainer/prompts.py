@@ -40,5 +40,5 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> li
     distinct = list(dict.fromkeys(prompts))  # a GRPO batch repeats each prompt once per sample
     texts = [prompt_text(tokenizer, prompt) for prompt in distinct]
     encoded = tokenizer(texts, add_special_tokens=not has_chat_template(tokenizer))
-    ids = {prompt: list(row) for prompt, row in zip(distinct, encoded["input_ids"])}
-    return [list(ids[prompt]) for prompt in prompts]
+    ids = dict(zip(distinct, encoded["input_ids"]))
+    return [list(ids[prompt]) for prompt in prompts]  # a list per row: callers pad rows in place
