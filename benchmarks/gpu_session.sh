@@ -3,12 +3,16 @@
 # running long leaves the others' figures. Here first (commit, then pack: ../shared/gpu/README.md):
 #     ../shared/gpu/bundle.sh . gpu --with-trl
 # There, from the checkout's root with `gpu` carried (device tool: carry ["gpu"]):
-#     bash benchmarks/gpu_session.sh [part ...]      parts: vs-trl throughput ours logits static (default: vs-trl throughput)
+#     bash benchmarks/gpu_session.sh [part ...]      parts: vs-trl throughput ours async1 async2 logits static
+#                                                    (default: vs-trl throughput)
 # vs-trl: benchmarks/gpu_vs_trl.py (whole rlvr run against TRL GRPOTrainer, the 0.5B shape, 64 x 8 x 256 tokens);
 # throughput: benchmarks/gpu_throughput.py with the transformers engine (vLLM cannot be carried there);
 # ours: the vs-trl run without TRL (the fused LM head on, its CUDA default); logits: ours with the full-logits loss
-# pass (train.grpo.fused_head=false), to compare; static: ours with rollout.cache=static (compiled static KV cache).
-# Output and the runs' logs land in $OUT (the device tool brings back at most 8 files).
+# pass (train.grpo.fused_head=false), to compare; static: ours with rollout.cache=static (compiled static KV cache);
+# async1/async2: ours with rollouts overlapped with training (flow.async_level=1 or 2: a sampler process beside the
+# trainer on the same GPU, so the per-stage peaks undercount the device's: smi.csv polls nvidia-smi's total).
+# Output lands in $OUT: one .txt per part, smi.csv, and the runs' logs packed into logs.tgz after each part (the
+# device tool brings back at most 8 files).
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
@@ -22,6 +26,11 @@ s=$(cd /tmp && bash "$here/gpu/setup-on-device.sh") && eval "$s" || exit 1
     (cd /tmp && python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)")
     date -u
 } 2>&1 | tee "$OUT/gpu.txt"
+# The device's memory in use and load every half second, all parts together (their start times are in gpu.txt).
+nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader -lms 500 >"$OUT/smi.csv" 2>&1 &
+poller=$!
+logs=/tmp/gpu-session-logs
+mkdir -p "$logs"
 
 # vs_trl NAME LIMIT_S ARGS...: gpu_vs_trl.py in its own temp root, its output and the runs' logs (last 2 MB) to $OUT.
 vs_trl() {
@@ -31,24 +40,28 @@ vs_trl() {
     mkdir -p "$root"
     TMPDIR=$root timeout -k 10 "$limit" python3 benchmarks/gpu_vs_trl.py --device cuda --keep "$@" 2>&1 | tee "$OUT/$name.txt"
     for log in "$root"/rlvr-gpu-vs-trl-*/*.log; do
-        [ -f "$log" ] && tail -c 2000000 "$log" >"$OUT/$name-$(basename "$log")"
+        [ -f "$log" ] && tail -c 2000000 "$log" >"$logs/$name-$(basename "$log")"
     done
+    tar -czf "$OUT/logs.tgz" -C "$logs" .
     rm -rf "$root"
 }
 
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(vs-trl throughput)
 for part in "${parts[@]}"; do
-    echo "=== $part $(date -u +%T)"
+    echo "=== $part $(date -u +%T)" | tee -a "$OUT/gpu.txt"
     case $part in
     vs-trl) vs_trl vs_trl 330 --warmup 1 --steps 2 ;;
     throughput)
         timeout -k 10 100 python3 benchmarks/gpu_throughput.py --engines transformers 2>&1 | tee "$OUT/throughput.txt"
         ;;
     ours) vs_trl ours 200 --warmup 1 --steps 2 --no-trl ;;
+    async1) vs_trl async1 200 --warmup 1 --steps 3 --no-trl --set flow.async_level=1 ;;
+    async2) vs_trl async2 200 --warmup 1 --steps 3 --no-trl --set flow.async_level=2 ;;
     logits) vs_trl logits 200 --warmup 1 --steps 2 --no-trl --set train.grpo.fused_head=false ;;
     static) vs_trl static 200 --warmup 1 --steps 2 --no-trl --set rollout.cache=static ;;
     *) echo "unknown part $part" ;;
     esac
 done
-echo "=== done $(date -u +%T)"
+kill "$poller" 2>/dev/null
+echo "=== done $(date -u +%T)" | tee -a "$OUT/gpu.txt"
