@@ -56,8 +56,8 @@ for part in "${parts[@]}"; do
         timeout -k 10 100 python3 benchmarks/gpu_throughput.py --engines transformers 2>&1 | tee "$OUT/throughput.txt"
         ;;
     ours) vs_trl ours 200 --warmup 1 --steps 2 --no-trl ;;
-    async1) vs_trl async1 200 --warmup 1 --steps 3 --no-trl --set flow.async_level=1 ;;
-    async2) vs_trl async2 200 --warmup 1 --steps 3 --no-trl --set flow.async_level=2 ;;
+    async1) vs_trl async1 235 --warmup 1 --steps 2 --no-trl --set flow.async_level=1 ;;
+    async2) vs_trl async2 235 --warmup 1 --steps 2 --no-trl --set flow.async_level=2 ;;
     logits) vs_trl logits 200 --warmup 1 --steps 2 --no-trl --set train.grpo.fused_head=false ;;
     static) vs_trl static 200 --warmup 1 --steps 2 --no-trl --set rollout.cache=static ;;
     *) echo "unknown part $part" ;;

@@ -16,15 +16,17 @@ import os
 import secrets
 import shlex
 import shutil
+import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
 from rlvr import progress
-from rlvr.errors import UserError, environment_failure
+from rlvr.errors import Terminated, UserError, environment_failure
 from rlvr.flows import openlineage_events
 from rlvr.flows.prefect_env import configure_prefect, quiet_run_failure_logs
 from rlvr.storage.errors import DamagedFile
@@ -147,7 +149,7 @@ def _tracked_body(
     openlineage_events.run_event(store_root, cfg.run_id, "START")
     started = time.monotonic()
     try:
-        with tracker:
+        with _sigterm_raises_terminated(), tracker:
             result = body()
     except BaseException as exc:
         stage, step = failed_stage(exc) or (None, None)
@@ -157,16 +159,45 @@ def _tracked_body(
         except OSError:
             pass
         openlineage_events.run_event(store_root, cfg.run_id, "FAIL", exc)
+        if isinstance(exc, (KeyboardInterrupt, Terminated)):
+            how = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc)
+            progress.report(
+                "warning",
+                message=f"run {cfg.run_id!r} {how}; what it committed is intact: "
+                f"`{_resume_command(cfg.run_id, store_root)}` continues from there",
+            )
         machine = environment_failure(exc) or _disk_full(store)
         if machine is not None:
             raise UserError(
                 f"run {cfg.run_id!r} stopped: {machine}; what it committed is intact: fix that, then "
-                f"`rlvr resume {cfg.run_id} --store {store_root}` continues from there"
+                f"`{_resume_command(cfg.run_id, store_root)}` continues from there"
             ) from exc
         raise
     tracker.write(status="completed", **failure)
     openlineage_events.run_event(store_root, cfg.run_id, "COMPLETE")
     return {**result, "seconds": time.monotonic() - started, "store": store_root}
+
+
+def _resume_command(run_id: str, store_root: str) -> str:
+    return f"rlvr resume {shlex.quote(run_id)} --store {shlex.quote(store_root)}"
+
+
+@contextmanager
+def _sigterm_raises_terminated() -> Iterator[None]:
+    """In the main thread, SIGTERM raises `Terminated` while the block runs. Prefect's flow engine handles the
+    signal first (it records the flow run as crashed), then sends it again to the handler it found: this one."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum: int, _frame: Any) -> None:
+        raise Terminated(f"stopped by {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 FULL_DISK_BYTES = 1 << 20
@@ -324,7 +355,7 @@ def describe_run(record: dict[str, Any], store_root: str | None = None, store: S
         row["failed_stage"] = _where_it_failed(record, died is not None)
         row["reason"] = died or record.get("error") or "unknown (the run recorded no error)"
         root = store_root or record.get("store_root") or "."
-        row["resume"] = f"rlvr resume {shlex.quote(str(record['run_id']))} --store {shlex.quote(str(root))}"
+        row["resume"] = _resume_command(str(record["run_id"]), str(root))
     return row
 
 

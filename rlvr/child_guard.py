@@ -7,12 +7,16 @@ from whichever worker thread first needs it.
 - The guard: `python -I -S child_guard.py PARENT_PID -- COMMAND...` starts COMMAND, forwards SIGTERM, SIGINT
   and SIGHUP to it, and exits with its exit status (Prefect reads exit code 3 as "port taken"). When its
   parent changes (PARENT_PID died, the guard was re-parented) it stops COMMAND: SIGTERM, then SIGKILL after
-  `STOP_GRACE_S`. COMMAND runs in a process group of its own, so a terminal's Ctrl-C reaches it once,
-  through the guard, and with PR_SET_PDEATHSIG (safe here: the guard has a single thread), so it dies
-  with the guard too. The guard uses the standard library only and runs by file path in isolated mode, so
-  it starts whatever the environment's PYTHONPATH (one more process: about 45 ms to start, 12 MB resident).
+  `STOP_GRACE_S`. COMMAND runs in a process group of its own, with PR_SET_PDEATHSIG (safe here: the guard
+  has a single thread), so it dies with the guard too. The guard uses the standard library only and runs
+  by file path in isolated mode, so it starts whatever the environment's PYTHONPATH (one more process:
+  about 45 ms to start, 12 MB resident).
   `guard_prefect_server` puts it in front of the temporary API server Prefect starts when no
-  PREFECT_API_URL is set.
+  PREFECT_API_URL is set, in a process group of its own: a signal to the run's whole group (a terminal's
+  Ctrl-C; `timeout`, a batch scheduler or a container stopping the job) then reaches the run alone, which
+  still has its server while it records the failure, and the server stops when the run has exited (Prefect's
+  own `stop`, or the guard seeing its parent gone). In the run's group the server died at the same moment,
+  and the run spent minutes retrying to tell it that the flow had crashed, holding its memory (a GPU's too).
 - `exit_when_gone`: a daemon thread that ends the calling process (`os._exit`) once a given process is
   gone; the verifier pool's workers watch the run's process with it.
 
@@ -214,6 +218,7 @@ class _GuardingSubprocess:
     def Popen(self, args: Sequence[str], *rest: Any, **kwargs: Any) -> subprocess.Popen[Any]:
         if getattr(self.active, "on", False):
             args = guarded_command(args)
+            kwargs["process_group"] = 0  # out of the run's group: the module docstring says why
         return subprocess.Popen(args, *rest, **kwargs)
 
 

@@ -5,6 +5,7 @@ import errno
 
 __all__ = [
     "ConfigError",
+    "Terminated",
     "UserError",
     "environment_failure",
 ]
@@ -16,6 +17,11 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """The run configuration is malformed (unknown key, wrong type, bad value)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM reached a run (`timeout`, a batch scheduler, a container stopping): raised in the main thread so
+    that the run unwinds as after Ctrl-C (its record says failed, its lease is released), then the CLI exits."""
 
 
 def environment_failure(exc: BaseException) -> str | None:

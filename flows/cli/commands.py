@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -16,7 +17,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from rlvr.errors import UserError, environment_failure
+from rlvr.errors import Terminated, UserError, environment_failure
 from rlvr.flows.cli.common import StoreOption, flow_store, open_existing, store_root, with_progress
 
 app = typer.Typer(
@@ -467,6 +468,5 @@ def main() -> None:
             raise
         err.print(f"error: {line}: fix that and run the command again", markup=False, highlight=False)
         sys.exit(2)
-    except KeyboardInterrupt:
-        err.print("interrupted; finish the run with `rlvr resume RUN_ID`", markup=False)
-        sys.exit(130)
+    except Terminated:  # a run stopped by SIGTERM, which has said how to resume it (Typer turns Ctrl-C into 130)
+        sys.exit(128 + signal.SIGTERM)
