@@ -9,6 +9,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 
 from rlvr.trainer.fused_head import head_parts, use_fused
 from rlvr.trainer.logprobs import completion_logprobs, completion_logprobs_and_entropy
+from rlvr.trainer.vocab_blocks import block_positions, position_blocks
 
 VOCAB, PAD = 301, 0
 
@@ -106,3 +107,12 @@ def test_which_models_fuse() -> None:
     prompts, completions = batch()
     with pytest.raises(ValueError, match=r"^the fused LM head needs one of \['LlamaForCausalLM', "):
         completion_logprobs(gpt2, prompts, completions, PAD, fused=True)
+
+
+def test_blocks_are_larger_on_a_gpu_where_each_one_costs_a_pass_over_the_heads_weight() -> None:
+    qwen_vocab, micro_batch = 151_936, (32, 256)  # Qwen2.5-0.5B, 32 rows of 256 completion tokens
+    assert block_positions(qwen_vocab) == block_positions(qwen_vocab, "cpu") == 55
+    assert block_positions(qwen_vocab, torch.device("cuda", 1)) == 441
+    assert len(position_blocks(*micro_batch, block_positions(qwen_vocab))) == 32 * 5
+    assert len(position_blocks(*micro_batch, block_positions(qwen_vocab, "cuda"))) == 32  # a whole row each
+    assert block_positions(10**9, "cuda") == 1

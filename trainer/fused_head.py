@@ -95,7 +95,7 @@ class _FusedSelectiveLogSoftmax(torch.autograd.Function):
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         cast = weight.to(dtype) if dtype is not None else weight
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-            for r, c in position_blocks(rows, columns, block_positions(weight.shape[0])):
+            for r, c in position_blocks(rows, columns, block_positions(weight.shape[0], weight.device)):
                 log_probs = block_log_probs(_logits(hidden[r, c], cast, dtype), temperature)
                 logp[r, c] = log_probs.gather(-1, tokens[r, c].unsqueeze(-1)).squeeze(-1)
                 if with_entropy:
@@ -113,7 +113,7 @@ class _FusedSelectiveLogSoftmax(torch.autograd.Function):
         rows, columns = tokens.shape
         with torch.enable_grad(), torch.autocast(hidden.device.type, enabled=False):
             cast = (weight.to(ctx.dtype) if ctx.dtype is not None else weight).detach().requires_grad_()
-            for r, c in position_blocks(rows, columns, block_positions(weight.shape[0])):
+            for r, c in position_blocks(rows, columns, block_positions(weight.shape[0], weight.device)):
                 block = hidden[r, c].detach().requires_grad_()
                 log_probs = block_log_probs(_logits(block, cast, ctx.dtype), ctx.temperature)
                 chosen = log_probs.gather(-1, tokens[r, c].unsqueeze(-1)).squeeze(-1)

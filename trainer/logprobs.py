@@ -72,7 +72,7 @@ def selective_log_softmax(
     """log softmax(logits / temperature)[token] in float32 [R, T], for `tokens` [R, T] and the first T
     positions of `logits` [R, W >= T, V] (any float dtype), `positions` per block (default `block_positions`).
     Differentiable in `logits`; autograd keeps `logits` itself, no float32 full-vocabulary copy."""
-    positions = positions or block_positions(logits.shape[-1])
+    positions = positions or block_positions(logits.shape[-1], logits.device)
     return _SelectiveLogSoftmax.apply(logits, tokens, temperature, positions, False)[0]
 
 
@@ -81,7 +81,7 @@ def log_probs_and_entropy(
 ) -> tuple[Tensor, Tensor]:
     """`selective_log_softmax` (differentiable, when gradients are on) and the entropy -Σ_v π log π [R, T] of each
     position's distribution (never differentiable), both from the same block, which is freed before the next."""
-    positions = positions or block_positions(logits.shape[-1])
+    positions = positions or block_positions(logits.shape[-1], logits.device)
     logp, entropy = _SelectiveLogSoftmax.apply(logits, tokens, temperature, positions, True)
     return logp, entropy
 
