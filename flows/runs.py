@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rlvr import progress
-from rlvr.errors import Terminated, UserError, environment_failure
+from rlvr.errors import Stopped, UserError, environment_failure
 from rlvr.flows import openlineage_events
 from rlvr.flows.prefect_env import configure_prefect, quiet_run_failure_logs
 from rlvr.storage.errors import DamagedFile
@@ -149,7 +149,7 @@ def _tracked_body(
     openlineage_events.run_event(store_root, cfg.run_id, "START")
     started = time.monotonic()
     try:
-        with _sigterm_raises_terminated(), tracker:
+        with _sigterm_raises_stopped(), tracker:
             result = body()
     except BaseException as exc:
         stage, step = failed_stage(exc) or (None, None)
@@ -159,13 +159,15 @@ def _tracked_body(
         except OSError:
             pass
         openlineage_events.run_event(store_root, cfg.run_id, "FAIL", exc)
-        if isinstance(exc, (KeyboardInterrupt, Terminated)):
+        if isinstance(exc, (KeyboardInterrupt, Stopped)):
             how = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc)
             progress.report(
                 "warning",
                 message=f"run {cfg.run_id!r} {how}; what it committed is intact: "
                 f"`{_resume_command(cfg.run_id, store_root)}` continues from there",
             )
+            if isinstance(exc, KeyboardInterrupt):  # past Typer, which would exit after the stage threads
+                raise Stopped(how, 128 + signal.SIGINT) from exc
         machine = environment_failure(exc) or _disk_full(store)
         if machine is not None:
             raise UserError(
@@ -183,17 +185,17 @@ def _resume_command(run_id: str, store_root: str) -> str:
 
 
 @contextmanager
-def _sigterm_raises_terminated() -> Iterator[None]:
-    """In the main thread, SIGTERM raises `Terminated` while the block runs. Prefect's flow engine handles the
+def _sigterm_raises_stopped() -> Iterator[None]:
+    """In the main thread, SIGTERM raises `Stopped` while the block runs. Prefect's flow engine handles the
     signal first (it records the flow run as crashed), then sends it again to the handler it found: this one."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def raise_terminated(signum: int, _frame: Any) -> None:
-        raise Terminated(f"stopped by {signal.Signals(signum).name}")
+    def raise_stopped(signum: int, _frame: Any) -> None:
+        raise Stopped(f"stopped by {signal.Signals(signum).name}", 128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    previous = signal.signal(signal.SIGTERM, raise_stopped)
     try:
         yield
     finally:

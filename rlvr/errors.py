@@ -5,7 +5,7 @@ import errno
 
 __all__ = [
     "ConfigError",
-    "Terminated",
+    "Stopped",
     "UserError",
     "environment_failure",
 ]
@@ -19,9 +19,15 @@ class ConfigError(UserError):
     """The run configuration is malformed (unknown key, wrong type, bad value)."""
 
 
-class Terminated(BaseException):
-    """SIGTERM reached a run (`timeout`, a batch scheduler, a container stopping): raised in the main thread so
-    that the run unwinds as after Ctrl-C (its record says failed, its lease is released), then the CLI exits."""
+class Stopped(BaseException):
+    """A run stopped by a signal: SIGTERM (`timeout`, a batch scheduler, a container stopping), raised in the main
+    thread, or Ctrl-C. It unwinds the run (its record says failed, its lease is released), then the CLI exits with
+    `status` at once, without waiting for stage threads still computing: the store is safe to leave at any
+    moment, as after SIGKILL."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def environment_failure(exc: BaseException) -> str | None:

@@ -265,6 +265,12 @@ def _server_and_worker_up(family: dict[int, int]) -> bool:
     return any(SERVER_MARK in command for command in commands.values()) and bool(workers)
 
 
+DEFAULT_SIGINT_THEN_EXEC = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
 def _start_run_until_server_and_worker_are_up(
     tmp_path: Path, *, own_group: bool = False
 ) -> tuple[subprocess.Popen[bytes], dict[int, int], Path]:
@@ -277,10 +283,13 @@ def _start_run_until_server_and_worker_are_up(
     args = ["run", "--store", str(tmp_path / "store"), "--run-id", "children"]
     for override in [*TINY_OVERRIDES, "train.steps=60"]:
         args += ["--set", override]
+    command = rlvr_command(*args)
+    if own_group:  # a shell's background job (`make test &`) ignores SIGINT, and a child inherits that: not the run
+        command = [sys.executable, "-c", DEFAULT_SIGINT_THEN_EXEC, *command[1:]]
     log = tmp_path / "run.log"
     with open(log, "w") as stderr:
         run = subprocess.Popen(
-            rlvr_command(*args),
+            command,
             cwd=REPO,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -317,7 +326,7 @@ def test_sigkilled_run_leaves_no_process(tmp_path):
 @pytest.mark.parametrize(
     ("signum", "status", "said", "error"),
     [
-        (signal.SIGTERM, 143, "run 'children' stopped by SIGTERM; what it committed", "Terminated: stopped by SIGTERM"),
+        (signal.SIGTERM, 143, "run 'children' stopped by SIGTERM; what it committed", "Stopped: stopped by SIGTERM"),
         (signal.SIGINT, 130, "run 'children' interrupted; what it committed", "KeyboardInterrupt: "),
     ],
 )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -17,7 +16,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from rlvr.errors import Terminated, UserError, environment_failure
+from rlvr.errors import Stopped, UserError, environment_failure
 from rlvr.flows.cli.common import StoreOption, flow_store, open_existing, store_root, with_progress
 
 app = typer.Typer(
@@ -468,5 +467,7 @@ def main() -> None:
             raise
         err.print(f"error: {line}: fix that and run the command again", markup=False, highlight=False)
         sys.exit(2)
-    except Terminated:  # a run stopped by SIGTERM, which has said how to resume it (Typer turns Ctrl-C into 130)
-        sys.exit(128 + signal.SIGTERM)
+    except Stopped as exc:  # a run stopped by a signal, which has said how to resume it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exc.status)
