@@ -69,8 +69,11 @@ def manifest_count(store: Path) -> int:
 
 
 def committed(store: Path, kind: str) -> int:
+    """Manifests of `kind` in place (a manifest being written is a `.json.tmp-...` file until it is renamed)."""
     try:
-        return sum(1 for name in os.listdir(store / "manifests") if name.startswith(f"{kind}-"))
+        return sum(
+            1 for name in os.listdir(store / "manifests") if name.startswith(f"{kind}-") and name.endswith(".json")
+        )
     except FileNotFoundError:
         return 0
 
