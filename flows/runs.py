@@ -166,8 +166,6 @@ def _tracked_body(
                 message=f"run {cfg.run_id!r} {how}; what it committed is intact: "
                 f"`{_resume_command(cfg.run_id, store_root)}` continues from there",
             )
-            if isinstance(exc, KeyboardInterrupt):  # past Typer, which would exit after the stage threads
-                raise Stopped(how, 128 + signal.SIGINT) from exc
         machine = environment_failure(exc) or _disk_full(store)
         if machine is not None:
             raise UserError(

@@ -20,10 +20,10 @@ class ConfigError(UserError):
 
 
 class Stopped(BaseException):
-    """A run stopped by a signal: SIGTERM (`timeout`, a batch scheduler, a container stopping), raised in the main
-    thread, or Ctrl-C. It unwinds the run (its record says failed, its lease is released), then the CLI exits with
-    `status` at once, without waiting for stage threads still computing: the store is safe to leave at any
-    moment, as after SIGKILL."""
+    """A run stopped by a signal: SIGTERM (`timeout`, a batch scheduler, a container stopping), raised in the run's
+    main thread, or Ctrl-C, which the CLI turns into this. It unwinds the run (its record says failed, its lease
+    is released), then the CLI exits with `status` at once, without waiting for stage threads still computing:
+    the store is safe to leave at any moment, as after SIGKILL."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)

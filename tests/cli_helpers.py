@@ -44,3 +44,14 @@ def wait_for(
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}{tail}")
         time.sleep(every)
     return value
+
+
+def committed(store: Path, kind: str = "") -> int:
+    """Manifests (of `kind`, when given) in a local store's manifests folder, counted by a listing (cheaper than
+    opening the store, which a kill test polls every few ms); a manifest still being written is a
+    `.json.tmp-...` file until it is renamed, and does not count."""
+    try:
+        names = os.listdir(store / "manifests")
+    except FileNotFoundError:
+        return 0
+    return sum(1 for name in names if name.startswith(f"{kind}-" if kind else "") and name.endswith(".json"))

@@ -15,7 +15,6 @@ of the two stores are the same.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
@@ -26,7 +25,7 @@ import pytest
 
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
-from tests.cli_helpers import REPO, cli_env, rlvr_command
+from tests.cli_helpers import REPO, cli_env, committed, rlvr_command
 
 pytestmark = pytest.mark.slow
 
@@ -59,23 +58,6 @@ def start(command: str, store: Path, env: dict[str, str], extra: tuple[str, ...]
     return subprocess.Popen(
         rlvr_command(*args), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-
-
-def manifest_count(store: Path) -> int:
-    try:
-        return sum(1 for name in os.listdir(store / "manifests") if name.endswith(".json"))
-    except FileNotFoundError:
-        return 0
-
-
-def committed(store: Path, kind: str) -> int:
-    """Manifests of `kind` in place (a manifest being written is a `.json.tmp-...` file until it is renamed)."""
-    try:
-        return sum(
-            1 for name in os.listdir(store / "manifests") if name.startswith(f"{kind}-") and name.endswith(".json")
-        )
-    except FileNotFoundError:
-        return 0
 
 
 def generation_ahead(store: Path) -> bool:
@@ -149,11 +131,11 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api, async_l
 
     ref = start("run", reference, env, extra)
     assert ref.wait(timeout=600) == 0, ref.stderr.read()
-    total = manifest_count(reference)
+    total = committed(reference)
     assert total > 40
 
     moments: list[Callable[[], bool]] = [lambda: between_difficulty_shards(killed)]
-    moments += [lambda f=f: manifest_count(killed) >= int(total * f) for f in (0.35, 0.55, 0.75, 0.9)]
+    moments += [lambda f=f: committed(killed) >= int(total * f) for f in (0.35, 0.55, 0.75, 0.9)]
     if async_level:
         moments.insert(3, lambda: generation_ahead(killed))
     missed = []

@@ -3,7 +3,6 @@ stored states is rebuilt by replaying the committed updates after the older one,
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
@@ -14,7 +13,7 @@ import pytest
 from rlvr.storage.policy_chain import PolicyChain, policy_chain, weights_needed
 from rlvr.storage.stage import _replace_transient, prune_transient, rows_to_table
 from rlvr.storage.store import Store
-from tests.cli_helpers import REPO, cli_env, rlvr_command
+from tests.cli_helpers import REPO, cli_env, committed, rlvr_command
 
 RUN = "r"
 
@@ -115,15 +114,6 @@ def _final_weights(store: Path) -> bytes:
     return s.read_file(final.artifact_id, "model.safetensors")
 
 
-def _committed_train_steps(store: Path) -> int:
-    try:
-        return sum(
-            1 for name in os.listdir(store / "manifests") if name.startswith("train_steps-") and name.endswith(".json")
-        )
-    except FileNotFoundError:
-        return 0
-
-
 def _train_steps(store: Path) -> dict[int, str]:
     return {m.step or 0: m.artifact_id for m in Store.open(str(store)).manifests(kind="train_steps")}
 
@@ -141,7 +131,7 @@ def test_a_run_killed_between_stored_states_resumes_to_the_same_weights(tmp_path
         _command(killed, "train.state_every=3"), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     deadline = time.monotonic() + 300
-    while _committed_train_steps(killed) < 4:  # a listing, not a Store: a tiny step takes less than opening one
+    while committed(killed, "train_steps") < 4:  # a listing, not a Store: a tiny step takes less than opening one
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 4 committed"
         time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)

@@ -6,12 +6,12 @@ import torch
 from torch import Tensor
 
 BLOCK_BYTES = 32 * 2**20  # float32 bytes of one block of full-vocabulary log-probs (a few such temporaries live)
-# On a GPU a block costs a pass over the LM head's weight in the fused head (its forward, its recomputation, and a
-# [V, H] gradient added to a float32 sum), whatever the block's size: at Qwen2.5-0.5B's 151,936 tokens, 32 MiB
-# blocks were 55 positions, 160 blocks per 32-row micro-batch, about 0.2 TB of memory traffic per micro-batch,
-# which matches the 1.3 s a step the fused head cost on an H200 (2026-11-27). 256 MiB blocks are 441 positions,
-# one whole row of 256 tokens (32 blocks, 5x fewer; about 0.8 GB of temporaries in the backward, beside the
-# 2.5 GB of logits the fused head saves). Not yet measured on a GPU.
+# On a GPU each block of the fused head costs a pass over the LM head's weight (forward, recomputation, and a
+# [V, H] gradient added to a float32 sum), whatever its size. At Qwen2.5-0.5B's 151,936 tokens 32 MiB blocks are
+# 55 positions, 160 per 32-row micro-batch: about 2 GB of traffic a block, 5-6 TB a step of 16 micro-batches,
+# about 1.2 s at an H200's 4.8 TB/s, close to the 1.5 s by which its training trailed TRL's (2026-11-27).
+# 256 MiB blocks hold one 256-token row (32 blocks, 5x fewer; under 1 GB of temporaries in the backward, beside
+# the 2.5 GB of logits the fused head saves). Not yet measured on a GPU.
 CUDA_BLOCK_BYTES = 256 * 2**20
 
 

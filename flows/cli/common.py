@@ -4,10 +4,13 @@ flow, and the progress bar over a run's progress events."""
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
+
+from rlvr.errors import Stopped
 
 if TYPE_CHECKING:  # the store's modules load pyarrow and fsspec, rich's progress more: not for `rlvr --help`
     from rich.progress import Progress
@@ -47,7 +50,8 @@ def flow_store(store: str | None) -> str:
 
 def with_progress(start: Callable[[], T], bar: Progress, update: Callable[[str, dict[str, Any]], None]) -> T:
     """`start()` under `bar`, shown from the run's first progress event on (a run refused at once shows only its
-    one-line error); warnings print above the bar, every other event goes to `update`."""
+    one-line error); warnings print above the bar, every other event goes to `update`. Ctrl-C becomes `Stopped`
+    (exit 130 at once), which Typer does not catch: it would turn it into an exit that waits for stage threads."""
     from rlvr import progress
 
     def listener(event: str, fields: dict[str, Any]) -> None:
@@ -61,6 +65,8 @@ def with_progress(start: Callable[[], T], bar: Progress, update: Callable[[str, 
     progress.listen(listener)
     try:
         return start()
+    except KeyboardInterrupt as exc:
+        raise Stopped("interrupted", 128 + signal.SIGINT) from exc
     finally:
         progress.stop_listening(listener)
         if bar.live.is_started:
