@@ -55,6 +55,7 @@ from rlvr.tasks.train import TRAIN
 from rlvr.tasks.update import UPDATE
 from rlvr.tasks.warmstart import WARMSTART
 from rlvr.trainer.checkpoints import keep_snapshots, weights_artifact
+from rlvr.trainer.devices import own_stream, resolve_device
 from rlvr.trainer.policy import set_threads
 
 log = logging.getLogger(__name__)
@@ -322,8 +323,8 @@ def _after_step(store: str, cfg: RunConfigBase, step: int, refs: StepRefs, metri
 def rl_generate(store: str, cfg: RunConfigBase, step: int, refs: StepRefs, sampler: Sampler) -> tuple[Generated, str]:
     """The sampling half of a step under flow.async_level with flow.sampler=thread, on a worker thread beside
     the trainer: its rounds (sampled by `sampler`) and the selection state after their outcomes, committed
-    as one group."""
-    with open_store(store).batch(background=True):
+    as one group. On a GPU its kernels go to a stream of their own (`own_stream`), beside the trainer's."""
+    with own_stream(resolve_device(cfg.policy.device)), open_store(store).batch(background=True):
         at = run_context(store, cfg, step)
         made = _generate(at, cfg, refs, sampler)
         return made, _update_state(at, cfg, refs, made).id

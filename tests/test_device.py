@@ -8,6 +8,7 @@ parsing of `cuda:N` is under test).
 from __future__ import annotations
 
 import tempfile
+import threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -147,6 +148,35 @@ def test_usage_on_the_cpu_names_it_and_has_no_peak():
     policy = init_policy(PolicyConfig(), seed=0)
     assert devices.stage_device(None) == CPU and devices.stage_device("cpu") == CPU
     assert devices.usage(policy.model) == {"device": "cpu", "peak_memory_bytes": None}
+
+
+def test_own_stream_on_the_cpu_runs_the_block_as_it_is():
+    ran = []
+    with devices.own_stream(CPU):
+        ran.append(torch.ones(3).sum().item())
+    assert ran == [3.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_own_stream_gives_a_thread_a_stream_that_sees_the_work_queued_before_it():
+    """flow.sampler=thread: the sampler's kernels leave the default stream, yet read the policy copy that the
+    trainer's thread queued there just before (a large fill, so it is still running when the thread starts)."""
+    device = torch.device("cuda", 0)
+    copied = torch.empty(8192, 8192, device=device)
+    copied.fill_(2.0)  # queued on the default stream
+    seen: dict[str, object] = {}
+
+    def sampler() -> None:
+        with devices.own_stream(device):
+            seen["own"] = torch.cuda.current_stream(device) != torch.cuda.default_stream(device)
+            seen["sum"] = copied.sum().item()
+        seen["after"] = torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
+
+    thread = threading.Thread(target=sampler)
+    thread.start()
+    thread.join()
+    assert seen == {"own": True, "sum": 2.0 * 8192 * 8192, "after": True}
 
 
 # ----- a real run: every model stage asks for the run's device, and records where its model ran ----------

@@ -405,6 +405,7 @@ def test_sampling_precision_is_the_weights_on_the_cpu_unless_bf16_is_asked():
     assert not torch.is_autocast_enabled("cpu")
     with sampling_autocast(policy, "bf16"):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert not torch.is_autocast_cache_enabled()  # no bf16 copy of the weights held through decoding
     with sampling_autocast(policy):
         assert not torch.is_autocast_enabled("cpu")
     assert "precision" not in TransformersEngineConfig().model_dump()

@@ -12,6 +12,8 @@ and, for the update, in `train_steps`.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -93,3 +95,22 @@ def usage(model: torch.nn.Module) -> dict[str, Any]:
     since `stage_device` (None on the CPU)."""
     device = model_device(model)
     return {"device": str(device), "peak_memory_bytes": peak_memory(device)}
+
+
+@contextmanager
+def own_stream(device: torch.device) -> Iterator[None]:
+    """On a CUDA device, the calling thread's kernels go to a CUDA stream of their own until the block ends, so
+    that they can run beside another thread's on the same GPU instead of queueing behind them on the default
+    stream (flow.sampler=thread: the sampler's decoding beside the trainer's update). The stream first waits for
+    the work queued so far (the policy copy the sampler reads), and the block ends only once its own work is
+    done, so nothing it made is read or freed while a kernel still uses it. Elsewhere nothing changes."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        stream.synchronize()
