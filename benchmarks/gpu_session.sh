@@ -9,7 +9,8 @@
 # vs-trl: benchmarks/gpu_vs_trl.py (whole rlvr run against TRL GRPOTrainer, the 0.5B shape, 64 x 8 x 256 tokens);
 # throughput: benchmarks/gpu_throughput.py with the transformers engine (vLLM cannot be carried there);
 # ours: the vs-trl run without TRL (the fused LM head on, its CUDA default); logits: ours with the full-logits loss
-# pass (train.grpo.fused_head=false), to compare; static: ours with rollout.cache=static (compiled static KV cache);
+# pass (train.grpo.fused_head=false), to compare; static: ours with rollout.cache=static (compiled static KV cache;
+# 200 s did not reach its steady steps on 2026-11-26: each new batch shape compiles);
 # async1/async2: ours with rollouts overlapped with training (flow.async_level=1 or 2: a sampler process beside the
 # trainer on the same GPU, so the per-stage peaks undercount the device's: smi.csv polls nvidia-smi's total);
 # thread1: async1 with flow.sampler=thread (the sampler a thread of the run's process, on a CUDA stream of its own,
@@ -67,7 +68,7 @@ for part in "${parts[@]}"; do
         timeout -k 10 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_device.py tests/test_grpo_memory.py 2>&1 | tail -40 | tee "$OUT/gpu-tests.txt"
         ;;
     logits) vs_trl logits 200 --warmup 1 --steps 2 --no-trl --set train.grpo.fused_head=false ;;
-    static) vs_trl static 200 --warmup 1 --steps 2 --no-trl --set rollout.cache=static ;;
+    static) vs_trl static 400 --warmup 1 --steps 2 --no-trl --set rollout.cache=static ;;
     *) echo "unknown part $part" ;;
     esac
 done
