@@ -161,22 +161,25 @@ def test_own_stream_on_the_cpu_runs_the_block_as_it_is():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_own_stream_gives_a_thread_a_stream_that_sees_the_work_queued_before_it():
     """flow.sampler=thread: the sampler's kernels leave the default stream, yet read the policy copy that the
-    trainer's thread queued there just before (a large fill, so it is still running when the thread starts)."""
+    trainer's thread queued there just before; the stream is kept for the next step."""
     device = torch.device("cuda", 0)
-    copied = torch.empty(8192, 8192, device=device)
-    copied.fill_(2.0)  # queued on the default stream
+    copied = torch.empty(4096, 4096, device=device)
+    copied.fill_(1.0)  # queued on the default stream (a sum of 2**24 ones is exact in float32)
     seen: dict[str, object] = {}
 
     def sampler() -> None:
         with devices.own_stream(device):
-            seen["own"] = torch.cuda.current_stream(device) != torch.cuda.default_stream(device)
+            stream = torch.cuda.current_stream(device)
+            seen["own"] = stream != torch.cuda.default_stream(device)
             seen["sum"] = copied.sum().item()
         seen["after"] = torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
+        with devices.own_stream(device):
+            seen["same stream next time"] = torch.cuda.current_stream(device) == stream
 
     thread = threading.Thread(target=sampler)
     thread.start()
     thread.join()
-    assert seen == {"own": True, "sum": 2.0 * 8192 * 8192, "after": True}
+    assert seen == {"own": True, "sum": 2.0**24, "after": True, "same stream next time": True}
 
 
 # ----- a real run: every model stage asks for the run's device, and records where its model ran ----------

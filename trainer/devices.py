@@ -12,6 +12,7 @@ and, for the update, in `train_steps`.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -97,17 +98,27 @@ def usage(model: torch.nn.Module) -> dict[str, Any]:
     return {"device": str(device), "peak_memory_bytes": peak_memory(device)}
 
 
+_streams: dict[torch.device, Any] = {}  # own_stream's, one per CUDA device
+_streams_lock = threading.Lock()
+
+
 @contextmanager
 def own_stream(device: torch.device) -> Iterator[None]:
     """On a CUDA device, the calling thread's kernels go to a CUDA stream of their own until the block ends, so
     that they can run beside another thread's on the same GPU instead of queueing behind them on the default
     stream (flow.sampler=thread: the sampler's decoding beside the trainer's update). The stream first waits for
     the work queued so far (the policy copy the sampler reads), and the block ends only once its own work is
-    done, so nothing it made is read or freed while a kernel still uses it. Elsewhere nothing changes."""
+    done, so nothing it made is read or freed while a kernel still uses it. Elsewhere nothing changes.
+
+    One stream per device for the process's life: torch's caching allocator keeps freed memory for the stream
+    that allocated it, so a new stream each step would leave each step's generation memory cached apart."""
     if device.type != "cuda":
         yield
         return
-    stream = torch.cuda.Stream(device)
+    with _streams_lock:
+        if device not in _streams:
+            _streams[device] = torch.cuda.Stream(device)
+        stream = _streams[device]
     stream.wait_stream(torch.cuda.current_stream(device))
     try:
         with torch.cuda.stream(stream):
