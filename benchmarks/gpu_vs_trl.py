@@ -47,10 +47,10 @@ tokens, rows x (prompt + completion width), so it is set to micro-batch x (promp
 `per_device_train_batch_size`), the transformers generation engine (`rollout.type=transformers`; TRL without
 vLLM), the device (`policy.device`; TRL on cuda, or `use_cpu`) and the same torch threads (`policy.threads`;
 `torch.set_num_threads`). Differences that remain, by design of each trainer: TRL samples under accelerate's
-bf16 autocast (its `bf16=True` wraps the model's forward) where ours samples in the weights' dtype (`policy.dtype`,
-float32; `--set policy.dtype=bfloat16` stores the weights in bf16 instead); ours computes the old log-probs in a
-no-grad pass before the update where TRL, with generation aligned to the optimizer step, reuses the detached
-log-probs of the loss pass; both loss passes apply the LM head without keeping the full logits (TRL's fused
+bf16 autocast entered per forward call (its `bf16=True` wraps the model's forward) where ours enters it once per
+`generate` (`rollout.precision: auto`: float32 weights on a GPU decode under bf16 autocast, without its cast cache;
+`--set policy.dtype=bfloat16` stores the weights in bf16 instead); both take π_old from the loss pass's detached
+log-probs when a step makes one update; both loss passes apply the LM head without keeping the full logits (TRL's fused
 head; ours `train.grpo.fused_head`, on by default on CUDA since 2026-11-26, after the figures of that date); ours
 shares each prompt's key/value cache across its group while sampling; ours commits every artifact of every step
 (rollouts, rewards, metrics) where TRL keeps everything in memory, and the weights and optimizer state (~6 GB at
