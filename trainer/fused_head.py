@@ -66,11 +66,12 @@ def completion_hidden(decoder: nn.Module, prompt_ids: Tensor, completion_ids: Te
     return hidden[:, start : start + completion_ids.shape[1]]
 
 
-def _logits(hidden: Tensor, weight: Tensor, dtype: torch.dtype | None) -> Tensor:
-    """One block's logits as the head computes them, under autocast `dtype` (inputs cast, output in `dtype`)."""
-    if dtype is None:
-        return hidden @ weight.t()
-    return hidden.to(dtype) @ weight.t()
+def _block(hidden: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """One block's hidden states as a [P, H] matrix in the matmul's dtype. A block that is part of a row is not
+    contiguous in [R, T, H]; `[P, H] @ [H, V]` stays one matrix product where a 3-d block would make `matmul` copy
+    the head's weight for a batched product (seen on the CPU: most of a block's time)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return flat if dtype is None else flat.to(dtype)
 
 
 class _FusedSelectiveLogSoftmax(torch.autograd.Function):
@@ -96,10 +97,11 @@ class _FusedSelectiveLogSoftmax(torch.autograd.Function):
         cast = weight.to(dtype) if dtype is not None else weight
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
             for r, c in position_blocks(rows, columns, block_positions(weight.shape[0], weight.device)):
-                log_probs = block_log_probs(_logits(hidden[r, c], cast, dtype), temperature)
-                logp[r, c] = log_probs.gather(-1, tokens[r, c].unsqueeze(-1)).squeeze(-1)
+                shape = tokens[r, c].shape
+                log_probs = block_log_probs(_block(hidden[r, c], dtype) @ cast.t(), temperature)
+                logp[r, c] = log_probs.gather(-1, tokens[r, c].reshape(-1, 1)).reshape(shape)
                 if with_entropy:
-                    entropy[r, c] = -log_probs.exp().mul_(log_probs).sum(dim=-1)
+                    entropy[r, c] = -log_probs.exp().mul_(log_probs).sum(dim=-1).reshape(shape)
                 del log_probs
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -111,16 +113,28 @@ class _FusedSelectiveLogSoftmax(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         rows, columns = tokens.shape
-        with torch.enable_grad(), torch.autocast(hidden.device.type, enabled=False):
-            cast = (weight.to(ctx.dtype) if ctx.dtype is not None else weight).detach().requires_grad_()
+        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+            cast = weight.to(ctx.dtype) if ctx.dtype is not None else weight
             for r, c in position_blocks(rows, columns, block_positions(weight.shape[0], weight.device)):
-                block = hidden[r, c].detach().requires_grad_()
-                log_probs = block_log_probs(_logits(block, cast, ctx.dtype), ctx.temperature)
-                chosen = log_probs.gather(-1, tokens[r, c].unsqueeze(-1)).squeeze(-1)
-                grad_block, grad_w = torch.autograd.grad(chosen, (block, cast), grad[r, c])
-                grad_hidden[r, c] = grad_block
-                grad_weight += grad_w  # float32 sums of the (possibly bf16) block gradients
+                block = _block(hidden[r, c], ctx.dtype)
+                grad_logits = _logit_gradient(
+                    block @ cast.t(), tokens[r, c].reshape(-1), grad[r, c].reshape(-1), ctx.temperature
+                )
+                grad_hidden[r, c] = (grad_logits @ cast).reshape(hidden[r, c].shape)
+                grad_weight += grad_logits.t() @ block  # float32 sums of the (possibly bf16) block gradients
+                del grad_logits
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def _logit_gradient(logits: Tensor, tokens: Tensor, grad: Tensor, temperature: float) -> Tensor:
+    """The gradient of Σ grad · log softmax(logits / T)[token] in the logits: grad / T · (onehot(token) -
+    softmax(logits / T)), in the logits' dtype. Written out rather than left to autograd, which would make a
+    vocabulary-sized gradient for the gather, another for the log-softmax and a third for the cast: about 2.5x
+    the float32 temporaries a block (on a GPU blocks are 256 MiB of them), for the same numbers up to rounding."""
+    scale = (grad / temperature).unsqueeze(-1)
+    probs = block_log_probs(logits, temperature).exp_()
+    probs.mul_(-scale).scatter_add_(-1, tokens.unsqueeze(-1), scale)
+    return probs.to(logits.dtype)
 
 
 def fused_logprobs_and_entropy(
