@@ -210,6 +210,15 @@ def hint_audit(ask) -> str:
     )
 
 
+def uniform_budgets(root: Path, seeds: list[int], target: float) -> dict[int, int | None]:
+    """Each seed's budget: the rollouts uniform selection spent, from its store under `root` (run in this call or
+    an earlier one); None for every seed (each run's figures at its own end) when a seed has no uniform run."""
+    if all(store_path(root, "uniform", s).exists() for s in seeds):
+        return {s: figures(root, "uniform", s, None, target)["rollouts"] for s in seeds}
+    print(f"no uniform run under {root} for every seed: figures at each run's end, no ratios against uniform")
+    return dict.fromkeys(seeds)
+
+
 def summarise(results: dict[str, list[dict]]) -> None:
     print(f"{'method':18}{'eff. ratio':>12}{'rollouts to target':>22}{'acc at budget':>22}{'wall s':>9}")
     for method, rows in results.items():
@@ -224,6 +233,8 @@ def summarise(results: dict[str, list[dict]]) -> None:
         acc = f"{statistics.mean(accs):.2f} ({min(accs):.2f}-{max(accs):.2f})" if accs else "n/a"
         wall = statistics.mean(r["seconds"] for r in rows)
         print(f"{method:18}{eff:>12.3f}{to_target:>22}{acc:>22}{wall:>9.0f}")
+    if "uniform" not in results:
+        return
     base = results["uniform"]
     base_eff = statistics.mean(r["effective_ratio"] for r in base)
     if "knapsack" in results:
@@ -260,7 +271,7 @@ def main() -> None:
         with ThreadPoolExecutor(args.parallel) as pool:
             runs = pool.map(lambda j: run_one(root, *j, args.steps, args.every, args.overrides, args.config), jobs)
             seconds = dict(zip(jobs, runs))
-    budgets = {s: figures(root, "uniform", s, None, args.target)["rollouts"] for s in args.seeds}
+    budgets = uniform_budgets(root, args.seeds, args.target)
     results = {
         m: [{**figures(root, m, s, budgets[s], args.target), "seconds": seconds[(m, s)]} for s in args.seeds]
         for m in args.methods
