@@ -5,7 +5,7 @@
 # There, from the checkout's root with `gpu` carried (device tool: carry ["gpu"]):
 #     bash benchmarks/gpu_session.sh [part ...]      parts: vs-trl throughput ours async1 async2 thread1 logits
 #                                                    static gpu-tests (default: vs-trl throughput)
-# Not measured yet on a GPU (2026-11-27), in the order to run them: `vs-trl thread1 gpu-tests` (about 10 min).
+# Not measured yet on a GPU (2026-11-27), in the order to run them: `vs-trl thread1 gpu-tests` (at most 12 min: each part's limit).
 # vs-trl: benchmarks/gpu_vs_trl.py (whole rlvr run against TRL GRPOTrainer, the 0.5B shape, 64 x 8 x 256 tokens);
 # throughput: benchmarks/gpu_throughput.py with the transformers engine (vLLM cannot be carried there);
 # ours: the vs-trl run without TRL (the fused LM head on, its CUDA default); logits: ours with the full-logits loss
