@@ -182,6 +182,17 @@ def test_own_stream_gives_a_thread_a_stream_that_sees_the_work_queued_before_it(
     assert seen == {"own": True, "sum": 2.0**24, "after": True, "same stream next time": True}
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_optimizer_on_a_gpu_is_fused_and_steps():
+    policy = init_policy(PolicyConfig(device="cuda"), seed=0)
+    optimizer = make_optimizer(policy, lr=1e-2, weight_decay=0.0)
+    assert optimizer.param_groups[0]["fused"] is True
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    sft_warmstart(policy, optimizer, [("1+1=", "2"), ("2+2=", "4")], steps=1, batch_size=2, seed=0)
+    assert all(not torch.equal(a, p) for a, p in zip(before, policy.model.parameters(), strict=True))
+
+
 # ----- a real run: every model stage asks for the run's device, and records where its model ran ----------
 
 

@@ -8,6 +8,7 @@ vocabulary-sized tensors dominate as they do at 0.5B parameters, yet a step take
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -309,14 +310,19 @@ def _wide_batch(groups: int, completion_tokens: int = 8) -> RolloutBatch:
 
 
 def _peak_bytes(groups: int, micro_batch_tokens: int | None) -> int:
-    """Highest CPU bytes allocated during one grpo_step with a reference (three passes), above those allocated
-    before it: the running sum of the allocations and frees that the profiler records, in time order."""
+    """Highest CPU bytes allocated during one grpo_step with a reference (three passes) (`peak_allocated`)."""
     policy, reference = _qwen_vocab_policy(0), _qwen_vocab_policy(1)
     optimizer = make_optimizer(policy, 1e-3, 0.0)
     cfg = GRPOConfig(kl_beta=0.1, micro_batch_tokens=micro_batch_tokens)
     batch = _wide_batch(groups)
+    return peak_allocated(lambda: grpo_step(policy, optimizer, batch, cfg, reference))
+
+
+def peak_allocated(call: Callable[[], object]) -> int:
+    """Highest CPU bytes allocated while `call` runs, above those allocated before it: the running sum of the
+    allocations and frees that the profiler records, in time order."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        grpo_step(policy, optimizer, batch, cfg, reference)
+        call()
     events = profiler.profiler.kineto_results.events()
     changes = sorted((event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]")
     allocated = peak = 0

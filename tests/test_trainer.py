@@ -175,6 +175,31 @@ def test_optimizer_state_round_trip_is_exact(policy):
         assert torch.equal(a, b), name
 
 
+def test_a_loaded_optimizer_keeps_its_own_kernel(policy):
+    """A GPU's optimizer is fused and a CPU's is not (`make_optimizer`); state saved by one loads into the other
+    without taking its kernel along, and continues the same moments (fused and the loop differ in rounding)."""
+    examples = ADDITION[:30]
+    saver = make_optimizer(policy, 3e-3, 0.01)
+    sft_warmstart(policy, saver, examples, steps=3, batch_size=8, seed=0)
+    assert saver.param_groups[0]["fused"] is None
+    files, state = policy_files(policy), optimizer_state_bytes(saver)
+
+    restored = policy_from_files(files)
+    trainable = [p for p in restored.model.parameters() if p.requires_grad]
+    fused = torch.optim.AdamW(trainable, lr=3e-3, weight_decay=0.01, fused=True)  # what a GPU's would be
+    load_optimizer_state(fused, state)
+    assert fused.param_groups[0]["fused"] is True
+    assert {s["step"].item() for s in fused.state.values()} == {3.0}
+    sft_warmstart(policy, saver, examples, steps=2, batch_size=8, seed=1)
+    sft_warmstart(restored, fused, examples, steps=2, batch_size=8, seed=1)
+    for (name, a), b in zip(policy.model.state_dict().items(), restored.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=name)
+
+    back = make_optimizer(policy, 3e-3, 0.01)
+    load_optimizer_state(back, optimizer_state_bytes(fused))
+    assert back.param_groups[0]["fused"] is None and back.param_groups[0]["foreach"] is None
+
+
 def test_init_policy_loads_a_local_model_directory(policy, tmp_path):
     for name, data in policy_files(policy).items():
         (tmp_path / name).write_bytes(data)

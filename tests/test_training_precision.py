@@ -2,11 +2,13 @@
 
 import pytest
 import torch
-from transformers import modeling_utils
+from transformers import Qwen2Config, Qwen2ForCausalLM, modeling_utils
 
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
-from rlvr.trainer.policy import PolicyConfig, init_policy, make_optimizer
+from rlvr.trainer.policy import Policy, PolicyConfig, init_policy, make_optimizer
+from rlvr.trainer.tiny_model import build_tiny_tokenizer
+from tests.test_grpo_memory import peak_allocated
 
 COMPLETIONS = [[11, 2], [9, 2], [13, 12, 2], [9]]  # "7</s>", "5</s>", "91</s>", "5" (cut)
 
@@ -62,3 +64,36 @@ def test_bf16_autocast_runs_in_bf16_and_moves_the_weights_the_same_way():
     assert stats["grad_norm"] == pytest.approx(plain_stats["grad_norm"], rel=0.1)
     cosine = torch.nn.functional.cosine_similarity(bf16 - before, plain - before, dim=0)
     assert cosine > 0.95
+
+
+def test_bf16_autocast_updates_after_the_first_see_the_updated_weights():
+    """Autocast's cast cache is keyed by the weight, not its version: one cache over the step would hand the second
+    update the bf16 copies made before the first optimizer step, so its π_θ would be π_old (KL exactly 0)."""
+    plain_stats = updated(GRPOConfig(minibatches=2))[0]
+    stats = updated(GRPOConfig(minibatches=2, autocast="bf16"))[0]
+    assert plain_stats["kl"] > 0
+    assert stats["kl"] == pytest.approx(plain_stats["kl"], rel=0.5)  # mean of the updates' KL: 0, then > 0
+
+
+def test_a_bf16_autocast_step_holds_no_bf16_copy_of_the_weights():
+    """The step's peak above its start is the gradients (1x the float32 weights) and a micro-batch's
+    activations; with autocast's cast cache it also held a bf16 copy of every weight to the end (2.06x here)."""
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )  # 4M parameters, nearly all in Linear layers
+    torch.manual_seed(0)
+    policy = Policy(model=Qwen2ForCausalLM(config).eval(), tokenizer=build_tiny_tokenizer(), source="test")
+    weight_bytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    optimizer = make_optimizer(policy, 1e-3, 0.0)
+    cfg = GRPOConfig(autocast="bf16", gradient_checkpointing=True, micro_batch_tokens=4 * 6)
+    grpo_step(policy, optimizer, batch(), cfg)  # AdamW's moments are allocated here, before the measured step
+    peak = peak_allocated(lambda: grpo_step(policy, optimizer, batch(), cfg))
+    print(f"peak above the step's start: {peak / weight_bytes:.2f}x the float32 weights")
+    assert weight_bytes < peak < 1.5 * weight_bytes

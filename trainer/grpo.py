@@ -489,6 +489,12 @@ def training_precision(policy: Policy, cfg: GRPOConfig) -> Iterator[None]:
     what they hold: `model.train()` would also switch on dropout, in `nn.Dropout` modules and in attention
     (which reads its own `training` flag), and the loss must see the same network the sampler did (the policy
     stays in eval mode otherwise, see trainer/policy.py). Both are undone on exit, also after an error.
+
+    Autocast runs without its cast cache. The cache keys a weight's bf16 copy by the tensor, not its version,
+    and lives until the context exits: over a step of several updates every update after the first read the
+    copies made before the first optimizer step (its π_θ was π_old's Linear layers), and the copies of every
+    weight (0.92 GiB at 0.5B parameters) stayed through the backward passes and the optimizer step. Each forward
+    and each checkpointed recompute now casts again, as TRL's does (accelerate enters autocast per forward call).
     """
     model = policy.model
     if cfg.gradient_checkpointing:
@@ -498,7 +504,7 @@ def training_precision(policy: Policy, cfg: GRPOConfig) -> Iterator[None]:
                 module.training = True  # this module only; `.train()` would recurse into attention and dropout
     device_type = next(model.parameters()).device.type
     try:
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16", cache_enabled=False):
             yield
     finally:
         if cfg.gradient_checkpointing:
