@@ -87,7 +87,7 @@ def test_a_killed_worker_is_named_by_its_signal_whether_sent_to_or_read_from():
 
 
 def test_worker_exits_when_the_run_is_killed():
-    """SIGKILL the process that started a worker: the worker is gone within a few seconds."""
+    """SIGKILL the process that started a worker: the worker is gone soon after (its pipe closes)."""
     script = (
         "import sys, time\n"
         "from rlvr.flows.sampler_process import WorkerProcess\n"
@@ -105,7 +105,7 @@ def test_worker_exits_when_the_run_is_killed():
         assert started is not None
         run.send_signal(signal.SIGKILL)
         run.wait(timeout=10)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # seconds when idle; 10 were once not enough on 2 cores running 3 jobs
         while start_time(worker_pid) == started and time.monotonic() < deadline:
             time.sleep(0.1)
         assert start_time(worker_pid) != started, "the worker outlived the killed run"
