@@ -280,20 +280,25 @@ def test_checkpointing_uses_gradient_checkpointing_enable_where_that_is_the_only
     torch.testing.assert_close(checkpointed, plain, rtol=0, atol=1e-6)
 
 
+def qwen_policy(seed: int, **shape: int) -> Policy:
+    """A Qwen2 model of `shape` (Qwen2Config's sizes; tied embeddings) with seed-`seed` random weights, behind the
+    tiny tokenizer, whose ids it must cover."""
+    config = Qwen2Config(**shape, tie_word_embeddings=True, pad_token_id=0)
+    torch.manual_seed(seed)
+    return Policy(model=Qwen2ForCausalLM(config).eval(), tokenizer=build_tiny_tokenizer(), source="test")
+
+
 def _qwen_vocab_policy(seed: int) -> Policy:
     """One 32-wide layer over Qwen2.5's vocabulary (tied embeddings: 4.9M parameters, 19 MB)."""
-    config = Qwen2Config(
+    return qwen_policy(
+        seed,
         vocab_size=QWEN_VOCAB,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
-        tie_word_embeddings=True,
-        pad_token_id=0,
     )
-    torch.manual_seed(seed)
-    return Policy(model=Qwen2ForCausalLM(config).eval(), tokenizer=build_tiny_tokenizer(), source="test")
 
 
 def _wide_batch(groups: int, completion_tokens: int = 8) -> RolloutBatch:

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, modeling_utils
+from transformers import modeling_utils
 
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
-from rlvr.trainer.policy import Policy, PolicyConfig, init_policy, make_optimizer
-from rlvr.trainer.tiny_model import build_tiny_tokenizer
-from tests.test_grpo_memory import peak_allocated
+from rlvr.trainer.policy import PolicyConfig, init_policy, make_optimizer
+from tests.test_grpo_memory import peak_allocated, qwen_policy
 
 COMPLETIONS = [[11, 2], [9, 2], [13, 12, 2], [9]]  # "7</s>", "5</s>", "91</s>", "5" (cut)
 
@@ -78,18 +77,8 @@ def test_bf16_autocast_updates_after_the_first_see_the_updated_weights():
 def test_a_bf16_autocast_step_holds_no_bf16_copy_of_the_weights():
     """The step's peak above its start is the gradients (1x the float32 weights) and a micro-batch's
     activations; with autocast's cast cache it also held a bf16 copy of every weight to the end (2.06x here)."""
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-    )  # 4M parameters, nearly all in Linear layers
-    torch.manual_seed(0)
-    policy = Policy(model=Qwen2ForCausalLM(config).eval(), tokenizer=build_tiny_tokenizer(), source="test")
+    shape = {"hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4, "num_key_value_heads": 2}
+    policy = qwen_policy(0, vocab_size=64, num_hidden_layers=4, **shape)  # 4M parameters, nearly all in Linear layers
     weight_bytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())
     optimizer = make_optimizer(policy, 1e-3, 0.0)
     cfg = GRPOConfig(autocast="bf16", gradient_checkpointing=True, micro_batch_tokens=4 * 6)
