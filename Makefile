@@ -34,8 +34,16 @@ $(SMOLLM2_STAMP): $(STAMP)
 
 smollm2: $(SMOLLM2_STAMP)
 
+# Two parts: the suite on TEST_WORKERS pytest-xdist workers (a file stays on one worker, so its fixtures start
+# once; files go out in tests/conftest.py's order, longest first), then the tests marked `serial` alone.
+# Both parts run even when the first fails; either failing fails.
+TEST_WORKERS ?= 2
+
 test: lint docs $(SMOLLM2_STAMP)
-	$(BIN)/python -m pytest tests
+	status=0; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" tests || status=1; \
+	$(BIN)/python -m pytest -m serial tests || status=1; \
+	exit $$status
 
 # The docs site: the README is its home page (its links into docs/ made relative), docs/ the rest.
 docs: $(STAMP)

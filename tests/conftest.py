@@ -29,6 +29,30 @@ def prefect_api() -> str:
         yield PREFECT_API_URL.value()
 
 
+# The files that take a minute or more on 2 cores. `make test` hands whole files to two pytest-xdist workers in
+# collection order (`--no-loadscope-reorder`; xdist would sort them by their number of tests), each worker holding
+# the file it runs and the next. With these first, the short files fill in behind them instead of one long file
+# running alone at the end. Order only: every file still runs whole, in one process.
+LONG_FILES = (
+    "test_concurrent_runs.py",
+    "test_kill_resume.py",
+    "test_store_damage.py",
+    "test_real_model.py",
+    "test_schedule.py",
+    "test_s3_store.py",
+    "test_state_every.py",
+    "test_ui.py",
+    "test_data_stage.py",
+    "test_engines.py",
+    "test_backends.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: files keep their order
+
+
 # A run small enough for the suite: every stage runs for real, in seconds (80 problems, 6 RL steps).
 TINY_OVERRIDES = [
     "train.steps=6",

@@ -22,6 +22,8 @@ from rlvr.verifiers import sandbox
 from tests.cli_helpers import REPO, cli_env, rlvr_command, wait_for
 from tests.conftest import TINY_OVERRIDES
 
+pytestmark = pytest.mark.serial  # each process must be gone within seconds of its parent
+
 GONE_WITHIN_S = 10.0
 SERVER_MARK = b"prefect.server.api.server:create_app"
 FORKSERVER_MARK = b"multiprocessing.forkserver"

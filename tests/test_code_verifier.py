@@ -27,6 +27,8 @@ from rlvr.verifiers.code import CodeVerifier, extract_program, normalize_output,
 from rlvr.verifiers.pool import VerifierPool
 from rlvr.verifiers.registry import get_verifier
 
+pytestmark = pytest.mark.serial  # every verdict must arrive within its limit + SLACK_S
+
 REPO = Path(__file__).resolve().parents[1]
 IS_ROOT = os.geteuid() == 0
 LIMIT_S = 1.0

@@ -23,6 +23,8 @@ from rlvr.verifiers.sql import SqlVerifier, extract_sql, has_top_level_order_by,
 from rlvr.verifiers.text import TextVerifier, extract_choice, normalize_text
 from rlvr.verifiers.tool_call import ToolCallVerifier
 
+pytestmark = pytest.mark.serial  # a slow query must time out within its limit
+
 # ----------------------------------------------------------------------------------------------
 # SQL
 

@@ -18,6 +18,8 @@ from rlvr.verifiers import math as math_module
 from rlvr.verifiers.math import MathVerifier, extract_answer, is_bare_answer, normalize_answer, simple_rational
 from rlvr.verifiers.pool import VerifierPool
 
+pytestmark = pytest.mark.serial  # verdicts within fixed wall-clock limits
+
 CASES_FILE = Path(__file__).parent / "data" / "math_cases.jsonl"
 CASES = [json.loads(line) for line in CASES_FILE.read_text().splitlines() if line.strip()]
 

@@ -11,6 +11,8 @@ import pytest
 
 from tests.cli_helpers import rlvr
 
+pytestmark = pytest.mark.serial  # pip-installs a package into the venv every other test imports from
+
 PACKAGE = "rlvr-shout-verifier"
 
 PYPROJECT = """

@@ -28,6 +28,8 @@ from rlvr.trainer.policy import PolicyConfig, init_policy, policy_files
 from tests.cli_helpers import REPO, cli_env, rlvr
 from tests.conftest import TINY_OVERRIDES
 
+pytestmark = pytest.mark.serial  # a killed run's worker must be gone within 30 s
+
 
 class Doubler:
     """A server for the worker: doubles numbers; "fail" raises, "user" raises a UserError, "exit" exits, "kill"

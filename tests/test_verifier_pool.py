@@ -17,6 +17,8 @@ from rlvr.verifiers.base import Score
 from rlvr.verifiers.math import MathVerifier
 from rlvr.verifiers.pool import VerifierPool
 
+pytestmark = pytest.mark.serial  # timeouts must return within the limit + 2 s
+
 
 class MisbehavingMathVerifier(MathVerifier):
     """The math verifier, except for responses that name a way to misbehave. Loaded by the
