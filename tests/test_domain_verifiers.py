@@ -23,8 +23,6 @@ from rlvr.verifiers.sql import SqlVerifier, extract_sql, has_top_level_order_by,
 from rlvr.verifiers.text import TextVerifier, extract_choice, normalize_text
 from rlvr.verifiers.tool_call import ToolCallVerifier
 
-pytestmark = pytest.mark.serial  # a slow query must time out within its limit
-
 # ----------------------------------------------------------------------------------------------
 # SQL
 
@@ -152,6 +150,7 @@ def test_duckdb_cannot_read_other_files(databases):
     assert result.status == "wrong" and "PermissionException" in result.reason
 
 
+@pytest.mark.serial  # the query must time out within its limit
 def test_slow_query_times_out_within_its_limit(databases):
     started = time.monotonic()
     result = sql_score(SLOW, databases["sqlite"])  # default limit: 2 s

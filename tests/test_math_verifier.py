@@ -18,8 +18,6 @@ from rlvr.verifiers import math as math_module
 from rlvr.verifiers.math import MathVerifier, extract_answer, is_bare_answer, normalize_answer, simple_rational
 from rlvr.verifiers.pool import VerifierPool
 
-pytestmark = pytest.mark.serial  # verdicts within fixed wall-clock limits
-
 CASES_FILE = Path(__file__).parent / "data" / "math_cases.jsonl"
 CASES = [json.loads(line) for line in CASES_FILE.read_text().splitlines() if line.strip()]
 
@@ -57,6 +55,8 @@ def test_case_file_covers_every_class():
     assert expected["wrong"] >= 40 and expected["unparseable"] >= 5
 
 
+@pytest.mark.serial  # a verdict within a wall-clock limit
+@pytest.mark.serial  # a verdict within a wall-clock limit
 @pytest.mark.parametrize("number", range(len(CASES)), ids=[f"{i + 1}-{c['class']}" for i, c in enumerate(CASES)])
 def test_case(number, case_scores):
     case = CASES[number]
@@ -242,6 +242,7 @@ def test_normalize_answer(raw, normalised):
     assert normalize_answer(raw) == normalised
 
 
+@pytest.mark.serial  # a verdict within a wall-clock limit
 def test_simple_rational_only_takes_plain_literals():
     assert simple_rational("-\\dfrac{6}{8}") == simple_rational("-3/4")
     assert simple_rational("1 2") is None
@@ -353,6 +354,7 @@ HOSTILE = [
 ]
 
 
+@pytest.mark.serial  # a verdict within a wall-clock limit
 def test_pool_survives_hostile_math_then_labels_1000_answers():
     with VerifierPool("math", workers=2, timeout_s=3.0) as pool:
         for response in HOSTILE:

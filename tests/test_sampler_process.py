@@ -28,8 +28,6 @@ from rlvr.trainer.policy import PolicyConfig, init_policy, policy_files
 from tests.cli_helpers import REPO, cli_env, rlvr
 from tests.conftest import TINY_OVERRIDES
 
-pytestmark = pytest.mark.serial  # a killed run's worker must be gone within 30 s
-
 
 class Doubler:
     """A server for the worker: doubles numbers; "fail" raises, "user" raises a UserError, "exit" exits, "kill"
@@ -88,6 +86,7 @@ def test_a_killed_worker_is_named_by_its_signal_whether_sent_to_or_read_from():
         worker.close()
 
 
+@pytest.mark.serial  # the worker must be gone within 30 s of the kill
 def test_worker_exits_when_the_run_is_killed():
     """SIGKILL the process that started a worker: the worker is gone soon after (its pipe closes)."""
     script = (
