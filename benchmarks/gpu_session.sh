@@ -3,9 +3,12 @@
 # running long leaves the others' figures. Here first (commit, then pack: ../shared/gpu/README.md):
 #     ../shared/gpu/bundle.sh . gpu --with-trl
 # There, from the checkout's root with `gpu` carried (device tool: carry ["gpu"]):
-#     bash benchmarks/gpu_session.sh [part ...]      parts: vs-trl throughput ours async1 async2 thread1 logits
-#                                                    static gpu-tests (default: vs-trl throughput)
-# Not measured yet on a GPU (2026-11-27), in the order to run them: `vs-trl thread1 gpu-tests` (at most 12 min: each part's limit).
+#     bash benchmarks/gpu_session.sh [part ...]      parts: vs-trl graph-vs-trl throughput ours graph async1 async2
+#                                                    thread1 graph-thread1 logits static gpu-tests
+#                                                    (default: vs-trl throughput)
+# Not measured yet on a GPU (2026-11-27), in the order to run them, one call of at most 9.5 min (each part's limit):
+#     bash benchmarks/gpu_session.sh graph-vs-trl graph-thread1 gpu-tests
+# then, in a second call if time is left: `vs-trl thread1` (the shared-prompt cache, as measured before).
 # vs-trl: benchmarks/gpu_vs_trl.py (whole rlvr run against TRL GRPOTrainer, the 0.5B shape, 64 x 8 x 256 tokens);
 # throughput: benchmarks/gpu_throughput.py with the transformers engine (vLLM cannot be carried there);
 # ours: the vs-trl run without TRL (the fused LM head on, its CUDA default); logits: ours with the full-logits loss
@@ -15,6 +18,8 @@
 # trainer on the same GPU, so the per-stage peaks undercount the device's: smi.csv polls nvidia-smi's total);
 # thread1: async1 with flow.sampler=thread (the sampler a thread of the run's process, on a CUDA stream of its own,
 # so its kernels can run beside the trainer's rather than take turns with another process's);
+# graph-vs-trl / graph / graph-thread1: vs-trl / ours / thread1 with rollout.cache=graph (our decoding loop over a
+# static key/value cache, each token step replayed as a CUDA graph: trainer/graph_decoding.py);
 # gpu-tests: the tests marked gpu (pytest -m gpu; those files only), skipped where there is no CUDA device.
 # Output lands in $OUT: one .txt per part, smi.csv, and the runs' logs packed into logs.tgz after each part (the
 # device tool brings back at most 8 files).
@@ -65,9 +70,15 @@ for part in "${parts[@]}"; do
     async2) vs_trl async2 235 --warmup 1 --steps 2 --no-trl --set flow.async_level=2 ;;
     thread1) vs_trl thread1 235 --warmup 1 --steps 2 --no-trl --set flow.async_level=1 --set flow.sampler=thread ;;
     gpu-tests)
-        timeout -k 10 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_device.py tests/test_grpo_memory.py 2>&1 | tail -40 | tee "$OUT/gpu-tests.txt"
+        timeout -k 10 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_device.py tests/test_grpo_memory.py tests/test_graph_decoding.py 2>&1 | tail -40 | tee "$OUT/gpu-tests.txt"
         ;;
     logits) vs_trl logits 200 --warmup 1 --steps 2 --no-trl --set train.grpo.fused_head=false ;;
+    graph-vs-trl) vs_trl graph_vs_trl 330 --warmup 1 --steps 2 --set rollout.cache=graph ;;
+    graph) vs_trl graph 200 --warmup 1 --steps 2 --no-trl --set rollout.cache=graph ;;
+    graph-thread1)
+        vs_trl graph_thread1 235 --warmup 1 --steps 2 --no-trl --set rollout.cache=graph --set flow.async_level=1 \
+            --set flow.sampler=thread
+        ;;
     static) vs_trl static 400 --warmup 1 --steps 2 --no-trl --set rollout.cache=static ;;
     *) echo "unknown part $part" ;;
     esac

@@ -36,7 +36,8 @@ class TransformersEngineConfig(EngineConfig):
         exclude_if=lambda value: value == "shared_prompt",  # left out of dumps, so ids from before it stay
         description=(
             "shared_prompt: each distinct prompt's key/value cache computed once for its group; static: "
-            "transformers' static cache, compiled on a GPU (a slow first call, then faster decoding; see "
+            "transformers' static cache, compiled on a GPU (a slow first call, then faster decoding); graph: our "
+            "own loop over a static cache, each token step replayed as a CUDA graph on a GPU (see "
             "docs/training.md, Rollout engines)"
         ),
     )
@@ -62,10 +63,13 @@ class TransformersEngine(RolloutEngine):
     def update_weights(self, policy: Policy, policy_ref: str) -> None:
         self._policy = policy
 
+    def _settings(self) -> TransformersEngineConfig:
+        return self.cfg if isinstance(self.cfg, TransformersEngineConfig) else TransformersEngineConfig()
+
     def generate(self, prompts: Sequence[str], counts: Sequence[int], sampling: SamplingParams) -> list[Sample]:
         if self._policy is None:
             raise RuntimeError("call update_weights before generate")
-        own = self.cfg if isinstance(self.cfg, TransformersEngineConfig) else TransformersEngineConfig()
+        own = self._settings()
         return sample(
             self._policy,
             list(prompts),
@@ -82,7 +86,8 @@ class TransformersEngine(RolloutEngine):
     def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
         if self._policy is None:
             raise RuntimeError("call update_weights before greedy")
-        return greedy(self._policy, list(prompts), max_new_tokens=max_new_tokens)
+        own = self._settings()
+        return greedy(self._policy, list(prompts), max_new_tokens=max_new_tokens, cache=own.cache)
 
     def close(self) -> None:
         self._policy = None

@@ -9,9 +9,9 @@ from typing import Any, Literal
 
 import torch
 import transformers
-from packaging.version import Version
 
-from rlvr.trainer.logprobs import keeps_last_logits
+from rlvr.trainer.graph_decoding import decode, sampler
+from rlvr.trainer.logprobs import CACHE_ARGUMENT, keeps_last_logits
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import prompt_ids
 from rlvr.trainer.rng import seeded_rng
@@ -36,10 +36,6 @@ class Sample:
     logprobs: list[float] | None = None  # the sampling policy's per token, when stored (flow.async_level > 0)
 
 
-# transformers 5.24 renamed generate's and the model outputs' `past_key_values` to `cache` (the old name warns).
-CACHE_ARGUMENT = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
-
-
 def _eos_ids(policy: Policy) -> set[int]:
     eos = policy.model.generation_config.eos_token_id
     if eos is None:
@@ -47,7 +43,7 @@ def _eos_ids(policy: Policy) -> set[int]:
     return set(eos) if isinstance(eos, list) else {eos}
 
 
-Cache = Literal["shared_prompt", "static"]
+Cache = Literal["shared_prompt", "static", "graph"]
 Precision = Literal["auto", "weights", "bf16"]
 
 
@@ -116,7 +112,8 @@ def _generate(
 
     `cache`: "shared_prompt" computes each distinct prompt's key/value cache once for all the rows that repeat it
     (`_shared_prompt_cache`); "static" asks transformers for a static key/value cache of the batch's full length,
-    which transformers compiles on a GPU (a slow first call, then fast decoding; on the CPU only the cache changes).
+    which transformers compiles on a GPU (a slow first call, then fast decoding; on the CPU only the cache changes);
+    "graph" runs our own loop over a static cache, each token step a CUDA graph on a GPU (trainer/graph_decoding.py).
     `precision`: see `sampling_autocast`.
     """
     if not prompts:
@@ -124,21 +121,11 @@ def _generate(
     encoded = policy.tokenizer.pad({"input_ids": prompt_ids(policy.tokenizer, prompts)}, return_tensors="pt")
     encoded = encoded.to(policy.model.device)
     with torch.no_grad(), sampling_autocast(policy, precision):
-        if cache == "static":
-            caching: dict[str, Any] = {"cache_implementation": "static"}
+        if cache == "graph":
+            generated, token_logprobs = _graph_generate(policy, encoded, max_new_tokens, recorder, **sampling)
         else:
-            caching = {CACHE_ARGUMENT: _shared_prompt_cache(policy, encoded["input_ids"], encoded["attention_mask"])}
-        output = policy.model.generate(  # type: ignore[operator]  # GenerationMixin, not a module attribute
-            **encoded,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=policy.tokenizer.pad_token_id,
-            eos_token_id=sorted(_eos_ids(policy)),
-            **caching,
-            **({"logits_processor": transformers.LogitsProcessorList([recorder])} if recorder else {}),
-            **sampling,
-        )
-    generated = output[:, encoded["input_ids"].shape[1] :]
-    token_logprobs = recorder.finish(generated[:, -1]) if recorder and generated.shape[1] else []
+            generated = _transformers_generate(policy, encoded, max_new_tokens, cache, recorder, **sampling)
+            token_logprobs = recorder.finish(generated[:, -1]) if recorder and generated.shape[1] else []
     eos = _eos_ids(policy)
     completions, logprobs = [], []
     for row_index, row in enumerate(generated.tolist()):
@@ -147,6 +134,55 @@ def _generate(
         if token_logprobs:
             logprobs.append(token_logprobs[row_index][:end])
     return completions, logprobs
+
+
+def _transformers_generate(
+    policy: Policy, encoded: Any, max_new_tokens: int, cache: Cache, recorder: TokenLogprobs | None, **sampling: Any
+) -> torch.Tensor:
+    """`generate`'s new tokens [B, T] (pad after each row's eos) for the padded prompts `encoded`."""
+    if cache == "static":
+        caching: dict[str, Any] = {"cache_implementation": "static"}
+    else:
+        caching = {CACHE_ARGUMENT: _shared_prompt_cache(policy, encoded["input_ids"], encoded["attention_mask"])}
+    output = policy.model.generate(  # type: ignore[operator]  # GenerationMixin, not a module attribute
+        **encoded,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=policy.tokenizer.pad_token_id,
+        eos_token_id=sorted(_eos_ids(policy)),
+        **caching,
+        **({"logits_processor": transformers.LogitsProcessorList([recorder])} if recorder else {}),
+        **sampling,
+    )
+    return output[:, encoded["input_ids"].shape[1] :]
+
+
+def _graph_generate(
+    policy: Policy,
+    encoded: Any,
+    max_new_tokens: int,
+    recorder: TokenLogprobs | None,
+    *,
+    do_sample: bool,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> tuple[torch.Tensor, list[list[float]]]:
+    """The new tokens [B, T] and, with a `recorder`, their log-probs [B][T] from our static-cache loop
+    (trainer/graph_decoding.py), which draws what `generate` draws for the same sampling settings."""
+    if top_k:
+        raise ValueError("rollout.cache=graph samples without top-k (top_k=0)")
+    choose = sampler(temperature, top_p) if do_sample else (lambda scores: scores.argmax(dim=-1))
+    generated, logprobs = decode(
+        policy.model,
+        encoded["input_ids"],
+        encoded["attention_mask"],
+        max_new_tokens,
+        choose,
+        eos_ids=sorted(_eos_ids(policy)),
+        pad_id=policy.tokenizer.pad_token_id,
+        logprob_temperature=recorder.temperature if recorder else None,
+    )
+    return generated, logprobs.tolist() if logprobs is not None else []
 
 
 def _shared_prompt_cache(policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
@@ -237,7 +273,7 @@ def sample(
     ]
 
 
-def greedy(policy: Policy, prompts: list[str], *, max_new_tokens: int) -> list[str]:
+def greedy(policy: Policy, prompts: list[str], *, max_new_tokens: int, cache: Cache = "shared_prompt") -> list[str]:
     """Greedy completions, decoded and cut at eos: the deterministic answer used for accuracy evals."""
-    completions, _ = _generate(policy, prompts, max_new_tokens, do_sample=False)
+    completions, _ = _generate(policy, prompts, max_new_tokens, cache, do_sample=False)
     return [_decode(policy, ids) for ids in completions]

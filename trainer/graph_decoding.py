@@ -1,0 +1,233 @@
+"""Decoding over a static key/value cache with a loop of our own, each token step replayed as a CUDA graph on a GPU.
+
+Why: transformers `generate` launches every kernel of every layer from Python at each token step. At a GRPO
+batch (512 rows of a 0.5B model) that launch work, not the GPU's arithmetic, sets the pace: 6.8 s for 256 token
+steps on an H200 (docs/benchmarks.md), about 26 ms a step, where the step's kernels need a few. A CUDA graph
+records one token step's kernels once and replays them with one launch. That needs every tensor the step reads
+or writes at a fixed address: transformers' `StaticCache`, and buffers for the step's tokens, positions and
+attention mask, which the loop updates in place between replays. transformers' own static cache path compiles
+the step with torch.compile instead, which costs tens of seconds for each new batch shape (2026-11-26 in
+docs/benchmarks.md); a capture costs two warm-up steps.
+
+On the CPU the same loop runs eagerly, without a graph: that is how the tests check that it samples what
+`generate` samples. Sampling itself (temperature, top-p, the multinomial draw) stays outside the graph, on the
+same RNG and in the same order as `generate`, so a seed draws the same tokens on either path.
+"""
+
+import inspect
+from collections.abc import Callable
+
+import torch
+import transformers
+from torch import Tensor
+
+from rlvr.trainer.logprobs import CACHE_ARGUMENT, keeps_last_logits
+
+_MASKS = ("sdpa", "eager")  # attention implementations whose 4D mask this module builds
+
+
+class _TokenStep:
+    """One token step of every row over a static cache, reading only buffers of fixed address: `ids` [B, 1]
+    (the tokens fed), `positions` [B, 1] (their position ids), `allowed` [B, 1, 1, L] (which cache slots each row
+    attends to) and, for transformers versions whose cache takes it, `slot` [1] (the cache slot written)."""
+
+    def __init__(
+        self, model: transformers.PreTrainedModel, cache: transformers.StaticCache, rows: int, length: int
+    ) -> None:
+        device = next(model.parameters()).device
+        self.model, self.cache = model, cache
+        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.allowed = torch.zeros(rows, 1, 1, length, dtype=torch.bool, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+
+    def __call__(self) -> Tensor:
+        """The next-token logits [B, V] after `ids`, in the model's output dtype."""
+        return last_logits(self.model, self.cache, self.ids, self.positions, self.allowed, self.slot)
+
+
+def last_logits(
+    model: transformers.PreTrainedModel,
+    cache: transformers.StaticCache,
+    ids: Tensor,
+    positions: Tensor,
+    allowed: Tensor,
+    slots: Tensor,
+) -> Tensor:
+    """The next-token logits [B, V] of the model on `ids` [B, Q] at `positions` [B, Q], writing cache slots
+    `slots` [Q], each query attending to the slots `allowed` [B, 1, Q, L] marks (the other positions' logits
+    are not computed where the model can skip them)."""
+    extra: dict[str, object] = {"logits_to_keep": 1} if keeps_last_logits(model) else {}
+    if "cache_position" in inspect.signature(model.forward).parameters:
+        extra["cache_position"] = slots  # transformers before 5.24: the static cache writes where it is told
+    output = model(
+        input_ids=ids,
+        attention_mask=attention_mask(model, allowed),
+        position_ids=positions,
+        use_cache=True,
+        **{CACHE_ARGUMENT: cache},
+        **extra,
+    )
+    return output.logits[:, -1, :]
+
+
+def attention_mask(model: transformers.PreTrainedModel, allowed: Tensor) -> Tensor:
+    """`allowed` [B, 1, Q, L] as the 4D mask the model's attention takes (transformers passes a 4D mask through
+    as it is): boolean for sdpa, additive (0 or the dtype's minimum) for eager attention."""
+    if model.config._attn_implementation == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+def check_supported(model: transformers.PreTrainedModel) -> None:
+    """A one-line error when the model needs what this loop does not build: another attention implementation's
+    mask, or sliding-window layers (whose masks differ per layer); see also `min_new_tokens`."""
+    implementation = model.config._attn_implementation
+    if implementation not in _MASKS:
+        raise ValueError(
+            f"rollout.cache=graph supports sdpa and eager attention, not {implementation!r}; "
+            "use rollout.cache=shared_prompt for this model"
+        )
+    layer_types = getattr(model.config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise ValueError("rollout.cache=graph supports models whose layers all use full attention")
+
+
+# generation_config keys that `generate` takes from the call instead (rollout's own sampling settings) or that
+# do not change what it draws; any other key set on a model would, so the loop refuses it (`min_new_tokens` aside).
+_NOT_DRAWING = {
+    "do_sample", "temperature", "top_p", "top_k", "max_length", "max_new_tokens", "pad_token_id", "bos_token_id",
+    "eos_token_id", "use_cache", "output_attentions", "output_hidden_states", "output_scores", "output_logits",
+    "return_dict_in_generate", "cache_implementation", "transformers_version", "_from_model_config",
+}  # fmt: skip
+
+
+def min_new_tokens(model: transformers.PreTrainedModel) -> int:
+    """The model's `generation_config.min_new_tokens` (0 when unset), which the loop applies as `generate` does;
+    a one-line error naming any other setting there that `generate` would apply and the loop does not (a
+    repetition penalty, say: some instruct models ship one)."""
+    settings = model.generation_config.to_diff_dict()
+    others = sorted(set(settings) - _NOT_DRAWING - {"min_new_tokens"})
+    if others:
+        named = ", ".join(f"{key}={settings[key]!r}" for key in others)
+        raise ValueError(
+            f"rollout.cache=graph does not apply the model's generation_config {named}; use "
+            "rollout.cache=shared_prompt, or remove them from the model's generation_config.json"
+        )
+    return int(settings.get("min_new_tokens") or 0)
+
+
+def _prompt_inputs(attention_mask_2d: Tensor, length: int) -> tuple[Tensor, Tensor]:
+    """Position ids [B, P] of left-padded prompts (as `generate` numbers them) and the slots each prompt
+    position may attend to [B, 1, P, L]: the real prompt tokens up to itself. A padding position attends to
+    itself only, so that no attention row is empty (an empty one gives NaN, which the cache would keep)."""
+    real = attention_mask_2d.bool()
+    rows, prompt_length = real.shape
+    positions = (real.long().cumsum(-1) - 1).masked_fill(~real, 1)
+    query = torch.arange(prompt_length, device=real.device)
+    key = torch.arange(length, device=real.device)
+    causal = key[None, :] <= query[:, None]  # [P, L]
+    key_real = torch.zeros(rows, length, dtype=torch.bool, device=real.device)
+    key_real[:, :prompt_length] = real
+    allowed = (causal[None] & key_real[:, None, :]) | (key[None, None, :] == query[None, :, None])
+    return positions, allowed.unsqueeze(1)
+
+
+def _replayable(step: _TokenStep, capture: bool) -> Callable[[], Tensor]:
+    """`step` itself, or with `capture` a CUDA graph of it: two warm-up calls on a side stream (they allocate
+    the static cache and let cuBLAS pick its kernels), one capture, and the cache emptied again after (the
+    warm-up wrote to it; the capture ran nothing). The capture is thread-local: with `flow.sampler=thread` the
+    trainer's thread goes on using the GPU meanwhile, which a global capture would refuse."""
+    if not capture:
+        return step
+    device = step.ids.device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        logits = step()
+    step.cache.reset()
+
+    def replay() -> Tensor:
+        graph.replay()
+        return logits
+
+    return replay
+
+
+def decode(
+    model: transformers.PreTrainedModel,
+    input_ids: Tensor,
+    attention_mask_2d: Tensor,
+    max_new_tokens: int,
+    choose: Callable[[Tensor], Tensor],
+    *,
+    eos_ids: list[int],
+    pad_id: int,
+    logprob_temperature: float | None = None,
+    capture: bool | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Generated tokens [B, T <= max_new_tokens] after the left-padded prompts `input_ids` [B, P], each row
+    padded with `pad_id` after its first eos (as `generate` pads), and, with `logprob_temperature`, each token's
+    log-probability [B, T] under the raw logits at that temperature (else None).
+
+    `choose` maps the float32 next-token logits [B, V] to the chosen tokens [B] (`sampler` or an argmax).
+    The loop stops when every row has ended, looked at every 8 steps (each look waits for the GPU).
+    `capture`: replay the token step as a CUDA graph (default: when the model is on a GPU; False runs the same
+    loop eagerly there, which the GPU tests compare it with).
+    Call it under `torch.no_grad()` and the sampling autocast, which the graph's capture records.
+    """
+    check_supported(model)
+    at_least = min_new_tokens(model)
+    rows, prompt_length = input_ids.shape
+    length = prompt_length + max_new_tokens
+    cache = transformers.StaticCache(config=model.config, max_cache_len=length)
+    step = _TokenStep(model, cache, rows, length)
+    run = _replayable(step, input_ids.device.type == "cuda" if capture is None else capture)
+    positions, allowed = _prompt_inputs(attention_mask_2d, length)
+    slots = torch.arange(prompt_length, device=input_ids.device)
+    logits = last_logits(model, cache, input_ids, positions, allowed, slots)
+    step.allowed[:, 0, 0, :prompt_length] = attention_mask_2d.bool()
+    step.positions.copy_(positions[:, -1:])
+    step.slot.fill_(prompt_length - 1)
+    eos = torch.tensor(eos_ids, device=input_ids.device)
+    unfinished = torch.ones(rows, dtype=torch.bool, device=input_ids.device)
+    tokens, logprobs = [], []
+    for index in range(max_new_tokens):
+        if index:
+            logits = run()
+        scores = logits.float()
+        if index < at_least:
+            scores[:, eos] = float("-inf")  # as generate's min_new_tokens processor, before the log-probs
+        chosen = torch.where(unfinished, choose(scores), pad_id)
+        if logprob_temperature is not None:
+            logprobs.append(torch.log_softmax(scores / logprob_temperature, dim=-1).gather(1, chosen[:, None])[:, 0])
+        tokens.append(chosen)
+        unfinished &= ~torch.isin(chosen, eos)
+        if index + 1 == max_new_tokens or (index % 8 == 7 and not bool(unfinished.any())):
+            break
+        step.ids[:, 0] = chosen
+        step.allowed[:, 0, 0, prompt_length + index] = True
+        step.positions += 1
+        step.slot += 1
+    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1) if logprobs else None
+
+
+def sampler(temperature: float, top_p: float) -> Callable[[Tensor], Tensor]:
+    """The draw `generate` makes with `do_sample=True, top_k=0`: the temperature warper (when not 1), top-p (when
+    below 1), softmax, one multinomial sample a row, on torch's RNG for the logits' device."""
+    warpers = transformers.LogitsProcessorList()
+    if temperature != 1.0:
+        warpers.append(transformers.TemperatureLogitsWarper(temperature))
+    if top_p < 1.0:
+        warpers.append(transformers.TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+
+    def choose(scores: Tensor) -> Tensor:
+        probs = torch.softmax(warpers(None, scores), dim=-1)  # type: ignore[arg-type]  # these warpers ignore the ids
+        return torch.multinomial(probs, num_samples=1)[:, 0]
+
+    return choose
