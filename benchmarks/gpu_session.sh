@@ -6,11 +6,13 @@
 #     bash benchmarks/gpu_session.sh [part ...]      parts: vs-trl graph-vs-trl throughput ours graph async1 async2
 #                                                    thread1 graph-thread1 logits static gpu-tests
 #                                                    (default: vs-trl throughput)
-# Not measured yet on a GPU (2026-11-27), in the order to run them, one call of at most 9.5 min (each part's limit):
-#     bash benchmarks/gpu_session.sh graph-vs-trl graph-thread1 gpu-tests
+# Not measured yet on a GPU (2026-11-27), in the order to run them, one call (run's timeout_s 600; the parts'
+# limits add up to 11.9 min, but whole vs-trl and async runs took 2.5-3.3 min on the H100 and H200):
+#     bash benchmarks/gpu_session.sh graph-vs-trl gpu-tests graph-thread1
 # then, in a second call if time is left: `vs-trl thread1` (the shared-prompt cache, as measured before).
 # vs-trl: benchmarks/gpu_vs_trl.py (whole rlvr run against TRL GRPOTrainer, the 0.5B shape, 64 x 8 x 256 tokens);
-# throughput: benchmarks/gpu_throughput.py with the transformers engine (vLLM cannot be carried there);
+# throughput: benchmarks/gpu_throughput.py with the transformers engine, shared-prompt cache and graph loop (vLLM
+# cannot be carried there);
 # ours: the vs-trl run without TRL (the fused LM head on, its CUDA default); logits: ours with the full-logits loss
 # pass (train.grpo.fused_head=false), to compare; static: ours with rollout.cache=static (compiled static KV cache;
 # 200 s did not reach its steady steps on 2026-11-26: each new batch shape compiles);
@@ -63,7 +65,7 @@ for part in "${parts[@]}"; do
     case $part in
     vs-trl) vs_trl vs_trl 330 --warmup 1 --steps 2 ;;
     throughput)
-        timeout -k 10 100 python3 benchmarks/gpu_throughput.py --engines transformers 2>&1 | tee "$OUT/throughput.txt"
+        timeout -k 10 150 python3 benchmarks/gpu_throughput.py --engines transformers graph 2>&1 | tee "$OUT/throughput.txt"
         ;;
     ours) vs_trl ours 200 --warmup 1 --steps 2 --no-trl ;;
     async1) vs_trl async1 235 --warmup 1 --steps 2 --no-trl --set flow.async_level=1 ;;

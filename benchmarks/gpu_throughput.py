@@ -1,7 +1,9 @@
 """Rollout and training throughput on a GPU: our transformers engine against our vLLM engine on the same
 prompts and weights, and one `grpo_step` (forward + backward + AdamW) on a batch of those rollouts.
+`--engines transformers graph` compares the transformers engine's two GPU caches instead: the shared-prompt
+cache of `generate` and our CUDA-graph loop (`rollout.cache=graph`), same prompts, weights and seed.
 
-    python benchmarks/gpu_throughput.py [--model 0.5b|tiny] [--engines transformers vllm] [--prompts 64]
+    python benchmarks/gpu_throughput.py [--model 0.5b|tiny|smollm2] [--engines transformers graph vllm] [--prompts 64]
         [--samples 8] [--new-tokens 256] [--prompt-tokens 64] [--train-prompts 4] [--device cuda]
 
 Model "0.5b": a Qwen2 with Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate
@@ -11,6 +13,7 @@ only token counts matter here. Sampled ids past those 18 decode to "" in both en
 0.32 on a 151936-vocab model). A word-level tokenizer over the whole vocabulary does not work: with a qwen2
 config.json, AutoTokenizer (transformers 5, and so vLLM) loads it as Qwen2Tokenizer, a byte-level BPE that
 encodes its prompts to nothing; a merge-less BPE over ASCII characters, the char tokenizer, survives that.
+Model "smollm2": SmolLM2-135M-Instruct with its own tokenizer (`make smollm2`), the real model the CPU can run.
 Model "tiny": the built-in tiny model, so the script can be smoke-tested on CPU (vLLM on CPU needs
 head_dim >= 32, hence one head of 64).
 
@@ -53,9 +56,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlvr.trainer.engine_base import RolloutEngine, SamplingParams
 from rlvr.trainer.engines import TransformersEngine, TransformersEngineConfig
-from rlvr.trainer.generation import Sample
+from rlvr.trainer.generation import Cache, Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
-from rlvr.trainer.policy import Policy, make_optimizer
+from rlvr.trainer.policy import Policy, PolicyConfig, init_policy, make_optimizer
 from rlvr.trainer.tiny_model import TinyModelConfig, build_tiny_model, build_tiny_tokenizer
 
 QWEN_05B_VOCAB = 151936
@@ -108,14 +111,18 @@ def qwen_05b(device: str) -> Qwen2ForCausalLM:
 
 def build_policy(name: str, device: str, prompt_tokens: int, new_tokens: int) -> tuple[Policy, list[str]]:
     """The policy on `device` (float32, eval mode) and a pool of prompts of `prompt_tokens` tokens."""
+    rng = random.Random(SEED)  # <s> + prompt_tokens - 1 characters (the real tokenizer's own count for smollm2)
+    pool = ["".join(rng.choices("0123456789+=", k=prompt_tokens - 1)) for _ in range(1024)]
+    if name == "smollm2":
+        policy = init_policy(PolicyConfig(model="smollm2-135m-instruct", device=device), seed=SEED)
+        policy.model.eval()
+        return policy, pool
     if name == "0.5b":
         model = qwen_05b(device)
     else:  # one head of 64: vLLM on CPU needs head_dim >= 32
         shape = TinyModelConfig(num_heads=1, num_kv_heads=1, max_positions=prompt_tokens + new_tokens)
         model = build_tiny_model(shape, SEED).to(device)
     model.eval()
-    rng = random.Random(SEED)  # <s> + prompt_tokens - 1 characters
-    pool = ["".join(rng.choices("0123456789+=", k=prompt_tokens - 1)) for _ in range(1024)]
     return Policy(model=model, tokenizer=build_tiny_tokenizer(), source=name), pool
 
 
@@ -140,6 +147,7 @@ def run_rollouts(
     sampling: SamplingParams,
     device: str,
     fixed_length: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    label: str = "",
 ) -> tuple[list[Sample], Rollout]:
     """Start the engine (first `update_weights`), warm it up on one prompt, then time the batch; the
     `generate` calls run inside `fixed_length()`."""
@@ -149,20 +157,21 @@ def run_rollouts(
         result, generate_s = timed(device, lambda: engine.generate(prompts, [samples] * len(prompts), sampling))
     lengths = {s.n_tokens for s in result}
     tokens = sum(s.n_tokens for s in result)
-    return result, Rollout(engine.type, start_s, generate_s, tokens, lengths == {sampling.max_new_tokens})
+    return result, Rollout(label or engine.type, start_s, generate_s, tokens, lengths == {sampling.max_new_tokens})
 
 
 def transformers_rollouts(
-    policy: Policy, prompts: list[str], samples: int, sampling: SamplingParams, device: str
+    policy: Policy, prompts: list[str], samples: int, sampling: SamplingParams, device: str, cache: Cache
 ) -> tuple[list[Sample], Rollout]:
-    """Our transformers engine, on the policy's own model cast to bf16 on CUDA for the rollouts."""
-    engine = TransformersEngine(TransformersEngineConfig(max_new_tokens=sampling.max_new_tokens))
+    """Our transformers engine with `cache`, on the policy's own model cast to bf16 on CUDA for the rollouts."""
+    engine = TransformersEngine(TransformersEngineConfig(max_new_tokens=sampling.max_new_tokens, cache=cache))
     policy.model.generation_config.min_new_tokens = sampling.max_new_tokens
     if device.startswith("cuda"):
         policy.model.to(torch.bfloat16)
     try:
         with torch.device(device):
-            return run_rollouts(engine, policy, prompts, samples, sampling, device)
+            label = "transformers" if cache == "shared_prompt" else f"transformers-{cache}"
+            return run_rollouts(engine, policy, prompts, samples, sampling, device, label=label)
     finally:
         engine.close()
         policy.model.float()
@@ -253,19 +262,21 @@ def print_report(rollouts: list[Rollout], training: Training | None, args: argpa
         f"\nmodel {args.model}, device {args.device}, {args.prompts} prompts x {args.samples} samples, "
         f"{args.prompt_tokens} prompt tokens, {args.new_tokens} new tokens"
     )
-    print(f"{'rollout engine':<16}{'start s':>10}{'generate s':>12}{'tokens':>10}{'tokens/s':>12}{'equal lengths':>15}")
+    print(f"{'rollout engine':<20}{'start s':>10}{'generate s':>12}{'tokens':>10}{'tokens/s':>12}{'equal lengths':>15}")
     for r in rollouts:
         print(
-            f"{r.engine:<16}{r.start_s:>10.2f}{r.generate_s:>12.2f}{r.tokens:>10}"
+            f"{r.engine:<20}{r.start_s:>10.2f}{r.generate_s:>12.2f}{r.tokens:>10}"
             f"{r.tokens / r.generate_s:>12.0f}{r.equal_lengths!s:>15}"
         )
     if training is not None:
-        print(f"{'grpo_step':<16}{'rows':>10}{'tokens':>12}{'step s':>10}{'tokens/s':>12}{'peak GiB':>15}")
+        print(f"{'grpo_step':<20}{'rows':>10}{'tokens':>12}{'step s':>10}{'tokens/s':>12}{'peak GiB':>15}")
         print(
-            f"{'':<16}{training.rows:>10}{training.tokens:>12}{training.step_s:>10.2f}"
+            f"{'':<20}{training.rows:>10}{training.tokens:>12}{training.step_s:>10.2f}"
             f"{training.tokens / training.step_s:>12.0f}{training.peak_gib:>15.1f}"
         )
     speed = {r.engine: r.tokens / r.generate_s for r in rollouts}
+    if "transformers" in speed and "transformers-graph" in speed:
+        print(f"graph / shared-prompt rollout tokens/s: {speed['transformers-graph'] / speed['transformers']:.2f}x")
     if "transformers" in speed and "vllm" in speed:
         print(f"vllm / transformers rollout tokens/s: {speed['vllm'] / speed['transformers']:.2f}x")
     elif training is not None and "transformers" in speed:
@@ -276,8 +287,14 @@ def print_report(rollouts: list[Rollout], training: Training | None, args: argpa
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["0.5b", "tiny"], default="0.5b")
-    parser.add_argument("--engines", nargs="+", choices=["transformers", "vllm"], default=["transformers", "vllm"])
+    parser.add_argument("--model", choices=["0.5b", "tiny", "smollm2"], default="0.5b", help="smollm2: make smollm2")
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=["transformers", "graph", "vllm"],
+        default=["transformers", "vllm"],
+        help="graph: the transformers engine with rollout.cache=graph",
+    )
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -293,7 +310,7 @@ def main() -> None:
     engines = list(dict.fromkeys(args.engines))
     if "vllm" in engines and not vllm_importable():
         print("vllm is not importable in this environment: reporting transformers only", file=sys.stderr)
-        engines = ["transformers"]
+        engines = [engine for engine in engines if engine != "vllm"] or ["transformers"]
     if not args.device.startswith("cuda"):
         print(f"note: device {args.device}: a smoke test, not a GPU measurement", file=sys.stderr)
     policy, pool = build_policy(args.model, args.device, args.prompt_tokens, args.new_tokens)
@@ -302,12 +319,14 @@ def main() -> None:
     rollouts: list[Rollout] = []
     training = None
     if "transformers" in engines or args.train_prompts > 0:
-        samples, rollout = transformers_rollouts(policy, prompts, args.samples, sampling, args.device)
+        samples, rollout = transformers_rollouts(policy, prompts, args.samples, sampling, args.device, "shared_prompt")
         if "transformers" in engines:
             rollouts.append(rollout)
-        if args.train_prompts > 0:
-            batch = training_batch(prompts, samples, args.train_prompts, args.new_tokens)
-            training = training_step(policy, batch, args.device)
+    if "graph" in engines:
+        rollouts.append(transformers_rollouts(policy, prompts, args.samples, sampling, args.device, "graph")[1])
+    if args.train_prompts > 0:
+        batch = training_batch(prompts, samples, args.train_prompts, args.new_tokens)
+        training = training_step(policy, batch, args.device)
     if "vllm" in engines:
         eager = args.vllm_eager or not args.device.startswith("cuda")
         rollouts.append(vllm_rollouts(policy, prompts, args.samples, sampling, args.device, eager))
