@@ -86,6 +86,27 @@ def test_a_token_step_traces_as_one_graph_with_the_eager_logits(policy):
     assert torch.equal(traced, expected)
 
 
+def test_resetting_the_cache_after_the_warm_up_keeps_every_tensor_where_the_graph_recorded_it(policy):
+    """On a GPU the graph is captured after two warm-up steps, which allocate the static cache and write to it; the
+    cache is then reset, and the replays must find its tensors at the same addresses, emptied (the write
+    position too, in the transformers versions that keep one in the cache)."""
+    cache = transformers.StaticCache(config=policy.model.config, max_cache_len=8)
+    step = _TokenStep(policy.model, cache, rows=2, length=8)
+    step.allowed[:, 0, 0, :2] = True
+    step.ids.fill_(5)  # not the padding id, whose embedding (and so key and value) is zero
+
+    def tensors() -> list[torch.Tensor]:
+        found = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        return found + [layer.cumulative_length for layer in cache.layers if hasattr(layer, "cumulative_length")]
+
+    with torch.no_grad():
+        step(), step()
+        addresses = [t.data_ptr() for t in tensors()]
+        assert any(bool(t.any()) for t in tensors())
+        cache.reset()
+        assert [t.data_ptr() for t in tensors()] == addresses and not any(bool(t.any()) for t in tensors())
+
+
 def test_prompt_positions_and_mask_follow_the_left_padding():
     """Positions count real tokens only (padding gets 1, as `generate` numbers it); a real query sees the real
     keys up to itself; a padding query sees itself alone, so that no attention row is empty (which gives NaN in
