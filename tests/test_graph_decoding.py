@@ -13,7 +13,16 @@ import transformers
 from rlvr.trainer.engine_base import SamplingParams
 from rlvr.trainer.engines import ENGINES, TransformersEngineConfig
 from rlvr.trainer.generation import greedy, sample
-from rlvr.trainer.graph_decoding import _prompt_inputs, _TokenStep, check_supported, decode, sampler
+from rlvr.trainer.graph_decoding import (
+    PACKED_SDPA,
+    _packed_sdpa,
+    _prompt_inputs,
+    _TokenStep,
+    check_supported,
+    decode,
+    packed_attention,
+    sampler,
+)
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
 from tests.test_grpo_memory import QWEN_VOCAB, qwen_policy
 
@@ -107,6 +116,42 @@ def test_resetting_the_cache_after_the_warm_up_keeps_every_tensor_where_the_grap
         assert [t.data_ptr() for t in tensors()] == addresses and not any(bool(t.any()) for t in tensors())
 
 
+def test_packed_query_heads_attend_as_repeated_keys_and_values_do(policy):
+    """One query token a row, 6 query heads over 2 key/value heads, a mask hiding some slots: packing the query
+    heads gives transformers' sdpa result (which repeats the keys and values per query head before 5.24)."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    attention = policy.model.model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(5, 6, 1, 16, generator=generator)
+    key, value = torch.randn(2, 5, 2, 9, 16, generator=generator)
+    mask = torch.rand(5, 1, 1, 9, generator=generator) > 0.3
+    mask[:, :, :, 0] = True
+    attention.num_key_value_groups = 3
+    try:
+        packed, _ = _packed_sdpa(attention, query, key, value, mask, scaling=0.25)
+    finally:
+        attention.num_key_value_groups = (
+            policy.model.config.num_attention_heads // policy.model.config.num_key_value_heads
+        )
+    repeated = torch.nn.functional.scaled_dot_product_attention(
+        query, repeat_kv(key, 3), repeat_kv(value, 3), attn_mask=mask, scale=0.25
+    ).transpose(1, 2)
+    assert packed.shape == (5, 1, 6, 16)
+    torch.testing.assert_close(packed, repeated, rtol=0, atol=1e-6)
+
+
+def test_packed_attention_is_the_models_only_inside_and_eager_models_keep_theirs(policy):
+    with pytest.raises(RuntimeError, match="inside"), packed_attention(policy.model):
+        assert policy.model.config._attn_implementation == PACKED_SDPA
+        raise RuntimeError("inside")
+    assert policy.model.config._attn_implementation == "sdpa"
+    eager = qwen_policy(0, vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    eager.model.set_attn_implementation("eager")
+    with packed_attention(eager.model):
+        assert eager.model.config._attn_implementation == "eager"
+
+
 def test_prompt_positions_and_mask_follow_the_left_padding():
     """Positions count real tokens only (padding gets 1, as `generate` numbers it); a real query sees the real
     keys up to itself; a padding query sees itself alone, so that no attention row is empty (which gives NaN in
@@ -155,17 +200,24 @@ def test_sampler_draws_what_generates_warpers_draw():
     assert ours == theirs and {row[0] for row in ours} == {0} and {row[1] for row in ours} == {2}
 
 
-def test_the_models_min_new_tokens_is_applied_and_other_generation_settings_refused():
-    """`generate` applies the model's generation_config too: the loop applies min_new_tokens as it does (eos
-    barred, before the recorded log-probs) and refuses what it would not apply, naming it."""
+def test_a_models_own_sampling_settings_are_overridden_but_min_new_tokens():
+    """Rollouts sample from the policy itself: a repetition penalty, top-k, min-p or beams in the model's
+    generation_config change nothing on either path (POLICY_ONLY); min_new_tokens is applied on both (eos barred,
+    before the recorded log-probs); a setting neither path knows is refused by the graph loop, named."""
     policy = init_policy(PolicyConfig(), seed=3)
     settings = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, seed=11, logprob_temperature=1.0)
+    plain = sample(policy, PROMPTS, COUNTS, **settings)
+    shipped = dict(repetition_penalty=1.5, top_k=3, min_p=0.2, num_beams=2, no_repeat_ngram_size=2)
+    for key, value in shipped.items():
+        setattr(policy.model.generation_config, key, value)
+    assert drawn(sample(policy, PROMPTS, COUNTS, **settings)) == drawn(plain)
+    assert drawn(sample(policy, PROMPTS, COUNTS, **settings, cache="graph")) == drawn(plain)
     policy.model.generation_config.min_new_tokens = 6
     shared = sample(policy, PROMPTS, COUNTS, **settings)
-    assert drawn(sample(policy, PROMPTS, COUNTS, **settings, cache="graph")) == drawn(shared)
+    assert drawn(sample(policy, PROMPTS, COUNTS, **settings, cache="graph")) == drawn(shared) != drawn(plain)
     assert min(s.n_tokens for s in shared) >= 6 and {s.finish_reason for s in shared} == {"stop", "length"}
-    policy.model.generation_config.repetition_penalty = 1.1
-    with pytest.raises(ValueError, match=r"does not apply the model's generation_config repetition_penalty=1.1; use"):
+    policy.model.generation_config.length_penalty = 2.0
+    with pytest.raises(ValueError, match=r"does not apply the model's generation_config length_penalty=2.0; use"):
         sample(policy, PROMPTS, COUNTS, **settings, cache="graph")
 
 

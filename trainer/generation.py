@@ -44,6 +44,25 @@ def _eos_ids(policy: Policy) -> set[int]:
 
 
 Cache = Literal["shared_prompt", "static", "graph"]
+
+# A model's generation_config can carry settings that change what `generate` draws (instruct models ship a
+# repetition penalty, top-k or beams). Rollouts must sample from the policy itself at the run's temperature and
+# top-p: that is the distribution the loss's π_old and ratios assume (TRL overrides them too). So every call sets
+# them to these neutral values; `min_new_tokens` is left to the model (the benchmarks set it to fix lengths).
+POLICY_ONLY: dict[str, Any] = {
+    "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0, "num_beams": 1, "renormalize_logits": False, "bad_words_ids": None, "sequence_bias": None,
+    "forced_bos_token_id": None, "forced_eos_token_id": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "min_p": None, "exponential_decay_length_penalty": None, "top_h": None, "guidance_scale": None,
+    "watermarking_config": None,
+}  # fmt: skip
+POLICY_ONLY = {key: value for key, value in POLICY_ONLY.items() if hasattr(transformers.GenerationConfig(), key)}
+# generation_config keys that the call itself sets (the rest of rollout's settings) or that never change a draw.
+_SET_BY_THE_CALL = {
+    "do_sample", "temperature", "top_p", "top_k", "max_length", "max_new_tokens", "pad_token_id", "bos_token_id",
+    "eos_token_id", "use_cache", "output_attentions", "output_hidden_states", "output_scores", "output_logits",
+    "return_dict_in_generate", "cache_implementation", "transformers_version", "_from_model_config",
+}  # fmt: skip
 Precision = Literal["auto", "weights", "bf16"]
 
 
@@ -69,9 +88,8 @@ class TokenLogprobs(transformers.LogitsProcessor):
     `temperature` (before top-p and the sampling temperature): the π_old that the train stage would compute,
     without a second forward pass over the completions.
 
-    transformers runs custom processors before its sampling warpers, so `scores` here are the model's logits,
-    unless the model's generation config sets a processor of its own (a repetition penalty, say), which runs
-    first: then these are the penalised logits that were really sampled from, which the π_old pass does not see.
+    transformers runs custom processors before its sampling warpers, so `scores` here are the model's logits (the
+    model's own processors are set neutral by POLICY_ONLY, all but `min_new_tokens`, which bars eos first).
     A call sees the tokens chosen so far: it scores the previous call's choice, and `finish` the last one.
     """
 
@@ -151,6 +169,7 @@ def _transformers_generate(
         eos_token_id=sorted(_eos_ids(policy)),
         **caching,
         **({"logits_processor": transformers.LogitsProcessorList([recorder])} if recorder else {}),
+        **POLICY_ONLY,
         **sampling,
     )
     return output[:, encoded["input_ids"].shape[1] :]
@@ -181,8 +200,24 @@ def _graph_generate(
         eos_ids=sorted(_eos_ids(policy)),
         pad_id=policy.tokenizer.pad_token_id,
         logprob_temperature=recorder.temperature if recorder else None,
+        min_new_tokens=_graph_min_new_tokens(policy),
     )
     return generated, logprobs.tolist() if logprobs is not None else []
+
+
+def _graph_min_new_tokens(policy: Policy) -> int:
+    """The model's `generation_config.min_new_tokens` (0 when unset), the one setting there that `generate` applies
+    beyond the call's own and POLICY_ONLY; a one-line error naming any other setting that `generate` might
+    apply and the graph loop would not."""
+    settings = policy.model.generation_config.to_diff_dict()
+    others = sorted(set(settings) - _SET_BY_THE_CALL - set(POLICY_ONLY) - {"min_new_tokens"})
+    if others:
+        named = ", ".join(f"{key}={settings[key]!r}" for key in others)
+        raise ValueError(
+            f"rollout.cache=graph does not apply the model's generation_config {named}; use "
+            "rollout.cache=shared_prompt, or remove them from the model's generation_config.json"
+        )
+    return int(settings.get("min_new_tokens") or 0)
 
 
 def _shared_prompt_cache(policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:

@@ -2,7 +2,8 @@
 
 Why: transformers `generate` launches every kernel of every layer from Python at each token step. At a GRPO
 batch (512 rows of a 0.5B model) that launch work, not the GPU's arithmetic, sets the pace: 6.8 s for 256 token
-steps on an H200 (docs/benchmarks.md), about 26 ms a step, where the step's kernels need a few. A CUDA graph
+steps on an H200 (docs/benchmarks.md), about 26 ms a step, where by its arithmetic and memory traffic a step
+needs a few milliseconds (an estimate: not measured). A CUDA graph
 records one token step's kernels once and replays them with one launch. That needs every tensor the step reads
 or writes at a fixed address: transformers' `StaticCache`, and buffers for the step's tokens, positions and
 attention mask, which the loop updates in place between replays. transformers' own static cache path compiles
@@ -15,15 +16,63 @@ same RNG and in the same order as `generate`, so a seed draws the same tokens on
 """
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 import transformers
 from torch import Tensor
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rlvr.trainer.logprobs import CACHE_ARGUMENT, keeps_last_logits
 
 _MASKS = ("sdpa", "eager")  # attention implementations whose 4D mask this module builds
+PACKED_SDPA = "rlvr_packed_sdpa"  # the name `packed_attention` registers `_packed_sdpa` under
+
+
+def _packed_sdpa(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' sdpa attention, but for one query token a row with grouped key/value heads (Qwen2.5-0.5B: 14
+    query heads over 2) it packs each group's query heads along the query axis, [B, H, 1, D] -> [B, KVH, G, D],
+    and attends to the cache as it is. transformers before 5.24 repeats the keys and values for every query head
+    whenever a mask is given (sdpa's GQA mode takes no mask on CUDA): at 512 rows and a 320-token cache that is
+    several GB of copies a token step (an estimate, not measured). Query head h reads key/value head h // G,
+    as the repeated cache has it, so the result is the same attention; anything else goes to transformers'."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    rows, heads, _, dim = query.shape
+    packed = query.reshape(rows, heads // groups, groups, dim)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        packed, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )
+    return output.reshape(rows, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def packed_attention(model: transformers.PreTrainedModel) -> Iterator[None]:
+    """The model's sdpa attention routed through `_packed_sdpa` inside (models on eager attention unchanged).
+    transformers looks the function up by `config._attn_implementation` at every forward, so a CUDA graph
+    captured inside keeps it; training, outside, never sees it (and would get plain sdpa from it: it has more
+    than one query token a row)."""
+    if model.config._attn_implementation != "sdpa":
+        yield
+        return
+    transformers.AttentionInterface.register(PACKED_SDPA, _packed_sdpa)
+    model.config._attn_implementation = PACKED_SDPA
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = "sdpa"
 
 
 class _TokenStep:
@@ -59,7 +108,7 @@ def last_logits(
     are not computed where the model can skip them)."""
     extra: dict[str, object] = {"logits_to_keep": 1} if keeps_last_logits(model) else {}
     if "cache_position" in inspect.signature(model.forward).parameters:
-        extra["cache_position"] = slots  # transformers before 5.24: the static cache writes where it is told
+        extra["cache_position"] = slots  # where the forward takes it (5.0's static cache writes where it is told)
     output = model(
         input_ids=ids,
         attention_mask=attention_mask(model, allowed),
@@ -73,15 +122,15 @@ def last_logits(
 
 def attention_mask(model: transformers.PreTrainedModel, allowed: Tensor) -> Tensor:
     """`allowed` [B, 1, Q, L] as the 4D mask the model's attention takes (transformers passes a 4D mask through
-    as it is): boolean for sdpa, additive (0 or the dtype's minimum) for eager attention."""
-    if model.config._attn_implementation == "sdpa":
+    as it is): boolean for sdpa, additive (0 or float32's minimum) for eager attention."""
+    if model.config._attn_implementation in ("sdpa", PACKED_SDPA):
         return allowed
     return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
 def check_supported(model: transformers.PreTrainedModel) -> None:
     """A one-line error when the model needs what this loop does not build: another attention implementation's
-    mask, or sliding-window layers (whose masks differ per layer); see also `min_new_tokens`."""
+    mask, or sliding-window layers (whose masks differ per layer)."""
     implementation = model.config._attn_implementation
     if implementation not in _MASKS:
         raise ValueError(
@@ -91,30 +140,6 @@ def check_supported(model: transformers.PreTrainedModel) -> None:
     layer_types = getattr(model.config, "layer_types", None) or []
     if any(kind != "full_attention" for kind in layer_types):
         raise ValueError("rollout.cache=graph supports models whose layers all use full attention")
-
-
-# generation_config keys that `generate` takes from the call instead (rollout's own sampling settings) or that
-# do not change what it draws; any other key set on a model would, so the loop refuses it (`min_new_tokens` aside).
-_NOT_DRAWING = {
-    "do_sample", "temperature", "top_p", "top_k", "max_length", "max_new_tokens", "pad_token_id", "bos_token_id",
-    "eos_token_id", "use_cache", "output_attentions", "output_hidden_states", "output_scores", "output_logits",
-    "return_dict_in_generate", "cache_implementation", "transformers_version", "_from_model_config",
-}  # fmt: skip
-
-
-def min_new_tokens(model: transformers.PreTrainedModel) -> int:
-    """The model's `generation_config.min_new_tokens` (0 when unset), which the loop applies as `generate` does;
-    a one-line error naming any other setting there that `generate` would apply and the loop does not (a
-    repetition penalty, say: some instruct models ship one)."""
-    settings = model.generation_config.to_diff_dict()
-    others = sorted(set(settings) - _NOT_DRAWING - {"min_new_tokens"})
-    if others:
-        named = ", ".join(f"{key}={settings[key]!r}" for key in others)
-        raise ValueError(
-            f"rollout.cache=graph does not apply the model's generation_config {named}; use "
-            "rollout.cache=shared_prompt, or remove them from the model's generation_config.json"
-        )
-    return int(settings.get("min_new_tokens") or 0)
 
 
 def _prompt_inputs(attention_mask_2d: Tensor, length: int) -> tuple[Tensor, Tensor]:
@@ -159,6 +184,29 @@ def _replayable(step: _TokenStep, capture: bool) -> Callable[[], Tensor]:
     return replay
 
 
+def _prefilled(
+    model: transformers.PreTrainedModel,
+    input_ids: Tensor,
+    attention_mask_2d: Tensor,
+    max_new_tokens: int,
+    capture: bool | None,
+) -> tuple[_TokenStep, Callable[[], Tensor], Tensor]:
+    """A token step over a new static cache, what runs it (its CUDA graph when captured), and the prompts'
+    next-token logits [B, V], the prompts written to the cache and the step's buffers set for the first new token."""
+    rows, prompt_length = input_ids.shape
+    length = prompt_length + max_new_tokens
+    cache = transformers.StaticCache(config=model.config, max_cache_len=length)
+    step = _TokenStep(model, cache, rows, length)
+    run = _replayable(step, input_ids.device.type == "cuda" if capture is None else capture)
+    positions, allowed = _prompt_inputs(attention_mask_2d, length)
+    slots = torch.arange(prompt_length, device=input_ids.device)
+    logits = last_logits(model, cache, input_ids, positions, allowed, slots)
+    step.allowed[:, 0, 0, :prompt_length] = attention_mask_2d.bool()
+    step.positions.copy_(positions[:, -1:])  # the last prompt token's position and slot: each step adds one first
+    step.slot.fill_(prompt_length - 1)
+    return step, run, logits
+
+
 def decode(
     model: transformers.PreTrainedModel,
     input_ids: Tensor,
@@ -169,6 +217,7 @@ def decode(
     eos_ids: list[int],
     pad_id: int,
     logprob_temperature: float | None = None,
+    min_new_tokens: int = 0,
     capture: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Generated tokens [B, T <= max_new_tokens] after the left-padded prompts `input_ids` [B, P], each row
@@ -176,45 +225,39 @@ def decode(
     log-probability [B, T] under the raw logits at that temperature (else None).
 
     `choose` maps the float32 next-token logits [B, V] to the chosen tokens [B] (`sampler` or an argmax).
+    No eos is chosen before `min_new_tokens` (as `generate`'s processor bars it, before the log-probs).
     The loop stops when every row has ended, looked at every 8 steps (each look waits for the GPU).
     `capture`: replay the token step as a CUDA graph (default: when the model is on a GPU; False runs the same
     loop eagerly there, which the GPU tests compare it with).
     Call it under `torch.no_grad()` and the sampling autocast, which the graph's capture records.
     """
     check_supported(model)
-    at_least = min_new_tokens(model)
-    rows, prompt_length = input_ids.shape
-    length = prompt_length + max_new_tokens
-    cache = transformers.StaticCache(config=model.config, max_cache_len=length)
-    step = _TokenStep(model, cache, rows, length)
-    run = _replayable(step, input_ids.device.type == "cuda" if capture is None else capture)
-    positions, allowed = _prompt_inputs(attention_mask_2d, length)
-    slots = torch.arange(prompt_length, device=input_ids.device)
-    logits = last_logits(model, cache, input_ids, positions, allowed, slots)
-    step.allowed[:, 0, 0, :prompt_length] = attention_mask_2d.bool()
-    step.positions.copy_(positions[:, -1:])
-    step.slot.fill_(prompt_length - 1)
-    eos = torch.tensor(eos_ids, device=input_ids.device)
-    unfinished = torch.ones(rows, dtype=torch.bool, device=input_ids.device)
-    tokens, logprobs = [], []
-    for index in range(max_new_tokens):
-        if index:
-            logits = run()
-        scores = logits.float()
-        if index < at_least:
-            scores[:, eos] = float("-inf")  # as generate's min_new_tokens processor, before the log-probs
-        chosen = torch.where(unfinished, choose(scores), pad_id)
-        if logprob_temperature is not None:
-            logprobs.append(torch.log_softmax(scores / logprob_temperature, dim=-1).gather(1, chosen[:, None])[:, 0])
-        tokens.append(chosen)
-        unfinished &= ~torch.isin(chosen, eos)
-        if index + 1 == max_new_tokens or (index % 8 == 7 and not bool(unfinished.any())):
-            break
-        step.ids[:, 0] = chosen
-        step.allowed[:, 0, 0, prompt_length + index] = True
-        step.positions += 1
-        step.slot += 1
-    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1) if logprobs else None
+    with packed_attention(model):
+        step, run, logits = _prefilled(model, input_ids, attention_mask_2d, max_new_tokens, capture)
+        rows, prompt_length = input_ids.shape
+        eos = torch.tensor(eos_ids, device=input_ids.device)
+        unfinished = torch.ones(rows, dtype=torch.bool, device=input_ids.device)
+        tokens, logprobs = [], []
+        for index in range(max_new_tokens):
+            if index:
+                logits = run()
+            scores = logits.float()
+            if index < min_new_tokens:
+                scores[:, eos] = float("-inf")
+            chosen = torch.where(unfinished, choose(scores), pad_id)
+            if logprob_temperature is not None:
+                logprobs.append(
+                    torch.log_softmax(scores / logprob_temperature, dim=-1).gather(1, chosen[:, None])[:, 0]
+                )
+            tokens.append(chosen)
+            unfinished &= ~torch.isin(chosen, eos)
+            if index + 1 == max_new_tokens or (index % 8 == 7 and not bool(unfinished.any())):
+                break
+            step.ids[:, 0] = chosen
+            step.allowed[:, 0, 0, prompt_length + index] = True
+            step.positions += 1
+            step.slot += 1
+        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1) if logprobs else None
 
 
 def sampler(temperature: float, top_p: float) -> Callable[[Tensor], Tensor]:
