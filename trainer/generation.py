@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 import transformers
 
-from rlvr.trainer.graph_decoding import decode, sampler
+from rlvr.trainer.graph_decoding import decode, packed_attention, sampler
 from rlvr.trainer.logprobs import CACHE_ARGUMENT, keeps_last_logits
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import prompt_ids
@@ -138,7 +138,7 @@ def _generate(
         return [], []
     encoded = policy.tokenizer.pad({"input_ids": prompt_ids(policy.tokenizer, prompts)}, return_tensors="pt")
     encoded = encoded.to(policy.model.device)
-    with torch.no_grad(), sampling_autocast(policy, precision):
+    with torch.no_grad(), sampling_autocast(policy, precision), packed_attention(policy.model):
         if cache == "graph":
             generated, token_logprobs = _graph_generate(policy, encoded, max_new_tokens, recorder, **sampling)
         else:

@@ -24,11 +24,12 @@ import torch
 import transformers
 from torch import Tensor
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from rlvr.trainer.logprobs import CACHE_ARGUMENT, keeps_last_logits
 
-_MASKS = ("sdpa", "eager")  # attention implementations whose 4D mask this module builds
 PACKED_SDPA = "rlvr_packed_sdpa"  # the name `packed_attention` registers `_packed_sdpa` under
+_MASKS = ("sdpa", "eager", PACKED_SDPA)  # attention implementations whose 4D mask this module builds
 
 
 def _packed_sdpa(
@@ -60,14 +61,16 @@ def _packed_sdpa(
 
 @contextmanager
 def packed_attention(model: transformers.PreTrainedModel) -> Iterator[None]:
-    """The model's sdpa attention routed through `_packed_sdpa` inside (models on eager attention unchanged).
-    transformers looks the function up by `config._attn_implementation` at every forward, so a CUDA graph
-    captured inside keeps it; training, outside, never sees it (and would get plain sdpa from it: it has more
-    than one query token a row)."""
+    """The model's sdpa attention routed through `_packed_sdpa` inside (models on eager attention unchanged; a
+    nested call leaves it to the outer one). transformers looks the function up by `config._attn_implementation`
+    at every forward, so a CUDA graph captured inside keeps it; training, outside, never sees it (and would get
+    plain sdpa from it: it has more than one query token a row). `generate` (the shared-prompt cache) decodes
+    inside it too, its 2D masks made into sdpa's 4D ones as before."""
     if model.config._attn_implementation != "sdpa":
         yield
         return
     transformers.AttentionInterface.register(PACKED_SDPA, _packed_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     model.config._attn_implementation = PACKED_SDPA
     try:
         yield
