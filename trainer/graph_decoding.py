@@ -161,6 +161,10 @@ def _prompt_inputs(attention_mask_2d: Tensor, length: int) -> tuple[Tensor, Tens
     return positions, allowed.unsqueeze(1)
 
 
+# One warm-up stream a device, kept: torch keeps a cuBLAS workspace for every stream that ran a matmul.
+_warm_up_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
 def _replayable(step: _TokenStep, capture: bool) -> Callable[[], Tensor]:
     """`step` itself, or with `capture` a CUDA graph of it: two warm-up calls on a side stream (they allocate
     the static cache and let cuBLAS pick its kernels), one capture, and the cache emptied again after (the
@@ -169,7 +173,7 @@ def _replayable(step: _TokenStep, capture: bool) -> Callable[[], Tensor]:
     if not capture:
         return step
     device = step.ids.device
-    side = torch.cuda.Stream(device)
+    side = _warm_up_streams.setdefault(device, torch.cuda.Stream(device))
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(2):
