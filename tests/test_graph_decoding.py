@@ -87,7 +87,7 @@ def test_a_token_step_traces_as_one_graph_with_the_eager_logits(policy):
     step.ids[:, 0] = torch.tensor([3, 5, 7, 9])
     step.positions[:, 0] = 2
     step.slot.fill_(2)
-    with torch.no_grad():
+    with torch.no_grad(), packed_attention(policy.model):  # as `decode` runs it
         expected = step().clone()
         cache.reset()
         traced = torch.compile(step.__call__, backend="eager", fullgraph=True)()
