@@ -98,7 +98,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 FLOOR_VENV ?= .venv-floor
 FLOOR_TESTS := tests/test_trainer.py tests/test_grpo_losses.py tests/test_grpo_memory.py tests/test_microbatch.py \
 	tests/test_training_precision.py tests/test_lora.py tests/test_engines.py tests/test_chat_template.py \
-	tests/test_distributed.py tests/test_real_model.py
+	tests/test_distributed.py tests/test_real_model.py tests/test_graph_decoding.py
 
 .PHONY: test-floor
 test-floor:

@@ -68,6 +68,23 @@ def _of(params: SamplingParams) -> dict:
     )
 
 
+def test_a_lora_policy_samples_the_same():
+    """policy.lora: peft's adapters injected into the model (non-zero here, so they count) change nothing."""
+    from rlvr.trainer.lora import LoraSettings
+
+    adapted = init_policy(PolicyConfig(lora=LoraSettings()), seed=3)
+    with torch.no_grad():
+        for name, parameter in adapted.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(1))
+    settings = dict(max_new_tokens=10, temperature=1.0, top_p=1.0, seed=4)
+    shared = sample(adapted, PROMPTS, COUNTS, **settings)
+    assert drawn(sample(adapted, PROMPTS, COUNTS, **settings, cache="graph")) == drawn(shared)
+    assert drawn(shared) != drawn(
+        sample(init_policy(PolicyConfig(lora=LoraSettings()), seed=3), PROMPTS, COUNTS, **settings)
+    )
+
+
 def test_eager_attention_gets_an_additive_mask_and_samples_the_same(policy):
     eager = init_policy(PolicyConfig(), seed=3)
     eager.model.set_attn_implementation("eager")
