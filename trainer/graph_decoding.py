@@ -4,9 +4,9 @@ Why: at a GRPO batch (512 rows of a 0.5B model) `generate` took 6.8 s for 256 to
 (docs/benchmarks.md), about 26 ms a step, where by its arithmetic and memory traffic a step needs a few
 milliseconds (an estimate: not measured). `generate` launches every kernel of every layer from Python at each
 token step, and transformers before 5.24 also copies the key/value cache per query head (`_packed_sdpa`).
-A CUDA graph records one token step's kernels once and replays them with one launch. That needs every tensor
-the step reads or writes at a fixed address: transformers' `StaticCache`, and buffers for the step's tokens, positions and
-attention mask, which the loop updates in place between replays. transformers' own static cache path compiles
+A CUDA graph records one token step's kernels once and replays them with one launch. That needs every tensor the
+step reads or writes at a fixed address: transformers' `StaticCache`, and buffers for the step's tokens, positions
+and attention mask, which the loop updates in place between replays. transformers' own static cache path compiles
 the step with torch.compile instead, which costs tens of seconds for each new batch shape (2026-11-26 in
 docs/benchmarks.md); a capture costs two warm-up steps.
 
