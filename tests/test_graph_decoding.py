@@ -10,6 +10,8 @@ import pytest
 import torch
 import transformers
 
+from rlvr.storage.store import Store
+from rlvr.storage.views import query
 from rlvr.trainer.engine_base import SamplingParams
 from rlvr.trainer.engines import ENGINES, TransformersEngineConfig
 from rlvr.trainer.generation import greedy, sample
@@ -24,6 +26,8 @@ from rlvr.trainer.graph_decoding import (
     sampler,
 )
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
+from tests.cli_helpers import cli_env, rlvr
+from tests.conftest import TINY_OVERRIDES
 from tests.test_grpo_memory import QWEN_VOCAB, qwen_policy
 
 PROMPTS, COUNTS = ["12+3=", "7*8=", "5-2=", "100-1="], [8, 5, 0, 3]
@@ -276,6 +280,24 @@ def test_smollm2_chat_prompts_of_different_lengths_sample_the_same_tokens():
     assert drawn(graph) == drawn(shared)
     gaps = [abs(a - b) for s, g in zip(shared, graph) for a, b in zip(s.logprobs, g.logprobs, strict=True)]
     assert max(gaps) < 1e-4  # float32 sums over a longer, masked key length
+
+
+def test_a_whole_run_on_the_graph_loop_samples_and_trains_what_the_default_run_does(tmp_path, prefect_api):
+    """`rlvr run --set rollout.cache=graph` (difficulty, rollouts and evaluations all through the loop) against the
+    default run, same run id and seed, each in its own store: the same completions at every step, so the same
+    rewards and updates."""
+    sets = [arg for override in TINY_OVERRIDES for arg in ("--set", override)]
+
+    def completions(name: str, *extra: str) -> list[dict]:
+        root = str(tmp_path / name)
+        done = rlvr("run", "--store", root, "--run-id", "r", *sets, *extra, env=cli_env(PREFECT_API_URL=prefect_api))
+        assert done.returncode == 0, done.stderr[-3000:]
+        sql = "SELECT step, slot, sample_index, completion_ids FROM rollouts ORDER BY step, slot, sample_index"
+        return query(Store.open(root), sql).to_pylist()
+
+    default = completions("default")
+    assert len(default) == 6 * 4 * 4 and len({tuple(r["completion_ids"]) for r in default}) > 8
+    assert completions("graph", "--set", "rollout.cache=graph") == default
 
 
 # ----- on a GPU --------------------------------------------------------------------------------------------------
