@@ -176,7 +176,9 @@ def _replayable(step: _TokenStep, capture: bool) -> Callable[[], Tensor]:
         step.cache.reset()
         return step
     device = step.ids.device
-    side = _warm_up_streams.setdefault(device, torch.cuda.Stream(device))
+    if device not in _warm_up_streams:
+        _warm_up_streams[device] = torch.cuda.Stream(device)
+    side = _warm_up_streams[device]
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(2):
