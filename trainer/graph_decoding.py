@@ -47,9 +47,11 @@ def _packed_sdpa(
     and attends to the cache as it is. transformers before 5.24 repeats the keys and values for every query head
     whenever a mask is given (sdpa's GQA mode takes no mask on CUDA): at 512 rows and a 320-token cache that is
     several GB of copies a token step (an estimate, not measured). Query head h reads key/value head h // G,
-    as the repeated cache has it, so the result is the same attention; anything else goes to transformers'."""
+    as the repeated cache has it, so the result is the same attention; anything else (more query tokens, one
+    head a group, a soft cap, a position bias or attention sinks) goes to transformers'."""
     groups = getattr(module, "num_key_value_groups", 1)
-    if query.shape[2] != 1 or groups == 1:
+    changes_the_math = any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux"))
+    if query.shape[2] != 1 or groups == 1 or changes_the_math:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     rows, heads, _, dim = query.shape
     packed = query.reshape(rows, heads // groups, groups, dim)
