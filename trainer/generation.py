@@ -10,10 +10,10 @@ from typing import Any, Literal
 import torch
 import transformers
 
-from rlvr.trainer.graph_decoding import decode, packed_attention, sampler
-from rlvr.trainer.logprobs import CACHE_ARGUMENT, keeps_last_logits
+from rlvr.trainer.graph_decoding import CACHE_ARGUMENT, decode, packed_attention, sampler
+from rlvr.trainer.logprobs import keeps_last_logits
 from rlvr.trainer.policy import Policy
-from rlvr.trainer.prompts import prompt_ids
+from rlvr.trainer.prompts import distinct_prompts, padded_positions, prompt_ids
 from rlvr.trainer.rng import seeded_rng
 
 
@@ -48,15 +48,16 @@ Cache = Literal["shared_prompt", "static", "graph"]
 # A model's generation_config can carry settings that change what `generate` draws (instruct models ship a
 # repetition penalty, top-k or beams). Rollouts must sample from the policy itself at the run's temperature and
 # top-p: that is the distribution the loss's π_old and ratios assume (TRL overrides them too). So every call sets
-# them to these neutral values; `min_new_tokens` is left to the model (the benchmarks set it to fix lengths).
-POLICY_ONLY: dict[str, Any] = {
+# them to these neutral values (those this transformers has); `min_new_tokens` is left to the model (the
+# benchmarks set it to fix lengths).
+_NEUTRAL: dict[str, Any] = {
     "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0, "num_beams": 1, "renormalize_logits": False, "bad_words_ids": None, "sequence_bias": None,
     "forced_bos_token_id": None, "forced_eos_token_id": None, "suppress_tokens": None, "begin_suppress_tokens": None,
     "min_p": None, "exponential_decay_length_penalty": None, "top_h": None, "guidance_scale": None,
     "watermarking_config": None,
 }  # fmt: skip
-POLICY_ONLY = {key: value for key, value in POLICY_ONLY.items() if hasattr(transformers.GenerationConfig(), key)}
+POLICY_ONLY = {key: value for key, value in _NEUTRAL.items() if hasattr(transformers.GenerationConfig(), key)}
 # generation_config keys that the call itself sets (the rest of rollout's settings) or that never change a draw.
 _SET_BY_THE_CALL = {
     "do_sample", "temperature", "top_p", "top_k", "max_length", "max_new_tokens", "pad_token_id", "bos_token_id",
@@ -231,14 +232,11 @@ def _shared_prompt_cache(policy: Policy, input_ids: torch.Tensor, attention_mask
     """
     if input_ids.shape[1] < 2:
         return None
-    distinct, row_to_distinct = torch.unique(input_ids, dim=0, return_inverse=True)
-    if distinct.shape[0] == input_ids.shape[0] or not policy.model.config.use_cache:
+    first_row, row_to_distinct = distinct_prompts(input_ids, attention_mask)
+    if first_row.shape[0] == input_ids.shape[0] or not policy.model.config.use_cache:
         return None
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    first_row = torch.full((distinct.shape[0],), input_ids.shape[0], device=input_ids.device)
-    first_row = first_row.scatter_reduce(0, row_to_distinct, rows, reduce="amin")  # one row per distinct prompt
     mask = attention_mask[first_row, :-1]
-    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    positions = padded_positions(mask)
     keep_last = {"logits_to_keep": 1} if keeps_last_logits(policy.model) else {}  # its logits are not used
     output = policy.model(
         input_ids=input_ids[first_row, :-1], attention_mask=mask, position_ids=positions, use_cache=True, **keep_last

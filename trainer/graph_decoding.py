@@ -22,12 +22,15 @@ from typing import Any
 
 import torch
 import transformers
+from packaging.version import Version
 from torch import Tensor
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from rlvr.trainer.logprobs import CACHE_ARGUMENT, keeps_last_logits
+from rlvr.trainer.prompts import distinct_prompts, padded_positions
 
+# transformers 5.24 renamed generate's and the model outputs' `past_key_values` to `cache` (the old name warns).
+CACHE_ARGUMENT = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
 PACKED_SDPA = "rlvr_packed_sdpa"  # the name `packed_attention` registers `_packed_sdpa` under
 _MASKS = ("sdpa", "eager", PACKED_SDPA)  # attention implementations whose 4D mask this module builds
 
@@ -100,6 +103,18 @@ class _TokenStep:
         return last_logits(self.model, self.cache, self.ids, self.positions, self.allowed, self.slot)
 
 
+_forward_takes_of: dict[type, tuple[bool, bool]] = {}
+
+
+def _forward_takes(model: transformers.PreTrainedModel) -> tuple[bool, bool]:
+    """Whether the model's forward takes `logits_to_keep` and `cache_position`: looked up once a model class,
+    not at every token step."""
+    if type(model) not in _forward_takes_of:
+        parameters = inspect.signature(model.forward).parameters
+        _forward_takes_of[type(model)] = ("logits_to_keep" in parameters, "cache_position" in parameters)
+    return _forward_takes_of[type(model)]
+
+
 def last_logits(
     model: transformers.PreTrainedModel,
     cache: transformers.StaticCache,
@@ -111,8 +126,9 @@ def last_logits(
     """The next-token logits [B, V] of the model on `ids` [B, Q] at `positions` [B, Q], writing cache slots
     `slots` [Q], each query attending to the slots `allowed` [B, 1, Q, L] marks (the other positions' logits
     are not computed where the model can skip them)."""
-    extra: dict[str, object] = {"logits_to_keep": 1} if keeps_last_logits(model) else {}
-    if "cache_position" in inspect.signature(model.forward).parameters:
+    keeps_last, takes_slots = _forward_takes(model)
+    extra: dict[str, object] = {"logits_to_keep": 1} if keeps_last else {}
+    if takes_slots:
         extra["cache_position"] = slots  # where the forward takes it (5.0's static cache writes where it is told)
     output = model(
         input_ids=ids,
@@ -153,7 +169,7 @@ def _prompt_inputs(attention_mask_2d: Tensor, length: int) -> tuple[Tensor, Tens
     itself only, so that no attention row is empty (an empty one gives NaN, which the cache would keep)."""
     real = attention_mask_2d.bool()
     rows, prompt_length = real.shape
-    positions = (real.long().cumsum(-1) - 1).masked_fill(~real, 1)
+    positions = padded_positions(attention_mask_2d)
     query = torch.arange(prompt_length, device=real.device)
     key = torch.arange(length, device=real.device)
     causal = key[None, :] <= query[:, None]  # [P, L]
@@ -231,9 +247,8 @@ def _prefill_distinct(
     later keep in the cache, `cumulative_length`): tests/test_graph_decoding.py holds the result to `generate`'s
     at 5.0, 5.17 and 5.24."""
     prompt_length = input_ids.shape[1]
-    rows = torch.cat([input_ids, attention_mask_2d.to(input_ids.dtype)], dim=1)
-    distinct, row_to_distinct = torch.unique(rows, dim=0, return_inverse=True)
-    ids, mask = distinct[:, :prompt_length], distinct[:, prompt_length:]
+    first_row, row_to_distinct = distinct_prompts(input_ids, attention_mask_2d)
+    ids, mask = input_ids[first_row], attention_mask_2d[first_row]
     prompts = transformers.StaticCache(config=model.config, max_cache_len=prompt_length)
     positions, allowed = _prompt_inputs(mask, prompt_length)
     slots = torch.arange(prompt_length, device=input_ids.device)

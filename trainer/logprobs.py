@@ -13,8 +13,6 @@ import inspect
 from typing import Any
 
 import torch
-import transformers
-from packaging.version import Version
 from torch import Tensor
 
 from rlvr.trainer.fused_head import causal_inputs, fused_logprobs_and_entropy, use_fused
@@ -86,10 +84,6 @@ def log_probs_and_entropy(
     positions = positions or block_positions(logits.shape[-1], logits.device)
     logp, entropy = _SelectiveLogSoftmax.apply(logits, tokens, temperature, positions, True)
     return logp, entropy
-
-
-# transformers 5.24 renamed generate's and the model outputs' `past_key_values` to `cache` (the old name warns).
-CACHE_ARGUMENT = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
 
 
 def keeps_last_logits(model: torch.nn.Module) -> bool:

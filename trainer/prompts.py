@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlvr.chat import as_messages, chat_messages
@@ -42,3 +43,18 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> li
     encoded = tokenizer(texts, add_special_tokens=not has_chat_template(tokenizer))
     ids = dict(zip(distinct, encoded["input_ids"]))
     return [list(ids[prompt]) for prompt in prompts]  # a list per row: callers pad rows in place
+
+
+def distinct_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For padded prompt rows [B, P] (a GRPO batch repeats each prompt once per sample): the first row of each
+    distinct prompt [D] and each row's distinct prompt [B]. Rows are one prompt when their ids and mask agree."""
+    rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
+    distinct, row_to_distinct = torch.unique(rows, dim=0, return_inverse=True)
+    indices = torch.arange(input_ids.shape[0], device=input_ids.device)
+    first_row = torch.full((distinct.shape[0],), input_ids.shape[0], device=input_ids.device)
+    return first_row.scatter_reduce(0, row_to_distinct, indices, reduce="amin"), row_to_distinct
+
+
+def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids [B, P] of left-padded rows as `generate` numbers them: the real tokens from 0, padding 1."""
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
