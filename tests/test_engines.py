@@ -305,6 +305,24 @@ def test_reload_sync_serves_each_new_policy(server, policy, tmp_path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["run_step_1"]  # only the served checkpoint is kept
 
 
+def test_requests_ask_for_the_policys_own_draw_unless_told_not_to(server, policy) -> None:
+    """vLLM's server fills what a request leaves out from the model's generation_config (an instruct model's
+    top-k and repetition penalty): each request sets them neutral, unless `policy_sampling` is off for a
+    server that refuses fields OpenAI's API does not have."""
+    url, state = server
+    engine_at(url, policy).generate(PROMPTS[:2], [2, 1], SAMPLING)
+    engine_at(url, policy, policy_sampling=False).generate(PROMPTS[:1], [2], SAMPLING)
+    sent = [
+        {k: r.get(k) for k in ("top_k", "min_p", "repetition_penalty", "temperature", "top_p")} for r in state.requests
+    ]
+    policy_own = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0}
+    assert sent == [
+        policy_own,
+        policy_own,
+        {**dict.fromkeys(("top_k", "min_p", "repetition_penalty")), "temperature": 1.0, "top_p": 1.0},
+    ]
+
+
 def test_reload_needs_a_directory() -> None:
     with pytest.raises(ValueError, match="sync_dir"):
         OpenAIEngineConfig(sync="reload")

@@ -54,6 +54,10 @@ RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
 _TOKEN_ID = re.compile(r"token_id:(\d+)")
 
 DEFAULT_SYNC_PAYLOAD: dict[str, Any] = {"method": "reload_directory", "args": ["{path}"]}
+# What a completions request sets beside temperature and top_p so that the draw is the policy's own (the loss's
+# pi_old assumes it): vLLM's server fills the fields a request leaves out from the model's generation_config
+# (`--generation-config auto`, its default), and instruct models ship a top-k and a repetition penalty there.
+POLICY_SAMPLING: dict[str, Any] = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 class OpenAIEngineConfig(EngineConfig):
@@ -69,6 +73,12 @@ class OpenAIEngineConfig(EngineConfig):
     backoff_s: float = Field(0.5, ge=0, description="wait before the first retry; doubles each retry")
     timeout_s: float = Field(120.0, gt=0, description="per-request timeout")
     request_token_ids: bool = Field(True, description="ask for vLLM's `return_token_ids` extension")
+    policy_sampling: bool = Field(
+        True,
+        description="also send top_k=-1, min_p=0 and repetition_penalty=1 (vLLM and SGLang fields), so that a "
+        "server samples from the policy, not with the model's shipped generation_config; false for servers "
+        "that refuse unknown fields",
+    )
     prompt_as: Literal["token_ids", "text"] = Field(
         "token_ids",
         description="token_ids: the ids the trainer conditions on (exact); text: for servers that take only text "
@@ -220,6 +230,8 @@ class OpenAIEngine(RolloutEngine):
         }
         if self.cfg.request_token_ids:
             body["return_token_ids"] = True
+        if self.cfg.policy_sampling:
+            body.update(POLICY_SAMPLING)
         answer = self._request("POST", f"{self.cfg.base_url.rstrip('/')}/completions", body)
         choices = sorted(answer.get("choices") or [], key=lambda choice: int(choice.get("index", 0)))
         if len(choices) != count:

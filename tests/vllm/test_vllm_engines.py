@@ -8,6 +8,7 @@ Skipped where vllm is not importable (the main venv).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -113,6 +114,10 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
     model_dir = tmp_path_factory.mktemp("served")
     for name, data in policy_files(policy).items():
         (model_dir / name).write_bytes(data)
+    # as an instruct model ships a top-k (here one: every draw the likeliest token), which the server applies
+    # to the requests that leave it out
+    shipped = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**shipped, "top_k": 1}))
     port = _free_port()
     env = {**os.environ, **vllm_environment(), "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server runs its engine core in its own process
@@ -180,3 +185,21 @@ def test_openai_engine_on_a_vllm_server_verifies_and_trains(vllm_server, tmp_pat
     assert _server_greedy(base_url, PROMPTS) == greedy(policy, PROMPTS, max_new_tokens=3)
     assert (tmp_path / "step-1" / "model.safetensors").is_file()
     engine.close()
+
+
+def test_the_models_shipped_sampling_settings_do_not_reach_the_draw(vllm_server) -> None:
+    """The served directory ships top_k=1 (the fixture writes it): a request that leaves top_k out gets it from
+    vLLM, so every sample of a prompt is the same; our engine's requests set it neutral and sample the policy."""
+    base_url, policy = vllm_server
+    prompts = PROMPTS[::6]
+    sampling = SamplingParams(max_new_tokens=3, temperature=1.0, top_p=1.0, seed=3)
+
+    def distinct_samples(policy_sampling: bool) -> list[int]:
+        engine = OpenAIEngine(OpenAIEngineConfig(base_url=base_url, policy_sampling=policy_sampling))
+        engine.update_weights(policy, "served")
+        samples = engine.generate(prompts, [8] * len(prompts), sampling)
+        engine.close()
+        return [len({tuple(s.completion_ids) for s in samples if s.prompt_index == i}) for i in range(len(prompts))]
+
+    assert distinct_samples(policy_sampling=False) == [1] * len(prompts)
+    assert max(distinct_samples(policy_sampling=True)) > 1
