@@ -16,6 +16,7 @@ from rlvr.trainer.engine_base import SamplingParams
 from rlvr.trainer.engines import ENGINES, TransformersEngineConfig
 from rlvr.trainer.generation import greedy, sample
 from rlvr.trainer.graph_decoding import (
+    CACHE_ARGUMENT,
     PACKED_SDPA,
     _packed_sdpa,
     _prompt_inputs,
@@ -24,6 +25,7 @@ from rlvr.trainer.graph_decoding import (
     decode,
     packed_attention,
     sampler,
+    static_cache,
 )
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
 from tests.cli_helpers import cli_env, rlvr
@@ -100,10 +102,29 @@ def test_eager_attention_gets_an_additive_mask_and_samples_the_same(policy):
     )
 
 
+@pytest.mark.parametrize("cache", ["graph", "static"])
+def test_under_bf16_autocast_keys_are_cached_as_values_and_the_draw_is_generates(cache):
+    """Under bf16 autocast over float32 weights (the GPU's default sampling), keys reach the cache in float32 and
+    values in bf16: transformers 5.17 (the lent GPUs') and 5.0 then failed at the first value written to a static
+    cache, and 5.24 kept the keys in float32. Both static caches keep them in bf16, and draw the tokens that
+    `generate` with the shared-prompt cache draws (the log-probs within bf16's rounding)."""
+    policy = qwen_policy(0, **SMALL_QWEN, num_key_value_heads=1)  # two query heads a key/value head
+    settings = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, seed=11, logprob_temperature=1.0, precision="bf16")
+    shared = sample(policy, PROMPTS, COUNTS, **settings)
+    static = sample(policy, PROMPTS, COUNTS, **settings, cache=cache)
+    assert drawn(static) == drawn(shared) and len({tuple(s.completion_ids) for s in shared}) > 8
+    gaps = [abs(a - b) for s, g in zip(shared, static) for a, b in zip(s.logprobs, g.logprobs, strict=True)]
+    assert max(gaps) < 2e-2
+    kv = static_cache(policy.model, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        policy.model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True, **{CACHE_ARGUMENT: kv})
+    assert {(layer.keys.dtype, layer.values.dtype) for layer in kv.layers} == {(torch.bfloat16, torch.bfloat16)}
+
+
 def test_a_token_step_traces_as_one_graph_with_the_eager_logits(policy):
     """torch.compile with fullgraph=True refuses any Python-level branch on a tensor's value (a `.item()`, an
     `if tensor`), which a CUDA graph could not replay either: the CPU's check that the step is capturable."""
-    cache = transformers.StaticCache(config=policy.model.config, max_cache_len=16)
+    cache = static_cache(policy.model, 16)
     step = _TokenStep(policy.model, cache, rows=4, length=16)
     step.allowed[:, 0, 0, :3] = True
     step.ids[:, 0] = torch.tensor([3, 5, 7, 9])
@@ -121,7 +142,7 @@ def test_resetting_the_cache_after_the_warm_up_keeps_every_tensor_where_the_grap
     """On a GPU the graph is captured after two warm-up steps, which allocate the static cache and write to it; the
     cache is then reset, and the replays must find its tensors at the same addresses, emptied (the write
     position too, in the transformers versions that keep one in the cache)."""
-    cache = transformers.StaticCache(config=policy.model.config, max_cache_len=8)
+    cache = static_cache(policy.model, 8)
     step = _TokenStep(policy.model, cache, rows=2, length=8)
     step.allowed[:, 0, 0, :2] = True
     step.ids.fill_(5)  # not the padding id, whose embedding (and so key and value) is zero

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 import transformers
 
-from rlvr.trainer.graph_decoding import CACHE_ARGUMENT, decode, packed_attention, sampler
+from rlvr.trainer.graph_decoding import CACHE_ARGUMENT, decode, packed_attention, sampler, static_cache
 from rlvr.trainer.logprobs import keeps_last_logits
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import distinct_prompts, padded_positions, prompt_ids
@@ -159,8 +159,9 @@ def _transformers_generate(
     policy: Policy, encoded: Any, max_new_tokens: int, cache: Cache, recorder: TokenLogprobs | None, **sampling: Any
 ) -> torch.Tensor:
     """`generate`'s new tokens [B, T] (pad after each row's eos) for the padded prompts `encoded`."""
-    if cache == "static":
-        caching: dict[str, Any] = {"cache_implementation": "static"}
+    if cache == "static":  # transformers' static cache, its keys kept in the values' dtype (`static_cache`)
+        length = encoded["input_ids"].shape[1] + max_new_tokens
+        caching: dict[str, Any] = {CACHE_ARGUMENT: static_cache(policy.model, length)}
     else:
         caching = {CACHE_ARGUMENT: _shared_prompt_cache(policy, encoded["input_ids"], encoded["attention_mask"])}
     output = policy.model.generate(  # type: ignore[operator]  # GenerationMixin, not a module attribute

@@ -163,6 +163,29 @@ def check_supported(model: transformers.PreTrainedModel) -> None:
         raise ValueError("rollout.cache=graph supports models whose layers all use full attention")
 
 
+def static_cache(model: transformers.PreTrainedModel, length: int) -> transformers.StaticCache:
+    """transformers' `StaticCache` of `length` slots whose layers store each key in its value's dtype.
+
+    Why: under bf16 autocast over float32 weights, keys reach the cache in float32 (the rotary embedding's
+    output takes the residual stream's dtype) and values in bf16 (v_proj's autocast output). transformers 5.17
+    and earlier size both of a static layer's tensors by the keys' dtype, so the first bf16 value written
+    fails (`index_copy_` refuses to mix dtypes); 5.24 keeps float32 keys, twice their memory. Attention casts
+    the keys to bf16 under autocast anyway, at every token step, so casting them once on the way in gives the
+    same attention. Without autocast both dtypes are the weights' and nothing changes."""
+    cache = transformers.StaticCache(config=model.config, max_cache_len=length)
+    layers: list[Any] = list(cache.layers)  # static layers; typed Any, as mypy sees the union of every layer kind
+    for layer in layers:
+        layer.update = _keys_as_values(layer.update)  # this instance's only
+    return cache
+
+
+def _keys_as_values(update: Callable[..., tuple[Tensor, Tensor]]) -> Callable[..., tuple[Tensor, Tensor]]:
+    def cast_update(key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        return update(key_states.to(value_states.dtype), value_states, *args, **kwargs)
+
+    return cast_update
+
+
 def _prompt_inputs(attention_mask_2d: Tensor, length: int) -> tuple[Tensor, Tensor]:
     """Position ids [B, P] of left-padded prompts (as `generate` numbers them) and the slots each prompt
     position may attend to [B, 1, P, L]: the real prompt tokens up to itself. A padding position attends to
@@ -225,7 +248,7 @@ def _prefilled(
     next-token logits [B, V], the prompts written to the cache and the step's buffers set for the first new token."""
     rows, prompt_length = input_ids.shape
     length = prompt_length + max_new_tokens
-    cache = transformers.StaticCache(config=model.config, max_cache_len=length)
+    cache = static_cache(model, length)
     step = _TokenStep(model, cache, rows, length)
     run = _replayable(step, input_ids.device.type == "cuda" if capture is None else capture)
     logits = _prefill_distinct(model, cache, input_ids, attention_mask_2d)
@@ -249,7 +272,7 @@ def _prefill_distinct(
     prompt_length = input_ids.shape[1]
     first_row, row_to_distinct = distinct_prompts(input_ids, attention_mask_2d)
     ids, mask = input_ids[first_row], attention_mask_2d[first_row]
-    prompts = transformers.StaticCache(config=model.config, max_cache_len=prompt_length)
+    prompts = static_cache(model, prompt_length)
     positions, allowed = _prompt_inputs(mask, prompt_length)
     slots = torch.arange(prompt_length, device=input_ids.device)
     logits = last_logits(model, prompts, ids, positions, allowed, slots)
