@@ -14,9 +14,9 @@ from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.trainer.engine_base import SamplingParams
 from rlvr.trainer.engines import ENGINES, TransformersEngineConfig
+from rlvr.trainer.generation import _shared_prompt_cache as shared_prompt_cache
 from rlvr.trainer.generation import greedy, sample
 from rlvr.trainer.graph_decoding import (
-    CACHE_ARGUMENT,
     PACKED_SDPA,
     _packed_sdpa,
     _prompt_inputs,
@@ -25,8 +25,8 @@ from rlvr.trainer.graph_decoding import (
     decode,
     packed_attention,
     sampler,
-    static_cache,
 )
+from rlvr.trainer.kv_caches import CACHE_ARGUMENT, dynamic_cache, static_cache
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
 from tests.cli_helpers import cli_env, rlvr
 from tests.conftest import TINY_OVERRIDES
@@ -103,11 +103,10 @@ def test_eager_attention_gets_an_additive_mask_and_samples_the_same(policy):
 
 
 @pytest.mark.parametrize("cache", ["graph", "static"])
-def test_under_bf16_autocast_keys_are_cached_as_values_and_the_draw_is_generates(cache):
-    """Under bf16 autocast over float32 weights (the GPU's default sampling), keys reach the cache in float32 and
-    values in bf16: transformers 5.17 (the lent GPUs') and 5.0 then failed at the first value written to a static
-    cache, and 5.24 kept the keys in float32. Both static caches keep them in bf16, and draw the tokens that
-    `generate` with the shared-prompt cache draws (the log-probs within bf16's rounding)."""
+def test_under_bf16_autocast_the_static_caches_draw_what_generate_draws(cache):
+    """Under bf16 autocast over float32 weights (the GPU's default sampling) transformers 5.17 (the lent GPUs')
+    and 5.0 failed at the first value written to a static cache (float32 keys, bf16 values). Both static caches
+    now draw the tokens the shared-prompt cache's `generate` draws (the log-probs within bf16's rounding)."""
     policy = qwen_policy(0, **SMALL_QWEN, num_key_value_heads=1)  # two query heads a key/value head
     settings = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, seed=11, logprob_temperature=1.0, precision="bf16")
     shared = sample(policy, PROMPTS, COUNTS, **settings)
@@ -115,9 +114,22 @@ def test_under_bf16_autocast_keys_are_cached_as_values_and_the_draw_is_generates
     assert drawn(static) == drawn(shared) and len({tuple(s.completion_ids) for s in shared}) > 8
     gaps = [abs(a - b) for s, g in zip(shared, static) for a, b in zip(s.logprobs, g.logprobs, strict=True)]
     assert max(gaps) < 2e-2
-    kv = static_cache(policy.model, 8)
+
+
+@pytest.mark.parametrize("make", [lambda model: static_cache(model, 8), dynamic_cache, shared_prompt_cache])
+def test_under_bf16_autocast_every_cache_keeps_its_keys_in_bf16(make):
+    """Keys reach the cache in float32 (the rotary embedding's output), values in bf16: without the cast a static
+    cache failed (5.0, 5.17) or held float32 keys (5.24), and the dynamic one held float32 keys, and at 5.17
+    float32 values too (twice the memory of bf16 contents)."""
+    policy = qwen_policy(0, **SMALL_QWEN, num_key_value_heads=1)
+    ids = torch.tensor([[5, 6, 7], [5, 6, 7]])
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-        policy.model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True, **{CACHE_ARGUMENT: kv})
+        if make is shared_prompt_cache:  # the prefix of the rows' repeated prompt, computed once
+            kv = shared_prompt_cache(policy, ids, torch.ones_like(ids))
+        else:
+            kv = make(policy.model)
+            policy.model(input_ids=ids, use_cache=True, **{CACHE_ARGUMENT: kv})
+    assert kv.get_seq_length() == (2 if make is shared_prompt_cache else 3)
     assert {(layer.keys.dtype, layer.values.dtype) for layer in kv.layers} == {(torch.bfloat16, torch.bfloat16)}
 
 

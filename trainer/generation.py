@@ -10,7 +10,8 @@ from typing import Any, Literal
 import torch
 import transformers
 
-from rlvr.trainer.graph_decoding import CACHE_ARGUMENT, decode, packed_attention, sampler, static_cache
+from rlvr.trainer.graph_decoding import decode, packed_attention, sampler
+from rlvr.trainer.kv_caches import CACHE_ARGUMENT, dynamic_cache, static_cache
 from rlvr.trainer.logprobs import keeps_last_logits
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import distinct_prompts, padded_positions, prompt_ids
@@ -159,7 +160,7 @@ def _transformers_generate(
     policy: Policy, encoded: Any, max_new_tokens: int, cache: Cache, recorder: TokenLogprobs | None, **sampling: Any
 ) -> torch.Tensor:
     """`generate`'s new tokens [B, T] (pad after each row's eos) for the padded prompts `encoded`."""
-    if cache == "static":  # transformers' static cache, its keys kept in the values' dtype (`static_cache`)
+    if cache == "static":
         length = encoded["input_ids"].shape[1] + max_new_tokens
         caching: dict[str, Any] = {CACHE_ARGUMENT: static_cache(policy.model, length)}
     else:
@@ -224,27 +225,35 @@ def _graph_min_new_tokens(policy: Policy) -> int:
 
 def _shared_prompt_cache(policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
     """The key/value cache of every row's prompt but its last token, computed once per distinct prompt and
-    copied to the rows that share it; None when no prompt repeats (or prompts are one token long).
+    copied to the rows that share it; an empty cache when no prompt repeats (or prompts are one token long),
+    and None for a model configured not to cache. Its keys are kept in the values' dtype (trainer/kv_caches.py).
 
     A GRPO batch samples each prompt many times; `generate` given this cache runs only the last prompt token
     and the new ones per row, so the prompt's forward pass is paid once per group instead of once per sample.
     The rows' token ids, mask and positions are the ones `generate` itself would use, so sampling draws the
     same tokens (asserted against the uncached path in tests/test_trainer.py).
     """
+    if not policy.model.config.use_cache:
+        return None
+    cache = dynamic_cache(policy.model)
     if input_ids.shape[1] < 2:
-        return None
+        return cache
     first_row, row_to_distinct = distinct_prompts(input_ids, attention_mask)
-    if first_row.shape[0] == input_ids.shape[0] or not policy.model.config.use_cache:
-        return None
+    if first_row.shape[0] == input_ids.shape[0]:
+        return cache
     mask = attention_mask[first_row, :-1]
     positions = padded_positions(mask)
     keep_last = {"logits_to_keep": 1} if keeps_last_logits(policy.model) else {}  # its logits are not used
-    output = policy.model(
-        input_ids=input_ids[first_row, :-1], attention_mask=mask, position_ids=positions, use_cache=True, **keep_last
+    policy.model(
+        input_ids=input_ids[first_row, :-1],
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=True,
+        **{CACHE_ARGUMENT: cache},
+        **keep_last,
     )
-    prefix = getattr(output, CACHE_ARGUMENT)
-    prefix.batch_select_indices(row_to_distinct)
-    return prefix
+    cache.batch_select_indices(row_to_distinct)
+    return cache
 
 
 def _decode(policy: Policy, ids: list[int]) -> str:

@@ -22,15 +22,13 @@ from typing import Any
 
 import torch
 import transformers
-from packaging.version import Version
 from torch import Tensor
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+from rlvr.trainer.kv_caches import CACHE_ARGUMENT, static_cache
 from rlvr.trainer.prompts import distinct_prompts, padded_positions
 
-# transformers 5.24 renamed generate's and the model outputs' `past_key_values` to `cache` (the old name warns).
-CACHE_ARGUMENT = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
 PACKED_SDPA = "rlvr_packed_sdpa"  # the name `packed_attention` registers `_packed_sdpa` under
 _MASKS = ("sdpa", "eager", PACKED_SDPA)  # attention implementations whose 4D mask this module builds
 
@@ -161,29 +159,6 @@ def check_supported(model: transformers.PreTrainedModel) -> None:
     layer_types = getattr(model.config, "layer_types", None) or []
     if any(kind != "full_attention" for kind in layer_types):
         raise ValueError("rollout.cache=graph supports models whose layers all use full attention")
-
-
-def static_cache(model: transformers.PreTrainedModel, length: int) -> transformers.StaticCache:
-    """transformers' `StaticCache` of `length` slots whose layers store each key in its value's dtype.
-
-    Why: under bf16 autocast over float32 weights, keys reach the cache in float32 (the rotary embedding's
-    output takes the residual stream's dtype) and values in bf16 (v_proj's autocast output). transformers 5.17
-    and earlier size both of a static layer's tensors by the keys' dtype, so the first bf16 value written
-    fails (`index_copy_` refuses to mix dtypes); 5.24 keeps float32 keys, twice their memory. Attention casts
-    the keys to bf16 under autocast anyway, at every token step, so casting them once on the way in gives the
-    same attention. Without autocast both dtypes are the weights' and nothing changes."""
-    cache = transformers.StaticCache(config=model.config, max_cache_len=length)
-    layers: list[Any] = list(cache.layers)  # static layers; typed Any, as mypy sees the union of every layer kind
-    for layer in layers:
-        layer.update = _keys_as_values(layer.update)  # this instance's only
-    return cache
-
-
-def _keys_as_values(update: Callable[..., tuple[Tensor, Tensor]]) -> Callable[..., tuple[Tensor, Tensor]]:
-    def cast_update(key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        return update(key_states.to(value_states.dtype), value_states, *args, **kwargs)
-
-    return cast_update
 
 
 def _prompt_inputs(attention_mask_2d: Tensor, length: int) -> tuple[Tensor, Tensor]:
