@@ -5,6 +5,7 @@ could not replay). The GPU tests (pytest -m gpu) compare the replayed graph with
 
 import importlib.util
 import os
+import threading
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import transformers
 
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
+from rlvr.trainer.devices import own_stream
 from rlvr.trainer.engine_base import SamplingParams
 from rlvr.trainer.engines import ENGINES, TransformersEngineConfig
 from rlvr.trainer.generation import _shared_prompt_cache as shared_prompt_cache
@@ -357,3 +359,42 @@ def test_the_replayed_graph_draws_what_the_eager_loop_draws_and_frees_its_memory
     assert torch.cuda.memory_allocated() == before
     assert torch.equal(graph_tokens, eager_tokens) and graph_tokens.shape[1] == 40
     assert torch.allclose(graph_logprobs, eager_logprobs, atol=1e-5) and bool(graph_logprobs.isfinite().all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_two_threads_decoding_through_graphs_at_once_get_what_each_gets_alone():
+    """flow.sampler=thread: the sampler thread (on a stream of its own) decodes while the trainer's thread
+    evaluates, both through this loop. Their captures take turns (`torch.cuda.graph` captures on one default
+    stream) and their replays overlap; greedy decoding, so that no draw depends on which thread used the RNG
+    first."""
+    shape = dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    policies = [qwen_policy(seed, vocab_size=QWEN_VOCAB, **shape) for seed in (0, 1)]
+    for policy in policies:
+        policy.model.to("cuda")
+    ids = torch.randint(10, 1000, (32, 16), device="cuda")
+    mask = torch.ones_like(ids)
+
+    def greedy_tokens(policy: Policy, capture: bool) -> torch.Tensor:
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            tokens, _ = decode(
+                policy.model, ids, mask, 24, lambda scores: scores.argmax(dim=-1), eos_ids=[1], pad_id=0,
+                capture=capture,
+            )  # fmt: skip
+        return tokens.cpu()
+
+    alone = [greedy_tokens(policy, capture=False) for policy in policies]
+    together: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def sampler_thread() -> None:
+        with own_stream(torch.device("cuda")):
+            together[1].extend(greedy_tokens(policies[1], capture=True) for _ in range(6))
+
+    thread = threading.Thread(target=sampler_thread)
+    thread.start()
+    together[0].extend(greedy_tokens(policies[0], capture=True) for _ in range(6))
+    thread.join()
+    for index in (0, 1):
+        assert len(together[index]) == 6 and all(torch.equal(tokens, alone[index]) for tokens in together[index])

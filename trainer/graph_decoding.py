@@ -16,6 +16,7 @@ same RNG and in the same order as `generate`, so a seed draws the same tokens on
 """
 
 import inspect
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -179,30 +180,36 @@ def _prompt_inputs(attention_mask_2d: Tensor, length: int) -> tuple[Tensor, Tens
 
 # One warm-up stream a device, kept: torch keeps a cuBLAS workspace for every stream that ran a matmul.
 _warm_up_streams: dict[torch.device, torch.cuda.Stream] = {}
+# One capture at a time in the process: with flow.sampler=thread the sampler thread and the trainer's (evaluating)
+# can both decode through this loop, and every `torch.cuda.graph` without a stream of its own captures on
+# torch's one default capture stream; the warm-up stream is shared too. Replays need no lock.
+_capture_lock = threading.Lock()
 
 
 def _replayable(step: _TokenStep, capture: bool) -> Callable[[], Tensor]:
     """`step` itself, or with `capture` a CUDA graph of it: two warm-up calls on a side stream (they allocate
     the static cache and let cuBLAS pick its kernels), one capture, and the cache emptied again after (the
     warm-up wrote to it; the capture ran nothing). The capture is thread-local: with `flow.sampler=thread` the
-    trainer's thread goes on using the GPU meanwhile, which a global capture would refuse. Without `capture`
-    one eager call allocates the cache, emptied after the same way."""
+    trainer's thread goes on using the GPU meanwhile, which a global capture would refuse, and one thread
+    captures at a time (`_capture_lock`). Without `capture` one eager call allocates the cache, emptied after
+    the same way."""
     if not capture:
         step()
         step.cache.reset()
         return step
     device = step.ids.device
-    if device not in _warm_up_streams:
-        _warm_up_streams[device] = torch.cuda.Stream(device)
-    side = _warm_up_streams[device]
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        logits = step()
+    with _capture_lock:
+        if device not in _warm_up_streams:
+            _warm_up_streams[device] = torch.cuda.Stream(device)
+        side = _warm_up_streams[device]
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            logits = step()
     step.cache.reset()
 
     def replay() -> Tensor:
