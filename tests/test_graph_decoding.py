@@ -135,6 +135,23 @@ def test_under_bf16_autocast_every_cache_keeps_its_keys_in_bf16(make):
     assert {(layer.keys.dtype, layer.values.dtype) for layer in kv.layers} == {(torch.bfloat16, torch.bfloat16)}
 
 
+def test_a_model_with_a_cache_of_its_own_kind_gets_it_from_transformers():
+    """A model whose class refuses transformers' default dynamic cache (recurrent ones, e.g.) gets no cache from
+    us: its forward makes its own, and the shared-prompt path samples what plain `generate` samples."""
+
+    class OwnCache(transformers.Qwen2ForCausalLM):
+        @classmethod
+        def _supports_default_dynamic_cache(cls) -> bool:
+            return False
+
+    policy = qwen_policy(0, **SMALL_QWEN, num_key_value_heads=1)
+    policy.model.__class__ = OwnCache
+    assert dynamic_cache(policy.model) is None
+    settings = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, seed=5)
+    shared = sample(policy, PROMPTS, COUNTS, **settings)
+    assert drawn(shared) == drawn(sample(policy, PROMPTS, COUNTS, **settings, cache="static"))
+
+
 def test_a_token_step_traces_as_one_graph_with_the_eager_logits(policy):
     """torch.compile with fullgraph=True refuses any Python-level branch on a tensor's value (a `.item()`, an
     `if tensor`), which a CUDA graph could not replay either: the CPU's check that the step is capturable."""

@@ -226,7 +226,8 @@ def _graph_min_new_tokens(policy: Policy) -> int:
 def _shared_prompt_cache(policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
     """The key/value cache of every row's prompt but its last token, computed once per distinct prompt and
     copied to the rows that share it; an empty cache when no prompt repeats (or prompts are one token long),
-    and None for a model configured not to cache. Its keys are kept in the values' dtype (trainer/kv_caches.py).
+    and None for a model configured not to cache. Its keys are kept in the values' dtype (trainer/kv_caches.py;
+    None there too: `generate` or the forward makes the model's own kind of cache).
 
     A GRPO batch samples each prompt many times; `generate` given this cache runs only the last prompt token
     and the new ones per row, so the prompt's forward pass is paid once per group instead of once per sample.
@@ -244,16 +245,17 @@ def _shared_prompt_cache(policy: Policy, input_ids: torch.Tensor, attention_mask
     mask = attention_mask[first_row, :-1]
     positions = padded_positions(mask)
     keep_last = {"logits_to_keep": 1} if keeps_last_logits(policy.model) else {}  # its logits are not used
-    policy.model(
+    output = policy.model(
         input_ids=input_ids[first_row, :-1],
         attention_mask=mask,
         position_ids=positions,
         use_cache=True,
-        **{CACHE_ARGUMENT: cache},
+        **({CACHE_ARGUMENT: cache} if cache is not None else {}),
         **keep_last,
     )
-    cache.batch_select_indices(row_to_distinct)
-    return cache
+    prefix = getattr(output, CACHE_ARGUMENT)
+    prefix.batch_select_indices(row_to_distinct)
+    return prefix
 
 
 def _decode(policy: Policy, ids: list[int]) -> str:

@@ -28,15 +28,20 @@ def static_cache(model: transformers.PreTrainedModel, length: int) -> transforme
     return _keys_as_values(transformers.StaticCache(config=model.config, max_cache_len=length))
 
 
-def dynamic_cache(model: transformers.PreTrainedModel) -> transformers.DynamicCache:
-    """An empty `DynamicCache` for `model` (its layers made from the config), keys stored in the values' dtype."""
+def dynamic_cache(model: transformers.PreTrainedModel) -> transformers.DynamicCache | None:
+    """An empty `DynamicCache` for `model` (its layers made from the config), keys stored in the values' dtype;
+    None for a model that keeps a cache of its own kind (transformers' `_supports_default_dynamic_cache`: a few
+    recurrent or linear-attention architectures), whose forward then makes it."""
+    if not getattr(type(model), "_supports_default_dynamic_cache", lambda: True)():
+        return None
     return _keys_as_values(transformers.DynamicCache(config=model.config))
 
 
 def _keys_as_values(cache: CacheT) -> CacheT:
     layers: list[Any] = list(cache.layers)  # typed Any, as mypy sees the union of every layer kind transformers has
     for layer in layers:
-        layer.update = _cast_keys(layer.update)  # this instance's only
+        if hasattr(layer, "update"):  # a key/value layer (a linear-attention layer keeps states, no keys)
+            layer.update = _cast_keys(layer.update)  # this instance's only
     return cache
 
 
