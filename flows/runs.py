@@ -18,6 +18,7 @@ import shlex
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -194,10 +195,45 @@ def _sigterm_raises_stopped() -> Iterator[None]:
         raise Stopped(f"stopped by {signal.Signals(signum).name}", 128 + signum)
 
     previous = signal.signal(signal.SIGTERM, raise_stopped)
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _redeliver_dropped_stops(previous_hook)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = previous_hook
+
+
+def _redeliver_dropped_stops(previous_hook: Callable[[Any], Any]) -> Callable[[Any], None]:
+    """An unraisable-exception hook that signals the main thread again when the exception Python dropped is a
+    stop: a signal handler runs between any two bytecodes of the main thread, also inside a `__del__` or a
+    weakref callback, whose exceptions Python prints ("Exception ignored in ...") and drops, and the run then went
+    on as if never signalled (seen once in CI: a SIGTERM lost in a WeakKeyDictionary callback). The process sends
+    itself the signal again from a thread, 10 ms later: raised from the hook itself, it would be dropped too."""
+
+    def hook(unraisable: Any) -> None:
+        previous_hook(unraisable)
+        signum = _stop_signal(unraisable.exc_value)
+        if signum is not None:
+            again = threading.Timer(0.01, os.kill, (os.getpid(), signum))
+            again.daemon = True
+            again.start()
+
+    return hook
+
+
+def _stop_signal(exc: BaseException | None) -> int | None:
+    """The signal a stop exception was raised for: Ctrl-C's KeyboardInterrupt, our `Stopped`, Prefect's
+    TerminationSignal (its flow engine's SIGTERM handler); None for any other exception."""
+    from prefect.exceptions import TerminationSignal
+
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT
+    if isinstance(exc, Stopped):
+        return exc.status - 128
+    if isinstance(exc, TerminationSignal):
+        return exc.signal
+    return None
 
 
 FULL_DISK_BYTES = 1 << 20

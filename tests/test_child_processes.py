@@ -15,8 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from prefect.exceptions import TerminationSignal
 
 from rlvr.child_guard import EXIT_PARENT_GONE, guarded_command
+from rlvr.errors import Stopped
+from rlvr.flows.runs import _sigterm_raises_stopped
 from rlvr.storage.store import Store
 from rlvr.verifiers import sandbox
 from tests.cli_helpers import REPO, cli_env, rlvr_command, wait_for
@@ -353,3 +356,23 @@ def test_a_signal_to_the_runs_whole_group_ends_it_at_once_with_its_failure_recor
     assert f"{said} is intact: `rlvr resume children --store {tmp_path / 'store'}` continues" in log.read_text()
     record = Store.open(str(tmp_path / "store")).read_run("children")
     assert (record["status"], record["error"]) == ("failed", error)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the drop itself, on purpose
+def test_a_stop_that_python_drops_inside_a_finalizer_is_delivered_again():
+    """A signal handler's exception raised inside a `__del__` or a weakref callback is printed and dropped by
+    Python ("Exception ignored in"): a run once went on after SIGTERM that way, its TerminationSignal lost in a
+    WeakKeyDictionary callback. The run's hook signals the main thread again, whose handler then stops the run."""
+
+    class Finalized:
+        def __del__(self) -> None:
+            raise TerminationSignal(signal=signal.SIGTERM)  # as Prefect's SIGTERM handler raises, landing here
+
+    hook, handler = sys.unraisablehook, signal.getsignal(signal.SIGTERM)
+    started = time.monotonic()
+    with pytest.raises(Stopped, match="stopped by SIGTERM"), _sigterm_raises_stopped():
+        Finalized()  # unreferenced at once: its __del__ runs here, and Python drops what it raised
+        while time.monotonic() - started < 5:
+            time.sleep(0.001)
+    assert time.monotonic() - started < 1
+    assert (sys.unraisablehook, signal.getsignal(signal.SIGTERM)) == (hook, handler)  # both given back
