@@ -205,8 +205,8 @@ def _sigterm_raises_stopped() -> Iterator[None]:
 
 
 def _redeliver_dropped_stops(previous_hook: Callable[[Any], Any]) -> Callable[[Any], None]:
-    """An unraisable-exception hook that signals the main thread again when the exception Python dropped is a
-    stop: a signal handler runs between any two bytecodes of the main thread, also inside a `__del__` or a
+    """An unraisable-exception hook that sends the process its signal again when the exception Python dropped is
+    a stop: a signal handler runs between any two bytecodes of the main thread, also inside a `__del__` or a
     weakref callback, whose exceptions Python prints ("Exception ignored in ...") and drops, and the run then went
     on as if never signalled (seen once in CI: a SIGTERM lost in a WeakKeyDictionary callback). The process sends
     itself the signal again from a thread, 10 ms later: raised from the hook itself, it would be dropped too."""

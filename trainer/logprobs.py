@@ -89,7 +89,19 @@ def log_probs_and_entropy(
 def keeps_last_logits(model: torch.nn.Module) -> bool:
     """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs do): logits for the last
     positions only, so the prompt's positions never get vocabulary-sized logits."""
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    return forward_takes(model, "logits_to_keep")
+
+
+def forward_takes(model: torch.nn.Module, argument: str) -> bool:
+    """Whether the model's forward has a parameter named `argument`: looked up once a model class and argument
+    (the graph loop asks at every token step)."""
+    model_class = type(model)
+    if model_class not in _forward_parameters:
+        _forward_parameters[model_class] = frozenset(inspect.signature(model.forward).parameters)
+    return argument in _forward_parameters[model_class]
+
+
+_forward_parameters: dict[type, frozenset[str]] = {}  # `forward_takes`'s, by model class
 
 
 def next_token_logits(model: torch.nn.Module, prompt_ids: Tensor, completion_ids: Tensor, pad_id: int) -> Tensor:
