@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import shutil
+import tempfile
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -399,7 +403,22 @@ READ_ONLY = "rlvr query is read-only: one SELECT over the store's views (save re
 # Query nodes that only read; a WITH clause may also hold INSERT, UPDATE or DELETE nodes.
 _READ_NODES = frozenset({"SELECT_NODE", "SET_OPERATION_NODE", "CTE_NODE", "RECURSIVE_CTE_NODE"})
 # Table functions that run SQL the statement check never sees.
-_UNCHECKED_SQL_FUNCTIONS = frozenset({"json_execute_serialized_sql"})
+_UNCHECKED_SQL_FUNCTIONS = frozenset({"json_execute_serialized_sql", "query", "query_table"})
+# The only table functions a statement may call (an allow-list: a DuckDB release can add table functions
+# with effects, as `checkpoint()` and `enable_logging()` are today). The readers open files only under the
+# store's artifacts folder (`_lock_down`); the rest make values or describe the connection's own catalog.
+_READER_FUNCTIONS = (
+    "read_parquet parquet_scan parquet_metadata parquet_schema parquet_file_metadata parquet_kv_metadata "
+    "read_csv read_csv_auto read_json read_json_auto read_ndjson read_ndjson_auto read_json_objects "
+    "read_json_objects_auto read_ndjson_objects read_text read_blob glob"
+)
+_ALLOWED_TABLE_FUNCTIONS = frozenset(
+    (
+        _READER_FUNCTIONS + " range generate_series unnest repeat repeat_row json_each json_tree "
+        "duckdb_columns duckdb_tables duckdb_views duckdb_schemas duckdb_types duckdb_functions duckdb_keywords "
+        "pragma_table_info"
+    ).split()
+)
 # What the user typed, by DuckDB's statement type, where its name does not say.
 _STATEMENT_WORDS = {
     "LOAD": "INSTALL or LOAD statement",
@@ -457,8 +476,8 @@ def _check_one_select(statements: list[Any]) -> None:
 
 
 def _check_tree_reads_only(tree: dict[str, Any]) -> None:
-    """Refuse a SELECT's syntax tree holding a query node that writes (WITH x AS (DELETE ...)) or a table
-    function that runs SQL of its own."""
+    """Refuse a SELECT's syntax tree holding a query node that writes (WITH x AS (DELETE ...)), a table
+    function that runs SQL of its own (`query()`, ...), or any table function outside the allow-list."""
     for node in _nodes(tree):
         kind = str(node.get("type", ""))
         if kind.endswith("_NODE") and kind not in _READ_NODES:
@@ -468,6 +487,8 @@ def _check_tree_reads_only(tree: dict[str, Any]) -> None:
             name = str(function.get("function_name", "")).lower()
             if name in _UNCHECKED_SQL_FUNCTIONS:
                 raise _refused(f"{name}(), which runs SQL unchecked")
+            if name not in _ALLOWED_TABLE_FUNCTIONS:
+                raise _refused(f"table function {name}(); allowed: {', '.join(sorted(_ALLOWED_TABLE_FUNCTIONS))}")
 
 
 def refusal(exc: duckdb.PermissionException) -> QueryRefused:
@@ -482,10 +503,19 @@ def refusal(exc: duckdb.PermissionException) -> QueryRefused:
 def _lock_down(con: duckdb.DuckDBPyConnection, store: Store) -> None:
     """Once the views exist: DuckDB opens files only under the store's artifacts folder (on object storage
     that folder's URL, which DuckDB checks before `StoreFiles` sees the path), installs and loads no
-    extension, and no later statement can change these settings."""
+    extension, and no later statement can change these settings.
+
+    Turning external access off also allows DuckDB's temporary directory, by default `.tmp` under the
+    working directory, whatever it holds. So the connection spills to a folder of its own first: a fresh
+    empty one (mode 0700), which DuckDB creates inside only when a query spills and empties on close, and
+    which goes when the connection does. `allowed_directories` then holds the artifacts and that folder.
+    """
     artifacts = store.path("artifacts")
     if not store.is_local:
         artifacts = store.fs.unstrip_protocol(artifacts)
+    private = tempfile.mkdtemp(prefix="rlvr-query-")
+    weakref.finalize(con, shutil.rmtree, private, ignore_errors=True)
+    con.execute(f"SET temp_directory = {sql_string(os.path.join(private, 'spill'))}")
     con.execute(f"SET allowed_directories = [{sql_string(artifacts)}]")
     con.execute("SET enable_external_access = false")
     con.execute("SET autoinstall_known_extensions = false")

@@ -5,8 +5,10 @@ committed parts stay as they were. The key cases go through the real command lin
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +20,8 @@ import pytest
 
 from rlvr.storage.schemas import SCHEMAS
 from rlvr.storage.store import Store
-from rlvr.storage.views import QueryRefused, connect, data_paths, query
-from tests.cli_helpers import rlvr
+from rlvr.storage.views import QueryRefused, _lock_down, connect, data_paths, query
+from tests.cli_helpers import cli_env, rlvr, rlvr_command
 
 READ_ONLY = "rlvr query is read-only: one SELECT over the store's views (save results with --format csv > FILE)"
 
@@ -132,6 +134,140 @@ def test_a_select_still_answers_on_the_command_line(store: Store, unchanged: Non
     result = rlvr("query", sql, "--store", store.root, "--format", "csv")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["category,n,reward", "add,2,0.5", "mul,2,0.75"]
+
+
+@pytest.fixture
+def working_dir_with_secrets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The working directory holds DuckDB's default temporary folder `.tmp` with a secret in it, and a file
+    of its own; DuckDB allows its temporary folder once external access is off, unless it is moved."""
+    (tmp_path / ".tmp").mkdir()
+    (tmp_path / ".tmp" / "secret").write_text("token=abc123\n")
+    (tmp_path / "notes.txt").write_text("not the store's\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_duckdb_s_temporary_folder_in_the_working_directory_is_not_readable(
+    store: Store, working_dir_with_secrets: Path, unchanged: None
+) -> None:
+    """Issue 37: `.tmp/secret` beside the store, read by absolute path and listed by glob, from the command line
+    run in that folder."""
+    secret = working_dir_with_secrets / ".tmp" / "secret"
+    for sql, shown in (
+        (f"SELECT content FROM read_text('{secret}')", str(secret)),
+        ("SELECT * FROM glob('.tmp/*')", ".tmp/*"),
+    ):
+        result = subprocess.run(
+            [*rlvr_command("query", sql, "--store", store.root)],
+            capture_output=True,
+            text=True,
+            cwd=working_dir_with_secrets,
+            env=cli_env(),
+            timeout=300,
+        )
+        assert result.returncode == 2, (result.stdout, result.stderr)
+        assert "abc123" not in result.stdout + result.stderr and "secret" not in result.stdout
+        assert result.stderr.splitlines() == [
+            f'error: query refused: it reads a file outside the store\'s artifacts (Cannot access file "{shown}"); '
+            f"{READ_ONLY}"
+        ]
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT content FROM read_text('.tmp/secret')",
+        "SELECT content FROM read_text('{cwd}/.tmp/secret')",
+        "SELECT content FROM read_blob('.tmp/secret')",
+        "SELECT * FROM glob('.tmp/*')",
+        "SELECT * FROM glob('{cwd}/.tmp/*')",
+        "SELECT content FROM read_text('notes.txt')",
+        "SELECT content FROM read_blob('{cwd}/notes.txt')",
+        "SELECT * FROM glob('*')",
+        "SELECT * FROM read_csv('notes.txt')",
+    ],
+)
+def test_nothing_in_the_working_directory_is_readable(
+    store: Store, working_dir_with_secrets: Path, sql: str, unchanged: None
+) -> None:
+    with pytest.raises(QueryRefused, match=r"^query refused: it reads a file outside the store's artifacts \("):
+        query(store, sql.format(cwd=working_dir_with_secrets))
+
+
+def test_connect_allows_only_the_artifacts_and_a_private_spill_folder(
+    store: Store, working_dir_with_secrets: Path
+) -> None:
+    """`allowed_directories` holds the artifacts folder and the connection's own spill folder (fresh, empty,
+    mode 0700, removed with the connection), never the working directory's `.tmp`."""
+    con = connect(store)
+    try:
+        [(allowed,)] = con.execute("SELECT value FROM duckdb_settings() WHERE name = 'allowed_directories'").fetchall()
+        [(spill,)] = con.execute("SELECT value FROM duckdb_settings() WHERE name = 'temp_directory'").fetchall()
+        private = Path(spill).parent
+        assert allowed == f"[{store.root}/artifacts/, {spill}/]"
+        assert private.name.startswith("rlvr-query-") and not private.is_relative_to(working_dir_with_secrets)
+        assert list(private.iterdir()) == [] and private.stat().st_mode & 0o777 == 0o700
+        with pytest.raises(duckdb.PermissionException, match="Cannot access file"):
+            con.execute("SELECT content FROM read_text('.tmp/secret')")
+    finally:
+        con.close()
+    del con
+    gc.collect()
+    assert not private.exists()
+
+
+def test_a_query_larger_than_memory_spills_into_the_private_folder(
+    store: Store, working_dir_with_secrets: Path
+) -> None:
+    """Spilling still works, into the connection's own folder (not `.tmp` in the working directory)."""
+    con = duckdb.connect(":memory:")
+    try:
+        con.execute("SET memory_limit = '50MB'")  # `connect` keeps DuckDB's default; the lock forbids changing it
+        _lock_down(con, store)
+        [(spill,)] = con.execute("SELECT value FROM duckdb_settings() WHERE name = 'temp_directory'").fetchall()
+        sql = "SELECT count(*) FROM (SELECT i, repeat('x', 50) AS s FROM range(3000000) t(i) ORDER BY s, i DESC)"
+        assert con.execute(sql).fetchall() == [(3_000_000,)]
+        assert Path(spill).is_dir()  # DuckDB made it to spill, inside the private folder
+        assert sorted(p.name for p in (working_dir_with_secrets / ".tmp").iterdir()) == ["secret"]
+    finally:
+        con.close()
+
+
+@pytest.mark.parametrize(
+    ("sql", "what"),
+    [
+        (
+            "SELECT * FROM query('SELECT count(*) FROM json_execute_serialized_sql(json_serialize_sql(''SELECT 42''))')",
+            "query(), which runs SQL unchecked",
+        ),
+        ("SELECT * FROM query('SELECT 42')", "query(), which runs SQL unchecked"),
+        ("SELECT count(*) FROM query_table('rewards')", "query_table(), which runs SQL unchecked"),
+        ("SELECT * FROM query_table(['rewards', 'problems'], true)", "query_table(), which runs SQL unchecked"),
+        ("SELECT * FROM system.main.query('SELECT 1')", "query(), which runs SQL unchecked"),
+        (
+            "SELECT * FROM rewards WHERE score IN (SELECT * FROM query('SELECT 1.0'))",
+            "query(), which runs SQL unchecked",
+        ),
+        ("SELECT * FROM checkpoint()", "table function checkpoint(); allowed: "),
+        ("SELECT * FROM duckdb_settings()", "table function duckdb_settings(); allowed: "),
+    ],
+)
+def test_table_functions_that_run_sql_or_are_not_allowed_are_refused(store: Store, sql: str, what: str) -> None:
+    with pytest.raises(QueryRefused) as refused:
+        query(store, sql)
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith(f"query refused: {what}") and line.endswith(READ_ONLY)
+
+
+def test_query_refusal_is_one_line_on_the_command_line(store: Store, unchanged: None) -> None:
+    sql = "SELECT * FROM query('SELECT count(*) FROM json_execute_serialized_sql(json_serialize_sql(''SELECT 42''))')"
+    assert refused_line(store, sql) == f"error: query refused: query(), which runs SQL unchecked; {READ_ONLY}"
+
+
+def test_allowed_table_functions_still_answer(store: Store) -> None:
+    assert query(store, "SELECT count(*) AS n FROM range(5)").to_pylist() == [{"n": 5}]
+    assert query(store, "SELECT * FROM unnest([1, 2]) AS t(x)").num_rows == 2
+    assert "rewards" in query(store, "SELECT view_name FROM duckdb_views()").column("view_name").to_pylist()
 
 
 def test_a_typo_is_still_a_query_failure(store: Store) -> None:
