@@ -6,6 +6,11 @@ GGUF file. Only the file is used: the package is found with `importlib.util.find
 its own dependencies (`llm`, `llama-cpp-python`, a C++ build) are not needed. transformers reads GGUF with
 the `gguf` package and dequantises to float32 (about 20 s for SmolLM2 on one core); the result is saved as
 safetensors under the cache folder, keyed by the file's sha256, so later loads take a fraction of a second.
+
+The cache sits in the shared temp dir by default, so it trusts nothing it did not write: that folder must
+belong to this user and be writable by no one else, and (in any cache folder) a cached model is used only
+when the `source.json` written with it records the sha256 of the very GGUF file being loaded; anything else
+is converted again and replaces it.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -78,25 +85,59 @@ def require_gguf_reader() -> None:
         raise UserError(f"reading a GGUF model needs the gguf package: {INSTALL_HINT}")
 
 
+SOURCE_FILE = "source.json"  # written into each cached model: the sha256 of the GGUF file it was made from
+
+
 def dequantised_directory(path: Path) -> Path:
     """A Hugging Face model directory (float32 safetensors, config, tokenizer with its chat template) holding
     the GGUF file's model, made once per file content. Concurrent callers each convert into a folder of their
-    own and rename it into place; the first rename wins and the others use it."""
+    own and rename it into place; the first rename wins and the others use it. A cached folder that does not
+    record this file's sha256 (left by an older version, half-copied, or put there by someone else) is replaced."""
     require_gguf_reader()
-    target = model_cache_dir() / f"{path.stem}-{_file_digest(path)[:16]}"
-    if (target / "config.json").is_file():
+    digest = _file_digest(path)
+    cache = model_cache_dir()
+    if MODEL_CACHE_ENV in os.environ:
+        cache.mkdir(parents=True, exist_ok=True)  # a folder the user chose: theirs to share or not
+    else:
+        _private_folder(cache)
+    target = cache / f"{path.stem}-{digest[:16]}"
+    if _made_from(target, digest):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    scratch = cache / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         _convert(path, scratch)
+        (scratch / SOURCE_FILE).write_text(json.dumps({"gguf_file": path.name, "gguf_sha256": digest}))
+        if target.exists() and not _made_from(target, digest):
+            shutil.rmtree(target, ignore_errors=True)  # not ours to trust: this conversion takes its place
         os.replace(scratch, target)
     except OSError:
-        if not (target / "config.json").is_file():  # not another process's finished copy: a real failure
+        if not _made_from(target, digest):  # not another process's finished copy: a real failure
             raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+def _made_from(directory: Path, digest: str) -> bool:
+    """Whether `directory` is a finished conversion of the GGUF file whose sha256 is `digest`."""
+    try:
+        source = json.loads((directory / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(source, dict) and source.get("gguf_sha256") == digest and (directory / "config.json").is_file()
+
+
+def _private_folder(folder: Path) -> None:
+    """Make `folder` (mode 0700) or check that it is this user's and writable by no one else; a one-line
+    UserError otherwise, since another user could have put a model there for this one to load."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for checked in (folder, folder.parent) if folder.parent.name.startswith("rlvr-") else (folder,):
+        info = checked.stat()
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise UserError(
+                f"the model cache folder {checked} belongs to another user or is writable by others; "
+                f"remove it, or set {MODEL_CACHE_ENV} to a folder of your own"
+            )
 
 
 def _file_digest(path: Path) -> str:
