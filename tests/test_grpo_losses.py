@@ -378,3 +378,18 @@ def test_seed_grpo_scales_each_group_by_the_entropy_of_its_answers():
         step_advantages(
             replace(batch, answers=None), torch.tensor(rewards), group_index, GRPOConfig(semantic_entropy=0.5)
         )
+
+
+def test_seed_grpo_counts_each_missing_answer_as_a_cluster_of_its_own():
+    """Early in RL most outputs cannot be parsed; two missing answers must not agree with each other.
+    Group 0: 1 and three missing -> four clusters of one, SE = ln 4, SE / ln 4 = 1 -> linear 1 - 0.5 = 0.5 (one
+    cluster "missing" of three would give p = (1/4, 3/4) and 0.7971804688852168). Group 1: missing, missing, 2, 2 ->
+    p = (1/4, 1/4, 1/2), SE = 1.5 ln 2, SE / ln 4 = 0.75 -> 1 - 0.375 = 0.625 (not 1 - 0.25). Group 2: three missing ->
+    SE = ln 3 -> 0.5 (not 1: they do not agree)."""
+    answers = ["1", None, None, None, None, None, "2", "2", None, None, None]
+    group_index = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2])
+    linear = semantic_entropy_scale(answers, group_index, 0.5)
+    assert linear.tolist() == pytest.approx([0.5] * 4 + [0.625] * 4 + [0.5] * 3, abs=1e-7)
+    exponential = semantic_entropy_scale(answers, group_index, 0.5, "exponential")
+    expected = [math.exp(-0.5)] * 4 + [math.exp(-0.375)] * 4 + [math.exp(-0.5)] * 3
+    assert exponential.tolist() == pytest.approx(expected, abs=1e-7)
