@@ -21,11 +21,13 @@ from rlvr.trainer.grpo import (
     RolloutBatch,
     TrainingRows,
     accumulate_gradients,
+    cuda_free_bytes,
     grpo_step,
     micro_batch_budget,
     rollout_logprobs,
     step_rows,
     token_bytes,
+    tokens_that_fit,
     training_precision,
     unallocated_update_bytes,
 )
@@ -188,14 +190,32 @@ def test_budget_is_the_configured_one_or_none_on_the_cpu():
     assert unallocated_update_bytes(policy.model, None) == 3 * param_bytes
 
 
+def test_tokens_that_fit_follow_the_documented_formula():
+    """The tiny model: 498,432 bytes of float32 parameters (P), token_bytes 13,528 (7,384 with checkpointing).
+    With 1 GiB free and no optimizer state yet, usable = 0.7 x (2^30 - 3P) = 750,572,569.6 bytes."""
+    policy = init_policy(PolicyConfig(), seed=0)
+    assert (token_bytes(policy.model.config, False), token_bytes(policy.model.config, True)) == (13_528, 7_384)
+    assert tokens_that_fit(1 << 30, policy.model, GRPOConfig()) == 55_482
+    assert tokens_that_fit(1 << 30, policy.model, GRPOConfig(gradient_checkpointing=True)) == 101_648
+    optimizer = make_optimizer(policy, 1e-3, 0.0)
+    grpo_step(policy, optimizer, BATCH, GRPOConfig())  # the moments exist now: P still to allocate (gradients)
+    assert tokens_that_fit(1 << 30, policy.model, GRPOConfig(), optimizer) == int(0.7 * ((1 << 30) - 498_432) // 13_528)
+    assert tokens_that_fit(1_000_000, policy.model, GRPOConfig()) == 1  # less free than the update needs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_budget_on_a_gpu_comes_from_free_memory():
     policy = init_policy(PolicyConfig(), seed=0)
     policy.model.to("cuda")
+    device = next(policy.model.parameters()).device
+    free, _ = torch.cuda.mem_get_info(device)
+    unused_reserve = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    assert cuda_free_bytes(device) == pytest.approx(free + unused_reserve, rel=0.01)  # nothing else runs here
     budget = micro_batch_budget(policy.model, GRPOConfig())
-    free, _ = torch.cuda.mem_get_info()
-    assert budget is not None and 1 <= budget <= free // token_bytes(policy.model.config, checkpointing=False)
+    expected = tokens_that_fit(cuda_free_bytes(device), policy.model, GRPOConfig())
+    assert budget == pytest.approx(expected, rel=0.01)
+    assert micro_batch_budget(policy.model, GRPOConfig(micro_batch_tokens=96)) == 96  # the configured one wins
     stats = grpo_step(policy, make_optimizer(policy, 1e-3, 0.0), BATCH, GRPOConfig())
     assert stats["updates"] == 1
 

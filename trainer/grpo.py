@@ -780,9 +780,21 @@ def micro_batch_budget(
     device = next(model.parameters()).device
     if device.type != "cuda":
         return None
+    return tokens_that_fit(cuda_free_bytes(device), model, cfg, optimizer)
+
+
+def cuda_free_bytes(device: torch.device) -> int:
+    """The device's free memory plus the caching allocator's reserved but unallocated bytes."""
     free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    usable = MEMORY_SHARE * (free - unallocated_update_bytes(model, optimizer))
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def tokens_that_fit(
+    free_bytes: int, model: PreTrainedModel, cfg: GRPOConfig, optimizer: torch.optim.Optimizer | None = None
+) -> int:
+    """Padded tokens of a micro-batch that fit in `MEMORY_SHARE` of `free_bytes` after what the update will still
+    allocate, at `token_bytes` each; at least 1."""
+    usable = MEMORY_SHARE * (free_bytes - unallocated_update_bytes(model, optimizer))
     per_token = token_bytes(model.config, cfg.gradient_checkpointing)
     return max(1, int(usable // per_token))
 
