@@ -245,6 +245,11 @@ def test_every_stage_that_touches_the_model_uses_the_run_device(tmp_path, prefec
     for r in stage_runs:
         used[r["stage"]].add((r["device"], r["peak_memory_bytes"]))
     assert {stage for stage, seen in used.items() if seen != {(None, None)}} == MODEL_STAGES
-    assert all(used[stage] == {("cpu", None)} for stage in MODEL_STAGES)  # this machine has no GPU
+    # `auto` takes the first GPU where there is one (peak memory counted), the CPU elsewhere (no count).
+    expected = "cuda:0" if device == "auto" and torch.cuda.is_available() else "cpu"
+    assert all({name for name, _ in used[stage]} == {expected} for stage in MODEL_STAGES)
+    peaks = [peak for stage in MODEL_STAGES for _, peak in used[stage]]
+    assert all(peak is None for peak in peaks) if expected == "cpu" else all(peak > 0 for peak in peaks)
     steps = query(store, "SELECT step, device, peak_memory_bytes FROM train_steps ORDER BY step").to_pylist()
-    assert steps == [{"step": step, "device": "cpu", "peak_memory_bytes": None} for step in (1, 2)]
+    assert [(r["step"], r["device"]) for r in steps] == [(1, expected), (2, expected)]
+    assert all((r["peak_memory_bytes"] is None) == (expected == "cpu") for r in steps)
