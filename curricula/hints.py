@@ -2,11 +2,18 @@
 as a hint in its prompt, growing while its groups stay all wrong and shrinking once they have signal.
 
 Each problem has a hint level: 0 (no hint) or i >= 1 (the first `ratios[i-1]` of its solution's words).
-After a step, every group of a problem with a solution moves its level: up one when all of its samples
-were wrong (raw correctness, not a shaped reward), down one otherwise (some sample was right: the hint
-did its work, or was not needed). The levels are part of the selection state the update stage carries,
+After a step, every group of a problem with something to hint moves its level: up one when all of its
+samples were wrong (raw correctness, not a shaped reward), down one otherwise (some sample was right: the
+hint did its work, or was not needed). The levels are part of the selection state the update stage carries,
 so the hint a pick gets is a pure function of committed artifacts and a resumed run gives the same.
 Evaluation and difficulty estimation read the problems' own prompts: they never see a hint.
+
+A hint never states the problem's answer: it is cut before the first step of the solution (a sentence or
+a line) whose text states the answer as a number (`45`, `45.0`, `1,776`, `\\boxed{45}`, `90/2`, but not
+`145` or `4.5` for 45) or as its own text, and never includes the last step (the one that states the answer
+by construction: "The answer is 45.", `#### 45`, a boxed result). A problem whose first step already states
+the answer has nothing to hint: it is treated as one without a solution (never hinted, its level never
+moves), so a hinted group is never rewarded for copying the answer from its prompt.
 
 GHPO (Liu et al. 2025) detects all-wrong groups and retries them with 1/4, 1/2, 3/4 of the solution;
 here the retry is the next time the problem is drawn, and the level shrinks again once the problem has
@@ -18,8 +25,11 @@ first all-wrong group: a problem it never saw solved starts at level 1.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
+from functools import cached_property
 from typing import Any
 
 import pyarrow as pa
@@ -28,7 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 __all__ = [
     "GroupOutcome",
     "HintConfig",
+    "Solution",
     "hint_prefix",
+    "hintable_part",
     "hinted_prompt",
     "level_of",
     "next_levels",
@@ -36,6 +48,7 @@ __all__ = [
     "solutions_of",
     "start_levels",
     "starting_levels",
+    "states_answer",
 ]
 
 STATE_KEY = "hint_levels"  # where the levels live in the selection state dict
@@ -48,7 +61,11 @@ class HintConfig(BaseModel):
 
     enabled: bool = Field(False, description="give problems with a `solution` hints after all-wrong groups")
     ratios: tuple[float, ...] = Field(
-        (0.25, 0.5, 0.75), description="the share of the solution's words each hint level shows, level 1 first"
+        (0.25, 0.5, 0.75),
+        description=(
+            "the share of the solution's words each hint level shows, level 1 first (at most the steps before "
+            "the one that states the answer)"
+        ),
     )
     template: str = Field(
         "{prompt}\n\nThe beginning of a solution, to continue from: {hint}",
@@ -134,22 +151,137 @@ def next_levels(
     return {problem: level for problem, level in sorted(after.items()) if level > 0 or problem in start}
 
 
-def hint_prefix(solution: str, ratio: float) -> str:
-    """The first ceil(ratio x words) whitespace-separated words of `solution` (words, so a number is never
-    cut in half); empty at ratio 0."""
-    words = solution.split()
-    return " ".join(words[: math.ceil(ratio * len(words))]) if ratio > 0 else ""
+@dataclass(frozen=True)
+class Solution:
+    """A problem's worked solution as its hints read it: the text, and the answers no hint may state (the
+    problem's `answer` and, where it differs, its `reference`)."""
+
+    text: str
+    answers: tuple[str, ...] = ()
+
+    @cached_property
+    def hintable(self) -> str:
+        """The part of the text a hint may show (`hintable_part`)."""
+        return hintable_part(self.text, self.answers)
 
 
-def hinted_prompt(prompt: str, solution: str | None, ratio: float, cfg: HintConfig) -> str:
-    """The prompt a rollout samples from: unchanged at ratio 0 or without a solution."""
-    hint = hint_prefix(solution or "", ratio)
+def hint_prefix(solution: Solution, ratio: float) -> str:
+    """The first ceil(ratio x words) whitespace-separated words of the solution (words, so a number is never
+    cut in half), but never more than its hintable part: a hint stops before the step that states the answer.
+    Empty at ratio 0, and at every ratio for a solution whose first step states the answer."""
+    if ratio <= 0:
+        return ""
+    shown = min(math.ceil(ratio * len(solution.text.split())), len(solution.hintable.split()))
+    return " ".join(solution.text.split()[:shown])
+
+
+def hinted_prompt(prompt: str, solution: Solution | None, ratio: float, cfg: HintConfig) -> str:
+    """The prompt a rollout samples from: unchanged at ratio 0, without a solution, or with nothing to hint."""
+    hint = hint_prefix(solution, ratio) if solution is not None else ""
     return cfg.template.format(prompt=prompt, hint=hint) if hint else prompt
 
 
-def solutions_of(problems: pa.Table) -> dict[str, str]:
-    """problem_id -> solution of the problems that have one (none for a problems table from before the column)."""
+def solutions_of(problems: pa.Table) -> dict[str, Solution]:
+    """problem_id -> solution of the problems that have something to hint: a solution whose first step does
+    not state the answer (none for a problems table from before the `solution` column)."""
     if "solution" not in problems.column_names:
         return {}
-    columns = problems.select(["problem_id", "solution"]).to_pydict()
-    return {pid: text for pid, text in zip(columns["problem_id"], columns["solution"]) if text}
+    names = [name for name in ("problem_id", "solution", "answer", "reference") if name in problems.column_names]
+    columns = problems.select(names).to_pydict()
+    found: dict[str, Solution] = {}
+    for row in zip(*columns.values()):
+        pid, text, *answers = row
+        if text:
+            solution = Solution(text, tuple(dict.fromkeys(a for a in answers if a)))
+            if solution.hintable:
+                found[pid] = solution
+    return found
+
+
+# --- where a solution states its answer ------------------------------------------------------
+
+# A step ends after a sentence's `.`, `!` or `?` followed by whitespace (not a decimal point), or at a newline.
+_STEP_END = re.compile(r"(?<=[.!?])\s+|\s*\n\s*")
+# A number as written: digits with optional thousands separators and decimals (`1,776.5`), read left to right
+# as a whole, so `45` is not found in `145`, `4.5` or `1,045`.
+_NUMBER = re.compile(r"(?<!\d)\d+(?:,\d{3}(?!\d))*(?:\.\d+)?(?!\d)(\s*\\?%)?")
+# Fractions: `3/4`, `\frac{3}{4}` (`\dfrac`, `\tfrac`), `\frac34`.
+_SLASH = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*/\s*(\d+(?:\.\d+)?)(?![\d.]|\.\d)")
+_FRAC = re.compile(r"\\[dt]?frac\s*(?:\{\s*([^{}]*?)\s*\}|(\d))\s*(?:\{\s*([^{}]*?)\s*\}|(\d))")
+_WRAPPER = re.compile(r"^(?:\\boxed|\\fbox)\s*\{(.*)\}$", re.S)
+_DECORATION = re.compile(r"\\text\s*\{[^{}]*\}|\\mbox\s*\{[^{}]*\}|\^\s*\{?\\circ\}?|°|\\[$%!,;]|[$%]|\\left|\\right")
+
+
+def hintable_part(solution: str, answers: Iterable[str]) -> str:
+    """The steps of `solution` before the first one that states one of `answers` (`states_answer`), never the
+    last step; empty when the first step states it or the solution has one step. Steps are sentences and
+    lines, and the part is checked as a whole, so an answer written across two steps is found too."""
+    answers = [a for a in answers if a and a.strip()]
+    text, kept = solution.strip(), ""
+    for end in (match.start() for match in _STEP_END.finditer(text)):  # the end of each step but the last
+        candidate = text[:end]
+        if any(states_answer(candidate, answer) for answer in answers):
+            break
+        kept = candidate
+    return kept
+
+
+def states_answer(text: str, answer: str) -> bool:
+    """Whether `text` states `answer`: a numeric answer as any number of the same magnitude (`45` in `= 45.`,
+    `45.0`, `1,776` for 1776, `-6` for 6, `90/2`, `\\frac{3}{4}` for 0.75, `25%` for 0.25; never as part
+    of a longer number), any other answer as its own text between word boundaries, spaces and `$` aside."""
+    value = _value(answer)
+    if value is not None:
+        return abs(value) in {abs(v) for v in _numbers(text)}
+    wanted = _plain(answer)
+    if not wanted:
+        return False
+    pattern = re.escape(wanted)
+    pattern = (r"(?<![A-Za-z0-9])" if wanted[0].isalnum() else "") + pattern
+    pattern += r"(?![A-Za-z0-9])" if wanted[-1].isalnum() else ""
+    return re.search(pattern, _plain(text)) is not None
+
+
+def _numbers(text: str) -> set[Fraction]:
+    """Every value a text writes as a number or a fraction (a percentage also as its share)."""
+    values: set[Fraction] = set()
+    for match in _NUMBER.finditer(text):
+        value = Fraction(match.group(0).rstrip("%\\ \t\n").replace(",", ""))
+        values.add(value)
+        if match.group(1):
+            values.add(value / 100)
+    for top, bottom in _SLASH.findall(text):
+        if Fraction(bottom):
+            values.add(Fraction(top) / Fraction(bottom))
+    for match in _FRAC.finditer(text):
+        top, bottom = _value(match.group(1) or match.group(2) or ""), _value(match.group(3) or match.group(4) or "")
+        if top is not None and bottom:
+            values.add(top / bottom)
+    return values
+
+
+def _value(answer: str) -> Fraction | None:
+    """The number an answer is (`45`, `-6`, `1,776`, `0.75`, `3/4`, `\\frac{3}{4}`, `\\boxed{45}`, `$18`,
+    `25\\%`, `18 \\text{ dollars}`), or None when it is not one."""
+    text = answer.strip()
+    while (wrapped := _WRAPPER.match(text)) is not None:
+        text = wrapped.group(1).strip()
+    text = _DECORATION.sub("", text).replace(" ", "")
+    sign = -1 if text.startswith("-") else 1
+    text = text.removeprefix("-").removeprefix("+")
+    if re.fullmatch(r"\d+(?:,\d{3})*(?:\.\d+)?|\.\d+", text):
+        return sign * Fraction(text.replace(",", ""))
+    if (slash := re.fullmatch(r"(\d+)/(\d+)", text)) and int(slash.group(2)):
+        return sign * Fraction(int(slash.group(1)), int(slash.group(2)))
+    frac = _FRAC.fullmatch(text)
+    if frac is not None:
+        top, bottom = frac.group(1) or frac.group(2), frac.group(3) or frac.group(4)
+        if re.fullmatch(r"\d+", top) and re.fullmatch(r"\d+", bottom) and int(bottom):
+            return sign * Fraction(int(top), int(bottom))
+    return None
+
+
+def _plain(text: str) -> str:
+    """Text compared as written, less its spacing, `$` signs and LaTeX's spelling variants."""
+    text = re.sub(r"\\[dt]frac", r"\\frac", text)
+    return re.sub(r"\s+|\$|\\left|\\right|\\!", "", text)

@@ -1,21 +1,31 @@
 """GHPO's hints: the schedule (grow while all wrong, shrink once there is signal), the hinted prompt, the
-solutions the sources give, and a real run whose selections and rollouts follow the schedule while its
-evaluation never sees a hint."""
+solutions the sources give, hints that never state the answer (hand-written cases, and 10,000 problems of
+every built-in solution writer and the gsm8k / boxed readers), and a real run whose selections and rollouts
+follow the schedule while its evaluation never sees a hint."""
 
 from __future__ import annotations
 
+import json
+import random
+import re
+from fractions import Fraction
+
+import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
 from rlvr.curricula.hints import (
     GroupOutcome,
     HintConfig,
+    Solution,
     hint_prefix,
     hinted_prompt,
     level_of,
     next_levels,
     ratio_of,
+    solutions_of,
     start_levels,
+    states_answer,
 )
 from rlvr.data.validate import Validator
 from rlvr.verifiers.arithmetic import worked_solution
@@ -54,19 +64,274 @@ def test_levels_follow_slot_order_and_skip_problems_without_a_solution() -> None
     assert next_levels({"p": 1}, [outcome(0, "p", False), outcome(1, "p", False)], {"p"}, CFG) == {"p": 3}
 
 
-def test_hint_prefix_takes_whole_words() -> None:
-    solution = "37 * 48 = 37 * 40 + 37 * 8 = 1480 + 296 = 1776. The answer is 1776."  # 21 words
-    assert hint_prefix(solution, 0.25) == "37 * 48 = 37 *"  # ceil(5.25) = 6 words
-    assert hint_prefix(solution, 0.5) == "37 * 48 = 37 * 40 + 37 * 8"  # 11
-    assert hint_prefix(solution, 1.0) == solution
+def test_hint_prefix_takes_whole_words_of_the_steps_before_the_answer() -> None:
+    solution = Solution(worked_solution([12, 34, 56], ["+", "+"]), ("102",))  # 34 words, the first step 15
+    assert solution.text == (
+        "12 + 34 = 12 + 30 + 4 = 42 + 4 = 46. 46 + 56 = 46 + 50 + 6 = 96 + 6 = 102. The answer is 102."
+    )
+    assert hint_prefix(solution, 0.25) == "12 + 34 = 12 + 30 + 4"  # ceil(8.5) = 9 words
+    assert hint_prefix(solution, 0.5) == "12 + 34 = 12 + 30 + 4 = 42 + 4 = 46."  # 17, cut to the first step's 15
+    assert hint_prefix(solution, 1.0) == hint_prefix(solution, 0.5)
     assert hint_prefix(solution, 0.0) == ""
 
 
 def test_hinted_prompt_is_the_prompt_without_a_hint() -> None:
-    assert hinted_prompt("2+3=", "2 + 3 = 5. The answer is 5.", 0.0, CFG) == "2+3="
-    assert hinted_prompt("2+3=", None, 0.75, CFG) == "2+3="
+    two_steps = Solution("3 * 4 = 12. 2 + 12 = 14. The answer is 14.", ("14",))
+    assert hinted_prompt("2+3*4=", two_steps, 0.0, CFG) == "2+3*4="
+    assert hinted_prompt("2+3*4=", None, 0.75, CFG) == "2+3*4="
     custom = HintConfig(enabled=True, template="{prompt} [{hint}]")
-    assert hinted_prompt("2+3=", "2 + 3 = 5. The answer is 5.", 0.5, custom) == "2+3= [2 + 3 = 5.]"
+    assert hinted_prompt("2+3*4=", two_steps, 0.5, custom) == "2+3*4= [3 * 4 = 12.]"
+    assert hinted_prompt("2+3=", Solution("2 + 3 = 5. The answer is 5.", ("5",)), 0.75, custom) == "2+3="
+
+
+# ---------------------------------------------------------------------------------------------
+# Hints never state the answer
+
+
+def test_a_one_step_solution_gives_no_hint_at_any_ratio() -> None:
+    """The issue's case: at ratio 0.5 the old hint of `5 + 40 = 45. The answer is 45.` was `5 + 40 = 45.`.
+    Its first step states the answer, so there is nothing to hint: the problem is treated as one without a
+    solution (no hint, its level never moves)."""
+    solution = Solution(worked_solution([5, 40], ["+"]), ("45",))
+    assert solution.text == "5 + 40 = 45. The answer is 45."
+    assert [hint_prefix(solution, r) for r in (0.25, 0.5, 0.75, 1.0)] == ["", "", "", ""]
+    assert hinted_prompt("5+40=", solution, 0.5, CFG) == "5+40="
+    table = pa.table({"problem_id": ["p"], "prompt": ["5+40="], "answer": ["45"], "solution": [solution.text]})
+    assert solutions_of(table) == {}
+    assert next_levels({}, [outcome(0, "p", False)], set(solutions_of(table)), CFG) == {}
+
+
+def test_the_hint_stops_before_the_step_that_states_the_answer_as_a_number() -> None:
+    """Answer 4: `14`, `45` and `4.5` are other numbers, `= 4` states it; the last step is never shown."""
+    solution = Solution("7 * 2 = 14. 14 + 31 = 45. 45 / 10 = 4.5, which rounds to 4. The answer is 4.", ("4",))
+    assert hint_prefix(solution, 1.0) == "7 * 2 = 14. 14 + 31 = 45."
+    assert hint_prefix(solution, 0.25) == "7 * 2 = 14. 14"  # ceil(5.5) = 6 words
+    no_answer = Solution("First, 3 + 4 = 7. Then 7 + 1 = 8.", ())  # the last step is the answer's
+    assert hint_prefix(no_answer, 1.0) == "First, 3 + 4 = 7."
+
+
+GSM8K_RATIONALE = (
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+    "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
+)
+
+
+def test_gsm8k_hints_from_the_reader_and_from_a_solution_column(tmp_path) -> None:
+    """A gsm8k record read with `extract: gsm8k` keeps its rationale less the `####` line as its solution; the
+    rationale's last line states 72, so only the first is shown. A solution column holding the whole text,
+    `#### 72` included, gives the same hint."""
+    from rlvr.data.sources import FileSource, FileSourceConfig
+
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text(json.dumps({"question": "Natalia sold clips to 48 of her friends...", "answer": GSM8K_RATIONALE}))
+    source = FileSource(FileSourceConfig(path=str(path), extract="gsm8k", columns={"prompt": "question"}))
+    [row] = list(source.rows(0))
+    assert (row["answer"], row["solution"]) == ("72", GSM8K_RATIONALE.rpartition("\n####")[0])
+    first_line = "Natalia sold 48/2 = <<48/2=24>>24 clips in May."
+    assert hint_prefix(Solution(row["solution"], (row["answer"],)), 1.0) == first_line
+    assert hint_prefix(Solution(GSM8K_RATIONALE, ("72",)), 1.0) == first_line
+    assert hint_prefix(Solution(row["solution"], (row["answer"],)), 0.25) == "Natalia sold 48/2 = <<48/2=24>>24"
+
+
+def test_boxed_hints_stop_before_the_answer_in_any_of_its_forms(tmp_path) -> None:
+    """MATH style, read with `extract: boxed`: the solution is the whole text, the answer the boxed content;
+    0.75 (here as 3/4 = 6/8) is the answer written another way."""
+    from rlvr.data.sources import FileSource, FileSourceConfig
+
+    worked = (
+        "The sum is $\\frac{1}{4} + \\frac{1}{2}$. Over a common denominator it is $\\frac{1}{4} + \\frac{2}{4}$. "
+        "That is $0.75$. So it is $\\boxed{\\frac{3}{4}}$."
+    )
+    path = tmp_path / "math.jsonl"
+    path.write_text(json.dumps({"problem": "What is 1/4 + 1/2?", "solution": worked}))
+    columns = {"prompt": "problem", "reference": "solution"}
+    [row] = list(FileSource(FileSourceConfig(path=str(path), extract="boxed", columns=columns)).rows(0))
+    assert (row["answer"], row["solution"]) == ("\\frac{3}{4}", worked)
+    solution = Solution(row["solution"], (row["answer"],))
+    assert hint_prefix(solution, 1.0) == (
+        "The sum is $\\frac{1}{4} + \\frac{1}{2}$. Over a common denominator it is $\\frac{1}{4} + \\frac{2}{4}$."
+    )
+    six_eighths = Solution("Halve it: $\\frac{6}{8}$. So it is $\\boxed{0.75}$.", ("0.75",))
+    assert hint_prefix(six_eighths, 1.0) == ""
+    assert hint_prefix(Solution("So $2x = 10$. Then $x = \\boxed{5}$.", ("\\boxed{5}",)), 1.0) == "So $2x = 10$."
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "states"),
+    [
+        ("= 45.", "45", True),
+        ("= 45.0", "45", True),
+        ("\\boxed{45}", "45", True),
+        ("#### 45", "45", True),
+        ("90/2", "45", True),
+        ("1,776 in all", "1776", True),
+        ("-6 + 1", "6", True),
+        ("= 6", "-6", True),
+        ("25% of it", "0.25", True),
+        ("$\\dfrac{6}{8}$", "\\frac{3}{4}", True),
+        ("$18", "\\$18", True),
+        ("145 and 4.5 and 1,045", "45", False),
+        ("14 and 45", "4", False),
+        ("x = (2, 3)", "(2,3)", True),
+        ("Because", "B", False),
+        ("(B) is right", "B", True),
+    ],
+)
+def test_states_answer_reads_numbers_whole(text, answer, states) -> None:
+    assert states_answer(text, answer) is states
+
+
+# The independent check of the property test: the answer's value among the hint's number tokens (whole tokens,
+# thousands separators dropped, fractions a/b and \frac{a}{b} read), or any of the last step's markers.
+_TOKEN = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")
+_FRACTION = re.compile(r"(\d+)/(\d+)|\\frac\{(\d+)\}\{(\d+)\}")
+
+
+def leaks(hint: str, answer: str) -> bool:
+    fraction = _FRACTION.fullmatch(answer)
+    value = Fraction(*(int(g) for g in fraction.groups() if g)) if fraction else Fraction(answer)
+    values = {Fraction(token.replace(",", "")) for token in _TOKEN.findall(hint)}
+    values |= {Fraction(int(a or c), int(b or d)) for a, b, c, d in _FRACTION.findall(hint) if int(b or d)}
+    return abs(value) in {abs(v) for v in values} or any(m in hint for m in ("answer is", "####", "boxed"))
+
+
+def reader_records(rng: random.Random, count: int) -> tuple[list[dict], list[dict]]:
+    """gsm8k-style and MATH-style records with two to four steps, the answer in the last (and sometimes
+    earlier, by chance: then the hint stops there)."""
+    gsm8k, boxed = [], []
+    for _ in range(count):
+        a, b, c = rng.randrange(2, 60), rng.randrange(2, 40), rng.randrange(1, 500)
+        lines = [f"She buys {a} packs of {b} pens: {a}*{b} = <<{a}*{b}={a * b}>>{a * b} pens."]
+        total = a * b + c
+        lines.append(f"She finds {c} more: {a * b}+{c} = <<{a * b}+{c}={total}>>{total:,} pens.")
+        if rng.random() < 0.5:
+            lines.insert(1, f"Each pack costs ${b}, so she pays {a}*{b} = ${a * b}.")
+        gsm8k.append({"question": f"Pens ({a}, {b}, {c})?", "answer": "\n".join(lines) + f"\n#### {total:,}"})
+        top, bottom = rng.randrange(1, 30), rng.randrange(2, 30)
+        steps = [
+            f"Add $\\frac{{{top}}}{{{bottom}}}$ to $\\frac{{{c}}}{{{bottom}}}$.",
+            f"The numerators sum to {top + c}.",
+        ]
+        answer = Fraction(top + c, bottom)
+        shown = str(answer) if answer.denominator == 1 else f"\\frac{{{answer.numerator}}}{{{answer.denominator}}}"
+        boxed.append(
+            {"problem": f"Sum ({top}, {c}, {bottom})?", "solution": " ".join(steps) + f" So $\\boxed{{{shown}}}$."}
+        )
+    return gsm8k, boxed
+
+
+def generated_problems(tmp_path) -> pa.Table:
+    """10,000+ problems as the synthesize stage stores them (prompt, answer, reference, solution), from every
+    built-in writer of solutions: the arithmetic generator (each style and kind of step), the skills generator,
+    and the file/dataset readers' gsm8k and boxed extraction; reasoning-gym problems come without one."""
+    from rlvr.data.sources import (
+        ArithmeticSource,
+        ArithmeticSourceConfig,
+        FileSource,
+        FileSourceConfig,
+        ReasoningGymSource,
+        ReasoningGymSourceConfig,
+        SkillsSource,
+        SkillsSourceConfig,
+    )
+    from rlvr.data.validate import validate
+    from rlvr.verifiers.skills import CATEGORIES
+
+    gsm8k, boxed = reader_records(random.Random(0), 700)
+    (tmp_path / "gsm8k.jsonl").write_text("\n".join(json.dumps(r) for r in gsm8k))
+    (tmp_path / "math.jsonl").write_text("\n".join(json.dumps(r) for r in boxed))
+    arithmetic = [
+        dict(digits=1, terms=2, ops="+-*", count=300),
+        dict(digits=2, terms=2, ops="+", count=700, style="question"),
+        dict(digits=2, terms=2, ops="-", count=700),
+        dict(digits=2, terms=2, ops="*", count=700),
+        dict(digits=3, terms=2, ops="+-*", count=500),
+        dict(digits=1, terms=3, ops="+-*", count=1300),
+        dict(digits=2, terms=3, ops="+-*", count=1500, style="question"),
+        dict(digits=1, terms=4, ops="+*", count=800),
+        dict(digits=2, terms=4, ops="+-*", count=800),
+        dict(digits=1, terms=6, ops="+-*", count=300),
+    ]
+    sources = [
+        *(("arithmetic", ArithmeticSource(ArithmeticSourceConfig(**spec))) for spec in arithmetic),
+        ("arithmetic", SkillsSource(SkillsSourceConfig(categories=list(CATEGORIES), per_category=100))),
+        (
+            "math",
+            FileSource(
+                FileSourceConfig(path=str(tmp_path / "gsm8k.jsonl"), extract="gsm8k", columns={"prompt": "question"})
+            ),
+        ),
+        (
+            "math",
+            FileSource(
+                FileSourceConfig(
+                    path=str(tmp_path / "math.jsonl"),
+                    extract="boxed",
+                    columns={"prompt": "problem", "reference": "solution"},
+                )
+            ),
+        ),
+        ("reasoning_gym", ReasoningGymSource(ReasoningGymSourceConfig(datasets=["basic_arithmetic"], count=20))),
+    ]
+    rows = []
+    for index, (verifier, source) in enumerate(sources):
+        accepted, rejected, _ = validate(list(source.rows(index)), f"s{index}", verifier, max_prompt_chars=400)
+        assert rejected == []
+        rows += [
+            {
+                "problem_id": f"{index}-{c.source_index}",
+                "prompt": c.prompt,
+                "answer": c.answer,
+                "reference": c.reference,
+                "solution": c.solution,
+                "source": type(source).__name__,
+            }
+            for c in accepted
+        ]
+    return pa.Table.from_pylist(rows)
+
+
+RATIOS = sorted({*HintConfig().ratios, *(i / 20 for i in range(1, 21))})  # the defaults and (0, 1] by 0.05
+
+
+def test_no_hint_contains_its_problems_answer_over_10000_generated_problems(tmp_path) -> None:
+    problems = generated_problems(tmp_path)
+    assert problems.num_rows >= 10_000
+    solution_of = solutions_of(problems)
+    shown: dict[str, int] = {}
+    for row in problems.to_pylist():
+        if row["source"] == "ReasoningGymSource":
+            assert row["solution"] is None and row["problem_id"] not in solution_of
+            continue
+        assert row["solution"], row
+        hints = {
+            ratio: hinted_prompt(row["prompt"], solution_of.get(row["problem_id"]), ratio, CFG).removeprefix(
+                row["prompt"]
+            )
+            for ratio in RATIOS
+        }
+        assert all((hint != "") == (row["problem_id"] in solution_of) for hint in hints.values())
+        for hint in set(hints.values()):  # each distinct hint once: many ratios reach the same last step
+            assert not leaks(hint, row["answer"]), (row, hints)
+        shown[row["source"]] = shown.get(row["source"], 0) + (row["problem_id"] in solution_of)
+    # not vacuous: every writer's multi-step solutions are hinted
+    assert shown["ArithmeticSource"] > 4000 and shown["FileSource"] > 1000, shown
+    assert len(solution_of) > 5000
+
+
+def test_a_problem_whose_reference_differs_from_its_answer_is_cut_at_either() -> None:
+    table = pa.table(
+        {
+            "problem_id": ["p"],
+            "answer": ["12"],
+            "reference": ["\\boxed{7}"],
+            "solution": ["3 + 4 = 7. 7 + 5 = 12. The answer is 12."],
+        }
+    )
+    assert solutions_of(table) == {}  # the first step states the reference's 7
+    table = table.set_column(2, "reference", pa.array(["12"]))
+    [(pid, solution)] = solutions_of(table).items()
+    assert (pid, solution.answers, hint_prefix(solution, 1.0)) == ("p", ("12",), "3 + 4 = 7.")
 
 
 @pytest.mark.parametrize(
@@ -125,6 +390,7 @@ GHPO_RUN = [
     "checkpoint.every=8",
     "select.hints.enabled=true",
     "synthesize.source.type=arithmetic",
+    "synthesize.source.terms=3",  # two steps: one-step solutions state the answer at once and are never hinted
     "synthesize.source.count=16",
 ]
 
@@ -154,10 +420,19 @@ def rows(store, sql: str) -> list[dict]:
     return query(store, sql).to_pylist()
 
 
+def hintable(store) -> set[str]:
+    """The run's problems with something to hint (a solution whose first step does not state the answer)."""
+    table = pa.Table.from_pylist(rows(store, "SELECT problem_id, answer, reference, solution FROM problems"))
+    return set(solutions_of(table))
+
+
 def replay_levels(store, start: dict[str, int]) -> tuple[int, int]:
     """Replay the hint schedule by hand from the store: each pick's hint ratio is its problem's level before the
     step (`start` before its first group), and the level moves up after an all-wrong group, down after one with
-    a correct sample. Returns how many groups raised a level and how many picks were hinted."""
+    a correct sample; a problem with nothing to hint stays at level 0. Returns how many groups raised a level
+    and how many picks were hinted."""
+    can_hint = hintable(store)
+    assert can_hint and set(start) <= can_hint
     picks = rows(store, "SELECT step, slot, problem_id, hint_ratio FROM selections ORDER BY step, slot")
     groups = rows(
         store,
@@ -168,7 +443,7 @@ def replay_levels(store, start: dict[str, int]) -> tuple[int, int]:
     for step in sorted({p["step"] for p in picks}):
         for pick in (p for p in picks if p["step"] == step):
             assert pick["hint_ratio"] == ratios[level.get(pick["problem_id"], 0)], pick
-        for group in (g for g in groups if g["step"] == step):
+        for group in (g for g in groups if g["step"] == step and g["problem_id"] in can_hint):
             before = level.get(group["problem_id"], 0)
             level[group["problem_id"]] = max(before - 1, 0) if group["any_correct"] else min(before + 1, 3)
             grew += level[group["problem_id"]] > before
@@ -186,7 +461,7 @@ def test_from_difficulty_hints_the_first_draw_of_unsolved_problems(from_difficul
     """Every problem the difficulty pass never solved starts at level 1, so its first pick is hinted."""
     unsolved = rows(from_difficulty_run, "SELECT problem_id FROM difficulty WHERE pass_rate = 0")
     assert unsolved
-    start = {row["problem_id"]: 1 for row in unsolved}  # the arithmetic generator writes every solution
+    start = {row["problem_id"]: 1 for row in unsolved if row["problem_id"] in hintable(from_difficulty_run)}
     _, hinted = replay_levels(from_difficulty_run, start)
     first = rows(
         from_difficulty_run,
@@ -200,14 +475,17 @@ def test_from_difficulty_hints_the_first_draw_of_unsolved_problems(from_difficul
 def test_rollouts_show_the_hint_their_selection_gave(hinted_run) -> None:
     found = rows(
         hinted_run,
-        "SELECT r.prompt, r.hint_ratio, s.hint_ratio AS picked, p.prompt AS own, p.solution FROM rollouts r "
-        "JOIN selections s USING (step, slot) JOIN problems p ON p.problem_id = r.problem_id",
+        "SELECT r.problem_id, r.prompt, r.hint_ratio, s.hint_ratio AS picked, p.prompt AS own, p.answer "
+        "FROM rollouts r JOIN selections s USING (step, slot) JOIN problems p ON p.problem_id = r.problem_id",
     )
+    problems = pa.Table.from_pylist(rows(hinted_run, "SELECT problem_id, answer, reference, solution FROM problems"))
+    solution_of = solutions_of(problems)
     assert {r["hint_ratio"] for r in found} >= {0.0, 0.25}
     for r in found:
         assert r["hint_ratio"] == r["picked"]
-        assert r["prompt"] == hinted_prompt(r["own"], r["solution"], r["hint_ratio"], CFG)
+        assert r["prompt"] == hinted_prompt(r["own"], solution_of.get(r["problem_id"]), r["hint_ratio"], CFG)
         assert (r["prompt"] != r["own"]) == (r["hint_ratio"] > 0)
+        assert not leaks(r["prompt"].removeprefix(r["own"]), r["answer"])
 
 
 @pytest.mark.slow
@@ -227,12 +505,12 @@ def test_evaluation_never_sees_a_hint(hinted_run) -> None:
 
 
 def test_solutions_of_a_table_with_and_without_the_column() -> None:
-    import pyarrow as pa
-
-    from rlvr.curricula.hints import solutions_of
-
-    with_column = pa.table({"problem_id": ["a", "b", "c"], "solution": ["2 + 3 = 5.", None, ""]})
-    assert solutions_of(with_column) == {"a": "2 + 3 = 5."}
+    two_steps = "2 + 3 = 5. 5 + 4 = 9."
+    with_column = pa.table(
+        {"problem_id": ["a", "b", "c", "d"], "answer": ["9"] * 4, "solution": [two_steps, None, "", "5 + 4 = 9."]}
+    )
+    assert solutions_of(with_column) == {"a": Solution(two_steps, ("9",))}  # d's one step states the answer
+    assert solutions_of(with_column)["a"].hintable == "2 + 3 = 5."
     assert solutions_of(pa.table({"problem_id": ["a"], "prompt": ["2+3="]})) == {}  # a table from before the column
 
 
