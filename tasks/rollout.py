@@ -87,7 +87,7 @@ def slot_prompts(
 
 ROLLOUT: Stage[EngineConfig] = Stage(
     name="rollout",
-    code_version="3",  # 3: a pad-id token inside a prompt is attended to (trainer/fused_head.py)
+    code_version="4",  # 4: GHPO hints stop before the step that states the answer; 3: pad-id tokens in prompts
     section="rollout",
     config=ENGINES.config_type,
     default=ENGINES.default_config,

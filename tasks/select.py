@@ -52,7 +52,7 @@ def build(inputs: Inputs, cfg: SelectConfig, ctx: StageContext) -> Built:
 
 SELECT: Stage[SelectConfig] = Stage(
     name="select",
-    code_version="2",
+    code_version="3",  # 3: GHPO hints stop before the step that states the answer (curricula/hints.py)
     section="select",
     config=STRATEGIES.config_type,
     default=STRATEGIES.default_config,

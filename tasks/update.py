@@ -107,7 +107,7 @@ def hintable(inputs: Inputs) -> set[str]:
 
 UPDATE: Stage[SelectConfig] = Stage(
     name="update",
-    code_version="1",
+    code_version="2",  # 2: a problem whose solution cannot be hinted without its answer never moves level
     section="select",
     config=STRATEGIES.config_type,
     default=STRATEGIES.default_config,

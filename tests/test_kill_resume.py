@@ -40,7 +40,6 @@ OVERRIDES = [
     "evaluate.every=4",
     "checkpoint.every=4",
     "flow.steps_per_subflow=4",
-    "synthesize.source.per_category=10",
     "select.type=sec",  # the curricula whose decisions carry state from step to step
     "allocate.type=knapsack",
 ]
@@ -116,7 +115,12 @@ def sampled(store: Path) -> list[tuple]:
     return [tuple(row.values()) for row in query(s, sql).to_pylist()]
 
 
+SKILLS = ("synthesize.source.per_category=10",)
 SYNC_WITH_HINTS_AND_REWRITES = (
+    # two-step solutions: a one-step one (every skills problem) states its answer at once and is never hinted
+    "synthesize.source.type=arithmetic",
+    "synthesize.source.terms=3",
+    "synthesize.source.count=80",
     "select.hints.enabled=true",
     "restructure.enabled=true",
     "restructure.join=same_step",
@@ -124,7 +128,9 @@ SYNC_WITH_HINTS_AND_REWRITES = (
 )
 
 
-@pytest.mark.parametrize(("async_level", "extra"), [(0, SYNC_WITH_HINTS_AND_REWRITES), (1, ("flow.async_level=1",))])
+@pytest.mark.parametrize(
+    ("async_level", "extra"), [(0, SYNC_WITH_HINTS_AND_REWRITES), (1, (*SKILLS, "flow.async_level=1"))]
+)
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api, async_level, extra):
     env = cli_env(PREFECT_API_URL=prefect_api)
     reference, killed = tmp_path / "reference", tmp_path / "killed"
