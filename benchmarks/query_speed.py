@@ -11,11 +11,25 @@ with (1) our views (`storage.connect`), (2) plain DuckDB over a direct glob of t
 
 Row ids here are vectorised counters ("r-123"), not storage.row_id hashes: hashing 5M rows in Python
 would dominate the set-up and is not what is measured.
+
+`--runs 5,50,500` measures instead how queries grow with the number of runs in a store: one store grows to
+each size in turn, every run a realistic handful of small committed artifacts (config, problems, difficulty,
+then 5 RL steps of selections, allocations, rollouts, rewards, train_steps, curriculum_state and
+reward_cache, each step one commit batch, plus evals and a checkpoint: 41 artifacts) and a completed run
+record, written through the Store API (no training). At each size it times, in a fresh `Store` handle each
+time as a new `rlvr` process would have:
+  train_steps  `rlvr query` on one run's train_steps (storage.views.query: connect + query)
+  artifacts    `rlvr query` on one run's rows of the `artifacts` catalog table
+  runs         `rlvr runs` (the rows it prints: list_runs + describe_run)
+the first call after the store grew (cold) and the best of --repeats after it.
+
+    python benchmarks/query_speed.py --runs 5,50,500 [--store DIR] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import tempfile
@@ -32,6 +46,7 @@ import pyarrow.dataset as ds
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlvr.storage import Store, artifact_id, connect
+from rlvr.storage.manifest import utc_now
 from rlvr.storage.schemas import SCHEMAS
 from rlvr.storage.views import data_paths
 
@@ -195,10 +210,14 @@ def main() -> None:
     parser.add_argument("--artifacts", type=int, default=10)
     parser.add_argument("--problems", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--runs", help="comma-separated store sizes in runs, e.g. 5,50,500: the growth mode")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         root = args.store or str(Path(scratch) / "store")
         store = Store.open(root, create=True)
+        if args.runs:
+            grow(root, [int(n) for n in args.runs.split(",")], args.repeats)
+            return
         if not store.is_local:
             parser.error("--store must be a local directory: the glob peer reads the files directly")
         started = time.perf_counter()
@@ -240,6 +259,216 @@ def run(store: Store, build_seconds: float, repeats: int) -> None:
         for label, (ours, glob, peer) in results.items()
     )
     print(f"ratio (time over time; >1 means ours is faster): {ratios}")
+
+
+# ----- growth mode: queries at 5, 50, 500 runs ------------------------------------------------------
+
+RL_STEPS = 5
+GROUP = 8  # rollouts per problem
+PROMPTS = 4  # problems per step
+
+
+def run_name(index: int) -> str:
+    return f"run-{index:04d}"
+
+
+def small(kind: str, columns: dict[str, list], n: int) -> pa.Table:
+    return complete(
+        kind, {name: pa.array(values, SCHEMAS[kind].field(name).type) for name, values in columns.items()}, n
+    )
+
+
+def step_tables(run_id: str, step: int, rng: np.random.Generator) -> dict[str, pa.Table]:
+    """One RL step's artifacts, a few rows each, as the stages write them."""
+    slots = list(range(PROMPTS))
+    problems = [f"{run_id}-p{(step * PROMPTS + i) % 16}" for i in slots]
+    n = PROMPTS * GROUP
+    scores = (rng.random(n) < 0.5).astype(float).tolist()
+    rollout_ids = [f"{run_id}-s{step}-r{i}" for i in range(n)]
+    common = {"run_id": [run_id] * n, "step": [step] * n}
+    return {
+        "selections": small(
+            "selections",
+            {"run_id": [run_id] * PROMPTS, "step": [step] * PROMPTS, "slot": slots, "problem_id": problems},
+            PROMPTS,
+        ),
+        "allocations": small(
+            "allocations",
+            {
+                "run_id": [run_id] * PROMPTS,
+                "step": [step] * PROMPTS,
+                "slot": slots,
+                "problem_id": problems,
+                "n_rollouts": [GROUP] * PROMPTS,
+            },
+            PROMPTS,
+        ),
+        "rollouts": small(
+            "rollouts",
+            {
+                **common,
+                "rollout_id": rollout_ids,
+                "problem_id": [problems[i // GROUP] for i in range(n)],
+                "sample_index": [i % GROUP for i in range(n)],
+                "response": [f"The answer is {i}." for i in range(n)],
+                "n_tokens": [12] * n,
+            },
+            n,
+        ),
+        "rewards": small(
+            "rewards",
+            {**common, "rollout_id": rollout_ids, "score": scores, "status": ["ok"] * n},
+            n,
+        ),
+        "train_steps": small(
+            "train_steps",
+            {"run_id": [run_id], "step": [step], "loss": [float(rng.random())], "mean_reward": [sum(scores) / n]},
+            1,
+        ),
+        "curriculum_state": small(
+            "curriculum_state",
+            {"run_id": [run_id] * 2, "step": [step] * 2, "arm": ["easy", "hard"], "probability": [0.5, 0.5]},
+            2,
+        ),
+        "reward_cache": small(
+            "reward_cache",
+            {"response_hash": [f"{run_id}-{step}-{i}" for i in range(4)], "score": [1.0, 0.0, 1.0, 0.0]},
+            4,
+        ),
+    }
+
+
+def write_run(store: Store, index: int) -> None:
+    """One completed run: its record and 41 small artifacts, each RL step one commit batch."""
+    run_id = run_name(index)
+    rng = np.random.default_rng(index)
+    config = {"train": {"steps": RL_STEPS}, "seed": index}
+    made: list[str] = []
+
+    def put(kind: str, table: pa.Table, stage: str, step: int | None, parents: list[str]) -> str:
+        aid = artifact_id(kind, stage, CODE_VERSION, {"step": step}, parents, run_id)
+        started = utc_now()
+        record = {"outputs": {kind: aid}, "started_at": started, "read_seconds": 0.001, "build_seconds": 0.01}
+        store.write_artifact(
+            kind,
+            aid,
+            table,
+            run_id=run_id,
+            stage=stage,
+            parents=parents,
+            code_version=CODE_VERSION,
+            config={"step": step},
+            step=step,
+            extra={"stage_run": record},
+        )
+        made.append(aid)
+        return aid
+
+    with store.batch():
+        config_id = put(
+            "config",
+            small("config", {"run_id": [run_id], "config_json": [json.dumps(config)]}, 1),
+            "initialize",
+            None,
+            [],
+        )
+        problems = small("problems", {"problem_id": [f"{run_id}-p{i}" for i in range(16)], "run_id": [run_id] * 16}, 16)
+        problems_id = put("problems", problems, "synthesize", None, [config_id])
+        difficulty = small(
+            "difficulty", {"run_id": [run_id] * 16, "problem_id": problems.column("problem_id").to_pylist()}, 16
+        )
+        put("difficulty", difficulty, "difficulty", None, [problems_id])
+        put(
+            "evals",
+            small("evals", {"run_id": [run_id], "step": [0], "phase": ["init"], "accuracy": [0.3]}, 1),
+            "evaluate",
+            0,
+            [problems_id],
+        )
+    for step in range(1, RL_STEPS + 1):
+        with store.batch():
+            parents = [problems_id]
+            for kind, table in step_tables(run_id, step, rng).items():
+                parents = [put(kind, table, kind, step, parents)]
+    with store.batch():
+        put(
+            "evals",
+            small("evals", {"run_id": [run_id], "step": [RL_STEPS], "phase": ["rl"], "accuracy": [0.6]}, 1),
+            "evaluate",
+            RL_STEPS,
+            made[-1:],
+        )
+        checkpoint = small("checkpoints", {"run_id": [run_id], "step": [RL_STEPS], "n_params": [1000]}, 1)
+        put("checkpoints", checkpoint, "checkpoint", RL_STEPS, made[-2:-1])
+    store.write_run(
+        {
+            "run_id": run_id,
+            "status": "completed",
+            "kind": "rl",
+            "config_json": json.dumps(config),
+            "steps": RL_STEPS,
+            "step": RL_STEPS,
+            "accuracy": 0.6,
+            "phase": "rl",
+        }
+    )
+
+
+def timed(repeats: int, call: Callable[[], object]) -> tuple[float, float, object]:
+    """The first call's seconds, the best of `repeats` more, and the last result."""
+    started = time.perf_counter()
+    result = call()
+    first = time.perf_counter() - started
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        result = call()
+        best = min(best, time.perf_counter() - started)
+    return first, best, result
+
+
+def grow(root: str, sizes: list[int], repeats: int) -> None:
+    from rlvr.flows.runs import describe_run
+    from rlvr.storage import query
+
+    def fresh() -> Store:
+        return Store.open(root)  # a new handle, as a new process has: nothing cached
+
+    def runs_rows() -> list[dict]:
+        store = fresh()
+        return [describe_run(r, root, store) for r in store.list_runs()]
+
+    store = Store.open(root)
+    have = len(store.list_runs())
+    print(f"store {root}; code {CODE_VERSION}; each run 41 artifacts in 7 commit batches and a run record")
+    print(f"{'runs':>5}{'artifacts':>11}{'build s':>9}   {'cold / best of ' + str(repeats) + ' (seconds)':<40}")
+    figures = {}
+    for size in sizes:
+        started = time.perf_counter()
+        for index in range(have, size):
+            write_run(store, index)
+        have = max(have, size)
+        built = time.perf_counter() - started
+        target = run_name(size // 2)
+        steps_sql = f"SELECT step, loss, mean_reward FROM train_steps WHERE run_id = '{target}' ORDER BY step"
+        catalog_sql = f"SELECT kind, count(*) AS n FROM artifacts WHERE run_id = '{target}' GROUP BY kind"
+        steps = timed(repeats, lambda sql=steps_sql: query(fresh(), sql))
+        catalog = timed(repeats, lambda sql=catalog_sql: query(fresh(), sql))
+        runs = timed(repeats, runs_rows)
+        assert steps[2].num_rows == RL_STEPS and sum(catalog[2].column("n").to_pylist()) == 41 and len(runs[2]) == size
+        figures[size] = (steps, catalog, runs)
+        n_artifacts = len(store._committed_ids())
+        cells = "  ".join(
+            f"{label} {cold:.3f} / {best:.3f}"
+            for label, (cold, best, _) in zip(("train_steps", "artifacts", "runs"), (steps, catalog, runs))
+        )
+        print(f"{size:>5}{n_artifacts:>11}{built:>9.1f}   {cells}", flush=True)
+    low, high = sizes[0], sizes[-1]
+    growth = ", ".join(
+        f"{label} {figures[high][i][1] / figures[low][i][1]:.1f}x"
+        for i, label in enumerate(("train_steps", "artifacts", "runs"))
+    )
+    print(f"growth from {low} to {high} runs (best over best): {growth}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ its own marker, so a crash loses at most the shard in flight. Layout under the r
     runs/<run_id>.json                                 run record (mutable, replaced atomically)
     leases/<run_id>/000003.json                        which process owns the run (storage/leases.py)
     indexes/<kind>/0000000042.json                     append-only log of the kind's commits (INDEXED_KINDS)
+    catalog/log/0000000042.json                        append-only log of every commit's manifests and every delete
+    catalog/snapshots/0000000042.parquet               the catalog as the log's first 42 entries left it
+                                                       (storage/catalog.py: what queries read, not every manifest)
 
 On an object store (s3://...) each object is written by one PUT, which is atomic, so there is no temp
 file and no rename; the manifest is still PUT last. Reads never trust a listing this process cached:
@@ -49,6 +52,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from rlvr.errors import UserError
+from rlvr.storage import catalog
 from rlvr.storage.errors import ArtifactNotFound, DamagedArtifact, DamagedFile, StoreNotFound
 from rlvr.storage.files import (
     damage_message,
@@ -580,7 +584,9 @@ class Store:
         return ids, position
 
     def _append_index(self, manifests: Sequence[Manifest]) -> None:
-        """Log the commits of indexed kinds, after their manifests are written."""
+        """Log the commit in the catalog's log, and the commits of indexed kinds in theirs, after the manifests
+        are written."""
+        catalog.append(self, added=manifests)
         for manifest in manifests:
             if manifest.kind not in INDEXED_KINDS:
                 continue
@@ -592,6 +598,11 @@ class Store:
                 while not self.create_new(self._index_path(manifest.kind, position), entry):
                     position += 1
                 self._index_next[manifest.kind] = position + 1
+
+    def _log_removal(self, artifact_id: str) -> None:
+        """Log in the catalog's log that the artifact goes, before its manifest does: a reader then never keeps
+        the row of a manifest that was removed and written again (storage/catalog.py)."""
+        catalog.append(self, removed=[artifact_id])
 
     def create_new(self, path: str, data: bytes) -> bool:
         """Write `path` only if it does not exist yet, atomically; False when it already did."""
@@ -708,12 +719,14 @@ class Store:
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
         target = self.path("damaged", f"{artifact_id}.{stamp}.json")
         self.write_small(target, bytes(self.fs.cat_file(source)))
+        self._log_removal(artifact_id)
         self.fs.rm(source)
         self._manifest_cache.pop(artifact_id, None)
         return target
 
     def _delete_now(self, artifact_id: str) -> None:
         manifest = self.manifest(artifact_id)
+        self._log_removal(artifact_id)
         self.fs.rm(self.manifest_path(artifact_id))
         self._manifest_cache.pop(artifact_id, None)
         directory = self.artifact_dir(manifest.kind, artifact_id)
@@ -784,7 +797,8 @@ class Store:
         (manifests, runs, index logs) and `directories`. Object stores have no temp files."""
         if not self.is_local:
             return []
-        shared = [self.path("manifests"), self.path("runs")] + [self.path("indexes", k) for k in sorted(INDEXED_KINDS)]
+        shared = [self.path(folder) for folder in ("manifests", "runs", "catalog/log", "catalog/snapshots")]
+        shared += [self.path("indexes", k) for k in sorted(INDEXED_KINDS)]
         removed = []
         for directory in [*shared, *directories]:
             try:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import csv
+import itertools
 import json
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ app = typer.Typer(
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
+QUERY_CHUNK_ROWS = 10_000  # `rlvr query` holds one chunk of its result at a time
 DEFAULT_UI_PORT = 4200  # Prefect's own default; here, not in flows/ui.py, which imports too much for every command
 
 
@@ -178,18 +181,30 @@ def query(
     if format not in ("table", "csv", "json"):
         raise UserError(f"unknown format {format!r}; use table, csv or json")
     found = open_existing(store)
+    con = None
     try:
         check_read_only(sql)  # before the views are made: a refused statement reads no manifest
-        con = connect(found, sql)
-        result = con.execute(sql)
+        for attempt in (1, 2):  # over a live run a replaced transient artifact's file can go: ask once more
+            con = connect(found, sql)
+            try:
+                result = con.execute(sql)
+                first = result.fetchmany(QUERY_CHUNK_ROWS)
+                break
+            except duckdb.IOException:
+                con.close()
+                if attempt == 2:
+                    raise
         columns = [d[0] for d in result.description] if result.description else []
-        rows = [dict(zip(columns, r)) for r in result.fetchall()]
+        warn_unreadable(found)
+        more = iter(lambda: result.fetchmany(QUERY_CHUNK_ROWS), [])
+        _print_chunks(itertools.chain([first], more), columns, format)
     except duckdb.PermissionException as exc:
         raise refusal(exc) from None
     except duckdb.Error as exc:
         raise UserError(f"query failed: {str(exc).splitlines()[0]}") from None
-    warn_unreadable(found)
-    _print_rows(rows, columns, format)
+    finally:
+        if con is not None:
+            con.close()
 
 
 @app.command()
@@ -431,21 +446,49 @@ def _register_data_commands() -> None:
 _register_data_commands()
 
 
+def _print_chunks(chunks: Iterable[list[tuple[Any, ...]]], columns: list[str], format: str) -> None:
+    """Print a query's result as its chunks come, so memory holds one chunk (`QUERY_CHUNK_ROWS` rows), never
+    the whole result: csv and json row by row, a table per chunk (each with its header: a result of one
+    chunk prints as one table, as it always did)."""
+    printed = False
+    writer = csv.writer(sys.stdout)
+    for chunk in chunks:
+        if not chunk:
+            continue
+        if format == "json":
+            for row in chunk:
+                print(json.dumps(dict(zip(columns, row)), default=str))
+        elif format == "csv":
+            if not printed:
+                writer.writerow(columns)
+            writer.writerows(chunk)
+        else:
+            _print_table([["" if value is None else str(value) for value in row] for row in chunk], columns)
+        printed = True
+        sys.stdout.flush()
+    if not printed and format == "csv":
+        writer.writerow(columns)
+    elif not printed and format == "table":
+        _print_table([], columns)
+
+
 def _print_rows(rows: list[dict[str, Any]], columns: list[str], format: str) -> None:
     if format == "json":
         for row in rows:
             print(json.dumps(row, default=str))
         return
     if format == "csv":
-        import csv
-
         writer = csv.DictWriter(sys.stdout, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
         return
+    _print_table([["" if row.get(c) is None else str(row.get(c)) for c in columns] for row in rows], columns)
+
+
+def _print_table(cells: list[list[str]], columns: list[str]) -> None:
     table = Table(*columns)
-    for row in rows:
-        table.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
+    for row in cells:
+        table.add_row(*row)
     # Wider than the terminal: long cells wrap at spaces, but never below the longest word of each column, where
     # rich would drop whole columns instead (the table then runs past the terminal's edge).
     measured = Measurement.get(out, out.options.update_width(100_000), table)
