@@ -441,7 +441,7 @@ def grow(root: str, sizes: list[int], repeats: int) -> None:
     store = Store.open(root)
     have = len(store.list_runs())
     print(f"store {root}; code {CODE_VERSION}; each run 41 artifacts in 7 commit batches and a run record")
-    print(f"{'runs':>5}{'artifacts':>11}{'build s':>9}   {'cold / best of ' + str(repeats) + ' (seconds)':<40}")
+    print(f"{'runs':>5}{'artifacts':>11}{'build s':>9}   cold / best of {repeats}, milliseconds")
     figures = {}
     for size in sizes:
         started = time.perf_counter()
@@ -459,7 +459,7 @@ def grow(root: str, sizes: list[int], repeats: int) -> None:
         figures[size] = (steps, catalog, runs)
         n_artifacts = len(store._committed_ids())
         cells = "  ".join(
-            f"{label} {cold:.3f} / {best:.3f}"
+            f"{label} {cold * 1000:.1f} / {best * 1000:.1f}"
             for label, (cold, best, _) in zip(("train_steps", "artifacts", "runs"), (steps, catalog, runs))
         )
         print(f"{size:>5}{n_artifacts:>11}{built:>9.1f}   {cells}", flush=True)

@@ -172,6 +172,7 @@ def _entry_path(store: Store, position: int) -> str:
 def _log_end(store: Store, start: int) -> int:
     """The first free position at or after `start`. Entries are numbered without gaps, so whether one exists
     splits the positions in two: a doubling search, then halving, costs about 2 log2(new entries) checks."""
+    store.fs.invalidate_cache(_log_dir(store))  # an object store's `exists` may answer from a listing cached earlier
     exists = lambda position: store.fs.exists(_entry_path(store, position))  # noqa: E731
     if not exists(start):
         return start

@@ -400,17 +400,26 @@ def _nodes(tree: Any) -> Iterator[dict[str, Any]]:
             pending.extend(node.values())
 
 
+def _function_name(node: dict[str, Any]) -> str:
+    """The name of a TABLE_FUNCTION node's function, lower case, without its schema or catalog."""
+    function = node.get("function")
+    return str(function.get("function_name", "")).lower() if isinstance(function, dict) else ""
+
+
 def _tables_named(con: duckdb.DuckDBPyConnection, sql: str) -> set[str] | None:
     """The tables and views a SELECT statement names, from DuckDB's parser (nothing is bound), or None
     when the statement may read any of them: it does not parse as SELECT statements, or it uses a
-    table function, SHOW TABLES or another schema (information_schema, ...)."""
+    table function that lists them (`duckdb_views()`, ...), SHOW TABLES or another schema
+    (information_schema, ...). File readers and `range`-like functions read no view."""
     tree = _parsed_select(con, sql)
     if tree is None:
         return None
     names: set[str] = set()
     for node in _nodes(tree):
         kind = node.get("type")
-        if kind == "TABLE_FUNCTION" or (kind == "SHOW_REF" and node.get("table_name")):
+        if kind == "TABLE_FUNCTION" and _function_name(node) not in _VIEWLESS_FUNCTIONS:
+            return None  # e.g. duckdb_views(): it lists them all
+        if kind == "SHOW_REF" and node.get("table_name"):
             return None
         if kind == "BASE_TABLE":
             if node.get("schema_name") not in ("", "main") or node.get("catalog_name") not in ("", None):
@@ -434,13 +443,13 @@ _READER_FUNCTIONS = (
     "read_csv read_csv_auto read_json read_json_auto read_ndjson read_ndjson_auto read_json_objects "
     "read_json_objects_auto read_ndjson_objects read_text read_blob glob"
 )
-_ALLOWED_TABLE_FUNCTIONS = frozenset(
-    (
-        _READER_FUNCTIONS + " range generate_series unnest repeat repeat_row json_each json_tree "
-        "duckdb_columns duckdb_tables duckdb_views duckdb_schemas duckdb_types duckdb_functions duckdb_keywords "
-        "pragma_table_info"
-    ).split()
+_VALUE_FUNCTIONS = "range generate_series unnest repeat repeat_row json_each json_tree"
+_CATALOG_FUNCTIONS = (
+    "duckdb_columns duckdb_tables duckdb_views duckdb_schemas duckdb_types duckdb_functions duckdb_keywords "
+    "pragma_table_info"
 )
+_ALLOWED_TABLE_FUNCTIONS = frozenset(f"{_READER_FUNCTIONS} {_VALUE_FUNCTIONS} {_CATALOG_FUNCTIONS}".split())
+_VIEWLESS_FUNCTIONS = frozenset(f"{_READER_FUNCTIONS} {_VALUE_FUNCTIONS}".split())  # they read no view
 # What the user typed, by DuckDB's statement type, where its name does not say.
 _STATEMENT_WORDS = {
     "LOAD": "INSTALL or LOAD statement",
@@ -504,9 +513,8 @@ def _check_tree_reads_only(tree: dict[str, Any]) -> None:
         kind = str(node.get("type", ""))
         if kind.endswith("_NODE") and kind not in _READ_NODES:
             raise _refused(f"{kind.removesuffix('_NODE').removesuffix('_QUERY').replace('_', ' ')} inside a SELECT")
-        function = node.get("function")
-        if kind == "TABLE_FUNCTION" and isinstance(function, dict):
-            name = str(function.get("function_name", "")).lower()
+        if kind == "TABLE_FUNCTION":
+            name = _function_name(node)
             if name in _UNCHECKED_SQL_FUNCTIONS:
                 raise _refused(f"{name}(), which runs SQL unchecked")
             if name not in _ALLOWED_TABLE_FUNCTIONS:

@@ -252,6 +252,14 @@ def test_only_the_catalog_tables_a_statement_names_are_built(tmp_path: Path, mon
         assert con.execute("SELECT step FROM train_steps").fetchall() == [(1,)]
     finally:
         con.close()
+    part = f"{store.root}/artifacts/*/*/*.parquet"
+    for sql, count in (("SELECT count(*) FROM range(3)", 3), (f"SELECT count(*) FROM read_parquet('{part}')", 1)):
+        con = connect(store, sql)  # a file reader or `range` reads no view
+        try:
+            assert con.execute("SELECT count(*) FROM duckdb_views() WHERE NOT internal").fetchall() == [(0,)]
+            assert con.execute(sql).fetchall() == [(count,)]
+        finally:
+            con.close()
     monkeypatch.undo()
     everything = connect(store)  # no statement (rlvr lineage, the report): every view and table
     try:
