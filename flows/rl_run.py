@@ -17,6 +17,7 @@ work whose outputs are already committed, so running this flow again on a killed
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
@@ -41,6 +42,7 @@ from rlvr.flows.executors import current_fan_out, use_executor
 from rlvr.flows.sampler_process import WorkerProcess
 from rlvr.flows.stages import RunContext, run, run_context, stages_in_place, step_of
 from rlvr.progress import listen, report
+from rlvr.storage.leases import Lease
 from rlvr.storage.stage import TABLES, prune_transient
 from rlvr.storage.store import open_store
 from rlvr.tasks.allocate import ALLOCATE
@@ -464,10 +466,15 @@ class SamplingServer:
     """The sampler process's side (flow.sampler=process): the sampling half of each step, with the stages run
     in place (this process has no Prefect run) on the run's executor. Each step's artifacts commit as one
     group in the background while the next step samples; the trainer waits for the group's last artifact
-    (the selection state) before it reads them."""
+    (the selection state) before it reads them. `lease`: the number of the run's lease the run's process holds;
+    each of this process's commits checks that it is still the newest (storage/leases.py)."""
 
-    def __init__(self, store: str, cfg_json: str) -> None:
+    def __init__(self, store: str, cfg_json: str, lease: int | None = None) -> None:
         self.store, self.cfg = store, config_from_json(cfg_json)
+        if lease is not None:
+            run_id, the_store = str(self.cfg.run_id), open_store(store)
+            # No heartbeat of its own (the run's process sends it): its commits' listings are its checks.
+            the_store.hold(run_id, Lease(the_store, run_id, lease, fresh_s=math.inf))
         self.refs: StepRefs | None = None
         self.events: list[tuple[str, dict[str, Any]]] = []
         listen(lambda event, fields: self.events.append((event, fields)))
@@ -502,7 +509,8 @@ def sampler_worker(store: str, cfg: RunConfigBase) -> WorkerProcess:
     """The run's sampler process, started on first use; `_whole_run` stops it when the run ends."""
     key = (store, str(cfg.run_id))
     if key not in _workers:
-        _workers[key] = WorkerProcess(SamplingServer, (store, cfg.model_dump_json()), name="rlvr-sampler")
+        lease = open_store(store).lease_number(str(cfg.run_id))
+        _workers[key] = WorkerProcess(SamplingServer, (store, cfg.model_dump_json(), lease), name="rlvr-sampler")
     return _workers[key]
 
 

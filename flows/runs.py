@@ -27,12 +27,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rlvr import progress
-from rlvr.errors import Stopped, UserError, environment_failure
+from rlvr.errors import RunTakenOver, Stopped, UserError, environment_failure
 from rlvr.flows import openlineage_events
 from rlvr.flows.prefect_env import configure_prefect, quiet_run_failure_logs
 from rlvr.storage.errors import DamagedFile
 from rlvr.storage.integrity import repair_run
-from rlvr.storage.leases import Lease, owning
+from rlvr.storage.leases import Lease, LeaseLost, owning
 from rlvr.storage.processes import seconds_from_env
 from rlvr.storage.run_records import run_death, run_status
 from rlvr.storage.stage import failed_stage
@@ -40,6 +40,9 @@ from rlvr.storage.store import Store, open_store
 from rlvr.storage.views import query, sql_string
 
 DEFAULT_HEARTBEAT_S = 5.0
+# What the heartbeat thread sends the run's main thread when it finds the run taken over: a signal, so that a main
+# thread blocked in a wait wakes at once (a flag would be seen only at its next write).
+TAKEN_OVER_SIGNAL = signal.SIGUSR1
 
 
 def heartbeat_interval_s() -> float:
@@ -68,10 +71,18 @@ class RunTracker:
     """Keeps a running run's record current: progress heard on the progress channel ("stage", "step",
     "eval") and a heartbeat, written together every `interval_s` (RLVR_HEARTBEAT_S) by a daemon thread.
     The thread beats whether or not the run progresses, so a record whose heartbeat stops belongs to a
-    dead (or frozen) process."""
+    dead (or frozen) process. When it finds the run's lease taken over, it stops beating and calls
+    `on_taken_over` (which stops the run's main thread)."""
 
-    def __init__(self, store: Store, run_id: str, interval_s: float | None = None, lease: Lease | None = None) -> None:
-        self.store, self.run_id, self.lease = store, run_id, lease
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        interval_s: float | None = None,
+        lease: Lease | None = None,
+        on_taken_over: Callable[[], None] | None = None,
+    ) -> None:
+        self.store, self.run_id, self.lease, self.on_taken_over = store, run_id, lease, on_taken_over
         self.interval_s = interval_s or heartbeat_interval_s()
         self.progress: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -100,25 +111,20 @@ class RunTracker:
     def _beat_until_stopped(self) -> None:
         while not self._stopped.wait(self.interval_s):
             try:
-                if self.lease is not None and not self.lease.beat():
-                    progress.report("warning", message=_taken_over(self.run_id))
-                    self.lease = None
-                self.write(status="running")
+                if self.lease is None or self.lease.beat():
+                    self.write(status="running")
             except Exception:  # a store hiccup must not end the run; the next beat tries again
-                continue
+                pass
+            if self.lease is not None and self.lease.lost is not None:  # found by the beat, or by the record's write
+                if self.on_taken_over is not None:
+                    self.on_taken_over()
+                return
 
     def write(self, **fields: Any) -> None:
         """The record with the progress heard so far, a fresh heartbeat and `fields`."""
         with self._lock:
             current = dict(self.progress)
         _record(self.store, self.run_id, heartbeat_at=_now(), **current, **fields)
-
-
-def _taken_over(run_id: str) -> str:
-    return (
-        f"run {run_id!r} was taken over by another process after this one sent no heartbeat for longer than "
-        "RLVR_HEARTBEAT_TIMEOUT_S; both now write the same artifacts (same ids, same bytes). Stop one of them."
-    )
 
 
 def _tracked(
@@ -141,7 +147,9 @@ def _tracked_body(
     store: Store, lease: Lease, cfg: Any, body: Callable[[], dict[str, Any]], fields: dict[str, Any]
 ) -> dict[str, Any]:
     store_root = store.root
-    tracker = RunTracker(store, cfg.run_id, lease=lease)  # a beat never joins a batch: batches are per thread
+    in_main = threading.current_thread() is threading.main_thread()
+    stop_main = _signal_main_thread if in_main else None  # elsewhere the run stops at its next write (LeaseLost)
+    tracker = RunTracker(store, cfg.run_id, lease=lease, on_taken_over=stop_main)  # a beat never joins a batch
     openlineage_events.configure_run(store_root, cfg.run_id, cfg.openlineage, kind=fields.get("kind", "rl"))
     steps = cfg.train.steps if fields.get("kind") == "rl" else None
     started_fields = dict(status="running", store_root=store_root, config_json=cfg.model_dump_json(), steps=steps)
@@ -150,15 +158,19 @@ def _tracked_body(
     openlineage_events.run_event(store_root, cfg.run_id, "START")
     started = time.monotonic()
     try:
-        with _sigterm_raises_stopped(), tracker:
+        with _sigterm_raises_stopped(lease), tracker:
             result = body()
     except BaseException as exc:
+        if lease.lost is not None:  # the run is another process's now: not a word more to its record
+            raise RunTakenOver(lease.lost) from exc
         stage, step = failed_stage(exc) or (None, None)
         reason = f"{type(exc).__name__}: {exc}"[:500]
         try:  # best effort: on a full disk this write fails too, and the run's own error is the one to show
             tracker.write(status="failed", error=reason, failed_stage=stage, failed_step=step)
         except OSError:
             pass
+        except LeaseLost as lost:
+            raise RunTakenOver(str(lost)) from exc
         openlineage_events.run_event(store_root, cfg.run_id, "FAIL", exc)
         if isinstance(exc, (KeyboardInterrupt, Stopped)):
             how = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc)
@@ -174,7 +186,10 @@ def _tracked_body(
                 f"`{_resume_command(cfg.run_id, store_root)}` continues from there"
             ) from exc
         raise
-    tracker.write(status="completed", **failure)
+    try:
+        tracker.write(status="completed", **failure)
+    except LeaseLost as lost:
+        raise RunTakenOver(str(lost)) from None
     openlineage_events.run_event(store_root, cfg.run_id, "COMPLETE")
     return {**result, "seconds": time.monotonic() - started, "store": store_root}
 
@@ -184,9 +199,10 @@ def _resume_command(run_id: str, store_root: str) -> str:
 
 
 @contextmanager
-def _sigterm_raises_stopped() -> Iterator[None]:
+def _sigterm_raises_stopped(lease: Lease | None = None) -> Iterator[None]:
     """In the main thread, SIGTERM raises `Stopped` while the block runs. Prefect's flow engine handles the
-    signal first (it records the flow run as crashed), then sends it again to the handler it found: this one."""
+    signal first (it records the flow run as crashed), then sends it again to the handler it found: this one.
+    TAKEN_OVER_SIGNAL, sent by the run's heartbeat thread once `lease` is lost, raises `RunTakenOver`."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -194,14 +210,25 @@ def _sigterm_raises_stopped() -> Iterator[None]:
     def raise_stopped(signum: int, _frame: Any) -> None:
         raise Stopped(f"stopped by {signal.Signals(signum).name}", 128 + signum)
 
+    def raise_taken_over(_signum: int, _frame: Any) -> None:
+        if lease is not None and lease.lost is not None:
+            raise RunTakenOver(lease.lost)
+
     previous = signal.signal(signal.SIGTERM, raise_stopped)
+    previous_taken = signal.signal(TAKEN_OVER_SIGNAL, raise_taken_over)
     previous_hook = sys.unraisablehook
     sys.unraisablehook = _redeliver_dropped_stops(previous_hook)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(TAKEN_OVER_SIGNAL, previous_taken)
         sys.unraisablehook = previous_hook
+
+
+def _signal_main_thread() -> None:
+    """Stop the run's main thread (from its heartbeat thread): the signal interrupts what it waits on."""
+    signal.pthread_kill(threading.main_thread().ident or 0, TAKEN_OVER_SIGNAL)
 
 
 def _redeliver_dropped_stops(previous_hook: Callable[[Any], Any]) -> Callable[[Any], None]:
@@ -229,6 +256,8 @@ def _stop_signal(exc: BaseException | None) -> int | None:
 
     if isinstance(exc, KeyboardInterrupt):
         return signal.SIGINT
+    if isinstance(exc, RunTakenOver):
+        return TAKEN_OVER_SIGNAL
     if isinstance(exc, Stopped):
         return exc.status - 128
     if isinstance(exc, TerminationSignal):

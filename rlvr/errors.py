@@ -5,6 +5,7 @@ import errno
 
 __all__ = [
     "ConfigError",
+    "RunTakenOver",
     "Stopped",
     "UserError",
     "environment_failure",
@@ -28,6 +29,15 @@ class Stopped(BaseException):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+class RunTakenOver(Stopped):
+    """A run whose lease another process took over (storage/leases.py: this one was frozen past the heartbeat
+    timeout): it stops at once, writing nothing more to the run, not even its record, and the CLI prints the
+    message (which names the run and its new owner) as one line and exits with status 2."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 2)
 
 
 def environment_failure(exc: BaseException) -> str | None:

@@ -15,6 +15,20 @@ reused) or, from another host, once its heartbeat is older than RLVR_HEARTBEAT_T
 
 Only the owner of a run writes its run record and its artifacts, and only the owner removes what the
 run's killed writers left (Store.cleanup_run): no process ever deletes files of a run it does not own.
+
+Fencing. An owner can lose its run without knowing: frozen (SIGSTOP, a paused VM, a swapped-out machine) for
+longer than the timeout, it is taken over from another host, and then thaws. So the lease number is a fencing
+token. `owning` installs the lease on the process's Store (`Store.hold`), and every commit of the run checks
+that the number is still the newest before it publishes anything (`Lease.check`: one listing of
+leases/<run_id>/, once per commit of a batch, so once per RL step); every file write of the run checks the
+lease in memory just before the rename or PUT that publishes it (`Lease.check_fresh`: a listing only when this
+process has sent no heartbeat for half the timeout, which is the case just after a thaw). A failed check is
+`LeaseLost`, one line naming the run and its new owner; from then on every write of the run fails at once.
+Manifests and the run record carry the lease number they were written under (`lease`). The heartbeat thread
+that finds the run taken stops the run's main thread (flows/runs.py), which exits with status 2 without
+writing its record or releasing a lease that is no longer its own. What is left: a write already inside its
+publishing call when the process froze (one rename, or one PUT) completes when it thaws, and data files written
+before a failed check stay behind uncommitted, for the new owner's cleanup.
 """
 
 from __future__ import annotations
@@ -24,6 +38,7 @@ import os
 import re
 import secrets
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -48,14 +63,22 @@ class RunExists(UserError):
     """`rlvr run` named a run that already exists (running or not)."""
 
 
+class LeaseLost(UserError):
+    """This process's lease on a run is no longer the newest: another process took the run over."""
+
+
 @dataclass
 class Lease:
-    """The claim of one run by this process: generation `number` of its lease files."""
+    """The claim of one run by this process: generation `number` of its lease files, and the fencing token its
+    writes are checked against (see the module's docstring)."""
 
     store: Store
     run_id: str
     number: int
     record: dict[str, Any] = field(default_factory=dict)
+    lost: str | None = None  # why the run is no longer this process's (one line), once a check found out
+    beaten_at: float = field(default_factory=time.monotonic)  # when the last heartbeat was written (monotonic)
+    fresh_s: float = field(default_factory=lambda: heartbeat_timeout_s() / 2)  # no listing that long after it
 
     @property
     def path(self) -> str:
@@ -64,15 +87,52 @@ class Lease:
     def beat(self) -> bool:
         """Refresh the heartbeat; False when another process has taken the run over since (this one's
         heartbeat stopped for longer than the timeout: a frozen or suspended process)."""
+        if self.lost is not None:
+            return False
+        started = time.monotonic()  # another host times the heartbeat from its write: this is earlier
         newest = newest_lease_number(self.store, self.run_id)
         if newest is not None and newest > self.number:
+            self._lose(newest)
             return False
         self.record["heartbeat_at"] = utc_now()
         self.store.write_small(self.path, canonical_json(self.record).encode("utf-8"))
+        self.beaten_at = started
         return True
 
+    def check(self) -> None:
+        """A `LeaseLost` unless this lease is still the run's newest (one listing). Before every commit."""
+        if self.lost is None:
+            newest = newest_lease_number(self.store, self.run_id)
+            if newest is not None and newest > self.number:
+                self._lose(newest)
+        if self.lost is not None:
+            raise LeaseLost(self.lost)
+
+    def check_fresh(self) -> None:
+        """`check` without its listing while this process's last heartbeat is recent (less than half the
+        timeout that another host waits before it takes the run over); before every file write."""
+        if self.lost is not None:
+            raise LeaseLost(self.lost)
+        if time.monotonic() - self.beaten_at > self.fresh_s:
+            self.check()
+
+    def _lose(self, newest: int) -> None:
+        owner = read_lease(self.store, self.run_id, newest)
+        who = describe_owner(owner) if owner is not None else "another process"
+        self.lost = (
+            f"run {self.run_id!r} was taken over by {who} (lease {newest}) while this process "
+            f"(lease {self.number}) sent no heartbeat; it stopped here and writes nothing more to the run"
+        )
+
     def release(self) -> None:
-        """Give the run up: any process may claim it next."""
+        """Give the run up: any process may claim it next. A lease another process has taken over since is left
+        alone: it is not this process's to end (and the newer lease file is never touched)."""
+        if self.lost is not None:
+            return
+        newest = newest_lease_number(self.store, self.run_id)
+        if newest is not None and newest > self.number:
+            self._lose(newest)
+            return
         self.record["released_at"] = utc_now()
         self.store.write_small(self.path, canonical_json(self.record).encode("utf-8"))
 
@@ -182,11 +242,14 @@ def claim_run(store: Store, run_id: str, *, new: bool, purpose: str = "run") -> 
 
 @contextmanager
 def owning(store: Store, run_id: str, *, new: bool = False, purpose: str = "run") -> Iterator[Lease]:
-    """Own the run for the duration of the block, releasing it at the end whatever happens."""
+    """Own the run for the duration of the block, releasing it at the end whatever happens (unless another
+    process took it over meanwhile). Inside, the store fences the run's writes with the lease."""
     lease = claim_run(store, run_id, new=new, purpose=purpose)
+    store.hold(run_id, lease)  # every commit of the run checks the lease from now on
     try:
         yield lease
     finally:
+        store.let_go(run_id, lease)
         try:
             lease.release()
         except OSError:

@@ -52,6 +52,9 @@ class Manifest:
     created_at: str
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
+    # The number of the run's lease its writer held (storage/leases.py: the fencing token checked at the commit);
+    # None for a writer without one, and in manifests written before leases were recorded.
+    lease: int | None = None
 
     def to_json(self) -> str:
         """Indented so a person can read a manifest with `cat`."""

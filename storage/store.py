@@ -28,6 +28,12 @@ committed). DuckDB queries read the parts directly, unchecked.
 
 Temp files are named `<target>.tmp-<host tag>-<pid>-<random>`, so a cleanup can tell a dead writer's
 leftovers from a live one's; only the owner of a run removes its uncommitted artifact folders (`cleanup_run`).
+
+Fencing: while a process owns a run, its lease is held here (`hold`, from storage/leases.py's `owning`). Each
+commit of the run's manifests (one batch, or one artifact outside a batch), each shard marker and each run
+record write first checks with one listing that the lease is still the run's newest; every other file of the
+run checks the lease in memory just before its rename or PUT. A lost lease raises `LeaseLost`; manifests and
+the run record carry the `lease` number they were written under.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import fsspec
 import pyarrow as pa
@@ -100,6 +106,19 @@ def _check_name(what: str, name: str) -> None:
         raise ValueError(f"bad {what} {name!r}: use letters, digits, '_', '.', '-' (it becomes a file name)")
 
 
+class Fence(Protocol):
+    """A run's lease as the store sees it (storage/leases.py's `Lease`): its number, and the two checks that
+    raise `LeaseLost` once another process has taken the run over."""
+
+    number: int
+
+    def check(self) -> None:
+        """One listing of the run's leases: before a commit."""
+
+    def check_fresh(self) -> None:
+        """In memory while the heartbeat is recent: before any other write."""
+
+
 class Store:
     """A store rooted at a local path or any fsspec URL; every method works the same on both."""
 
@@ -118,6 +137,7 @@ class Store:
         self._index_next: dict[str, int] = {}  # per indexed kind: where this process appends next
         self._index_lock = threading.RLock()  # index_end takes it inside _append_index
         self.unreadable: dict[str, str] = {}  # damaged manifests and run records listings skipped: path -> why
+        self._fences: dict[str, Fence] = {}  # run id -> the lease this process holds on it (`hold`)
 
     @classmethod
     def open(cls, root: str, create: bool = False) -> Store:
@@ -177,31 +197,71 @@ class Store:
         """Where the manifest (the commit marker) of `artifact_id` lives."""
         return self.path("manifests", f"{artifact_id}.json")
 
+    # ----- fencing (storage/leases.py) -------------------------------------------------------------
+
+    def hold(self, run_id: str, fence: Fence) -> None:
+        """From now on every write of run `run_id` through this handle checks `fence` (the run's lease)."""
+        self._fences[run_id] = fence
+
+    def let_go(self, run_id: str, fence: Fence) -> None:
+        if self._fences.get(run_id) is fence:
+            del self._fences[run_id]
+
+    def lease_number(self, run_id: str) -> int | None:
+        """The number of the lease this process holds on the run (recorded in what it commits), or None."""
+        fence = self._fences.get(run_id)
+        return None if fence is None else fence.number
+
+    def _check_lease(self, run_ids: Sequence[str | None], listing: bool) -> None:
+        """`LeaseLost` when this process held a lease on one of these runs and another process took it over:
+        `listing` before a commit (one listing per run), else the check in memory (before a file write)."""
+        for run_id in dict.fromkeys(run_ids):
+            fence = self._fences.get(run_id) if run_id is not None else None
+            if fence is not None:
+                fence.check() if listing else fence.check_fresh()
+
+    @contextmanager
+    def _fencing(self, run_ids: Sequence[str]) -> Iterator[None]:
+        """Inside, `create_new` (the catalog's and the index logs' entries, which name no run) checks the leases
+        of `run_ids` in memory before each entry, as every other write of these runs does."""
+        previous = getattr(self._thread, "fencing", ())
+        self._thread.fencing = tuple(run_ids)
+        try:
+            yield
+        finally:
+            self._thread.fencing = previous
+
     # ----- low-level writes ------------------------------------------------------------------------
 
-    def _write_atomic(self, path: str, data: bytes, batch: _Batch | None = None) -> None:
+    def _write_atomic(self, path: str, data: bytes, batch: _Batch | None = None, run_id: str | None = None) -> None:
         """Readers see the old file or the new one, never half of one.
 
         Locally: a temp file beside the target, fsync, rename (inside `batch()` the fsync is left to the
         batch's flush). On object stores a single put of the final object is already atomic.
-        `batch`: the group this write belongs to (default: the one open now, if any).
+        `batch`: the group this write belongs to (default: the one open now, if any). `run_id`: the run whose
+        lease is checked just before the file appears (a temp file written before a failed check stays).
         """
         batch = batch or self._batch
+        self._check_lease([run_id], listing=False)
         if not self.is_local:
             self.fs.pipe_file(path, data)
             return
         tmp = self._write_temp(path, data, sync=batch is None)
+        self._check_lease([run_id], listing=False)  # again: the process may have been frozen while it wrote
         os.replace(tmp, path)
         if batch is not None:
             batch.written.append(path)
 
-    def write_small(self, path: str, data: bytes) -> None:
+    def write_small(self, path: str, data: bytes, run_id: str | None = None) -> None:
         """Replace a small store file (a run record, a lease) atomically and durably now, never as part of
-        an open batch."""
+        an open batch. `run_id`: the run whose lease is checked just before the file appears."""
+        self._check_lease([run_id], listing=False)
         if not self.is_local:
             self.fs.pipe_file(path, data)
             return
-        os.replace(self._write_temp(path, data, sync=True), path)
+        tmp = self._write_temp(path, data, sync=True)
+        self._check_lease([run_id], listing=False)
+        os.replace(tmp, path)
 
     @staticmethod
     def _write_temp(path: str, data: bytes, sync: bool) -> str:
@@ -221,27 +281,39 @@ class Store:
         return tmp
 
     def _write_part(
-        self, kind: str, artifact_id: str, index: int, table: pa.Table, batch: _Batch | None = None
+        self,
+        kind: str,
+        artifact_id: str,
+        index: int,
+        table: pa.Table,
+        batch: _Batch | None = None,
+        run_id: str | None = None,
     ) -> dict[str, Any]:
         data = parquet_bytes(table)
         name = part_name(index)
-        self._write_atomic(f"{self.artifact_dir(kind, artifact_id)}/{name}", data, batch)
+        self._write_atomic(f"{self.artifact_dir(kind, artifact_id)}/{name}", data, batch, run_id)
         return {"path": name, "rows": table.num_rows, "bytes": len(data), "sha256": sha256_hex(data)}
 
     def _write_binary(
-        self, kind: str, artifact_id: str, name: str, data: bytes, batch: _Batch | None = None
+        self,
+        kind: str,
+        artifact_id: str,
+        name: str,
+        data: bytes,
+        batch: _Batch | None = None,
+        run_id: str | None = None,
     ) -> dict[str, Any]:
         _check_name("file name", name)
         relative = f"files/{name}"
-        self._write_atomic(f"{self.artifact_dir(kind, artifact_id)}/{relative}", data, batch)
+        self._write_atomic(f"{self.artifact_dir(kind, artifact_id)}/{relative}", data, batch, run_id)
         return {"path": relative, "rows": None, "bytes": len(data), "sha256": sha256_hex(data)}
 
     def _write_files(self, job: _Unwritten) -> Manifest:
         """Write a single-part artifact's data; its manifest, listing the files written."""
-        kind, artifact_id = job.manifest.kind, job.manifest.artifact_id
-        entries = [self._write_part(kind, artifact_id, 0, job.table, job.batch)]
+        kind, artifact_id, run_id = job.manifest.kind, job.manifest.artifact_id, job.manifest.run_id
+        entries = [self._write_part(kind, artifact_id, 0, job.table, job.batch, run_id)]
         for name in sorted(job.files):
-            entries.append(self._write_binary(kind, artifact_id, name, job.files[name], job.batch))
+            entries.append(self._write_binary(kind, artifact_id, name, job.files[name], job.batch, run_id))
         return replace(job.manifest, files=entries)
 
     def _ensure_written(self, artifact_id: str) -> None:
@@ -262,13 +334,18 @@ class Store:
         self._unwritten.pop(artifact_id, None)
 
     def _commit_manifest(self, manifest: Manifest) -> None:
-        self._manifest_cache[manifest.artifact_id] = manifest
         if self._batch is not None:
+            self._check_lease([manifest.run_id], listing=False)  # the batch's flush lists the leases
+            self._manifest_cache[manifest.artifact_id] = manifest
             self._batch.manifests.append(manifest)  # written when the batch ends, after its data is durable
             return
         self.wait()  # an artifact never reaches the disk before the batches committed ahead of it
-        self._write_atomic(self.manifest_path(manifest.artifact_id), manifest.to_json().encode("utf-8"))
-        self._append_index([manifest])
+        self._check_lease([manifest.run_id], listing=True)
+        self._manifest_cache[manifest.artifact_id] = manifest
+        path = self.manifest_path(manifest.artifact_id)
+        self._write_atomic(path, manifest.to_json().encode("utf-8"), run_id=manifest.run_id)
+        with self._fencing([manifest.run_id]):
+            self._append_index([manifest])
 
     @contextmanager
     def batch(self, background: bool = False) -> Iterator[None]:
@@ -336,6 +413,8 @@ class Store:
         if not batch.manifests and not batch.deletes:
             return
         self._sync(batch.written)
+        runs = [m.run_id for m in batch.manifests] + [self.manifest(aid).run_id for aid in batch.deletes]
+        self._check_lease(runs, listing=True)  # one listing per run, before the commit writes anything
         if self.is_local:
             paths = [self.manifest_path(m.artifact_id) for m in batch.manifests]
             temps = [
@@ -343,13 +422,16 @@ class Store:
                 for path, m in zip(paths, batch.manifests)
             ]
             self._sync(temps)
-            for temp, path in zip(temps, paths):
+            for temp, path, manifest in zip(temps, paths, batch.manifests):
+                self._check_lease([manifest.run_id], listing=False)  # e.g. frozen since the listing: then it lists
                 os.replace(temp, path)
             self._sync([self.path("manifests")] if paths else [])
         else:
             for manifest in batch.manifests:
+                self._check_lease([manifest.run_id], listing=False)
                 self.fs.pipe_file(self.manifest_path(manifest.artifact_id), manifest.to_json().encode("utf-8"))
-        self._append_index(batch.manifests)
+        with self._fencing(runs):
+            self._append_index(batch.manifests)
         for artifact_id in batch.deletes:
             self._delete_now(artifact_id)
 
@@ -386,6 +468,7 @@ class Store:
         table = conform_to_schema(kind, table)
         if self.exists(artifact_id):
             return self.manifest(artifact_id)
+        self._check_lease([run_id], listing=False)  # nothing new starts once the run is known to be taken
         manifest = Manifest(
             artifact_id=artifact_id,
             kind=kind,
@@ -401,6 +484,7 @@ class Store:
             created_at=utc_now(),
             seconds=time.monotonic() - started,
             extra=dict(extra or {}),
+            lease=self.lease_number(run_id),
         )
         if self.is_local:
             self.mark_owner(kind, artifact_id, run_id)
@@ -606,6 +690,7 @@ class Store:
 
     def create_new(self, path: str, data: bytes) -> bool:
         """Write `path` only if it does not exist yet, atomically; False when it already did."""
+        self._check_lease(getattr(self._thread, "fencing", ()), listing=False)  # inside `_fencing` only
         if not self.is_local:
             try:
                 self.fs.pipe_file(path, data, mode="create")
@@ -726,7 +811,9 @@ class Store:
 
     def _delete_now(self, artifact_id: str) -> None:
         manifest = self.manifest(artifact_id)
-        self._log_removal(artifact_id)
+        with self._fencing([manifest.run_id]):
+            self._log_removal(artifact_id)
+        self._check_lease([manifest.run_id], listing=False)
         self.fs.rm(self.manifest_path(artifact_id))
         self._manifest_cache.pop(artifact_id, None)
         directory = self.artifact_dir(manifest.kind, artifact_id)
@@ -744,6 +831,7 @@ class Store:
         small file when the folder is new; on an object store, one PUT (sharded writers only)."""
         directory = self.artifact_dir(kind, artifact_id)
         data = canonical_json({"run_id": run_id}).encode("utf-8")
+        self._check_lease([run_id], listing=False)
         if not self.is_local:
             self.fs.pipe_file(f"{directory}/{OWNER_FILE}", data)
             return
@@ -841,16 +929,22 @@ class Store:
     def write_run(self, record: Mapping[str, Any]) -> dict[str, Any]:
         """Replace a run's record atomically and return what was written.
 
-        `updated_at` is set to now; created_at, pid and host default to now and this process.
+        `updated_at` is set to now; created_at, pid and host default to now and this process. `lease` is the
+        number of the lease this process holds on the run (checked first: one listing), absent without one.
         """
         run_id = str(record.get("run_id", ""))
         _check_name("run id", run_id)
         if record.get("status") not in RUN_STATUSES:
             raise ValueError(f"run status must be one of {RUN_STATUSES}, got {record.get('status')!r}")
+        self._check_lease([run_id], listing=True)
         now = utc_now()
         written = {"created_at": now, "pid": os.getpid(), "host": socket.gethostname(), **record}
         written["updated_at"] = now
-        self.write_small(self.path("runs", f"{run_id}.json"), canonical_json(written).encode("utf-8"))
+        written.pop("lease", None)
+        if (lease := self.lease_number(run_id)) is not None:
+            written["lease"] = lease
+        path = self.path("runs", f"{run_id}.json")
+        self.write_small(path, canonical_json(written).encode("utf-8"), run_id=run_id)
         return written
 
     def read_run(self, run_id: str) -> dict[str, Any] | None:
@@ -952,22 +1046,24 @@ class ArtifactWriter:
         table = conform_to_schema(self.kind, table)
         if self.store.exists(self.artifact_id):
             return
+        self.store._check_lease([self.run_id], listing=False)
         self._mark_owner()
         marker_path = self._marker_path(index)
         try:
             self.store.fs.rm(marker_path)
         except FileNotFoundError:
             pass
-        entry = self.store._write_part(self.kind, self.artifact_id, index, table)
+        entry = self.store._write_part(self.kind, self.artifact_id, index, table, run_id=self.run_id)
         marker = {**entry, "index": index, "schema": str(table.schema)}
-        self.store._write_atomic(marker_path, canonical_json(marker).encode("utf-8"))
+        self.store._check_lease([self.run_id], listing=True)  # a shard marker commits the shard
+        self.store._write_atomic(marker_path, canonical_json(marker).encode("utf-8"), run_id=self.run_id)
 
     def add_file(self, name: str, data: bytes) -> None:
         """Attach a binary file (listed in the manifest with its checksum at commit)."""
         if self.store.exists(self.artifact_id):
             return
         self._mark_owner()
-        self._files[name] = self.store._write_binary(self.kind, self.artifact_id, name, data)
+        self._files[name] = self.store._write_binary(self.kind, self.artifact_id, name, data, run_id=self.run_id)
 
     def _mark_owner(self) -> None:
         if not self._marked:
@@ -1014,6 +1110,7 @@ class ArtifactWriter:
             created_at=utc_now(),
             seconds=time.monotonic() - self._started,
             extra=self.extra,
+            lease=self.store.lease_number(self.run_id),
         )
         self.store._commit_manifest(manifest)
         return manifest

@@ -36,6 +36,7 @@ def prefect_api() -> str:
 LONG_FILES = (
     "test_concurrent_runs.py",
     "test_kill_resume.py",
+    "test_fencing.py",
     "test_store_damage.py",
     "test_real_model.py",
     "test_schedule.py",

@@ -338,3 +338,10 @@ def test_run_leases_on_s3_have_exactly_one_winner_and_hand_over(s3_env):
     Lease(store, "shared", 0, dict(current_owner(store, "shared") or {})).release()
     assert current_owner(store, "shared") is None
     assert claim_run(store, "shared", new=False).number == 1
+
+
+def test_commits_check_the_lease_on_s3(s3_env):
+    """Fencing on a bucket (tests/test_fencing.py's checks): after a takeover nothing more of the run is PUT."""
+    from tests.test_fencing import check_fencing
+
+    check_fencing(Store.open(new_root("fencing"), create=True))

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from rlvr.errors import Stopped, UserError, environment_failure
+from rlvr.errors import RunTakenOver, Stopped, UserError, environment_failure
 from rlvr.flows.cli.common import StoreOption, flow_store, open_existing, store_root, with_progress
 
 app = typer.Typer(
@@ -511,6 +511,8 @@ def main() -> None:
         err.print(f"error: {line}: fix that and run the command again", markup=False, highlight=False)
         sys.exit(2)
     except Stopped as exc:  # a run stopped by a signal, which has said how to resume it
+        if isinstance(exc, RunTakenOver):  # or by losing its run to another process: that one goes on
+            err.print(f"error: {exc}", markup=False, highlight=False)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exc.status)

@@ -1,0 +1,331 @@
+"""Fencing: a process that has lost its run to another process writes nothing more to it.
+
+The store checks the writer's lease number before every commit (storage/leases.py): on a local store here and on
+S3 in test_s3_store.py (`check_fencing` runs on both). Then two real processes race on one run: `rlvr run` is
+frozen (SIGSTOP) halfway through an RL step, a second process on "another host" (its hostname patched) takes the
+run over with `rlvr resume` once the heartbeat is older than the timeout, and the frozen one is thawed while the
+new owner writes. Every file operation of the old process is logged (its os and open calls, patched); none may
+come after the freeze, every manifest and the run record written since carry the new owner's lease number, and
+the old process exits with status 2 and one line naming the run and its new owner.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from rlvr.storage.ids import canonical_json
+from rlvr.storage.leases import LeaseLost, claim_run, lease_path, newest_lease_number, owning
+from rlvr.storage.manifest import Manifest
+from rlvr.storage.store import Store
+from tests.cli_helpers import REPO, cli_env, committed, wait_for
+
+RUN_ID = "raced"
+OTHER_HOST = "another-host"
+
+
+def take_over(store: Store, run_id: str, number: int, pid: int = 4242) -> None:
+    """What `claim_run` in a process on another host writes once it judged the owner gone: the next lease."""
+    record = {"pid": pid, "host": OTHER_HOST, "purpose": "run", "claimed_at": "2026-12-01T00:00:00+00:00"}
+    assert store.create_new(lease_path(store, run_id, number), canonical_json(record).encode("utf-8"))
+
+
+def write(store: Store, aid: str, run_id: str = "r") -> Manifest:
+    table = pa.table({"x": [1, 2, 3]})
+    return store.write_artifact(
+        "test_rows", aid, table, run_id=run_id, stage="t", parents=[], code_version="1", config={}
+    )
+
+
+def store_files(store: Store) -> dict[str, bytes]:
+    """Every file of the store and its bytes (lease files included)."""
+    return {path: bytes(store.fs.cat_file(path)) for path in sorted(store.fs.find(store.root))}
+
+
+def check_fencing(store: Store) -> None:
+    """The lease checks of one store (local or S3): commits carry the lease number; after a takeover, a batch,
+    a background batch, a single commit, a shard, a file and the run record all fail with one line, and
+    nothing of them appears; the lost lease is not released; a commit costs one listing, not one per file."""
+    with owning(store, "r") as lease:
+        assert lease.number == 0 and store.lease_number("r") == 0
+        assert write(store, "a-1").lease == 0 and Store.open(store.root).manifest("a-1").lease == 0
+        assert store.write_run({"run_id": "r", "status": "running"})["lease"] == 0
+        assert write(store, "other-1", run_id="unowned").lease is None  # a run this process holds no lease on
+
+        with store.batch(background=True):
+            write(store, "a-2")
+        store.wait()
+        taken = store.write_run({"run_id": "r", "status": "running"})
+
+        with pytest.raises(LeaseLost) as caught, store.batch():
+            write(store, "a-3")
+            take_over(store, "r", 1)  # while the batch is open: its data is written, its commit is refused
+            write(store, "a-4")
+        line = str(caught.value)
+        assert "\n" not in line and line.startswith("run 'r' was taken over by process 4242 on another-host")
+        assert lease.lost == line
+        assert not any(s.exists(aid) for s in (store, Store.open(store.root)) for aid in ("a-3", "a-4"))
+        before = store_files(store)  # with the uncommitted data of a-3 and a-4, for the new owner's cleanup
+        for attempt in (
+            lambda: write(store, "a-5"),
+            lambda: store.write_run({"run_id": "r", "status": "failed"}),
+            lambda: store.writer("test_rows", "s-1", **sharded_fields()).write_shard(0, pa.table({"x": [1]})),
+            lambda: store.writer("test_rows", "s-2", **sharded_fields()).add_file("w.bin", b"w"),
+            lambda: store.delete_artifact("a-1"),
+        ):
+            with pytest.raises(LeaseLost):
+                attempt()
+        with pytest.raises(LeaseLost), store.batch(background=True):
+            write(store, "a-6")
+        assert store_files(store) == before  # not a byte changed: no manifest, no data file, no record, no lease
+        assert write(store, "other-2", run_id="unowned").lease is None  # other runs are not this run's lease's
+    assert store.lease_number("r") is None
+    assert json.loads(store.fs.cat_file(lease_path(store, "r", 0)))["released_at"] is None  # not its to release
+    assert Store.open(store.root).read_run("r") == taken
+
+    # A process frozen past the timeout finds out at its next write, before it writes (no heartbeat came).
+    with owning(store, "q") as lease:
+        take_over(store, "q", 1)
+        lease.beaten_at -= lease.fresh_s + 1
+        with pytest.raises(LeaseLost):
+            write(store, "q-1", run_id="q")
+        assert not store.fs.exists(store.artifact_dir("test_rows", "q-1"))
+
+
+def sharded_fields() -> dict[str, Any]:
+    return {"run_id": "r", "stage": "t", "parents": [], "code_version": "1", "config": {}}
+
+
+def test_commits_check_the_lease_on_a_local_store(tmp_path: Path) -> None:
+    check_fencing(Store.open(str(tmp_path / "store"), create=True))
+
+
+def test_a_batch_commit_costs_one_listing_of_the_leases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlvr.storage import leases
+
+    store = Store.open(str(tmp_path / "store"), create=True)
+    listings = [0]
+
+    def counted(*args: Any) -> int | None:
+        listings[0] += 1
+        return newest_lease_number(*args)
+
+    with owning(store, "r"):
+        monkeypatch.setattr(leases, "newest_lease_number", counted)
+        for background in (False, True):
+            listings[0] = 0
+            with store.batch(background=background):
+                for i in range(8):
+                    store.write_artifact(
+                        "test_rows",
+                        f"b-{background}-{i}",
+                        pa.table({"x": [i]}),
+                        files={"w.bin": b"w"},
+                        run_id="r",
+                        stage="t",
+                        parents=[],
+                        code_version="1",
+                        config={},
+                    )
+            store.wait()
+            assert listings[0] == 1
+
+
+def test_a_manifest_written_before_leases_were_recorded_still_reads() -> None:
+    manifest = Manifest("a", "k", "r", "s", None, 0, "", [], [], "1", {}, "2026-01-01", 0.0)
+    text = json.loads(manifest.to_json())
+    del text["lease"]
+    assert Manifest.from_file("m.json", json.dumps(text)).lease is None
+    assert claim_run  # (imported for the docstring's reader: the claim the takeovers below imitate)
+
+
+# ----- two real processes --------------------------------------------------------------------------------
+
+
+def install_write_audit(root: str, log: str) -> None:
+    """In the process under test: log every call that creates, changes or removes a file under `root` (its time,
+    pid, the call and the path) to `log`, through os.write on a descriptor opened now (one append per call)."""
+    root = os.path.abspath(root)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+    def note(what: str, path: Any) -> None:
+        try:
+            text = os.fsdecode(path)
+        except TypeError:
+            return
+        if os.path.abspath(text).startswith(root):
+            os.write(fd, f"{time.time():.6f} {os.getpid()} {what} {text}\n".encode())
+
+    def logged(what: str, call: Callable[..., Any], *, path_arg: int = 0, when: Callable[..., bool] | None = None):
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if len(args) > path_arg and (when is None or when(*args, **kwargs)):
+                note(what, args[path_arg])
+            return call(*args, **kwargs)
+
+        return wrapper
+
+    def writes(_path: Any, mode: str = "r", *_: Any, **kwargs: Any) -> bool:
+        mode = kwargs.get("mode", mode)
+        return isinstance(mode, str) and any(flag in mode for flag in "wax+")
+
+    opener = logged("open", builtins.open, when=writes)
+    builtins.open = io.open = opener  # type: ignore[assignment]
+    os.open = logged("os.open", os.open, when=lambda _p, flags, *a, **k: bool(flags & write_flags))  # type: ignore
+    for name in ("remove", "unlink", "rmdir", "mkdir", "truncate", "utime"):
+        setattr(os, name, logged(f"os.{name}", getattr(os, name)))
+    for name in ("replace", "rename", "link"):
+        setattr(os, name, logged(f"os.{name}", getattr(os, name), path_arg=1))  # the name it makes
+    shutil.rmtree = logged("rmtree", shutil.rmtree)  # type: ignore[assignment]
+
+
+AUDITED_RLVR = (
+    "import sys; from tests.test_fencing import install_write_audit; install_write_audit(sys.argv.pop(1), "
+    "sys.argv.pop(1)); from rlvr.flows.cli import main; main()"
+)
+ON_ANOTHER_HOST = f"import socket; socket.gethostname = lambda: {OTHER_HOST!r}; from rlvr.flows.cli import main; main()"
+OVERRIDES = [
+    "train.steps=8",
+    "select.batch_size=2",
+    "allocate.n=2",
+    "warmstart.steps=2",
+    "difficulty.k=1",
+    "difficulty.shard_size=8",
+    "evaluate.every=4",
+    "checkpoint.every=4",
+    "synthesize.source.per_category=3",
+]
+TIMEOUT_S = 4.0  # RLVR_HEARTBEAT_TIMEOUT_S of both processes: the frozen one is taken over after that
+
+
+def uncommitted(store: Path, kinds: tuple[str, ...] = ()) -> bool:
+    """Whether an artifact folder (of `kinds`, or any) has no manifest yet: written, not committed."""
+    manifests = {name.removesuffix(".json") for name in os.listdir(store / "manifests")}
+    folders = [store / "artifacts" / kind for kind in kinds] if kinds else (store / "artifacts").iterdir()
+    return any(f.name not in manifests for folder in folders if folder.is_dir() for f in folder.iterdir())
+
+
+MOMENTS = {
+    # the group commit of the first RL step: its train_steps manifest is in, others of the group are not yet
+    "in_the_step_commit": lambda store: committed(store, "train_steps") >= 1 and uncommitted(store),
+    # a later step between its sampling and its update: its rollouts are written, not committed
+    "between_sampling_and_update": lambda store: (
+        committed(store, "train_steps") >= 2 and uncommitted(store, ("rollouts",))
+    ),
+}
+
+
+def process_state(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rfind(")") + 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", sorted(MOMENTS))
+def test_a_run_taken_over_halfway_through_a_step_writes_nothing_after(
+    tmp_path: Path, prefect_api: str, moment: str
+) -> None:
+    store, audit = tmp_path / "store", tmp_path / "old-writes.log"
+    env = cli_env(PREFECT_API_URL=prefect_api, RLVR_HEARTBEAT_S="0.2", RLVR_HEARTBEAT_TIMEOUT_S=str(TIMEOUT_S))
+    args = ["run", "--store", str(store), "--run-id", RUN_ID] + [a for o in OVERRIDES for a in ("--set", o)]
+    old_err = tmp_path / "old.err"
+    with old_err.open("w") as err:
+        old = subprocess.Popen(
+            [sys.executable, "-c", AUDITED_RLVR, str(store), str(audit), *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while not ((store / "manifests").exists() and MOMENTS[moment](store)):  # polled tightly: steps are short
+            assert old.poll() is None, old_err.read_text()
+            assert time.monotonic() < deadline, "the run never got halfway through an RL step"
+            time.sleep(0.002)
+        old.send_signal(signal.SIGSTOP)
+        wait_for(lambda: process_state(old.pid) == "T", 10, "the run to stop", every=0.01)
+        frozen_at = time.time()  # nothing the old process does can happen between its freeze and its thaw
+        frozen_step = committed(store, "train_steps")
+
+        time.sleep(TIMEOUT_S + 0.5)  # its heartbeat is now older than the timeout: another host may take over
+        new_err = tmp_path / "new.err"
+        with new_err.open("w") as err:
+            new = subprocess.Popen(
+                [sys.executable, "-c", ON_ANOTHER_HOST, "resume", RUN_ID, "--store", str(store)],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
+        s = Store.open(str(store))
+        wait_for(lambda: newest_lease_number(s, RUN_ID) == 1, 120, "the takeover", log=new_err)
+        wait_for(
+            lambda: new.poll() is not None or committed_since(store, frozen_at),
+            120,
+            "the new owner's first commit",
+            log=new_err,
+            every=0.05,
+        )
+        old.send_signal(signal.SIGCONT)  # thawed while the new owner writes
+        assert old.wait(timeout=60) == 2, old_err.read_text()
+        assert new.wait(timeout=600) == 0, new_err.read_text()
+    finally:
+        for proc in [old] + ([new] if "new" in locals() else []):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait()
+
+    errors = [line for line in old_err.read_text().splitlines() if line.startswith(("error:", "warning:"))]
+    assert len(errors) == 1 and "Traceback" not in old_err.read_text(), old_err.read_text()
+    assert errors[0].startswith(f"error: run {RUN_ID!r} was taken over by process {new.pid} on {OTHER_HOST}")
+
+    # The old process: not one file created, changed or removed after its freeze.
+    writes = [line.split(" ", 3) for line in audit.read_text().splitlines()]
+    assert writes and {int(w[1]) for w in writes} >= {old.pid}
+    late = [w for w in writes if float(w[0]) > frozen_at]
+    assert late == [], late[:10]
+
+    # Every manifest and the run record written since the freeze carry the new owner's lease; the rest the old's.
+    s = Store.open(str(store))
+    manifests = s.manifests(run_id=RUN_ID)
+    since = [m for m in manifests if os.stat(s.manifest_path(m.artifact_id)).st_mtime > frozen_at]
+    assert since and {m.lease for m in since} == {1}
+    assert {m.lease for m in manifests if m not in since} == {0}
+    record = s.read_run(RUN_ID)
+    assert (record["status"], record["lease"], record["pid"], record["host"]) == ("completed", 1, new.pid, OTHER_HOST)
+    assert committed(store, "train_steps") == 8 > frozen_step
+    # The old lease file is as the freeze left it (never released, never touched); the new one was released.
+    old_lease, new_lease = (json.loads(Path(lease_path(s, RUN_ID, n)).read_text()) for n in (0, 1))
+    assert old_lease["released_at"] is None and os.stat(lease_path(s, RUN_ID, 0)).st_mtime <= frozen_at
+    assert (new_lease["pid"], new_lease["host"]) == (new.pid, OTHER_HOST) and new_lease["released_at"]
+    # A temp file left anywhere is the new owner's or older than the freeze.
+    for path in store.rglob("*.tmp-*"):
+        assert path.stat().st_mtime <= frozen_at or path.name.split("-")[-2] == str(new.pid), path
+    assert socket.gethostname() != OTHER_HOST
+
+
+def committed_since(store: Path, moment: float) -> bool:
+    """Whether a manifest was committed after `moment`."""
+    for path in (store / "manifests").iterdir():
+        try:
+            if path.suffix == ".json" and path.stat().st_mtime > moment:
+                return True
+        except FileNotFoundError:
+            continue
+    return False
