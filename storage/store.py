@@ -413,7 +413,8 @@ class Store:
         if not batch.manifests and not batch.deletes:
             return
         self._sync(batch.written)
-        runs = [m.run_id for m in batch.manifests] + [self.manifest(aid).run_id for aid in batch.deletes]
+        deleted = [self._manifest_cache.get(aid) for aid in batch.deletes]  # `_delete_now` checks each again
+        runs = [m.run_id for m in [*batch.manifests, *deleted] if m is not None]
         self._check_lease(runs, listing=True)  # one listing per run, before the commit writes anything
         if self.is_local:
             paths = [self.manifest_path(m.artifact_id) for m in batch.manifests]
