@@ -16,8 +16,9 @@ keeps a row only while its manifest is listed with the size the row recorded; a 
 covers (a writer killed between its manifest and its entry, a store written before the log, a manifest
 rewritten or damaged since) is read directly, as before. So the manifests stay the truth, and the log and the
 snapshots are hints: losing them costs time, never a row. A reader that read `SNAPSHOT_AFTER` entries or
-manifests writes a snapshot (create-if-absent, best effort) and removes all but the newest `KEEP_SNAPSHOTS`;
-a process keeps what it read, so its next read costs the listing and the new entries.
+manifests writes a snapshot (create-if-absent, best effort) and removes all but the newest `KEEP_SNAPSHOTS`,
+and so does the writer of every `COMPACT_EVERY`-th entry (a store written for long and never queried); a
+process keeps what it read, so its next read costs the listing and the new entries.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlvr.errors import UserError
 from rlvr.storage.errors import ArtifactNotFound, DamagedFile
 from rlvr.storage.files import read_whole
 from rlvr.storage.ids import canonical_json
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from rlvr.storage.store import Store
 
 SNAPSHOT_AFTER = 64  # entries read past the snapshot, or manifests read directly, before a reader writes one
+COMPACT_EVERY = 256  # the writer of every 256th entry reads the catalog too, so writing a snapshot if due
 KEEP_SNAPSHOTS = 3  # a reader still reading an older one finds it; a snapshot it cannot read costs it time only
 _READ_AHEAD = 16  # log entries asked for at once on object storage
 
@@ -163,6 +166,20 @@ def append(store: Store, added: Sequence[Manifest] = (), removed: Sequence[str] 
             _positions.next[store] = position + 1
     except (OSError, ValueError, NotImplementedError):  # the hint is lost, the commit stands (module docstring)
         _positions.next.pop(store, None)  # (a lost lease, `LeaseLost`, goes on up: the writer must stop)
+        return
+    if (position + 1) % COMPACT_EVERY == 0:
+        _compact(store)
+
+
+def _compact(store: Store) -> None:
+    """A writer's share of the snapshots, every `COMPACT_EVERY` entries: a store written for long and never
+    queried does not leave its first query thousands of entries to read. Best effort, like a reader's."""
+    try:
+        committed(store)
+    except UserError:  # a lost lease (or damage) is the writer's business
+        raise
+    except Exception:  # a hint not written
+        return
 
 
 def _entry_path(store: Store, position: int) -> str:
@@ -172,8 +189,7 @@ def _entry_path(store: Store, position: int) -> str:
 def _log_end(store: Store, start: int) -> int:
     """The first free position at or after `start`. Entries are numbered without gaps, so whether one exists
     splits the positions in two: a doubling search, then halving, costs about 2 log2(new entries) checks."""
-    store.fs.invalidate_cache(_log_dir(store))  # an object store's `exists` may answer from a listing cached earlier
-    exists = lambda position: store.fs.exists(_entry_path(store, position))  # noqa: E731
+    exists = lambda position: _exists(store, _entry_path(store, position))  # noqa: E731
     if not exists(start):
         return start
     low, step = start, 1  # low exists
@@ -184,6 +200,18 @@ def _log_end(store: Store, start: int) -> int:
         middle = (low + high) // 2
         low, high = (middle, high) if exists(middle) else (low, middle)
     return high
+
+
+def _exists(store: Store, path: str) -> bool:
+    """Whether the file exists, on an object store by a GET of its first byte: s3fs's `exists` answers a
+    missing key with a HEAD and then a LIST (is it a folder?), and may answer from a listing it cached."""
+    if store.is_local:
+        return os.path.exists(path)
+    try:
+        store.fs.cat_file(path, start=0, end=1)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 # ----- reading -----------------------------------------------------------------------------------------------

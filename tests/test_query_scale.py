@@ -140,6 +140,21 @@ def test_a_reader_writes_a_snapshot_and_the_next_reads_no_manifest(
     assert all(name.startswith("log/") for name in names(read)[1:])
 
 
+def test_a_store_written_for_long_and_never_queried_has_snapshots(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer of every COMPACT_EVERY-th entry reads the catalog, so writing the snapshot that is due."""
+    monkeypatch.setattr(catalog, "COMPACT_EVERY", 4)
+    monkeypatch.setattr(catalog, "SNAPSHOT_AFTER", 3)
+    store = Store.open(root, create=True)
+    for step in range(9):
+        commit(store, f"ts-{step}", step=step)
+    snapshots = sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(store.path("catalog", "snapshots"), detail=False))
+    assert snapshots == ["0000000004.parquet", "0000000008.parquet"]
+    reader = fresh(root)
+    read = record_reads(monkeypatch, reader)
+    assert ids(reader) == [f"ts-{step}" for step in range(9)]
+    assert names(read)[:2] == ["snapshots/0000000008.parquet", "log/0000000008.json"]
+
+
 def test_a_commit_whose_log_entry_was_lost_is_still_found(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A writer killed between its manifest and its log entry: the listing finds the manifest, read directly."""
     store = Store.open(root, create=True)
