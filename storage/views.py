@@ -2,14 +2,16 @@
 
 Views list the files named in manifests and nothing else (no globbing), so uncommitted or half-written
 files can never show up in a query. DuckDB scans the Parquet files itself; nothing is loaded into Python.
+What the manifests say comes from the catalog index (storage/catalog.py), not from reading each of them.
 
 A store on object storage (s3://...) is read through its fsspec filesystem: DuckDB's own httpfs
 extension for 2.0 installs only from extensions.duckdb.org, not from a package index. `StoreFiles`
 puts that filesystem in front of DuckDB so each committed part costs one GET (see its docstring).
 
 `connect` and `query` are read-only: the connection reads files only under the store's artifacts folder
-and its settings are locked (`_lock_down`), and `query` (like `rlvr query`) runs only one SELECT
-(`check_read_only`), because DuckDB's settings alone still let a COPY overwrite a committed part.
+and its settings are locked (`_lock_down`, which also moves DuckDB's temporary folder to a private one), and
+`query` (like `rlvr query`) runs only one SELECT calling only allowed table functions (`check_read_only`),
+because DuckDB's settings alone still let a COPY overwrite a committed part.
 """
 
 from __future__ import annotations
