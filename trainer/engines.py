@@ -49,6 +49,16 @@ class TransformersEngineConfig(EngineConfig):
             "weights' dtype; bf16: always bf16 autocast"
         ),
     )
+    seeding: Literal["batch", "row"] = Field(
+        "batch",
+        exclude_if=lambda value: value == "batch",
+        description=(
+            "batch: every row of a call draws from one torch RNG stream seeded with the step's seed; row: each "
+            "sample draws from its own hashed stream of (seed, its prompt's place in the call, its sample index), "
+            "so a batch split across data-parallel ranks samples the same tokens (see docs/training.md, Rollout "
+            "engines)"
+        ),
+    )
 
 
 class TransformersEngine(RolloutEngine):
@@ -81,6 +91,7 @@ class TransformersEngine(RolloutEngine):
             cache=own.cache,
             precision=own.precision,
             logprob_temperature=sampling.logprob_temperature,
+            row_keys=range(len(prompts)) if own.seeding == "row" else None,
         )
 
     def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:

@@ -4,6 +4,7 @@ A sample keeps its token ids (what the loss trains on), its decoded text (what v
 why it ended, so that rewards, length statistics and the loss all see the same completion.
 """
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -16,6 +17,7 @@ from rlvr.trainer.logprobs import keeps_last_logits
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import distinct_prompts, padded_positions, prompt_ids
 from rlvr.trainer.rng import seeded_rng
+from rlvr.trainer.row_sampling import RowSampler, row_key
 
 
 @dataclass
@@ -118,6 +120,21 @@ class TokenLogprobs(transformers.LogitsProcessor):
         return torch.stack(self.columns, dim=1).tolist() if self.columns else []
 
 
+class RowSampledScores(transformers.LogitsProcessor):
+    """Row-seeded sampling inside greedy `generate`: the scores become 0 at the token `choose` draws from them and
+    -inf elsewhere, so `generate`'s argmax takes that token. Last in the list: after the model's own processors
+    (`min_new_tokens` bars eos first) and the `TokenLogprobs` recorder, which so still sees the raw logits.
+    A call's position is the number of tokens generated so far: `input_ids` holds the prompts, left-padded to
+    `prompt_width`, and the tokens chosen before."""
+
+    def __init__(self, choose: RowSampler, prompt_width: int) -> None:
+        self.choose, self.prompt_width = choose, prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        chosen = self.choose(scores.float(), input_ids.shape[1] - self.prompt_width)
+        return torch.full_like(scores, float("-inf")).scatter_(1, chosen[:, None], 0.0)  # type: ignore[return-value]
+
+
 def _generate(
     policy: Policy,
     prompts: list[str],
@@ -125,10 +142,12 @@ def _generate(
     cache: Cache = "shared_prompt",
     precision: Precision = "auto",
     recorder: TokenLogprobs | None = None,
+    row_sampler: RowSampler | None = None,
     **sampling: Any,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """New tokens per prompt row, cut after the first eos (the eos is kept), and, with a `recorder`, their
-    log-probs cut the same way (else no rows).
+    log-probs cut the same way (else no rows). With a `row_sampler` each token is its draw (`sampling` then
+    asks for greedy decoding, which it replaces).
 
     `cache`: "shared_prompt" computes each distinct prompt's key/value cache once for all the rows that repeat it
     (`_shared_prompt_cache`); "static" asks transformers for a static key/value cache of the batch's full length,
@@ -142,9 +161,13 @@ def _generate(
     encoded = encoded.to(policy.model.device)
     with torch.no_grad(), sampling_autocast(policy, precision), packed_attention(policy.model):
         if cache == "graph":
-            generated, token_logprobs = _graph_generate(policy, encoded, max_new_tokens, recorder, **sampling)
+            generated, token_logprobs = _graph_generate(
+                policy, encoded, max_new_tokens, recorder, row_sampler, **sampling
+            )
         else:
-            generated = _transformers_generate(policy, encoded, max_new_tokens, cache, recorder, **sampling)
+            generated = _transformers_generate(
+                policy, encoded, max_new_tokens, cache, recorder, row_sampler, **sampling
+            )
             token_logprobs = recorder.finish(generated[:, -1]) if recorder and generated.shape[1] else []
     eos = _eos_ids(policy)
     completions, logprobs = [], []
@@ -157,7 +180,13 @@ def _generate(
 
 
 def _transformers_generate(
-    policy: Policy, encoded: Any, max_new_tokens: int, cache: Cache, recorder: TokenLogprobs | None, **sampling: Any
+    policy: Policy,
+    encoded: Any,
+    max_new_tokens: int,
+    cache: Cache,
+    recorder: TokenLogprobs | None,
+    row_sampler: RowSampler | None,
+    **sampling: Any,
 ) -> torch.Tensor:
     """`generate`'s new tokens [B, T] (pad after each row's eos) for the padded prompts `encoded`."""
     if cache == "static":
@@ -165,17 +194,21 @@ def _transformers_generate(
         caching: dict[str, Any] = {CACHE_ARGUMENT: static_cache(policy.model, length)}
     else:
         caching = {CACHE_ARGUMENT: _shared_prompt_cache(policy, encoded["input_ids"], encoded["attention_mask"])}
+    prompt_width = encoded["input_ids"].shape[1]
+    processors: list[transformers.LogitsProcessor] = [recorder] if recorder else []
+    if row_sampler is not None:
+        processors.append(RowSampledScores(row_sampler, prompt_width))
     output = policy.model.generate(  # type: ignore[operator]  # GenerationMixin, not a module attribute
         **encoded,
         max_new_tokens=max_new_tokens,
         pad_token_id=policy.tokenizer.pad_token_id,
         eos_token_id=sorted(_eos_ids(policy)),
         **caching,
-        **({"logits_processor": transformers.LogitsProcessorList([recorder])} if recorder else {}),
+        **({"logits_processor": transformers.LogitsProcessorList(processors)} if processors else {}),
         **POLICY_ONLY,
         **sampling,
     )
-    return output[:, encoded["input_ids"].shape[1] :]
+    return output[:, prompt_width:]
 
 
 def _graph_generate(
@@ -183,6 +216,7 @@ def _graph_generate(
     encoded: Any,
     max_new_tokens: int,
     recorder: TokenLogprobs | None,
+    row_sampler: RowSampler | None,
     *,
     do_sample: bool,
     temperature: float = 1.0,
@@ -190,10 +224,15 @@ def _graph_generate(
     top_k: int = 0,
 ) -> tuple[torch.Tensor, list[list[float]]]:
     """The new tokens [B, T] and, with a `recorder`, their log-probs [B][T] from our static-cache loop
-    (trainer/graph_decoding.py), which draws what `generate` draws for the same sampling settings."""
+    (trainer/graph_decoding.py), which draws what `generate` draws for the same sampling settings (with a
+    `row_sampler`, its draws)."""
     if top_k:
         raise ValueError("rollout.cache=graph samples without top-k (top_k=0)")
-    choose = sampler(temperature, top_p) if do_sample else (lambda scores: scores.argmax(dim=-1))
+    choose: Callable[[torch.Tensor], torch.Tensor] | RowSampler
+    if row_sampler is not None:
+        choose = row_sampler
+    else:
+        choose = sampler(temperature, top_p) if do_sample else (lambda scores: scores.argmax(dim=-1))
     generated, logprobs = decode(
         policy.model,
         encoded["input_ids"],
@@ -274,13 +313,18 @@ def sample(
     cache: Cache = "shared_prompt",
     precision: Precision = "auto",
     logprob_temperature: float | None = None,
+    row_keys: Sequence[int] | None = None,
 ) -> list[Sample]:
     """`counts[i]` samples of `prompts[i]` (ragged, zero allowed), grouped by prompt in order (`cache`,
     `precision`: see `_generate`). With `logprob_temperature`, each sample carries its tokens' log-probs under
     the raw logits at that temperature (`TokenLogprobs`); the samples drawn are the same either way.
 
-    All rows are generated in one batch; torch's RNG is seeded inside `fork_rng`, so the same call
-    gives the same samples in any process and the caller's RNG state is untouched.
+    All rows are generated in one batch. Without `row_keys` they draw from torch's RNG, seeded with `seed`
+    inside `fork_rng`: the same call gives the same samples in any process and the caller's RNG state is
+    untouched, but a row's tokens depend on the rows beside it. With `row_keys` (one distinct int a prompt, such
+    as its index among all of a step's prompts) sample j of prompt i draws with the key (seed, row_keys[i], j)
+    (trainer/row_sampling.py): the same tokens in any batch that holds it, given the same logits, which lets
+    data-parallel ranks split a step's prompts without changing what is sampled. torch's RNG is not used.
     """
     if len(prompts) != len(counts):
         raise ValueError(f"{len(prompts)} prompts but {len(counts)} counts")
@@ -290,18 +334,20 @@ def sample(
         raise ValueError("temperature must be > 0 for sampling; use greedy() for deterministic decoding")
     rows = [(prompt_index, sample_index) for prompt_index, count in enumerate(counts) for sample_index in range(count)]
     recorder = None if logprob_temperature is None else TokenLogprobs(logprob_temperature)
-    with seeded_rng(seed, policy.model.device):
+    row_prompts = [prompts[prompt_index] for prompt_index, _ in rows]
+    if row_keys is None:
+        with seeded_rng(seed, policy.model.device):
+            completions, logprobs = _generate(
+                policy, row_prompts, max_new_tokens, cache, precision, recorder,
+                do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+            )  # fmt: skip
+    else:
+        if len(row_keys) != len(prompts) or len(set(row_keys)) != len(row_keys):
+            raise ValueError(f"row_keys must be {len(prompts)} distinct ints, one a prompt; got {list(row_keys)}")
+        keys = [row_key(seed, row_keys[prompt_index], sample_index) for prompt_index, sample_index in rows]
+        drawn = RowSampler(temperature, top_p, keys)
         completions, logprobs = _generate(
-            policy,
-            [prompts[prompt_index] for prompt_index, _ in rows],
-            max_new_tokens,
-            cache,
-            precision,
-            recorder,
-            do_sample=True,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=0,
+            policy, row_prompts, max_new_tokens, cache, precision, recorder, drawn, do_sample=False
         )
     eos = _eos_ids(policy)
     return [

@@ -12,7 +12,8 @@ docs/benchmarks.md); a capture costs two warm-up steps.
 
 On the CPU the same loop runs eagerly, without a graph: that is how the tests check that it samples what
 `generate` samples. Sampling itself (temperature, top-p, the multinomial draw) stays outside the graph, on the
-same RNG and in the same order as `generate`, so a seed draws the same tokens on either path.
+same RNG and in the same order as `generate`, so a seed draws the same tokens on either path; row-seeded
+sampling (trainer/row_sampling.py) is told each token's index, as `generate` tells its processor.
 """
 
 import threading
@@ -29,6 +30,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from rlvr.trainer.kv_caches import CACHE_ARGUMENT, static_cache
 from rlvr.trainer.logprobs import forward_takes, keeps_last_logits
 from rlvr.trainer.prompts import distinct_prompts, padded_positions
+from rlvr.trainer.row_sampling import RowSampler
 
 PACKED_SDPA = "rlvr_packed_sdpa"  # the name `packed_attention` registers `_packed_sdpa` under
 _MASKS = ("sdpa", "eager", PACKED_SDPA)  # attention implementations whose 4D mask this module builds
@@ -261,7 +263,7 @@ def decode(
     input_ids: Tensor,
     attention_mask_2d: Tensor,
     max_new_tokens: int,
-    choose: Callable[[Tensor], Tensor],
+    choose: Callable[[Tensor], Tensor] | RowSampler,
     *,
     eos_ids: list[int],
     pad_id: int,
@@ -273,7 +275,8 @@ def decode(
     padded with `pad_id` after its first eos (as `generate` pads), and, with `logprob_temperature`, each token's
     log-probability [B, T] under the raw logits at that temperature (else None).
 
-    `choose` maps the float32 next-token logits [B, V] to the chosen tokens [B] (`sampler` or an argmax).
+    `choose` maps the float32 next-token logits [B, V] to the chosen tokens [B] (`sampler` or an argmax); a
+    `RowSampler` is given the token's index among the new ones too.
     No eos is chosen before `min_new_tokens` (as `generate`'s processor bars it, before the log-probs).
     The loop stops when every row has ended, looked at every 8 steps (each look waits for the GPU).
     `capture`: replay the token step as a CUDA graph (default: when the model is on a GPU; False runs the same
@@ -293,7 +296,8 @@ def decode(
             scores = logits.float()
             if index < min_new_tokens:
                 scores[:, eos] = float("-inf")
-            chosen = torch.where(unfinished, choose(scores), pad_id)
+            drawn = choose(scores, index) if isinstance(choose, RowSampler) else choose(scores)
+            chosen = torch.where(unfinished, drawn, pad_id)
             if logprob_temperature is not None:
                 logprobs.append(
                     torch.log_softmax(scores / logprob_temperature, dim=-1).gather(1, chosen[:, None])[:, 0]
