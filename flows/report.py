@@ -27,8 +27,19 @@ from rlvr.storage.store import Store
 from rlvr.storage.views import connect
 
 MAX_RUNS = len(RUN_COLORS)
-# The views the report reads: given to `connect`, which then binds only these (on S3 each costs a read of its parts).
-VIEWS = ("allocations", "checkpoints", "curriculum_state", "difficulty", "evals", "problems", "rewards", "train_steps")
+# The views and catalog tables the report reads: given to `connect`, which then makes only these (on S3 a view costs
+# a read of its parts).
+VIEWS = (
+    "allocations",
+    "artifacts",
+    "checkpoints",
+    "curriculum_state",
+    "difficulty",
+    "evals",
+    "problems",
+    "rewards",
+    "train_steps",
+)
 
 
 @dataclass(frozen=True)
