@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 import rlvr.tasks
 from rlvr import plugins
@@ -94,6 +94,21 @@ class RunConfigBase(BaseModel):
     data: str | None = Field(None, description="train on the problems of this data run (`rlvr data`) instead")
     flow: FlowConfig = Field(default_factory=FlowConfig)
     openlineage: OpenLineageConfig = Field(default_factory=OpenLineageConfig)
+
+    @model_validator(mode="after")
+    def _ranks_sample_row_seeded(self) -> RunConfigBase:
+        """Data-parallel ranks each sample their share of a step's prompts, so with train.data_parallel > 1 every
+        sample draws from its own seed: `rollout.seeding` is `row` unless set, and `batch` is refused."""
+        train, rollout = getattr(self, "train", None), getattr(self, "rollout", None)
+        if train is None or train.data_parallel == 1 or getattr(rollout, "seeding", "row") == "row":
+            return self
+        if "seeding" in rollout.model_fields_set:  # type: ignore[union-attr]
+            raise ValueError(
+                "rollout.seeding=batch cannot be split over train.data_parallel ranks (a row's tokens would depend on "
+                "the rows beside it); leave rollout.seeding unset or set it to row"
+            )
+        self.rollout = rollout.model_copy(update={"seeding": "row"})  # type: ignore[union-attr]
+        return self
 
     if TYPE_CHECKING:
         # The stage sections are added at run time (`run_config_type`), where the sections chosen by `type` are

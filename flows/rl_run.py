@@ -43,7 +43,7 @@ from rlvr.flows.sampler_process import WorkerProcess
 from rlvr.flows.stages import RunContext, run, run_context, stages_in_place, step_of
 from rlvr.progress import listen, report
 from rlvr.storage.leases import Lease
-from rlvr.storage.stage import TABLES, prune_transient
+from rlvr.storage.stage import RESIDENTS, TABLES, prune_transient
 from rlvr.storage.store import open_store
 from rlvr.tasks.allocate import ALLOCATE
 from rlvr.tasks.checkpoint import CHECKPOINT
@@ -56,9 +56,10 @@ from rlvr.tasks.select import SELECT
 from rlvr.tasks.train import TRAIN
 from rlvr.tasks.update import UPDATE
 from rlvr.tasks.warmstart import WARMSTART
-from rlvr.trainer.checkpoints import keep_snapshots, weights_artifact
+from rlvr.trainer.checkpoints import Ranks, TrainerState, keep_snapshots, take_trainer_state, weights_artifact
 from rlvr.trainer.devices import own_stream, resolve_device
 from rlvr.trainer.policy import set_threads
+from rlvr.trainer.rank_group import close_group, current_group
 
 log = logging.getLogger(__name__)
 
@@ -546,15 +547,39 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
         report("eval", step=0, phase="warmstart", accuracy=evaluate(store, cfg, 0, "warmstart", refs))
     refs = replace(refs, difficulty=estimate_difficulty(store, cfg, problems, refs.policy_ref))
     report("stage", name="rl")
+    if cfg.train.data_parallel > 1:
+        share_policy(store, cfg, refs.policy_ref)
     size = cfg.flow.steps_per_subflow
     try:
         for first in range(1, cfg.train.steps + 1, size):
             refs = rl_steps(store, cfg, first, min(first + size - 1, cfg.train.steps), refs)
     finally:
         stop_sampler_worker(store, cfg)
+        if cfg.train.data_parallel > 1:
+            end_rank_group()
     _keep_newest_train_state(store, cfg.run_id, refs.policy_ref)
     open_store(store).wait()
     return {"run_id": cfg.run_id, "config_id": config_id, "problems_id": problems, "policy_id": refs.policy_ref}
+
+
+def share_policy(store: str, cfg: RunConfigBase, policy_ref: str) -> None:
+    """With train.data_parallel > 1: the policy the RL steps start from, adopted by the run's rank group and kept
+    in memory under its id, so that the first step's rollouts are sampled on every rank as the later ones are."""
+    ranks = Ranks(cfg.train.data_parallel, cfg.train.sharding)
+    grpo, device = cfg.train.grpo, resolve_device(cfg.policy.device)
+    state = take_trainer_state(open_store(store), policy_ref, grpo.lr, grpo.weight_decay, device=device, ranks=ranks)
+    RESIDENTS.keep(policy_ref, state)
+
+
+def end_rank_group() -> None:
+    """Stop the run's data-parallel ranks, and forget the policy they held (a sharded model is no use without them)."""
+    group = current_group()
+    if group is None:
+        return
+    held = RESIDENTS.get_any()
+    if isinstance(held, TrainerState) and held.policy.ranks is group:
+        RESIDENTS.clear()
+    close_group()
 
 
 def _warn_without_solutions(store: str, cfg: RunConfigBase, problems: str) -> None:
@@ -564,8 +589,9 @@ def _warn_without_solutions(store: str, cfg: RunConfigBase, problems: str) -> No
     table = TABLES.get(open_store(store), problems)
     if not solutions_of(table):
         message = (
-            f"select.hints is on but none of the run's {table.num_rows} problems has a solution, so no hint will be "
-            "given (sources give one through a `solution` column or a worked reference: docs/data.md)"
+            f"select.hints is on but none of the run's {table.num_rows} problems has a solution with a step before "
+            "the one that states its answer, so no hint will be given (sources give one through a `solution` "
+            "column or a worked reference: docs/data.md)"
         )
         log.warning(message)
         report("warning", message=message)

@@ -253,6 +253,10 @@ class Residents:
     def get(self, artifact_id: str) -> Any:
         return self._held[1] if self._held is not None and self._held[0] == artifact_id else None
 
+    def get_any(self) -> Any:
+        """The object held, whatever its id (None when none)."""
+        return self._held[1] if self._held is not None else None
+
     def take(self, artifact_id: str) -> Any:
         """The object, removed: the caller now owns it (and will change it)."""
         held = self.get(artifact_id)

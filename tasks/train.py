@@ -18,13 +18,14 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlvr.storage.policy_chain import sampler_needs, weights_needed
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.storage.store import Store
 from rlvr.trainer.checkpoints import (
     OPTIMIZER_FILE,
+    Ranks,
     TrainerState,
     is_weights_file,
     parameter_count,
@@ -34,6 +35,7 @@ from rlvr.trainer.checkpoints import (
 from rlvr.trainer.devices import reset_peak_memory, stage_device, usage
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch
 from rlvr.trainer.policy import optimizer_state_bytes, policy_files
+from rlvr.trainer.sharding import Sharding
 from rlvr.trainer.updates import step_batch, update_policy
 
 RUN_MINIBATCHES = 2  # a run's updates per step unless its config says otherwise (GRPOConfig alone: 1)
@@ -49,7 +51,15 @@ class TrainConfig(BaseModel):
         ge=1,
         description=(
             "processes sharing each update (gloo on CPU, nccl on GPU): the run's process is rank 0 and the "
-            "others live for the whole run, holding replicas (trainer/rank_pool.py)"
+            "others live for the whole run (trainer/rank_group.py), or torchrun's ranks when it started the run"
+        ),
+    )
+    sharding: Sharding = Field(
+        "fsdp",
+        exclude_if=lambda value: value == "fsdp",
+        description=(
+            "with data_parallel > 1: fsdp splits parameters, gradients and optimizer state over the ranks (FSDP2, "
+            "each decoder layer a unit); replicate keeps a whole copy on every rank (FSDP2 over a ranks x 1 mesh)"
         ),
     )
     state_every: int = Field(
@@ -62,6 +72,15 @@ class TrainConfig(BaseModel):
             "parameters a stored state is ~6 GB (float32 weights + Adam moments), more than a GPU step's compute"
         ),
     )
+
+    @model_validator(mode="after")
+    def _sharded_combinations(self) -> TrainConfig:
+        if self.data_parallel > 1 and self.grpo.fused_head:
+            raise ValueError(
+                "train.grpo.fused_head is not supported with train.data_parallel > 1 (FSDP2 gathers the LM head "
+                "only inside the model's own forward); leave it unset"
+            )
+        return self
 
     @field_validator("grpo", mode="before")
     @classmethod
@@ -98,7 +117,7 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
     the `restructured` labels (their KL weights); with `grpo.kl_beta` > 0 the `reference` checkpoint.
     params: `device` (the run's policy.device: where the policy, its optimizer state and the reference live).
     The row records the device and the accelerator's peak memory during the update (None on the CPU; with
-    data_parallel > 1 that of this process, not of the torchrun ranks)."""
+    data_parallel > 1 that of this process, rank 0)."""
     batch = step_batch(inputs, cfg.grpo)
     device = stage_device(ctx.params.get("device"))
     reference = None
@@ -109,19 +128,20 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
 
     def take(store: Store, policy_ref: str) -> TrainerState:
         lr, weight_decay = cfg.grpo.lr, cfg.grpo.weight_decay
-        return take_trainer_state(store, policy_ref, lr=lr, weight_decay=weight_decay, device=device)
+        ranks = Ranks(cfg.data_parallel, cfg.sharding)
+        return take_trainer_state(store, policy_ref, lr=lr, weight_decay=weight_decay, device=device, ranks=ranks)
 
     state: TrainerState = inputs.load("policy", take)
     assert state.optimizer is not None
     reset_peak_memory(device)  # the step's peak: the update's, with the model, optimizer and reference in place
     started = time.perf_counter()
-    stats = update_policy(state.policy, state.optimizer, batch, cfg.grpo, reference, cfg.data_parallel)
+    stats = update_policy(state.policy, state.optimizer, batch, cfg.grpo, reference)
     compute_seconds = time.perf_counter() - started
     ctx.usage.update(usage(state.policy.model))
     n_params = parameter_count(state.policy)
     state_row = {"run_id": ctx.run_id, "step": ctx.step, "optimizer_steps": int(stats["updates"]), "n_params": n_params}
     row = step_row(ctx, cfg, batch, stats, compute_seconds)
-    replay = {"data_parallel": cfg.data_parallel} if cfg.data_parallel > 1 else {}
+    replay = {"data_parallel": cfg.data_parallel, "sharding": cfg.sharding} if cfg.data_parallel > 1 else {}
     return {
         "train_state": state_built(inputs, cfg, ctx, state, state_row),
         "train_steps": Built(
@@ -140,8 +160,12 @@ def state_built(inputs: Inputs, cfg: TrainConfig, ctx: StageContext, state: Trai
     needs = sampler_needs(inputs.store, inputs.require_id("policy"), behind) if behind and inputs.store else []
     if ctx.step is None or ctx.step % cfg.state_every == 0:
         assert state.optimizer is not None
-        weights = {name: data for name, data in policy_files(state.policy).items() if is_weights_file(name)}
-        files = {**weights, OPTIMIZER_FILE: optimizer_state_bytes(state.optimizer)}
+        if state.policy.ranks is not None:  # gathered whole on rank 0: loadable at any rank count
+            directory, optimizer_bytes = state.policy.ranks.whole(with_optimizer=True)
+        else:
+            directory, optimizer_bytes = policy_files(state.policy), optimizer_state_bytes(state.optimizer)
+        weights = {name: data for name, data in directory.items() if is_weights_file(name)}
+        files = {**weights, OPTIMIZER_FILE: optimizer_bytes}
         return Built(table, files=files, extra={"needs": needs} if needs else {})
     if inputs.store is not None:
         needs = list(dict.fromkeys([*weights_needed(inputs.store, inputs.require_id("policy")), *needs]))

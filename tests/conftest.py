@@ -37,6 +37,7 @@ LONG_FILES = (
     "test_concurrent_runs.py",
     "test_kill_resume.py",
     "test_fencing.py",
+    "test_rank_faults.py",
     "test_store_damage.py",
     "test_real_model.py",
     "test_schedule.py",

@@ -40,6 +40,8 @@ from rlvr.trainer.policy import (
     policy_files,
     policy_from_files,
 )
+from rlvr.trainer.rank_group import rank_group
+from rlvr.trainer.sharding import Sharding
 from rlvr.trainer.updates import step_batch, update_policy
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -243,10 +245,28 @@ def reference_policy(store: Store, policy_ref: str, *, device: torch.device) -> 
     return policy
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """Where updates run: `data_parallel` ranks (1: this process alone), the model spread by `sharding`."""
+
+    data_parallel: int = 1
+    sharding: Sharding = "fsdp"
+
+
+ONE_PROCESS = Ranks()
+
+
 def take_trainer_state(
-    store: Store, policy_ref: str, lr: float, weight_decay: float, *, device: torch.device
+    store: Store,
+    policy_ref: str,
+    lr: float,
+    weight_decay: float,
+    *,
+    device: torch.device,
+    ranks: Ranks = ONE_PROCESS,
 ) -> TrainerState:
-    """Model and optimizer on `device` to continue training from `policy_ref`; the caller now owns them.
+    """Model and optimizer on `device` to continue training from `policy_ref`; the caller now owns them. With
+    `ranks.data_parallel` > 1 they are the rank group's (trainer/rank_group.py): sharded over its ranks.
 
     Taking the state out of memory means a failed update can never leave a half-updated model
     filed under the old reference. A resumed run builds the optimizer over the placed model, so the
@@ -256,11 +276,25 @@ def take_trainer_state(
     if not isinstance(live, TrainerState) or model_device(live.policy.model) != device:
         live = None  # nothing live here, or on another device: load from the store
     if live is not None and live.optimizer is not None:
-        return live
+        return distributed(live, ranks, device, lr, weight_decay)
     if not holds_weights(store, weights_artifact(store, policy_ref)):
-        return rebuilt_state(store, policy_ref, device=device)  # a step between stored states
+        rebuilt = rebuilt_state(store, policy_ref, device=device)  # a step between stored states
+        return distributed(rebuilt, ranks, device, lr, weight_decay)
     policy = live.policy if live is not None else load_policy(store, policy_ref, device=device)
-    return TrainerState(policy, stored_optimizer(store, policy_ref, policy, lr, weight_decay))
+    state = TrainerState(policy, stored_optimizer(store, policy_ref, policy, lr, weight_decay))
+    return distributed(state, ranks, device, lr, weight_decay)
+
+
+def distributed(
+    state: TrainerState, ranks: Ranks, device: torch.device, lr: float, weight_decay: float
+) -> TrainerState:
+    """`state` as `ranks` train it: as it is for one process or when already the group's, else adopted by this
+    process's rank group (the whole policy and optimizer state go to the ranks, which shard them)."""
+    if ranks.data_parallel == 1 or state.policy.ranks is not None:
+        return state
+    group = rank_group(ranks.data_parallel, ranks.sharding, device, threads=torch.get_num_threads())
+    policy, optimizer = group.adopt(state.policy, state.optimizer, lr, weight_decay)
+    return TrainerState(policy, optimizer)
 
 
 def stored_optimizer(
@@ -308,5 +342,9 @@ def replay_update(store: Store, state: TrainerState, train_steps_id: str, device
     inputs = Inputs(store, manifest.extra["stage_run"]["inputs"])
     reference = reference_policy(store, inputs.require_id("reference"), device=device) if grpo.kl_beta > 0 else None
     assert state.optimizer is not None
-    data_parallel = int(manifest.extra.get("data_parallel", 1))
-    update_policy(state.policy, state.optimizer, step_batch(inputs, grpo), grpo, reference, data_parallel)
+    ranks = Ranks(int(manifest.extra.get("data_parallel", 1)), manifest.extra.get("sharding", "fsdp"))
+    if ranks.data_parallel > 1 and state.policy.ranks is None:  # replayed on the ranks that made it: same sums
+        adopted = distributed(state, ranks, device, grpo.lr, grpo.weight_decay)
+        state.policy, state.optimizer = adopted.policy, adopted.optimizer
+    assert state.optimizer is not None
+    update_policy(state.policy, state.optimizer, step_batch(inputs, grpo), grpo, reference)

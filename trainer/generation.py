@@ -325,7 +325,15 @@ def sample(
     as its index among all of a step's prompts) sample j of prompt i draws with the key (seed, row_keys[i], j)
     (trainer/row_sampling.py): the same tokens in any batch that holds it, given the same logits, which lets
     data-parallel ranks split a step's prompts without changing what is sampled. torch's RNG is not used.
+
+    A policy sharded over data-parallel ranks (`policy.ranks`) is sampled by all of them, each its share of the
+    prompts, row-seeded (keys: `row_keys`, else each prompt's index here).
     """
+    if policy.ranks is not None and not policy.ranks.in_op:
+        settings: dict[str, Any] = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        settings.update(seed=seed, cache=cache, precision=precision, logprob_temperature=logprob_temperature)
+        keys = list(row_keys) if row_keys is not None else list(range(len(prompts)))
+        return list(policy.ranks.sample(list(prompts), list(counts), settings, keys))
     if len(prompts) != len(counts):
         raise ValueError(f"{len(prompts)} prompts but {len(counts)} counts")
     if any(count < 0 for count in counts):
@@ -365,6 +373,9 @@ def sample(
 
 
 def greedy(policy: Policy, prompts: list[str], *, max_new_tokens: int, cache: Cache = "shared_prompt") -> list[str]:
-    """Greedy completions, decoded and cut at eos: the deterministic answer used for accuracy evals."""
+    """Greedy completions, decoded and cut at eos: the deterministic answer used for accuracy evals (by every
+    data-parallel rank, each its share, for a policy sharded over them)."""
+    if policy.ranks is not None and not policy.ranks.in_op:
+        return list(policy.ranks.greedy(list(prompts), {"max_new_tokens": max_new_tokens, "cache": cache}))
     completions, _ = _generate(policy, prompts, max_new_tokens, cache, do_sample=False)
     return [_decode(policy, ids) for ids in completions]

@@ -8,7 +8,7 @@ import json
 import struct
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -90,11 +90,14 @@ class PolicyConfig(BaseModel):
 
 @dataclass
 class Policy:
-    """A causal LM, its tokenizer (left padding, pad token set) and where it came from."""
+    """A causal LM, its tokenizer (left padding, pad token set) and where it came from. `ranks`: the data-parallel
+    group the model is sharded over (trainer/rank_group.py), whose operations every use of it goes through;
+    None for a model whole in this process."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     source: str
+    ranks: Any = field(default=None, repr=False, compare=False)
 
 
 def set_threads(threads: int) -> None:
@@ -257,6 +260,8 @@ def policy_files(policy: Policy) -> dict[str, bytes]:
     generation config). Tied embeddings are stored once, as `save_pretrained` does. Under LoRA the weights
     are merged, and the adapters (with the base weights of the layers they adapt) and their settings are
     written beside them."""
+    if policy.ranks is not None:  # sharded over data-parallel ranks: gathered whole on this one (rank 0)
+        return dict(policy.ranks.whole_files())
     lora = has_lora(policy.model)
     static = _static_files.get(policy.model)
     if static is None:

@@ -15,7 +15,6 @@ from rlvr.storage.stage import Inputs
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
 from rlvr.trainer.policy import Policy
-from rlvr.trainer.rank_pool import pooled_update
 
 
 def rollout_batch(
@@ -77,14 +76,12 @@ def update_policy(
     batch: RolloutBatch,
     grpo: GRPOConfig,
     reference: Policy | None,
-    data_parallel: int = 1,
 ) -> dict[str, float]:
-    """One GRPO step in this process, or across `data_parallel` ranks that live for the process's whole life
-    (trainer/rank_pool.py: this process is rank 0, on the policy's device), updating `policy` and `optimizer`
-    in place."""
-    if data_parallel == 1:
-        return grpo_step(policy, optimizer, batch, grpo, reference)
-    return pooled_update(policy, optimizer, batch, grpo, reference, data_parallel)
+    """One GRPO step, updating `policy` and `optimizer` in place: in this process, or, for a policy sharded over
+    data-parallel ranks (`policy.ranks`, trainer/rank_group.py; `optimizer` is then rank 0's part), on every rank."""
+    if policy.ranks is not None:
+        return dict(policy.ranks.update(batch, grpo, reference))
+    return grpo_step(policy, optimizer, batch, grpo, reference)
 
 
 def step_batch(inputs: Inputs, grpo: GRPOConfig) -> RolloutBatch:

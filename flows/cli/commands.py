@@ -57,6 +57,8 @@ def run(
 
     extra = [*([f"run_id={run_id}"] if run_id else []), *([f"data={data}"] if data else [])]
     cfg = load_config(config, [*set_, *extra])
+    if _serves_rank_zero(cfg):
+        return
     if cfg.data is not None:
         from rlvr.flows.config import data_run_problems
 
@@ -80,7 +82,20 @@ def resume(run_id: str = typer.Argument(..., help="the run to finish"), store: s
     from rlvr.flows.runs import resume as resume_run
 
     cfg = config_from_json(resumable_run(found, run_id)["config_json"])
+    if _serves_rank_zero(cfg):
+        return
     _run_with_progress(lambda: resume_run(store_root(store), run_id), cfg)
+
+
+def _serves_rank_zero(cfg: Any) -> bool:
+    """Under torchrun, every rank but 0 serves rank 0's operations (trainer/rank_group.py) instead of running the
+    flow, then returns True; rank 0, and a run without torchrun, return False."""
+    from rlvr.trainer.rank_group import serve_torchrun, torchrun_rank
+
+    if (torchrun_rank() or 0) == 0:
+        return False
+    serve_torchrun(cfg.policy.device, cfg.policy.threads)
+    return True
 
 
 def _run_with_progress(start: Callable[[], dict[str, Any]], cfg: Any) -> None:

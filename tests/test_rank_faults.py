@@ -1,0 +1,114 @@
+"""Faults of a data-parallel run (`train.data_parallel=2`, trainer/rank_group.py): a SIGKILL of either rank ends
+the whole run within 30 s with one line naming the rank, leaves no rank process behind, and `rlvr resume` then
+gives exactly the artifact ids (and final weights) of the uninterrupted run.
+
+Both runs share seed, config and run id in different stores, as in tests/test_kill_resume.py; the kill lands
+after the second RL step's update is committed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from rlvr.storage.store import Store
+from tests.cli_helpers import REPO, cli_env, committed, rlvr_command, wait_for
+
+pytestmark = pytest.mark.slow
+
+RUN_ID = "ranks"
+OVERRIDES = [
+    "train.steps=5",
+    "train.data_parallel=2",
+    "select.batch_size=8",
+    "allocate.n=4",
+    "warmstart.steps=10",
+    "difficulty.k=2",
+    "evaluate.every=5",
+    "checkpoint.every=5",
+    "synthesize.source.per_category=6",
+]
+
+
+def start(store: Path, env: dict[str, str], resume: bool = False) -> subprocess.Popen:
+    args = ["resume", RUN_ID, "--store", str(store)] if resume else ["run", "--store", str(store), "--run-id", RUN_ID]
+    for item in [] if resume else OVERRIDES:
+        args += ["--set", item]
+    return subprocess.Popen(
+        rlvr_command(*args), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+
+
+def rank_processes(mark: str, parent: int | None = None) -> list[int]:
+    """Pids of live rank processes (their command line names the module) started by this test's runs (their
+    environment holds `mark`), of `parent`'s when given."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes()
+            environment = (entry / "environ").read_bytes()
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.split(") ")[-1].split()
+        if b"rlvr.trainer.rank_group" not in command or mark.encode() not in environment or fields[0] == "Z":
+            continue
+        if parent is None or int(fields[1]) == parent:
+            found.append(int(entry.name))
+    return found
+
+
+def artifact_ids(store: Path) -> list[str]:
+    return sorted(m.artifact_id for m in Store.open(str(store)).manifests())
+
+
+def final_weights(store: Path) -> bytes:
+    s = Store.open(str(store))
+    final = max(s.manifests(kind="checkpoints"), key=lambda m: m.step)
+    return s.read_file(final.artifact_id, "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, prefect_api) -> Path:
+    store = tmp_path_factory.mktemp("reference") / "s"
+    proc = start(store, cli_env(PREFECT_API_URL=prefect_api))
+    assert proc.wait(timeout=900) == 0, proc.stderr.read()[-3000:]
+    return store
+
+
+@pytest.mark.parametrize("victim", ["rank 1", "rank 0"])
+def test_a_killed_rank_ends_the_run_and_resume_gives_the_uninterrupted_artifacts(
+    tmp_path, prefect_api, uninterrupted, victim
+):
+    mark = f"rank-faults-{tmp_path.name}"
+    env = cli_env(PREFECT_API_URL=prefect_api, RLVR_TEST_MARK=mark)
+    store = tmp_path / "s"
+    proc = start(store, env)
+    wait_for(lambda: committed(store, "train_steps") >= 2 or proc.poll() is not None, 600, "two committed updates")
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    (worker,) = rank_processes(mark, parent=proc.pid)
+    killed_at = time.monotonic()
+    os.kill(worker if victim == "rank 1" else proc.pid, signal.SIGKILL)
+    if victim == "rank 1":
+        code = proc.wait(timeout=30)
+        stderr = proc.stderr.read()
+        lines = [line for line in stderr.splitlines() if "data-parallel rank 1" in line]
+        assert lines == [f"error: data-parallel rank 1 (pid {worker}) killed by SIGKILL; the run stops"], stderr
+        assert code != 0
+    else:
+        proc.wait(timeout=30)
+        wait_for(lambda: worker not in rank_processes(mark), 30, "the worker rank to exit after rank 0 died")
+    assert time.monotonic() - killed_at < 30
+    wait_for(lambda: not rank_processes(mark), 10, "no rank process left")
+
+    resumed = start(store, env, resume=True)
+    assert resumed.wait(timeout=900) == 0, resumed.stderr.read()[-3000:]
+    assert artifact_ids(store) == artifact_ids(uninterrupted)
+    assert final_weights(store) == final_weights(uninterrupted)
+    wait_for(lambda: not rank_processes(mark), 10, "no rank process left after the resumed run")

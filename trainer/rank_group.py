@@ -1,0 +1,659 @@
+"""The data-parallel ranks of a run (`train.data_parallel` = N > 1): one torch.distributed process group whose
+ranks each hold their part of the policy (FSDP2, trainer/sharding.py) and do their share of every model pass.
+
+The run's process is rank 0 and drives the group: for every operation it broadcasts a JSON header (and the
+bytes it announces), then does its own share like any rank. Operations:
+
+- `adopt`: a policy (and optimizer state) rank 0 holds whole becomes the group's: every rank builds the model
+  without weights (meta device), shards it, and takes its shards of rank 0's weights (torch's
+  `set_model_state_dict(broadcast_from_rank0=True)`); the policy's `ranks` then names the group.
+- `update`: one GRPO step (trainer/distributed.py).
+- `sample`, `greedy`: each rank decodes its share of the prompts from the whole weights (gathered once,
+  `whole_weights`), with row-seeded sampling, so the tokens do not depend on the rank count; rank 0 gathers.
+- `whole_files`: the whole model as a Hugging Face directory, on rank 0.
+- `save_state`, `load_state`: the sharded weights and optimizer state with torch.distributed.checkpoint.
+
+Where the ranks come from. Alone, the run starts ranks 1..N-1 itself (`python -m rlvr.trainer.rank_group`),
+which live until it ends and exit within a second of its death. Under torchrun (RANK and WORLD_SIZE set,
+any number of machines), torchrun started every rank: rank 0 runs the flow and the others serve
+(`serve_torchrun`). A rank that dies ends the run: rank 0's watchdog names it on one line and stops the run,
+then ends the process if a collective keeps it waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from rlvr.child_guard import exit_when_gone, start_time
+from rlvr.errors import UserError
+from rlvr.trainer.distributed import distributed_grpo_step, parse_payload, payload_text
+from rlvr.trainer.generation import Sample, greedy, sample
+from rlvr.trainer.grpo import GRPOConfig, RolloutBatch
+from rlvr.trainer.lora import SETTINGS_FILE, LoraSettings, add_lora
+from rlvr.trainer.policy import (
+    MODEL_BUILD_LOCK,
+    Policy,
+    make_optimizer,
+    optimizer_state_bytes,
+    policy_files,
+    set_threads,
+)
+from rlvr.trainer.sharding import (
+    Sharding,
+    full_state,
+    held_bytes,
+    load_whole,
+    plain_optimizer_state,
+    shard,
+    whole_weights,
+)
+
+TIMEOUT = timedelta(minutes=30)  # a collective waits this long for a rank (rank 0 verifying a large step)
+WATCH_S = 0.5  # how often rank 0 looks at the ranks it started
+EXIT_GRACE_S = 15.0  # after a rank died: how long the run may take to stop before its process is ended
+
+
+# --- bytes between ranks -------------------------------------------------------------------------------------
+
+
+def broadcast_bytes(data: bytes | None, device: torch.device) -> bytes:
+    """Rank 0 sends `data`; every rank returns it (the others pass None)."""
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    if data is not None:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else _empty(0, device)
+    else:
+        buffer = _empty(int(size.item()), device)
+    if buffer.numel():
+        dist.broadcast(buffer, src=0)
+    return data if data is not None else buffer.cpu().numpy().tobytes()
+
+
+def gather_bytes(data: bytes, device: torch.device) -> list[bytes]:
+    """Every rank's `data`, in rank order, on rank 0 (the other ranks get an empty list)."""
+    world = dist.get_world_size()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = max(int(s.item()) for s in sizes)
+    buffer = _empty(longest, device)
+    if data:
+        buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    parts = [_empty(longest, device) for _ in range(world)] if dist.get_rank() == 0 else None
+    dist.gather(buffer, parts, dst=0)
+    if parts is None:
+        return []
+    return [part[: int(s.item())].cpu().numpy().tobytes() for part, s in zip(parts, sizes)]
+
+
+def _empty(size: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(size, dtype=torch.uint8, device=device)
+
+
+def pack_files(files: dict[str, bytes]) -> bytes:
+    """A model directory (name -> bytes) as one byte string: a JSON index, then the files in its order."""
+    index = json.dumps([[name, len(data)] for name, data in files.items()]).encode()
+    return len(index).to_bytes(8, "little") + index + b"".join(files.values())
+
+
+def unpack_files(packed: bytes) -> dict[str, bytes]:
+    """Inverse of `pack_files`."""
+    size = int.from_bytes(packed[:8], "little")
+    files, offset = {}, 8 + size
+    for name, length in json.loads(packed[8 : 8 + size]):
+        files[name] = packed[offset : offset + length]
+        offset += length
+    return files
+
+
+# --- what every rank holds -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RankState:
+    """One rank's part of the group's objects."""
+
+    device: torch.device
+    sharding: Sharding
+    threads: int
+    policy: Policy | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    reference: Policy | None = None
+    static: dict[str, bytes] = field(default_factory=dict)  # the policy's config and tokenizer files
+    sampled: list[int] = field(default_factory=list)  # on rank 0: the samples each rank drew in the last operation
+
+
+def static_files(policy: Policy) -> dict[str, bytes]:
+    """The files of the policy's directory that training never changes (config, tokenizer, LoRA settings)."""
+    return {name: data for name, data in policy_files(policy).items() if not _is_weights(name)}
+
+
+def _is_weights(name: str) -> bool:
+    return name.endswith((".safetensors", ".safetensors.index.json")) or name == "adapter.lora"
+
+
+def _skeleton(static: dict[str, bytes], dtype: torch.dtype, threads: int) -> Policy:
+    """The policy's model without weights (on the meta device) and its tokenizer, from its static files."""
+    set_threads(threads)
+    with tempfile.TemporaryDirectory(prefix="rlvr-ranks-") as tmp:
+        for name, data in static.items():
+            (Path(tmp) / name).parent.mkdir(parents=True, exist_ok=True)
+            (Path(tmp) / name).write_bytes(data)
+        with MODEL_BUILD_LOCK:
+            config = AutoConfig.from_pretrained(tmp)
+            tokenizer = AutoTokenizer.from_pretrained(tmp)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            if (Path(tmp) / "generation_config.json").is_file():
+                model.generation_config = GenerationConfig.from_pretrained(tmp)
+    if SETTINGS_FILE in static:
+        add_lora(model, LoraSettings.model_validate(json.loads(static[SETTINGS_FILE])), seed=0)
+    return Policy(model=model, tokenizer=tokenizer, source="ranks")
+
+
+def _restore_buffers(model: torch.nn.Module, whole: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Buffers that are not in a state dict (rotary frequencies) are computed at build time, which the meta
+    device skipped: rank 0 sends its own (`whole`, its plain model's) to every rank."""
+    kept = set(model.state_dict())
+    for name, buffer in sorted(model.named_buffers()):
+        if name in kept:
+            continue
+        value = whole[name].to(device) if dist.get_rank() == 0 else torch.empty_like(buffer, device=device)
+        dist.broadcast(value, src=0)
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._buffers[leaf] = value
+
+
+def build_sharded(
+    state: RankState,
+    static: dict[str, bytes],
+    dtype: torch.dtype,
+    whole: torch.nn.Module | None,
+    optimizer_state: dict[str, Any] | None,
+    lr: float | None,
+    weight_decay: float,
+    trainable: bool,
+) -> tuple[Policy, torch.optim.Optimizer | None]:
+    """Every rank: the model built empty, sharded, and filled with rank 0's weights (`whole`, rank 0 only),
+    and, when `trainable`, an optimizer over its shards with rank 0's state (`optimizer_state`, FSDP's full form,
+    None: fresh). The policy is in eval mode, as every policy is outside a training pass."""
+    policy = _skeleton(static, dtype, state.threads)
+    model = policy.model
+    shard(model, state.sharding, state.device)
+    model.to_empty(device=state.device)
+    weights = whole.state_dict() if whole is not None else {}
+    buffers = dict(whole.named_buffers()) if whole is not None else {}
+    if not trainable:
+        model.requires_grad_(False)
+    optimizer = make_optimizer(policy, lr or 1e-3, weight_decay) if trainable else None
+    present = torch.tensor([optimizer_state is not None], device=state.device)
+    dist.broadcast(present, src=0)
+    load_whole(model, optimizer, weights, (optimizer_state or {}) if bool(present.item()) else None)
+    _restore_buffers(model, buffers, state.device)
+    model.tie_weights()
+    return _ready(policy), optimizer
+
+
+def _ready(policy: Policy) -> Policy:
+    """What `policy._prepare` does for a loaded model, but the cast (the weights are already in their dtype)."""
+    tokenizer = policy.tokenizer
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if policy.model.generation_config.pad_token_id is None:
+        policy.model.generation_config.pad_token_id = tokenizer.pad_token_id
+    policy.model.eval()
+    return policy
+
+
+# --- decoding on every rank ----------------------------------------------------------------------------------
+
+
+def shares(counts: Sequence[int], world_size: int) -> list[list[int]]:
+    """The prompt indices each rank decodes: contiguous runs of about equal numbers of rows (samples)."""
+    total = sum(counts)
+    owned: list[list[int]] = [[] for _ in range(world_size)]
+    before = 0
+    for index, count in enumerate(counts):
+        middle = before + count / 2
+        owned[min(world_size - 1, int(middle * world_size / max(total, 1)))].append(index)
+        before += count
+    return owned
+
+
+def _sample_share(
+    state: RankState, prompts: list[str], counts: list[int], settings: dict[str, Any], keys: list[int]
+) -> list[Sample]:
+    """This rank's share of a sampling operation, decoded from the whole weights; on rank 0 every rank's samples
+    in the one-process order (by prompt, then sample), on the others an empty list."""
+    assert state.policy is not None
+    mine = shares(counts, dist.get_world_size())[dist.get_rank()]
+    found: list[Sample] = []
+    with whole_weights(state.policy.model):
+        if mine:
+            share_prompts, share_counts = [prompts[i] for i in mine], [counts[i] for i in mine]
+            drawn = sample(state.policy, share_prompts, share_counts, row_keys=[keys[i] for i in mine], **settings)
+            found = [dataclasses.replace(s, prompt_index=mine[s.prompt_index]) for s in drawn]
+    parts = gather_bytes(json.dumps([dataclasses.asdict(s) for s in found]).encode(), state.device)
+    by_rank = [[Sample(**raw) for raw in json.loads(part)] for part in parts]
+    state.sampled = [len(samples) for samples in by_rank]
+    return sorted((s for samples in by_rank for s in samples), key=lambda s: (s.prompt_index, s.sample_index))
+
+
+def _greedy_share(state: RankState, prompts: list[str], settings: dict[str, Any]) -> list[str]:
+    """This rank's share of a greedy operation; on rank 0 every prompt's completion in order."""
+    assert state.policy is not None
+    mine = shares([1] * len(prompts), dist.get_world_size())[dist.get_rank()]
+    texts: list[str] = []
+    with whole_weights(state.policy.model):
+        if mine:
+            texts = greedy(state.policy, [prompts[i] for i in mine], **settings)
+    parts = gather_bytes(json.dumps(list(zip(mine, texts))).encode(), state.device)
+    ordered = {int(index): text for part in parts for index, text in json.loads(part)}
+    return [ordered[index] for index in range(len(prompts))] if parts else []
+
+
+# --- rank 0: the group ---------------------------------------------------------------------------------------
+
+
+class RankLost(UserError):
+    """A data-parallel rank died; the run stops (its committed work is intact)."""
+
+
+class RankGroup:
+    """Rank 0's side: the process group, the ranks it started (none under torchrun), and its own RankState."""
+
+    def __init__(self, world_size: int, sharding: Sharding, device: torch.device, threads: int = 1) -> None:
+        self.world_size, self.device = world_size, device
+        self.state = RankState(device, sharding, threads)
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.lost: str | None = None
+        self.broken = False  # an operation failed part way: the ranks are out of step
+        self.closing = False  # the ranks are being stopped: their exits are expected
+        self._in_op = threading.local()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if torchrun_rank() is not None:
+            launched = int(os.environ["WORLD_SIZE"])
+            if launched != world_size:
+                raise UserError(
+                    f"train.data_parallel is {world_size} but torchrun started {launched} ranks; "
+                    "set train.data_parallel to torchrun's total (--nnodes x --nproc-per-node)"
+                )
+            dist.init_process_group(backend, timeout=TIMEOUT)
+        else:
+            init = f"tcp://127.0.0.1:{_free_port()}"
+            me = [str(os.getpid()), str(start_time(os.getpid()) or 0)]
+            for rank in range(1, world_size):
+                command = [sys.executable, "-m", "rlvr.trainer.rank_group", init, str(rank), str(world_size)]
+                command += [str(threads), device.type, *me]
+                self.workers.append(subprocess.Popen(command))
+            dist.init_process_group(backend, init_method=init, rank=0, world_size=world_size, timeout=TIMEOUT)
+            threading.Thread(target=self._watch, name="rlvr-rank-watchdog", daemon=True).start()
+
+    # ----- the protocol --------------------------------------------------------------------------------------
+
+    @contextmanager
+    def op(self, name: str, header: dict[str, Any] | None = None, *blobs: bytes) -> Iterator[None]:
+        """Announce operation `name` to every rank, then run rank 0's share inside (the policy's forward is
+        allowed only here: outside, rank 0 alone would wait forever for the others' weights)."""
+        self._check()
+        broadcast_bytes(json.dumps({"op": name, **(header or {})}).encode(), self.device)
+        for blob in blobs:
+            broadcast_bytes(blob, self.device)
+        self._in_op.active = True
+        try:
+            yield
+        except BaseException:
+            self.broken = True  # the ranks may be anywhere in the operation: no further collective can match
+            raise
+        finally:
+            self._in_op.active = False
+        self._check()
+
+    @property
+    def in_op(self) -> bool:
+        return bool(getattr(self._in_op, "active", False))
+
+    def _check(self) -> None:
+        if self.lost is not None:
+            raise RankLost(self.lost)
+
+    def _watch(self) -> None:
+        """Rank 0's watchdog over the ranks it started: one line naming a rank that died, then the run is stopped
+        (SIGTERM to this process, which unwinds the run), and ended if a collective holds it past the grace."""
+        while self.lost is None and not self.closing:
+            time.sleep(WATCH_S)
+            for rank, worker in enumerate(self.workers, start=1):
+                code = worker.poll()
+                if code is None or self.lost is not None or self.closing:
+                    continue
+                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+                self.lost = f"data-parallel rank {rank} (pid {worker.pid}) {how}; the run stops"
+                print(f"error: {self.lost}", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
+                timer = threading.Timer(EXIT_GRACE_S, self._end_process)
+                timer.daemon = True
+                timer.start()
+
+    def _end_process(self) -> None:
+        for worker in self.workers:
+            if worker.poll() is None:
+                worker.kill()
+        os._exit(1)
+
+    # ----- operations ----------------------------------------------------------------------------------------
+
+    def adopt(
+        self, policy: Policy, optimizer: torch.optim.Optimizer | None, lr: float, weight_decay: float
+    ) -> tuple[Policy, torch.optim.Optimizer]:
+        """The group's sharded copy of `policy` (whole on rank 0) and an optimizer over it holding `optimizer`'s
+        state (None or empty: fresh)."""
+        static = static_files(policy)
+        dtype = next(policy.model.parameters()).dtype
+        has_state = optimizer is not None and bool(optimizer.state)
+        header = {"dtype": str(dtype).removeprefix("torch."), "lr": lr, "weight_decay": weight_decay, "train": True}
+        header["sharding"] = self.state.sharding
+        with self.op("adopt", header, pack_files(static)):
+            optimizer_state = plain_optimizer_state(policy.model, optimizer) if has_state and optimizer else None
+            sharded, sharded_optimizer = build_sharded(
+                self.state, static, dtype, policy.model, optimizer_state, lr, weight_decay, trainable=True
+            )
+        assert sharded_optimizer is not None
+        self.state.policy, self.state.optimizer, self.state.static = sharded, sharded_optimizer, static
+        self._guard(sharded)
+        sharded.ranks = self
+        return sharded, sharded_optimizer
+
+    def adopt_reference(self, reference: Policy) -> Policy:
+        """The group's sharded, frozen copy of the KL reference."""
+        static = static_files(reference)
+        dtype = next(reference.model.parameters()).dtype
+        header = {"dtype": str(dtype).removeprefix("torch."), "lr": None, "weight_decay": 0.0, "train": False}
+        header["sharding"] = self.state.sharding
+        with self.op("reference", header, pack_files(static)):
+            sharded, _ = build_sharded(self.state, static, dtype, reference.model, None, None, 0.0, trainable=False)
+        self.state.reference = sharded
+        self._guard(sharded)
+        return sharded
+
+    def update(self, batch: RolloutBatch, cfg: GRPOConfig, reference: Policy | None) -> dict[str, float]:
+        """One GRPO step of the group's policy (rank 0 passes the whole reference; the group keeps it sharded)."""
+        policy, optimizer = self._held()
+        use_reference = reference is not None and cfg.kl_beta > 0
+        if use_reference and self.state.reference is None:
+            assert reference is not None
+            self.adopt_reference(reference)
+        with self.op("step", {"reference": use_reference}, payload_text(batch, cfg).encode()):
+            return distributed_grpo_step(policy, optimizer, batch, cfg, self.state.reference if use_reference else None)
+
+    def sample(
+        self, prompts: list[str], counts: list[int], settings: dict[str, Any], keys: list[int] | None = None
+    ) -> list[Sample]:
+        """`generation.sample` over the ranks: `counts[i]` samples of `prompts[i]`, each rank decoding its share
+        with row seeds keyed by `keys[i]` (default: i), so the tokens are those one process draws with the same
+        keys. `settings`: sample's other keyword arguments (max_new_tokens, temperature, top_p, seed, cache,
+        precision, logprob_temperature)."""
+        keys = list(range(len(prompts))) if keys is None else keys
+        request = json.dumps({"prompts": prompts, "counts": counts, "settings": settings, "keys": keys}).encode()
+        with self.op("sample", {}, request):
+            return _sample_share(self.state, prompts, counts, settings, keys)
+
+    def greedy(self, prompts: list[str], settings: dict[str, Any]) -> list[str]:
+        """`generation.greedy` over the ranks (`settings`: max_new_tokens, cache), each rank its share."""
+        request = json.dumps({"prompts": prompts, "settings": settings}).encode()
+        with self.op("greedy", {}, request):
+            return _greedy_share(self.state, prompts, settings)
+
+    def whole_files(self) -> dict[str, bytes]:
+        """The policy as a Hugging Face model directory (name -> bytes), built on rank 0 from the gathered weights."""
+        return self.whole(with_optimizer=False)[0]
+
+    def whole(self, with_optimizer: bool) -> tuple[dict[str, bytes], bytes | None]:
+        """The policy's directory files and, `with_optimizer`, its optimizer state in the one-process format
+        (`policy.optimizer_state_bytes`), both gathered whole on rank 0: what a train_state stores, loadable at any
+        rank count."""
+        policy, optimizer = self._held()
+        with self.op("whole", {"optimizer": with_optimizer}):
+            weights, optimizer_state = gathered(policy, optimizer, with_optimizer)
+        dtype = next(policy.model.parameters()).dtype
+        plain = plain_policy(self.state.static, weights, policy, dtype)
+        files = policy_files(plain)
+        if optimizer_state is None:
+            return files, None
+        plain_optimizer = make_optimizer(
+            plain, optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["weight_decay"]
+        )
+        set_optimizer_state_dict(
+            plain.model, plain_optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True)
+        )
+        return files, optimizer_state_bytes(plain_optimizer)
+
+    def held(self) -> list[dict[str, int]]:
+        """Every rank's counted bytes of parameters, gradients and optimizer state (`sharding.held_bytes`)."""
+        with self.op("held"):
+            policy, optimizer = self._held()
+            mine = json.dumps(held_bytes(policy.model, optimizer)).encode()
+            return [json.loads(part) for part in gather_bytes(mine, self.device)]
+
+    def _held(self) -> tuple[Policy, torch.optim.Optimizer]:
+        if self.state.policy is None or self.state.optimizer is None:
+            raise RuntimeError("the group holds no policy yet: adopt one first")
+        return self.state.policy, self.state.optimizer
+
+    def _guard(self, policy: Policy) -> None:
+        """Rank 0's model refuses a forward outside an operation, which would wait forever for the others."""
+        group = self
+
+        def refuse(_module: torch.nn.Module, _args: Any) -> None:
+            if not group.in_op:
+                raise RuntimeError(
+                    f"this policy is sharded over {group.world_size} data-parallel ranks: call it through its "
+                    "rank group (trainer/rank_group.py), which runs every rank's share"
+                )
+
+        policy.model.register_forward_pre_hook(refuse, prepend=True)  # before FSDP2 gathers the weights
+
+    def close(self) -> None:
+        """Stop the ranks and leave the process group."""
+        self.closing = True
+        orderly = self.lost is None and not self.broken and all(worker.poll() is None for worker in self.workers)
+        try:
+            if orderly:
+                broadcast_bytes(json.dumps({"op": "stop"}).encode(), self.device)
+        finally:
+            if not orderly:  # a rank may wait in a collective that will never complete
+                for worker in self.workers:
+                    worker.kill()
+            dist.destroy_process_group()
+            for worker in self.workers:
+                try:
+                    worker.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    worker.kill()
+
+
+def gathered(
+    policy: Policy, optimizer: torch.optim.Optimizer, with_optimizer: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The whole weights (and optimizer state, FSDP's full form) on rank 0's CPU; a collective."""
+    weights = full_state(policy.model)
+    if not with_optimizer:
+        return weights, None
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return weights, get_optimizer_state_dict(policy.model, optimizer, options=options)
+
+
+def plain_policy(
+    static: dict[str, bytes], weights: dict[str, torch.Tensor], like: Policy, dtype: torch.dtype
+) -> Policy:
+    """A one-process policy around whole weights (no copy) from the static files, with `like`'s buffers."""
+    plain = _skeleton(static, dtype, torch.get_num_threads())
+    plain.model.load_state_dict(weights, assign=True, strict=False)
+    for name, buffer in like.model.named_buffers():
+        if name not in weights:
+            owner, _, leaf = name.rpartition(".")
+            (plain.model.get_submodule(owner) if owner else plain.model)._buffers[leaf] = buffer.cpu()
+    plain.model.tie_weights()
+    missing = [name for name, p in plain.model.named_parameters() if p.is_meta]
+    if missing:
+        raise RuntimeError(f"gathered weights miss {missing[:3]}")
+    return _ready(Policy(plain.model, plain.tokenizer, like.source))
+
+
+# --- the process's group -------------------------------------------------------------------------------------
+
+_group: RankGroup | None = None
+
+
+def torchrun_rank() -> int | None:
+    """This process's global rank when torchrun started it, else None."""
+    rank = os.environ.get("RANK")
+    return (
+        int(rank) if rank is not None and "WORLD_SIZE" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ else None
+    )
+
+
+def rank_group(world_size: int, sharding: Sharding, device: torch.device, threads: int = 1) -> RankGroup:
+    """This process's group of `world_size` ranks on `device`, started on first use (and started anew when its
+    shape changes)."""
+    global _group
+    if _group is not None and (
+        _group.world_size != world_size or _group.device != device or _group.state.sharding != sharding
+    ):
+        close_group()
+    if _group is None:
+        _group = RankGroup(world_size, sharding, device, threads)
+    return _group
+
+
+def current_group() -> RankGroup | None:
+    return _group
+
+
+@atexit.register
+def close_group() -> None:
+    """Stop this process's ranks (at exit, or before a group of another shape starts)."""
+    global _group
+    group, _group = _group, None
+    if group is not None:
+        group.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --- a serving rank ------------------------------------------------------------------------------------------
+
+
+def serve(state: RankState) -> None:
+    """Do every operation rank 0 announces, until it says stop (the process group is initialised)."""
+    device = state.device
+    try:
+        while (header := json.loads(broadcast_bytes(None, device)))["op"] != "stop":
+            _serve_one(state, header)
+    finally:
+        dist.destroy_process_group()
+
+
+def _serve_one(state: RankState, header: dict[str, Any]) -> None:
+    device, op = state.device, header["op"]
+    if op in ("adopt", "reference"):
+        static = unpack_files(broadcast_bytes(None, device))
+        dtype = getattr(torch, header["dtype"])
+        train = bool(header["train"])
+        state.sharding = header["sharding"]
+        policy, optimizer = build_sharded(
+            state, static, dtype, None, None, header["lr"], header["weight_decay"], trainable=train
+        )
+        if train:
+            state.policy, state.optimizer, state.static = policy, optimizer, static
+        else:
+            state.reference = policy
+    elif op == "step":
+        batch, cfg = parse_payload(broadcast_bytes(None, device).decode())
+        assert state.policy is not None and state.optimizer is not None, "rank 0 adopts a policy before a step"
+        distributed_grpo_step(
+            state.policy, state.optimizer, batch, cfg, state.reference if header["reference"] else None
+        )
+    elif op == "sample":
+        request = json.loads(broadcast_bytes(None, device))
+        _sample_share(state, request["prompts"], request["counts"], request["settings"], request["keys"])
+    elif op == "greedy":
+        request = json.loads(broadcast_bytes(None, device))
+        _greedy_share(state, request["prompts"], request["settings"])
+    elif op == "whole":
+        assert state.policy is not None and state.optimizer is not None
+        gathered(state.policy, state.optimizer, bool(header["optimizer"]))
+    elif op == "held":
+        assert state.policy is not None
+        gather_bytes(json.dumps(held_bytes(state.policy.model, state.optimizer)).encode(), device)
+    else:
+        raise RuntimeError(f"unknown rank operation {op!r}")
+
+
+def main(argv: Sequence[str]) -> int:
+    """A rank the run started: python -m rlvr.trainer.rank_group INIT RANK WORLD THREADS DEVICE PID START."""
+    parser = argparse.ArgumentParser(prog="python -m rlvr.trainer.rank_group", description="one data-parallel rank")
+    for name in ("init", "rank", "world_size", "threads", "device", "parent_pid", "parent_start"):
+        parser.add_argument(name)
+    args = parser.parse_args(argv)
+    rank = int(args.rank)
+
+    def gone() -> None:
+        print(f"data-parallel rank {rank}: rank 0 (pid {args.parent_pid}) is gone; exiting", file=sys.stderr)
+
+    exit_when_gone(int(args.parent_pid), int(args.parent_start) or None, before_exit=gone)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    world = int(args.world_size)
+    dist.init_process_group(backend, init_method=args.init, rank=rank, world_size=world, timeout=TIMEOUT)
+    serve(RankState(device, "fsdp", int(args.threads)))
+    return 0
+
+
+def serve_torchrun(device_name: str, threads: int) -> None:
+    """A rank other than 0 of a run torchrun started (`torchrun ... -m rlvr.flows.cli run ...` on every machine):
+    it joins the group torchrun set up and serves rank 0, which runs the flow. `device_name`: the run's
+    policy.device (cpu keeps the ranks on the CPU with gloo; otherwise each takes the GPU of its LOCAL_RANK)."""
+    from rlvr.trainer.devices import resolve_device
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    use_cuda = resolve_device(device_name).type == "cuda"
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=TIMEOUT)
+    serve(RankState(device, "fsdp", threads))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,215 @@
+"""A policy's model spread over the data-parallel ranks with FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+`train.sharding` picks how (`shard`):
+- `fsdp`: parameters, gradients and optimizer state are split over the ranks, each decoder layer one unit (its
+  weights gathered for its forward and backward only) and the rest (embeddings, final norm, LM head) the root's.
+- `replicate`: every rank holds everything and gradients are all-reduced: FSDP2's hybrid mode over a
+  (ranks x 1) mesh, i.e. torch's replication through the same wrapper, so both strategies share one code path.
+
+On a GPU the units compute in bf16 and reduce gradients in float32 over float32 master weights
+(`MixedPrecisionPolicy`); on the CPU everything stays float32. Gradients are *summed* over the ranks (the divide
+factor is 1): each rank weights its loss by its share of the whole minibatch (trainer/distributed.py), so the
+sum is the one-process gradient.
+
+Every forward of a sharded unit gathers its weights, a collective: all ranks must run the same passes.
+`whole_weights` gathers everything once so that each rank can then decode on its own for as many steps as its
+prompts need (rollouts and evaluations on every rank).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+Sharding = Literal["fsdp", "replicate"]
+SHARDINGS: tuple[Sharding, ...] = ("fsdp", "replicate")
+DCP_PREFIX = "dcp"  # a state file's name in the store: "dcp" + DCP's own name (".metadata", "__0_0.distcp")
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers, the FSDP units: the modules of the classes its `_no_split_modules` names
+    (every transformers decoder declares them)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [module for module in model.modules() if type(module).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules) to shard by")
+    return layers
+
+
+def mesh_for(sharding: Sharding, device: torch.device) -> DeviceMesh:
+    """fsdp: one dimension over every rank; replicate: (ranks, 1), FSDP2's hybrid mode with shards of one."""
+    world = dist.get_world_size()
+    if sharding == "fsdp":
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
+
+
+def shard(model: torch.nn.Module, sharding: Sharding, device: torch.device) -> None:
+    """Wrap `model` in place (its class becomes an FSDPModule subclass; parameters become DTensors)."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"train.sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
+    mesh = mesh_for(sharding, device)
+    floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    mixed = device.type == "cuda" and floats == {torch.float32}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+    options: dict[str, Any] = {"mesh": mesh, **({"mp_policy": policy} if policy is not None else {})}
+    for layer in decoder_layers(model):
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    for unit in units(model):  # sums, by plain SUM reductions (gloo has no pre-multiplied sum)
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+def units(model: torch.nn.Module) -> list[FSDPModule]:
+    """The FSDP units of a sharded model, root last."""
+    found: list[FSDPModule] = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    return found[::-1]
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+@contextmanager
+def whole_weights(model: torch.nn.Module) -> Iterator[None]:
+    """Every unit's weights gathered (a collective: every rank enters together), and kept whole through every
+    forward inside, so that each rank may then run as many forwards as it needs on its own; resharded on exit
+    (no collective)."""
+    found = units(model)
+    for unit in found:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        for unit in found:
+            unit.unshard()
+        yield
+    finally:
+        for unit in found:
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)
+
+
+@contextmanager
+def accumulating(model: torch.nn.Module) -> Iterator[None]:
+    """Backward passes inside keep their gradients on the rank (no reduction): gradient accumulation over
+    micro-batches, reduced by the next backward outside."""
+    found = units(model)
+    for unit in found:
+        unit.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in found:
+            unit.set_requires_gradient_sync(True, recurse=False)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly distributed) tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """The bytes of parameters, gradients and optimizer state this rank holds (its shards only), counted."""
+    params = [p for p in model.parameters()]
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [
+        value
+        for entry in (optimizer.state.values() if optimizer is not None else ())
+        for value in entry.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    size = lambda tensors: sum(local(t).numel() * local(t).element_size() for t in tensors)  # noqa: E731
+    return {"parameters": size(params), "gradients": size(grads), "optimizer": size(state)}
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on the CPU under their plain names, on rank 0 (a collective; the other ranks
+    get an empty dict)."""
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: value for name, value in whole.items() if isinstance(value, torch.Tensor)}
+
+
+def load_whole(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any] | None,
+) -> None:
+    """Rank 0's whole weights (and optimizer state, FSDP's full form keyed by parameter names) into every
+    rank's shards (a collective; the other ranks pass empty dicts and None)."""
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, dict(weights), options=options)
+    if optimizer is not None and optimizer_state is not None:
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
+
+def plain_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A one-process optimizer's state in FSDP's full form (keyed by parameter names), for `load_whole`."""
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+
+
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """The model's and optimizer's shards with torch.distributed.checkpoint into `directory` (a collective:
+    each rank writes its own `__<rank>_0.distcp`, rank 0 also `.metadata`); loadable at any rank count."""
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), single_file_per_rank=True))
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path) -> None:
+    """Inverse of `save_sharded`, at this process's rank count (one process without a group too, with
+    `no_dist`): each rank reads the slices of the files its shards need."""
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def stored_name(dcp_name: str) -> str:
+    """The store's name for one of DCP's files (the store's names start with a letter or digit)."""
+    return f"{DCP_PREFIX}{dcp_name}"
+
+
+def dcp_name(stored: str) -> str | None:
+    """Inverse of `stored_name`; None for a file that is not part of a DCP state."""
+    return (
+        stored[len(DCP_PREFIX) :]
+        if stored.startswith(f"{DCP_PREFIX}.") or stored.startswith(f"{DCP_PREFIX}__")
+        else None
+    )
+
+
+def file_entries(directory: Path) -> list[dict[str, Any]]:
+    """Each file this rank wrote into `directory`: its store name, size and sha256."""
+    entries = []
+    for path in sorted(directory.iterdir()):
+        data = path.read_bytes()
+        entries.append({"name": stored_name(path.name), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    return entries
+
+
+@contextmanager
+def scratch_dir(prefix: str = "rlvr-dcp-") -> Iterator[Path]:
+    """A private temp directory, removed on exit."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield Path(tmp)
