@@ -29,8 +29,9 @@ import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -40,8 +41,26 @@ from rlvr.storage.files import read_whole
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.manifest import Manifest, basename
 
-if TYPE_CHECKING:
-    from rlvr.storage.store import Store
+
+class CatalogStore(Protocol):
+    """What the catalog uses of a store (storage/store.py's `Store`, which imports this module)."""
+
+    fs: fsspec.AbstractFileSystem
+    unreadable: dict[str, str]
+
+    @property
+    def is_local(self) -> bool: ...
+
+    def path(self, *parts: str) -> str: ...
+
+    def create_new(self, path: str, data: bytes) -> bool: ...
+
+    def manifest(self, artifact_id: str) -> Manifest: ...
+
+    def manifest_path(self, artifact_id: str) -> str: ...
+
+    def _fetch_manifests(self, artifact_ids: Sequence[str]) -> None: ...
+
 
 SNAPSHOT_AFTER = 64  # entries read past the snapshot, or manifests read directly, before a reader writes one
 COMPACT_EVERY = 256  # the writer of every 256th entry reads the catalog too, so writing a snapshot if due
@@ -75,11 +94,11 @@ CATALOG_SCHEMA = pa.schema(
 _COLUMNS = frozenset(CATALOG_SCHEMA.names) - {"bytes", "other", "manifest_bytes"}
 
 
-def _log_dir(store: Store) -> str:
+def _log_dir(store: CatalogStore) -> str:
     return store.path("catalog", "log")
 
 
-def _snapshot_dir(store: Store) -> str:
+def _snapshot_dir(store: CatalogStore) -> str:
     return store.path("catalog", "snapshots")
 
 
@@ -143,13 +162,13 @@ class _Positions:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.next: weakref.WeakKeyDictionary[Store, int] = weakref.WeakKeyDictionary()
+        self.next: weakref.WeakKeyDictionary[CatalogStore, int] = weakref.WeakKeyDictionary()
 
 
 _positions = _Positions()
 
 
-def append(store: Store, added: Sequence[Manifest] = (), removed: Sequence[str] = ()) -> None:
+def append(store: CatalogStore, added: Sequence[Manifest] = (), removed: Sequence[str] = ()) -> None:
     """Log one commit's manifests (after they are written) or removed ids (before they go). A hint: a store
     that refuses the write never fails the commit, it only leaves the manifests for readers to find by the
     listing."""
@@ -171,7 +190,7 @@ def append(store: Store, added: Sequence[Manifest] = (), removed: Sequence[str] 
         _compact(store)
 
 
-def _compact(store: Store) -> None:
+def _compact(store: CatalogStore) -> None:
     """A writer's share of the snapshots, every `COMPACT_EVERY` entries: a store written for long and never
     queried does not leave its first query thousands of entries to read. Best effort, like a reader's."""
     try:
@@ -182,11 +201,11 @@ def _compact(store: Store) -> None:
         return
 
 
-def _entry_path(store: Store, position: int) -> str:
+def _entry_path(store: CatalogStore, position: int) -> str:
     return f"{_log_dir(store)}/{_ENTRY_NAME.format(position)}"
 
 
-def _log_end(store: Store, start: int) -> int:
+def _log_end(store: CatalogStore, start: int) -> int:
     """The first free position at or after `start`. Entries are numbered without gaps, so whether one exists
     splits the positions in two: a doubling search, then halving, costs about 2 log2(new entries) checks."""
     exists = lambda position: _exists(store, _entry_path(store, position))  # noqa: E731
@@ -202,7 +221,7 @@ def _log_end(store: Store, start: int) -> int:
     return high
 
 
-def _exists(store: Store, path: str) -> bool:
+def _exists(store: CatalogStore, path: str) -> bool:
     """Whether the file exists, on an object store by a GET of its first byte: s3fs's `exists` answers a
     missing key with a HEAD and then a LIST (is it a folder?), and may answer from a listing it cached."""
     if store.is_local:
@@ -222,13 +241,13 @@ class _Seen:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.by_store: weakref.WeakKeyDictionary[Store, tuple[int, pa.Table]] = weakref.WeakKeyDictionary()
+        self.by_store: weakref.WeakKeyDictionary[CatalogStore, tuple[int, pa.Table]] = weakref.WeakKeyDictionary()
 
 
 _seen = _Seen()
 
 
-def committed(store: Store) -> pa.Table:
+def committed(store: CatalogStore) -> pa.Table:
     """One row per committed artifact (CATALOG_SCHEMA), oldest first (created_at, then id), as of one listing
     of manifests/. A manifest that cannot be read is skipped and named in `store.unreadable`."""
     listed = _listing(store)
@@ -246,7 +265,7 @@ def committed(store: Store) -> pa.Table:
     return table
 
 
-def _listing(store: Store) -> dict[str, int]:
+def _listing(store: CatalogStore) -> dict[str, int]:
     """Every manifest in manifests/, artifact id -> file size: one listing (sizes come with it on object stores
     and cost a stat per file on disk)."""
     directory = store.path("manifests")
@@ -275,12 +294,12 @@ def _listing(store: Store) -> dict[str, int]:
     return listed
 
 
-def _newest_snapshot_position(store: Store) -> int:
+def _newest_snapshot_position(store: CatalogStore) -> int:
     positions = _snapshot_positions(store)
     return positions[-1] if positions else 0
 
 
-def _snapshot_positions(store: Store) -> list[int]:
+def _snapshot_positions(store: CatalogStore) -> list[int]:
     directory = _snapshot_dir(store)
     store.fs.invalidate_cache(directory)
     try:
@@ -291,7 +310,7 @@ def _snapshot_positions(store: Store) -> list[int]:
     return sorted(int(stem) for stem in stems if stem.isdigit())
 
 
-def _read_snapshot(store: Store) -> tuple[int, pa.Table]:
+def _read_snapshot(store: CatalogStore) -> tuple[int, pa.Table]:
     """The newest snapshot that reads (position, rows); (0, no rows) when there is none."""
     for position in reversed(_snapshot_positions(store)):
         path = f"{_snapshot_dir(store)}/{position:010d}{_SNAPSHOT_SUFFIX}"
@@ -303,7 +322,7 @@ def _read_snapshot(store: Store) -> tuple[int, pa.Table]:
     return 0, rows_table([])
 
 
-def _read_log(store: Store, start: int) -> tuple[list[tuple[list[str], list[str]]], int]:
+def _read_log(store: CatalogStore, start: int) -> tuple[list[tuple[list[str], list[str]]], int]:
     """The entries from `start` on, in order, as (manifest texts added, ids removed), and the position after
     them. An entry that does not parse (torn by a crash) counts as empty: its manifests are in the listing."""
     changes: list[tuple[list[str], list[str]]] = []
@@ -331,7 +350,7 @@ def _read_log(store: Store, start: int) -> tuple[list[tuple[list[str], list[str]
 
 
 def _reconcile(
-    store: Store, base: pa.Table, changes: list[tuple[list[str], list[str]]], listed: dict[str, int]
+    store: CatalogStore, base: pa.Table, changes: list[tuple[list[str], list[str]]], listed: dict[str, int]
 ) -> tuple[pa.Table, int]:
     """The rows of `base` and `changes` whose manifest is listed with the recorded size, plus the listed
     manifests none of them covers, read directly; and how many were read directly."""
@@ -359,7 +378,7 @@ def _reconcile(
     return table, len(missing)
 
 
-def _read_directly(store: Store, artifact_ids: list[str], listed: dict[str, int]) -> list[dict[str, Any]]:
+def _read_directly(store: CatalogStore, artifact_ids: list[str], listed: dict[str, int]) -> list[dict[str, Any]]:
     if not artifact_ids:
         return []
     store._fetch_manifests(artifact_ids)  # concurrently, on object storage
@@ -376,7 +395,7 @@ def _read_directly(store: Store, artifact_ids: list[str], listed: dict[str, int]
     return rows
 
 
-def _write_snapshot(store: Store, position: int, table: pa.Table) -> None:
+def _write_snapshot(store: CatalogStore, position: int, table: pa.Table) -> None:
     """Best effort: a store this process cannot write to (read-only credentials), or a race with another
     reader, leaves the snapshots as they are."""
     sink = pa.BufferOutputStream()
