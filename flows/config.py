@@ -251,6 +251,38 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(_describe(exc, tree)) from None
 
 
+# Keys that say where a run's work happens, not what it computes: no artifact id depends on them, so a resume may
+# change them (another machine, another number of GPUs).
+PLACEMENT_KEYS = (
+    "policy.device",
+    "train.data_parallel",
+    "train.sharding",
+    "flow.executor.type",
+    "flow.executor.address",
+    "flow.executor.workers",
+)
+
+
+def with_placement(cfg: Any, overrides: list[str]) -> Any:
+    """`cfg` with `key=value` overrides of its placement keys (`PLACEMENT_KEYS`) applied; a one-line ConfigError
+    for any other key."""
+    if not overrides:
+        return cfg
+    tree = json.loads(cfg.model_dump_json())
+    for text in overrides:
+        key, value = parse_override(text)
+        if key not in PLACEMENT_KEYS:
+            raise ConfigError(
+                f"a resume may change only where the run works ({', '.join(PLACEMENT_KEYS)}), not {key!r}: "
+                "that would change what it computes"
+            )
+        _set_path(tree, key, value)
+    try:
+        return run_config_type().model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, tree)) from None
+
+
 def _one_source_as_list(tree: dict[str, Any]) -> None:
     """`synthesize.source` (one source) is shorthand for `synthesize.sources: [it]`; rewritten before
     validation so an error names the key as it is stored (synthesize.sources.0.digits)."""
@@ -279,13 +311,17 @@ def _config_build(inputs: Inputs, cfg: RunConfigBase, ctx: StageContext) -> Buil
 
 
 def _config_identity(cfg: RunConfigBase, params: Any) -> dict[str, Any]:
-    # Where lineage events go, where units run (flow.executor), where sampling runs (flow.sampler) and where
-    # models run (policy.device) change no artifact, so none is part of any id; nor is policy.dtype when it
+    # Where lineage events go, where units run (flow.executor), where sampling runs (flow.sampler), where models
+    # run (policy.device) and over how many data-parallel ranks (train.data_parallel, train.sharding: like a
+    # device, they move float sums) are part of no id, so a resume may change them; nor is policy.dtype when it
     # is float32, so that ids of runs from before it existed stay what they were. Keys added since leave
     # every dump at their default (`exclude_if`).
     policy = {"device"} | ({"dtype"} if cfg.policy.dtype == "float32" else set())
     left_out: dict[str, Any] = {"openlineage": True, "flow": {"executor", "sampler"}, "policy": policy}
-    return json.loads(canonical_json(cfg.model_dump(mode="json", exclude=left_out)))
+    left_out["train"] = {"sharding"}
+    identity = json.loads(canonical_json(cfg.model_dump(mode="json", exclude=left_out)))
+    identity["train"]["data_parallel"] = 1  # every dump had the key at 1 before it stopped mattering to ids
+    return identity
 
 
 # The run's resolved config as an artifact: the root of every run's lineage (not a section of itself).

@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rlvr import progress
-from rlvr.errors import RunTakenOver, Stopped, UserError, environment_failure
+from rlvr.errors import RunTakenOver, Stopped, UserError, environment_failure, stop_reason
 from rlvr.flows import openlineage_events
 from rlvr.flows.prefect_env import configure_prefect, quiet_run_failure_logs
 from rlvr.storage.errors import DamagedFile
@@ -208,7 +208,7 @@ def _sigterm_raises_stopped(lease: Lease | None = None) -> Iterator[None]:
         return
 
     def raise_stopped(signum: int, _frame: Any) -> None:
-        raise Stopped(f"stopped by {signal.Signals(signum).name}", 128 + signum)
+        raise Stopped(stop_reason(signum, f"stopped by {signal.Signals(signum).name}"), 128 + signum)
 
     def raise_taken_over(_signum: int, _frame: Any) -> None:
         if lease is not None and lease.lost is not None:
@@ -308,12 +308,13 @@ def execute_data(store_root: str, cfg: Any, policy: str | None = None, *, new: b
     return _tracked(store_root, cfg, body, new=new, kind="data", policy=policy)
 
 
-def resume(store_root: str, run_id: str) -> dict[str, Any]:
-    """Finish a failed or killed run (RL or data) from its last committed work."""
-    from rlvr.flows.config import config_from_json
+def resume(store_root: str, run_id: str, placement: list[str] | None = None) -> dict[str, Any]:
+    """Finish a failed or killed run (RL or data) from its last committed work; `placement`: `key=value`
+    changes of where it works (flows/config.py, PLACEMENT_KEYS), which change no artifact id."""
+    from rlvr.flows.config import config_from_json, with_placement
 
     record = resumable_run(open_store(store_root), run_id)
-    cfg = config_from_json(record["config_json"])
+    cfg = with_placement(config_from_json(record["config_json"]), placement or [])
     if record.get("kind") == "data":
         return execute_data(store_root, cfg, record.get("policy"))
     return execute(store_root, cfg)

@@ -9,6 +9,8 @@ __all__ = [
     "Stopped",
     "UserError",
     "environment_failure",
+    "stop_reason",
+    "stop_with",
 ]
 
 
@@ -29,6 +31,20 @@ class Stopped(BaseException):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+_stop_reasons: dict[int, str] = {}
+
+
+def stop_with(signum: int, reason: str) -> None:
+    """Say why the process is about to send itself `signum` (e.g. a data-parallel rank died), so that the run
+    stopping on it names that reason rather than the signal."""
+    _stop_reasons[signum] = reason
+
+
+def stop_reason(signum: int, default: str) -> str:
+    """What stopped the run on `signum`: the reason `stop_with` gave, else `default`."""
+    return _stop_reasons.get(signum, default)
 
 
 class RunTakenOver(Stopped):

@@ -81,6 +81,7 @@ class Built:
     extra: Mapping[str, Any] = field(default_factory=dict)
     state: Mapping[str, Any] | None = None
     resident: Any = None
+    placed: Sequence[Mapping[str, Any]] = ()  # entries of files other processes wrote (`Store.place_file`)
 
 
 @dataclass(frozen=True)
@@ -535,7 +536,8 @@ def _commit_built(
         extra["state"] = dict(built.state)
     if not store.exists(aid):
         table = conform_to_schema(output.kind, built.table)
-        store.write_artifact(output.kind, aid, table, files=dict(built.files) or None, extra=extra, **common)
+        files = dict(built.files) or None
+        store.write_artifact(output.kind, aid, table, files=files, extra=extra, placed=built.placed, **common)
         TABLES.put(store, aid, table)
     if built.resident is not None:
         RESIDENTS.keep(aid, built.resident)

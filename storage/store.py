@@ -314,7 +314,13 @@ class Store:
         entries = [self._write_part(kind, artifact_id, 0, job.table, job.batch, run_id)]
         for name in sorted(job.files):
             entries.append(self._write_binary(kind, artifact_id, name, job.files[name], job.batch, run_id))
-        return replace(job.manifest, files=entries)
+        return replace(job.manifest, files=entries + sorted(job.placed, key=lambda entry: entry["path"]))
+
+    def place_file(self, kind: str, artifact_id: str, name: str, data: bytes) -> dict[str, Any]:
+        """Write binary file `name` of an artifact that another process commits (`write_artifact(placed=...)`),
+        durably, and return its manifest entry. Until that commit the file belongs to an uncommitted folder."""
+        _check_kind(kind)
+        return self._write_binary(kind, artifact_id, name, data, None, None)
 
     def _ensure_written(self, artifact_id: str) -> None:
         """Write a deferred artifact's data now, in this thread, unless some thread already has; its full
@@ -458,10 +464,13 @@ class Store:
         step: int | None = None,
         files: Mapping[str, bytes] | None = None,
         extra: Mapping[str, Any] | None = None,
+        placed: Sequence[Mapping[str, Any]] = (),
     ) -> Manifest:
         """Write a single-part artifact and commit it; a second write of the same id is a no-op.
 
         Ids are content-addressed, so an existing manifest already holds what this call would write.
+        `placed`: entries of binary files other processes already wrote into the artifact's folder (`place_file`:
+        the data-parallel ranks' shards of a training state), listed in the manifest as they are.
         """
         started = time.monotonic()
         _check_kind(kind)
@@ -489,7 +498,7 @@ class Store:
         )
         if self.is_local:
             self.mark_owner(kind, artifact_id, run_id)
-        job = _Unwritten(manifest, table, dict(files or {}), self._batch)
+        job = _Unwritten(manifest, table, dict(files or {}), self._batch, [dict(entry) for entry in placed])
         if self._batch is None or not self._batch.defer_writes:
             manifest = replace(self._write_files(job), seconds=time.monotonic() - started)
             self._commit_manifest(manifest)
@@ -1134,5 +1143,6 @@ class _Unwritten:
     table: pa.Table
     files: dict[str, bytes]
     batch: _Batch | None
+    placed: list[dict[str, Any]] = field(default_factory=list)  # entries of files other processes wrote
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: bool = False

@@ -160,12 +160,14 @@ def state_built(inputs: Inputs, cfg: TrainConfig, ctx: StageContext, state: Trai
     needs = sampler_needs(inputs.store, inputs.require_id("policy"), behind) if behind and inputs.store else []
     if ctx.step is None or ctx.step % cfg.state_every == 0:
         assert state.optimizer is not None
-        if state.policy.ranks is not None:  # gathered whole on rank 0: loadable at any rank count
-            directory, optimizer_bytes = state.policy.ranks.whole(with_optimizer=True)
-        else:
-            directory, optimizer_bytes = policy_files(state.policy), optimizer_state_bytes(state.optimizer)
-        weights = {name: data for name, data in directory.items() if is_weights_file(name)}
-        files = {**weights, OPTIMIZER_FILE: optimizer_bytes}
+        if state.policy.ranks is not None:  # every rank writes its shards (torch.distributed.checkpoint)
+            assert inputs.store is not None, "the ranks write a sharded state into a store"
+            target = ("train_state", ctx.output_ids["train_state"])
+            placed = state.policy.ranks.save_state(str(inputs.store.root), *target)
+            dtype = str(next(state.policy.model.parameters()).dtype).removeprefix("torch.")
+            return Built(table, placed=placed, extra={"dtype": dtype, **({"needs": needs} if needs else {})})
+        weights = {name: data for name, data in policy_files(state.policy).items() if is_weights_file(name)}
+        files = {**weights, OPTIMIZER_FILE: optimizer_state_bytes(state.optimizer)}
         return Built(table, files=files, extra={"needs": needs} if needs else {})
     if inputs.store is not None:
         needs = list(dict.fromkeys([*weights_needed(inputs.store, inputs.require_id("policy")), *needs]))

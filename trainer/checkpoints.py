@@ -40,8 +40,8 @@ from rlvr.trainer.policy import (
     policy_files,
     policy_from_files,
 )
-from rlvr.trainer.rank_group import rank_group
-from rlvr.trainer.sharding import Sharding
+from rlvr.trainer.rank_group import fetch_state_files, rank_group, ready, skeleton
+from rlvr.trainer.sharding import Sharding, load_sharded, scratch_dir, stored_name
 from rlvr.trainer.updates import step_batch, update_policy
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -102,10 +102,13 @@ def source_checkpoint(store: Store, policy_ref: str) -> str:
 def policy_files_of(store: Store, policy_ref: str) -> dict[str, bytes]:
     """The Hugging Face model directory (file name -> bytes) of `policy_ref`, without optimizer state."""
     source = weights_artifact(store, policy_ref)
-    if not holds_weights(store, source):
+    if not holds_weights(store, source) or holds_sharded_state(store, source):
         live = RESIDENTS.get(policy_ref)
-        policy = live.policy if isinstance(live, TrainerState) else rebuilt_state(store, policy_ref).policy
-        return policy_files(policy)
+        if isinstance(live, TrainerState):
+            return policy_files(live.policy)  # gathered whole from the ranks when they hold it
+        if not holds_weights(store, source):
+            return policy_files(rebuilt_state(store, policy_ref).policy)
+        return policy_files(plain_from_state(store, policy_ref, device=torch.device("cpu")).policy)
     if source == policy_ref:
         return _files(store, source, lambda name: True)
     static = _files(store, source_checkpoint(store, policy_ref), lambda name: not is_weights_file(name))
@@ -131,7 +134,39 @@ def _stored_policy(store: Store, policy_ref: str, device: torch.device) -> Polic
     """The policy loaded from the store: its stored weights, or rebuilt by replaying the steps since them."""
     if not holds_weights(store, weights_artifact(store, policy_ref)):
         return rebuilt_state(store, policy_ref, device=device).policy
+    if holds_sharded_state(store, weights_artifact(store, policy_ref)):
+        return plain_from_state(store, policy_ref, device=device).policy
     return policy_from_files(policy_files_of(store, policy_ref), device=device)
+
+
+def holds_sharded_state(store: Store, artifact_id: str) -> bool:
+    """Whether a train_state holds a sharded state (torch.distributed.checkpoint files, written by the
+    data-parallel ranks) rather than a whole model directory's weights and optimizer state."""
+    return f"files/{stored_name('.metadata')}" in {entry["path"] for entry in store.manifest(artifact_id).files}
+
+
+def plain_from_state(
+    store: Store,
+    policy_ref: str,
+    *,
+    device: torch.device,
+    lr: float | None = None,
+    weight_decay: float = 0.0,
+) -> TrainerState:
+    """The policy of `policy_ref` whole in this process from its sharded state (any rank count wrote it), and
+    with `lr` an optimizer holding its state: torch.distributed.checkpoint reads every shard, no collective."""
+    artifact = weights_artifact(store, policy_ref)
+    static = _files(store, source_checkpoint(store, policy_ref), lambda name: not is_weights_file(name))
+    dtype = getattr(torch, str(store.manifest(artifact).extra.get("dtype", "float32")))
+    with MODEL_BUILD_LOCK:
+        policy = skeleton(static, dtype, torch.get_num_threads())
+    policy.model.to_empty(device=device)
+    policy.model.tie_weights()  # to_empty gave each name of a tied weight a tensor of its own
+    optimizer = make_optimizer(policy, lr, weight_decay) if lr is not None else None
+    with scratch_dir() as directory:
+        fetch_state_files(store, artifact, directory)
+        load_sharded(policy.model, optimizer, directory, alone=True)
+    return TrainerState(ready(policy), optimizer)
 
 
 _snapshots: dict[str, Policy] = {}
@@ -280,9 +315,26 @@ def take_trainer_state(
     if not holds_weights(store, weights_artifact(store, policy_ref)):
         rebuilt = rebuilt_state(store, policy_ref, device=device)  # a step between stored states
         return distributed(rebuilt, ranks, device, lr, weight_decay)
+    if holds_sharded_state(store, weights_artifact(store, policy_ref)):
+        return sharded_state(store, policy_ref, ranks, device, lr, weight_decay)
     policy = live.policy if live is not None else load_policy(store, policy_ref, device=device)
     state = TrainerState(policy, stored_optimizer(store, policy_ref, policy, lr, weight_decay))
     return distributed(state, ranks, device, lr, weight_decay)
+
+
+def sharded_state(
+    store: Store, policy_ref: str, ranks: Ranks, device: torch.device, lr: float, weight_decay: float
+) -> TrainerState:
+    """The trainer state of `policy_ref` from its sharded state: read by the rank group at its own rank count
+    (each rank the slices its shards need), or whole by this process alone."""
+    if ranks.data_parallel == 1:
+        return plain_from_state(store, policy_ref, device=device, lr=lr, weight_decay=weight_decay)
+    artifact = weights_artifact(store, policy_ref)
+    static = _files(store, source_checkpoint(store, policy_ref), lambda name: not is_weights_file(name))
+    dtype = getattr(torch, str(store.manifest(artifact).extra.get("dtype", "float32")))
+    group = rank_group(ranks.data_parallel, ranks.sharding, device, threads=torch.get_num_threads())
+    policy, optimizer = group.load_state(static, dtype, str(store.root), artifact, lr, weight_decay)
+    return TrainerState(policy, optimizer)
 
 
 def distributed(
@@ -322,8 +374,11 @@ def rebuilt_state(store: Store, policy_ref: str, *, device: torch.device | None 
             'trainer state is kept); use a checkpoint: rlvr query "SELECT step, artifact_id FROM checkpoints"'
         )
     first = GRPOConfig.model_validate(_grpo_settings(store, chain.replay[0])) if chain.replay else GRPOConfig()
-    policy = policy_from_files(policy_files_of(store, chain.base), device=device)
-    state = TrainerState(policy, stored_optimizer(store, chain.base, policy, first.lr, first.weight_decay))
+    if holds_sharded_state(store, weights_artifact(store, chain.base)):
+        state = plain_from_state(store, chain.base, device=device, lr=first.lr, weight_decay=first.weight_decay)
+    else:
+        policy = policy_from_files(policy_files_of(store, chain.base), device=device)
+        state = TrainerState(policy, stored_optimizer(store, chain.base, policy, first.lr, first.weight_decay))
     for train_steps_id in chain.replay:
         replay_update(store, state, train_steps_id, device)
     return state

@@ -43,11 +43,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from rlvr.child_guard import exit_when_gone, start_time
-from rlvr.errors import UserError
+from rlvr.errors import Stopped, UserError, stop_with
+from rlvr.storage.store import Store, open_store
 from rlvr.trainer.distributed import distributed_grpo_step, parse_payload, payload_text
 from rlvr.trainer.generation import Sample, greedy, sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch
@@ -56,17 +56,21 @@ from rlvr.trainer.policy import (
     MODEL_BUILD_LOCK,
     Policy,
     make_optimizer,
-    optimizer_state_bytes,
     policy_files,
     set_threads,
 )
 from rlvr.trainer.sharding import (
     Sharding,
+    dcp_name,
     full_state,
     held_bytes,
+    load_sharded,
     load_whole,
     plain_optimizer_state,
+    save_sharded,
+    scratch_dir,
     shard,
+    stored_name,
     whole_weights,
 )
 
@@ -154,7 +158,7 @@ def _is_weights(name: str) -> bool:
     return name.endswith((".safetensors", ".safetensors.index.json")) or name == "adapter.lora"
 
 
-def _skeleton(static: dict[str, bytes], dtype: torch.dtype, threads: int) -> Policy:
+def skeleton(static: dict[str, bytes], dtype: torch.dtype, threads: int) -> Policy:
     """The policy's model without weights (on the meta device) and its tokenizer, from its static files."""
     set_threads(threads)
     with tempfile.TemporaryDirectory(prefix="rlvr-ranks-") as tmp:
@@ -200,7 +204,7 @@ def build_sharded(
     """Every rank: the model built empty, sharded, and filled with rank 0's weights (`whole`, rank 0 only),
     and, when `trainable`, an optimizer over its shards with rank 0's state (`optimizer_state`, FSDP's full form,
     None: fresh). The policy is in eval mode, as every policy is outside a training pass."""
-    policy = _skeleton(static, dtype, state.threads)
+    policy = skeleton(static, dtype, state.threads)
     model = policy.model
     shard(model, state.sharding, state.device)
     model.to_empty(device=state.device)
@@ -214,10 +218,10 @@ def build_sharded(
     load_whole(model, optimizer, weights, (optimizer_state or {}) if bool(present.item()) else None)
     _restore_buffers(model, buffers, state.device)
     model.tie_weights()
-    return _ready(policy), optimizer
+    return ready(policy), optimizer
 
 
-def _ready(policy: Policy) -> Policy:
+def ready(policy: Policy) -> Policy:
     """What `policy._prepare` does for a loaded model, but the cast (the weights are already in their dtype)."""
     tokenizer = policy.tokenizer
     tokenizer.padding_side = "left"
@@ -276,11 +280,58 @@ def _greedy_share(state: RankState, prompts: list[str], settings: dict[str, Any]
     return [ordered[index] for index in range(len(prompts))] if parts else []
 
 
+# --- the training state on every rank ------------------------------------------------------------------------
+
+
+def _save_share(state: RankState, header: dict[str, Any]) -> list[dict[str, Any]]:
+    """This rank's files of a sharded state, written into the artifact's folder; every entry on rank 0."""
+    assert state.policy is not None and state.optimizer is not None
+    store = open_store(header["root"])
+    with scratch_dir() as directory:
+        save_sharded(state.policy.model, state.optimizer, directory)
+        entries = [
+            store.place_file(header["kind"], header["artifact_id"], stored_name(path.name), path.read_bytes())
+            for path in sorted(directory.iterdir())
+        ]
+    parts = gather_bytes(json.dumps(entries).encode(), state.device)
+    return [entry for part in parts for entry in json.loads(part)]
+
+
+def _load_share(
+    state: RankState, static: dict[str, bytes], header: dict[str, Any]
+) -> tuple[Policy, torch.optim.Optimizer]:
+    """Every rank: the model built empty and sharded, and its shards (and the optimizer's) read from the state
+    files of artifact `header["artifact_id"]`."""
+    policy = skeleton(static, getattr(torch, header["dtype"]), state.threads)
+    shard(policy.model, state.sharding, state.device)
+    policy.model.to_empty(device=state.device)
+    optimizer = make_optimizer(policy, header["lr"], header["weight_decay"])
+    with scratch_dir() as directory:
+        fetch_state_files(open_store(header["root"]), header["artifact_id"], directory)
+        load_sharded(policy.model, optimizer, directory, alone=False)
+    policy.model.tie_weights()
+    return ready(policy), optimizer
+
+
+def fetch_state_files(store: Store, artifact_id: str, directory: Path) -> None:
+    """The torch.distributed.checkpoint files of a stored state into `directory`, under DCP's own names (each
+    read checked against its manifest's sha256)."""
+    for entry in store.manifest(artifact_id).binary_files:
+        name = entry["path"].removeprefix("files/")
+        own = dcp_name(name)
+        if own is not None:
+            (directory / own).write_bytes(store.read_file(artifact_id, name))
+
+
 # --- rank 0: the group ---------------------------------------------------------------------------------------
 
 
-class RankLost(UserError):
-    """A data-parallel rank died; the run stops (its committed work is intact)."""
+class RankLost(Stopped):
+    """A data-parallel rank died: the run stops, as on SIGTERM (its committed work is intact, the message says
+    which rank and how, and the run's stop line says how to resume)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 128 + signal.SIGTERM)
 
 
 class RankGroup:
@@ -293,6 +344,7 @@ class RankGroup:
         self.lost: str | None = None
         self.broken = False  # an operation failed part way: the ranks are out of step
         self.closing = False  # the ranks are being stopped: their exits are expected
+        self._losing = threading.Lock()
         self._in_op = threading.local()
         backend = "nccl" if device.type == "cuda" else "gloo"
         if torchrun_rank() is not None:
@@ -326,9 +378,16 @@ class RankGroup:
         self._in_op.active = True
         try:
             yield
-        except BaseException:
+        except Stopped:
             self.broken = True  # the ranks may be anywhere in the operation: no further collective can match
             raise
+        except Exception:  # a collective fails when a rank died: that death is the error to report
+            self.broken = True
+            died = self._dead_rank(wait_s=WATCH_S * 4)
+            if died is None:
+                raise
+            self._lose(died, signal_run=False)
+            raise RankLost(died) from None
         finally:
             self._in_op.active = False
         self._check()
@@ -342,23 +401,47 @@ class RankGroup:
             raise RankLost(self.lost)
 
     def _watch(self) -> None:
-        """Rank 0's watchdog over the ranks it started: one line naming a rank that died, then the run is stopped
-        (SIGTERM to this process, which unwinds the run), and ended if a collective holds it past the grace."""
+        """Rank 0's watchdog over the ranks it started: when one dies, the run is stopped (SIGTERM to this process,
+        which unwinds the run and says which rank died), and the process ended if a collective holds it longer
+        than EXIT_GRACE_S."""
         while self.lost is None and not self.closing:
             time.sleep(WATCH_S)
+            died = self._dead_rank()
+            if died is not None:
+                self._lose(died, signal_run=True)
+
+    def _dead_rank(self, wait_s: float = 0.0) -> str | None:
+        """How the first rank this process started that has died ended (None while all live), looking for up to
+        `wait_s` seconds."""
+        deadline = time.monotonic() + wait_s
+        while True:
             for rank, worker in enumerate(self.workers, start=1):
                 code = worker.poll()
-                if code is None or self.lost is not None or self.closing:
-                    continue
-                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-                self.lost = f"data-parallel rank {rank} (pid {worker.pid}) {how}; the run stops"
-                print(f"error: {self.lost}", file=sys.stderr, flush=True)
-                os.kill(os.getpid(), signal.SIGTERM)
-                timer = threading.Timer(EXIT_GRACE_S, self._end_process)
-                timer.daemon = True
-                timer.start()
+                if code is not None and not self.closing:
+                    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+                    return f"stopped: data-parallel rank {rank} (pid {worker.pid}) {how}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _lose(self, reason: str, signal_run: bool) -> None:
+        """Record the group lost (once); with `signal_run`, stop the run's main thread by SIGTERM, naming
+        `reason`, and end the process if it is still here after the grace."""
+        with self._losing:
+            if self.lost is not None:
+                return
+            self.lost = reason
+        if signal_run:
+            stop_with(signal.SIGTERM, reason)
+            os.kill(os.getpid(), signal.SIGTERM)
+        timer = threading.Timer(EXIT_GRACE_S, self._end_process)
+        timer.daemon = True
+        timer.start()
 
     def _end_process(self) -> None:
+        if self.closing:  # the run unwound and stopped its ranks: nothing holds the process
+            return
+        print(f"error: run {self.lost}; ended after {EXIT_GRACE_S:g} s", file=sys.stderr, flush=True)
         for worker in self.workers:
             if worker.poll() is None:
                 worker.kill()
@@ -428,28 +511,42 @@ class RankGroup:
             return _greedy_share(self.state, prompts, settings)
 
     def whole_files(self) -> dict[str, bytes]:
-        """The policy as a Hugging Face model directory (name -> bytes), built on rank 0 from the gathered weights."""
-        return self.whole(with_optimizer=False)[0]
-
-    def whole(self, with_optimizer: bool) -> tuple[dict[str, bytes], bytes | None]:
-        """The policy's directory files and, `with_optimizer`, its optimizer state in the one-process format
-        (`policy.optimizer_state_bytes`), both gathered whole on rank 0: what a train_state stores, loadable at any
-        rank count."""
-        policy, optimizer = self._held()
-        with self.op("whole", {"optimizer": with_optimizer}):
-            weights, optimizer_state = gathered(policy, optimizer, with_optimizer)
+        """The policy as a Hugging Face model directory (name -> bytes), built on rank 0 from the gathered weights
+        (what a checkpoint stores)."""
+        policy, _ = self._held()
+        with self.op("whole"):
+            weights = full_state(policy.model)
         dtype = next(policy.model.parameters()).dtype
-        plain = plain_policy(self.state.static, weights, policy, dtype)
-        files = policy_files(plain)
-        if optimizer_state is None:
-            return files, None
-        plain_optimizer = make_optimizer(
-            plain, optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["weight_decay"]
-        )
-        set_optimizer_state_dict(
-            plain.model, plain_optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True)
-        )
-        return files, optimizer_state_bytes(plain_optimizer)
+        return policy_files(plain_policy(self.state.static, weights, policy, dtype))
+
+    def save_state(self, store_root: str, kind: str, artifact_id: str) -> list[dict[str, Any]]:
+        """The sharded weights and optimizer state with torch.distributed.checkpoint: every rank writes its own
+        files into artifact `artifact_id`'s folder of the store at `store_root` (`Store.place_file`, so the store
+        must be reachable from every rank); returns every file's manifest entry for rank 0 to commit."""
+        self._held()  # a policy to save
+        header = {"root": store_root, "kind": kind, "artifact_id": artifact_id}
+        with self.op("save_state", header):
+            return _save_share(self.state, header)
+
+    def load_state(
+        self,
+        static: dict[str, bytes],
+        dtype: torch.dtype,
+        store_root: str,
+        artifact_id: str,
+        lr: float,
+        weight_decay: float,
+    ) -> tuple[Policy, torch.optim.Optimizer]:
+        """The group's sharded policy and optimizer loaded from a state `save_state` wrote (at any rank count),
+        built from the policy's static files (config, tokenizer) in `dtype`."""
+        header = {"dtype": str(dtype).removeprefix("torch."), "lr": lr, "weight_decay": weight_decay}
+        header.update(sharding=self.state.sharding, root=store_root, artifact_id=artifact_id)
+        with self.op("load_state", header, pack_files(static)):
+            sharded, optimizer = _load_share(self.state, static, header)
+        self.state.policy, self.state.optimizer, self.state.static = sharded, optimizer, static
+        self._guard(sharded)
+        sharded.ranks = self
+        return sharded, optimizer
 
     def held(self) -> list[dict[str, int]]:
         """Every rank's counted bytes of parameters, gradients and optimizer state (`sharding.held_bytes`)."""
@@ -495,22 +592,11 @@ class RankGroup:
                     worker.kill()
 
 
-def gathered(
-    policy: Policy, optimizer: torch.optim.Optimizer, with_optimizer: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """The whole weights (and optimizer state, FSDP's full form) on rank 0's CPU; a collective."""
-    weights = full_state(policy.model)
-    if not with_optimizer:
-        return weights, None
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return weights, get_optimizer_state_dict(policy.model, optimizer, options=options)
-
-
 def plain_policy(
     static: dict[str, bytes], weights: dict[str, torch.Tensor], like: Policy, dtype: torch.dtype
 ) -> Policy:
     """A one-process policy around whole weights (no copy) from the static files, with `like`'s buffers."""
-    plain = _skeleton(static, dtype, torch.get_num_threads())
+    plain = skeleton(static, dtype, torch.get_num_threads())
     plain.model.load_state_dict(weights, assign=True, strict=False)
     for name, buffer in like.model.named_buffers():
         if name not in weights:
@@ -520,7 +606,7 @@ def plain_policy(
     missing = [name for name, p in plain.model.named_parameters() if p.is_meta]
     if missing:
         raise RuntimeError(f"gathered weights miss {missing[:3]}")
-    return _ready(Policy(plain.model, plain.tokenizer, like.source))
+    return ready(Policy(plain.model, plain.tokenizer, like.source))
 
 
 # --- the process's group -------------------------------------------------------------------------------------
@@ -607,9 +693,16 @@ def _serve_one(state: RankState, header: dict[str, Any]) -> None:
     elif op == "greedy":
         request = json.loads(broadcast_bytes(None, device))
         _greedy_share(state, request["prompts"], request["settings"])
+    elif op == "save_state":
+        _save_share(state, header)
+    elif op == "load_state":
+        static = unpack_files(broadcast_bytes(None, device))
+        state.sharding = header["sharding"]
+        state.policy, state.optimizer = _load_share(state, static, header)
+        state.static = static
     elif op == "whole":
-        assert state.policy is not None and state.optimizer is not None
-        gathered(state.policy, state.optimizer, bool(header["optimizer"]))
+        assert state.policy is not None
+        full_state(state.policy.model)
     elif op == "held":
         assert state.policy is not None
         gather_bytes(json.dumps(held_bytes(state.policy.model, state.optimizer)).encode(), device)

@@ -18,7 +18,6 @@ prompts need (rollouts and evaluations on every rank).
 
 from __future__ import annotations
 
-import hashlib
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -168,21 +167,40 @@ def plain_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """The model's and optimizer's shards with torch.distributed.checkpoint into `directory` (a collective:
-    each rank writes its own `__<rank>_0.distcp`, rank 0 also `.metadata`); loadable at any rank count."""
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    each rank writes its own `__<rank>_0.distcp`, rank 0 also `.metadata`), with the buffers no state dict holds
+    (rotary frequencies); loadable at any rank count (`load_sharded`)."""
+    state = {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+        "buffers": unsaved_buffers(model),
+    }
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), single_file_per_rank=True))
 
 
-def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path) -> None:
-    """Inverse of `save_sharded`, at this process's rank count (one process without a group too, with
-    `no_dist`): each rank reads the slices of the files its shards need."""
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+def load_sharded(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path, *, alone: bool
+) -> None:
+    """Inverse of `save_sharded` into a model built without weights (to_empty) and an optimizer over it: each
+    rank of the default group reads the slices its shards need, or, `alone`, this process reads everything into
+    its whole model (no collective, whether or not a group exists)."""
+    state: dict[str, Any] = {"model": get_model_state_dict(model), "buffers": unsaved_buffers(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=not dist.is_initialized())
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=alone)
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    for name, value in state["buffers"].items():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._buffers[leaf] = value
+
+
+def unsaved_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a state dict leaves out (non-persistent: computed at build time, which the meta device
+    skips), by name."""
+    kept = set(model.state_dict())
+    return {name: buffer for name, buffer in model.named_buffers() if name not in kept}
 
 
 def stored_name(dcp_name: str) -> str:
@@ -197,15 +215,6 @@ def dcp_name(stored: str) -> str | None:
         if stored.startswith(f"{DCP_PREFIX}.") or stored.startswith(f"{DCP_PREFIX}__")
         else None
     )
-
-
-def file_entries(directory: Path) -> list[dict[str, Any]]:
-    """Each file this rank wrote into `directory`: its store name, size and sha256."""
-    entries = []
-    for path in sorted(directory.iterdir()):
-        data = path.read_bytes()
-        entries.append({"name": stored_name(path.name), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    return entries
 
 
 @contextmanager

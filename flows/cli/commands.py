@@ -71,20 +71,26 @@ def run(
 
 
 @app.command()
-def resume(run_id: str = typer.Argument(..., help="the run to finish"), store: str | None = StoreOption) -> None:
+def resume(
+    run_id: str = typer.Argument(..., help="the run to finish"),
+    store: str | None = StoreOption,
+    set_: list[str] = typer.Option(
+        [], "--set", help="change where it works, e.g. --set train.data_parallel=4 (placement keys only)"
+    ),
+) -> None:
     """Finish a failed or killed run from its last committed work (same results as an uninterrupted run)."""
     from rlvr.flows.prefect_env import configure_prefect
 
     found = open_existing(store)
     configure_prefect(found)
-    from rlvr.flows.config import config_from_json
+    from rlvr.flows.config import config_from_json, with_placement
     from rlvr.flows.runs import resumable_run
     from rlvr.flows.runs import resume as resume_run
 
-    cfg = config_from_json(resumable_run(found, run_id)["config_json"])
+    cfg = with_placement(config_from_json(resumable_run(found, run_id)["config_json"]), set_)
     if _serves_rank_zero(cfg):
         return
-    _run_with_progress(lambda: resume_run(store_root(store), run_id), cfg)
+    _run_with_progress(lambda: resume_run(store_root(store), run_id, set_), cfg)
 
 
 def _serves_rank_zero(cfg: Any) -> bool:
