@@ -545,10 +545,10 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
         warm = run(WARMSTART, cfg.warmstart, at, inputs=inputs, params={"device": cfg.policy.device})
         refs = replace(refs, policy_ref=warm["checkpoints"], start_ref=warm["checkpoints"])
         report("eval", step=0, phase="warmstart", accuracy=evaluate(store, cfg, 0, "warmstart", refs))
+    if cfg.train.data_parallel > 1:  # from here on the ranks sample too: difficulty, rollouts, evaluations
+        share_policy(store, cfg, refs.policy_ref)
     refs = replace(refs, difficulty=estimate_difficulty(store, cfg, problems, refs.policy_ref))
     report("stage", name="rl")
-    if cfg.train.data_parallel > 1:
-        share_policy(store, cfg, refs.policy_ref)
     size = cfg.flow.steps_per_subflow
     try:
         for first in range(1, cfg.train.steps + 1, size):
@@ -564,7 +564,8 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
 
 def share_policy(store: str, cfg: RunConfigBase, policy_ref: str) -> None:
     """With train.data_parallel > 1: the policy the RL steps start from, adopted by the run's rank group and kept
-    in memory under its id, so that the first step's rollouts are sampled on every rank as the later ones are."""
+    in memory under its id, so that the difficulty estimate and the first step's rollouts are sampled on every
+    rank as the later ones are."""
     ranks = Ranks(cfg.train.data_parallel, cfg.train.sharding)
     grpo, device = cfg.train.grpo, resolve_device(cfg.policy.device)
     state = take_trainer_state(open_store(store), policy_ref, grpo.lr, grpo.weight_decay, device=device, ranks=ranks)
