@@ -145,6 +145,14 @@ def holds_sharded_state(store: Store, artifact_id: str) -> bool:
     return f"files/{stored_name('.metadata')}" in {entry["path"] for entry in store.manifest(artifact_id).files}
 
 
+def _sharded_state_of(store: Store, policy_ref: str) -> tuple[str, dict[str, bytes], torch.dtype]:
+    """The train_state holding `policy_ref`'s sharded state, the static files of its chain's checkpoint (config,
+    tokenizer) and the weights' dtype, recorded when the ranks wrote it."""
+    artifact = weights_artifact(store, policy_ref)
+    static = _files(store, source_checkpoint(store, policy_ref), lambda name: not is_weights_file(name))
+    return artifact, static, getattr(torch, str(store.manifest(artifact).extra.get("dtype", "float32")))
+
+
 def plain_from_state(
     store: Store,
     policy_ref: str,
@@ -155,9 +163,7 @@ def plain_from_state(
 ) -> TrainerState:
     """The policy of `policy_ref` whole in this process from its sharded state (any rank count wrote it), and
     with `lr` an optimizer holding its state: torch.distributed.checkpoint reads every shard, no collective."""
-    artifact = weights_artifact(store, policy_ref)
-    static = _files(store, source_checkpoint(store, policy_ref), lambda name: not is_weights_file(name))
-    dtype = getattr(torch, str(store.manifest(artifact).extra.get("dtype", "float32")))
+    artifact, static, dtype = _sharded_state_of(store, policy_ref)
     with MODEL_BUILD_LOCK:
         policy = skeleton(static, dtype, torch.get_num_threads())
     policy.model.to_empty(device=device)
@@ -329,9 +335,7 @@ def sharded_state(
     (each rank the slices its shards need), or whole by this process alone."""
     if ranks.data_parallel == 1:
         return plain_from_state(store, policy_ref, device=device, lr=lr, weight_decay=weight_decay)
-    artifact = weights_artifact(store, policy_ref)
-    static = _files(store, source_checkpoint(store, policy_ref), lambda name: not is_weights_file(name))
-    dtype = getattr(torch, str(store.manifest(artifact).extra.get("dtype", "float32")))
+    artifact, static, dtype = _sharded_state_of(store, policy_ref)
     group = rank_group(ranks.data_parallel, ranks.sharding, device, threads=torch.get_num_threads())
     policy, optimizer = group.load_state(static, dtype, str(store.root), artifact, lr, weight_decay)
     return TrainerState(policy, optimizer)
