@@ -19,6 +19,7 @@ prompts need (rollouts and evaluations on every rank).
 from __future__ import annotations
 
 import tempfile
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -186,7 +187,9 @@ def load_sharded(
     state: dict[str, Any] = {"model": get_model_state_dict(model), "buffers": unsaved_buffers(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=alone)
+    with warnings.catch_warnings():  # alone: DCP warns that it "assumes" one process, which is what is asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=alone)
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
