@@ -4,7 +4,8 @@ gives exactly the artifact ids (and, at the same rank count, final weights) of t
 resumed at another rank count.
 
 Both runs share seed, config and run id in different stores, as in tests/test_kill_resume.py; the kill lands
-after the second RL step's update is committed."""
+after the third RL step's update is committed, and states are stored every second step, so the resume replays
+step 3 from step 2's sharded state."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ RUN_ID = "ranks"
 OVERRIDES = [
     "train.steps=5",
     "train.data_parallel=2",
+    "train.state_every=2",  # a resume after step 3 replays it from step 2's sharded state
     "select.batch_size=8",
     "allocate.n=4",
     "warmstart.steps=10",
@@ -97,7 +99,7 @@ def test_a_killed_rank_ends_the_run_and_resume_gives_the_uninterrupted_artifacts
     env = cli_env(PREFECT_API_URL=prefect_api, RLVR_TEST_MARK=mark)
     store = tmp_path / "s"
     proc = start(store, env)
-    wait_for(lambda: committed(store, "train_steps") >= 2 or proc.poll() is not None, 600, "two committed updates")
+    wait_for(lambda: committed(store, "train_steps") >= 3 or proc.poll() is not None, 600, "three committed updates")
     assert proc.poll() is None, proc.stderr.read()[-3000:]
     (worker,) = rank_processes(mark, parent=proc.pid)
     killed_at = time.monotonic()

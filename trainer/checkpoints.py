@@ -378,8 +378,9 @@ def rebuilt_state(store: Store, policy_ref: str, *, device: torch.device | None 
             'trainer state is kept); use a checkpoint: rlvr query "SELECT step, artifact_id FROM checkpoints"'
         )
     first = GRPOConfig.model_validate(_grpo_settings(store, chain.replay[0])) if chain.replay else GRPOConfig()
-    if holds_sharded_state(store, weights_artifact(store, chain.base)):
-        state = plain_from_state(store, chain.base, device=device, lr=first.lr, weight_decay=first.weight_decay)
+    ranks = _recorded_ranks(store, chain.replay[0]) if chain.replay else ONE_PROCESS
+    if holds_sharded_state(store, weights_artifact(store, chain.base)):  # read by the ranks that replay
+        state = sharded_state(store, chain.base, ranks, device, first.lr, first.weight_decay)
     else:
         policy = policy_from_files(policy_files_of(store, chain.base), device=device)
         state = TrainerState(policy, stored_optimizer(store, chain.base, policy, first.lr, first.weight_decay))
@@ -394,6 +395,12 @@ def _grpo_settings(store: Store, train_steps_id: str) -> dict[str, object]:
     return settings
 
 
+def _recorded_ranks(store: Store, train_steps_id: str) -> Ranks:
+    """The ranks a train step ran its update on (recorded in its manifest), which its replay uses again."""
+    extra = store.manifest(train_steps_id).extra
+    return Ranks(int(extra.get("data_parallel", 1)), extra.get("sharding", "fsdp"))
+
+
 def replay_update(store: Store, state: TrainerState, train_steps_id: str, device: torch.device) -> None:
     """Apply the update train step `train_steps_id` made to `state` again, from its committed inputs."""
     manifest = store.manifest(train_steps_id)
@@ -401,7 +408,7 @@ def replay_update(store: Store, state: TrainerState, train_steps_id: str, device
     inputs = Inputs(store, manifest.extra["stage_run"]["inputs"])
     reference = reference_policy(store, inputs.require_id("reference"), device=device) if grpo.kl_beta > 0 else None
     assert state.optimizer is not None
-    ranks = Ranks(int(manifest.extra.get("data_parallel", 1)), manifest.extra.get("sharding", "fsdp"))
+    ranks = _recorded_ranks(store, train_steps_id)
     if ranks.data_parallel > 1 and state.policy.ranks is None:  # replayed on the ranks that made it: same sums
         adopted = distributed(state, ranks, device, grpo.lr, grpo.weight_decay)
         state.policy, state.optimizer = adopted.policy, adopted.optimizer

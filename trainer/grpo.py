@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -756,12 +757,14 @@ def token_bytes(config: Any, checkpointing: bool) -> int:
 
 def unallocated_update_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """What the update will still allocate: each trainable parameter's gradient when it has none, and an Adam-style
-    optimizer's two moments when it has no state for it yet (always, without an optimizer to ask)."""
+    optimizer's two moments when it has no state for it yet (always, without an optimizer to ask). A parameter
+    sharded over data-parallel ranks (a DTensor) counts this rank's shard only."""
     total = 0
     for param in model.parameters():
         if not param.requires_grad:
             continue
-        size = param.numel() * param.element_size()
+        held = param.to_local() if isinstance(param, DTensor) else param
+        size = held.numel() * held.element_size()
         if param.grad is None:
             total += size
         if optimizer is None or not optimizer.state.get(param):

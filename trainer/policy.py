@@ -255,6 +255,22 @@ def weights_bytes(model: PreTrainedModel) -> bytes:
 _static_files: "WeakKeyDictionary[PreTrainedModel, dict[str, bytes]]" = WeakKeyDictionary()
 
 
+def static_files(policy: Policy) -> dict[str, bytes]:
+    """The files of the policy's directory that training never changes (config, generation config, tokenizer,
+    LoRA settings), written without serialising the weights (what data-parallel ranks build a model from)."""
+    cached = _static_files.get(policy.model)
+    if cached is not None:
+        return dict(cached)
+    with tempfile.TemporaryDirectory() as tmp:
+        policy.model.config.save_pretrained(tmp)
+        policy.model.generation_config.save_pretrained(tmp)
+        policy.tokenizer.save_pretrained(tmp)
+        files = {p.relative_to(tmp).as_posix(): p.read_bytes() for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
+    if has_lora(policy.model):
+        files[SETTINGS_FILE] = settings_bytes(settings_of(policy.model))
+    return files
+
+
 def policy_files(policy: Policy) -> dict[str, bytes]:
     """The files of a `from_pretrained`-loadable directory (config, safetensors weights, tokenizer,
     generation config). Tied embeddings are stored once, as `save_pretrained` does. Under LoRA the weights

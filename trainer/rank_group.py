@@ -58,6 +58,7 @@ from rlvr.trainer.policy import (
     make_optimizer,
     policy_files,
     set_threads,
+    static_files,
 )
 from rlvr.trainer.sharding import (
     Sharding,
@@ -147,15 +148,6 @@ class RankState:
     reference: Policy | None = None
     static: dict[str, bytes] = field(default_factory=dict)  # the policy's config and tokenizer files
     sampled: list[int] = field(default_factory=list)  # on rank 0: the samples each rank drew in the last operation
-
-
-def static_files(policy: Policy) -> dict[str, bytes]:
-    """The files of the policy's directory that training never changes (config, tokenizer, LoRA settings)."""
-    return {name: data for name, data in policy_files(policy).items() if not _is_weights(name)}
-
-
-def _is_weights(name: str) -> bool:
-    return name.endswith((".safetensors", ".safetensors.index.json")) or name == "adapter.lora"
 
 
 def skeleton(static: dict[str, bytes], dtype: torch.dtype, threads: int) -> Policy:

@@ -95,6 +95,7 @@ def whole_weights(model: torch.nn.Module) -> Iterator[None]:
     forward inside, so that each rank may then run as many forwards as it needs on its own; resharded on exit
     (no collective)."""
     found = units(model)
+    before = [_reshards_after_forward(unit) for unit in found]
     for unit in found:
         unit.set_reshard_after_forward(False, recurse=False)
     try:
@@ -102,9 +103,16 @@ def whole_weights(model: torch.nn.Module) -> Iterator[None]:
             unit.unshard()
         yield
     finally:
-        for unit in found:
+        for unit, setting in zip(found, before):
             unit.reshard()
-            unit.set_reshard_after_forward(True, recurse=False)
+            unit.set_reshard_after_forward(setting, recurse=False)
+
+
+def _reshards_after_forward(unit: FSDPModule) -> bool:
+    """Whether a unit frees its gathered weights after each forward (FSDP2's default: every unit but the root,
+    which keeps them for the backward that follows)."""
+    group = unit._get_fsdp_state()._fsdp_param_group  # FSDP2 has no public getter
+    return bool(group is not None and group._reshard_after_forward)
 
 
 @contextmanager
