@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import ctypes
 import dataclasses
 import json
 import os
@@ -78,6 +79,25 @@ from rlvr.trainer.sharding import (
 TIMEOUT = timedelta(minutes=30)  # a collective waits this long for a rank (rank 0 verifying a large step)
 WATCH_S = 0.5  # how often rank 0 looks at the ranks it started
 EXIT_GRACE_S = 15.0  # after a rank died: how long the run may take to stop before its process is ended
+
+
+# --- memory --------------------------------------------------------------------------------------------------
+
+MMAP_THRESHOLD = 4 << 20  # bytes: glibc maps allocations this large on their own and unmaps them when freed
+
+
+def return_freed_memory() -> None:
+    """On a CPU rank (Linux, glibc): tensors of MMAP_THRESHOLD bytes and more get pages of their own, given back
+    to the system when freed. By default glibc raises that threshold after each large free, up to 32 MiB, and
+    serves later large tensors from its heap, which it rarely returns: a rank's resident memory then keeps the
+    high-water mark of every step's transient buffers (about 1 GB more per rank at SmolLM2-135M:
+    docs/benchmarks.md), the memory sharding is meant to save. Elsewhere (no glibc) nothing changes."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_mmap_threshold = -3  # glibc's M_MMAP_THRESHOLD; setting it also stops the threshold's growth
+    libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD)
 
 
 # --- bytes between ranks -------------------------------------------------------------------------------------
@@ -339,6 +359,8 @@ class RankGroup:
         self._losing = threading.Lock()
         self._in_op = threading.local()
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cpu":
+            return_freed_memory()
         if torchrun_rank() is not None:
             launched = int(os.environ["WORLD_SIZE"])
             if launched != world_size:
@@ -719,6 +741,8 @@ def main(argv: Sequence[str]) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cpu":
+        return_freed_memory()
     world = int(args.world_size)
     dist.init_process_group(backend, init_method=args.init, rank=rank, world_size=world, timeout=TIMEOUT)
     serve(RankState(device, "fsdp", int(args.threads)))
@@ -736,6 +760,8 @@ def serve_torchrun(device_name: str, threads: int) -> None:
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    else:
+        return_freed_memory()
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=TIMEOUT)
     serve(RankState(device, "fsdp", threads))
 
