@@ -100,6 +100,11 @@ class RunConfigBase(BaseModel):
         """Data-parallel ranks each sample their share of a step's prompts, so with train.data_parallel > 1 every
         sample draws from its own seed: `rollout.seeding` is `row` unless set, and `batch` is refused."""
         train, rollout = getattr(self, "train", None), getattr(self, "rollout", None)
+        if train is not None and train.data_parallel > 1 and getattr(rollout, "type", "") == "vllm":
+            raise ValueError(
+                "rollout.type=vllm is not split over train.data_parallel ranks yet (each rank would need an engine "
+                "of its own); use the transformers engine, which samples on every rank"
+            )
         if train is None or train.data_parallel == 1 or getattr(rollout, "seeding", "row") == "row":
             return self
         if "seeding" in rollout.model_fields_set:  # type: ignore[union-attr]

@@ -112,3 +112,16 @@ def test_keys_added_later_leave_the_ids_of_earlier_runs_as_they_were():
     # rollouts are row-seeded, which is what changes the id
     ranks = {config_id("train.data_parallel=2"), config_id("train.data_parallel=4", "train.sharding=replicate")}
     assert ranks == {config_id("rollout.seeding=row")} and config_id() not in ranks
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.seeding=batch"], "rollout.seeding=batch cannot be split over train.data_parallel ranks"),
+        (["rollout.type=vllm"], "rollout.type=vllm is not split over train.data_parallel ranks yet"),
+        (["train.grpo.fused_head=true"], "train.grpo.fused_head is not supported with train.data_parallel > 1"),
+    ],
+)
+def test_what_data_parallel_ranks_do_not_combine_with_is_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["train.data_parallel=2", *overrides])
