@@ -828,6 +828,7 @@ class Store:
         self._manifest_cache.pop(artifact_id, None)
         directory = self.artifact_dir(manifest.kind, artifact_id)
         for path in (f"{directory}/_shards", directory):
+            self._check_lease([manifest.run_id], listing=False)  # each removal, as each write: frozen in between?
             try:  # one request where asking first would be two (on an object store, each a round trip)
                 self.fs.rm(path, recursive=True)
             except FileNotFoundError:
