@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 STORE ?= ./rlvr-store
 
-.PHONY: demo test lint format venv bench clean smollm2 docs
+.PHONY: demo test lint format venv bench clean smollm2 envs docs
 
 venv: $(STAMP)
 
@@ -34,12 +34,23 @@ $(SMOLLM2_STAMP): $(STAMP)
 
 smollm2: $(SMOLLM2_STAMP)
 
+# Environments written elsewhere (docs/environments.md): GEM and TextArena. gem-llm pins reasoning-gym==0.1.23 while
+# we run 0.1.25, so it goes in without its dependencies; the `gem` extra holds the ones its games import.
+ENVS_STAMP := $(VENV)/.envs
+
+$(ENVS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[gem,textarena]"
+	$(BIN)/python -m pip install --quiet --no-deps gem-llm==0.1.0
+	touch $@
+
+envs: $(ENVS_STAMP)
+
 # Two parts: the suite on TEST_WORKERS pytest-xdist workers (a file stays on one worker, so its fixtures start
 # once; files go out in tests/conftest.py's order, longest first), then the tests marked `serial` alone.
 # Both parts run even when the first fails; either failing fails.
 TEST_WORKERS ?= 2
 
-test: lint docs $(SMOLLM2_STAMP)
+test: lint docs $(SMOLLM2_STAMP) $(ENVS_STAMP)
 	status=0; \
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" tests || status=1; \
 	$(BIN)/python -m pytest -m serial tests || status=1; \

@@ -11,25 +11,87 @@ threads, one episode each, so an environment keeps its state on the instance. `s
 model wrote (a malformed tool call is answered with an error message); a tool that hangs or floods is cut by
 the environment's limits and recorded in `Reply.tool_uses`.
 
+`EnvConfig` is the run's `env` section (the type, its options and the limits every episode runs under); it sits
+here so that an environment's `factory` classmethod can read it, and verifiers/env_registry.py turns it into one
+instance per episode.
+
 The rollout loop (trainer/multi_turn.py) owns the tokens: it renders each reply's messages with the chat template
 and appends their token ids to the trajectory at loss mask 0, and never decodes and re-tokenizes earlier turns.
 """
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from functools import partial
+from typing import Any, ClassVar, Literal, TypeVar
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rlvr.errors import UserError
 from rlvr.verifiers.base import Score, Verifier
 
-__all__ = ["STOP_REASONS", "Environment", "OneTurn", "Opening", "Reply", "StopReason", "ToolUse"]
+__all__ = [
+    "STOP_REASONS",
+    "EnvConfig",
+    "Environment",
+    "OneTurn",
+    "Opening",
+    "Reply",
+    "StopReason",
+    "ToolUse",
+    "episode_reward",
+    "read_options",
+]
 
 Message = dict[str, str]  # {"role": ..., "content": ...}; role one of system, user, assistant, tool
 StopReason = Literal["done", "max_turns", "token_budget", "tool_timeout", "error"]
 STOP_REASONS: tuple[str, ...] = ("done", "max_turns", "token_budget", "tool_timeout", "error")
 ToolStatus = Literal["ok", "error", "timeout", "malformed"]
+TOOL_OUTPUT_BYTES_PER_TOKEN = 16  # the byte cap on a tool's output where it runs, per token of the later token cut
+Options = TypeVar("Options", bound=BaseModel)
+
+
+class EnvConfig(BaseModel):
+    """The run's environment (`env`): what each rollout is an episode of, and the limits every episode runs under.
+    The rollout loop enforces the turn and token budgets; the environment the tool limits. Built by the registry
+    (verifiers/env_registry.py, which also exports it) into one environment per episode."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str = Field("one_turn", min_length=1, description="a registered environment, or 'package.module:Class'")
+    max_turns: int = Field(1, ge=1, description="assistant turns per episode; then stop reason max_turns")
+    max_tokens: int = Field(1024, ge=1, description="tokens per trajectory after the prompt (sampled + environment's)")
+    max_tool_output_tokens: int = Field(256, ge=1, description="a tool's output is cut to this many tokens")
+    tool_timeout_s: float = Field(5.0, gt=0, le=600, description="wall-clock seconds per tool call")
+    tool_memory_mb: int = Field(512, ge=16, description="memory per tool call (the python tool's address space)")
+    parallel_tools: int = Field(2, ge=1, description="tool calls running at once, across the episodes")
+    verifier: str | None = Field(None, description="scores the final answer (one_turn, calculator)")
+    options: dict[str, Any] = Field(default_factory=dict, description="the environment type's own settings")
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether rollouts are episodes of an environment; `one_turn` is the one-completion path of old."""
+        return self.type != "one_turn"
+
+    @property
+    def max_tool_output_bytes(self) -> int:
+        """The byte cap applied where a tool runs (a generous bound on the token cut that follows)."""
+        return self.max_tool_output_tokens * TOOL_OUTPUT_BYTES_PER_TOKEN
+
+
+def read_options(model: type[Options], config: EnvConfig) -> Options:
+    """`config.options` checked against an environment's options model (extra="forbid" catches misspelt keys);
+    a bad one is a one-line UserError naming the key."""
+    try:
+        return model.model_validate(config.options)
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        where = "".join(f".{part}" for part in problem["loc"])
+        message = problem["msg"].removeprefix("Value error, ")
+        raise UserError(f"env.options{where} for {config.type!r}: {message}") from exc
 
 
 @dataclass(frozen=True)
@@ -44,8 +106,10 @@ class Opening:
 @dataclass(frozen=True)
 class ToolUse:
     """One tool call the environment ran (or refused) while answering a turn: for the `turns` table.
-    `arguments` is the call's JSON text as the model wrote it; `output` what the model is shown (already cut
-    to the environment's output limit); `status` "malformed" for a call that did not parse or named no tool."""
+    `arguments` is the call's arguments as JSON text (for a malformed call, the call's text as the model wrote it);
+    `output` what the model is shown (already cut to the environment's output limit in bytes; the rollout loop cuts
+    it to tokens); `status` "malformed" for a call that did not parse, named no tool or an unknown one, or gave
+    arguments the tool does not take."""
 
     name: str | None
     arguments: str
@@ -96,20 +160,43 @@ class Environment(ABC):
     def step(self, response: str) -> Reply:
         """Answer the assistant's turn `response` (its decoded text, special tokens removed)."""
 
-    def close(self) -> None:  # noqa: B027  # optional: most environments hold nothing to release
+    def close(self) -> None:  # optional: most environments hold nothing to release
         """Release what the episode holds (processes, files). Called once, after the last step or a failure."""
+
+    @classmethod
+    def factory(cls, config: EnvConfig) -> Callable[[], Environment]:
+        """How the registry (verifiers/env_registry.py) builds this environment's episodes from a run's `env` config:
+        check the config once, here, and return what is called once per episode. By default the episode is
+        `cls(**config.options)`; an environment that reads the shared limits (tool timeout, memory, verifier)
+        overrides this. Raises UserError for options the class does not take."""
+        options = dict(config.options)
+        try:
+            inspect.signature(cls).bind(**options)
+        except TypeError as exc:
+            raise UserError(f"env.options for {cls.name!r}: {exc}") from exc
+        return partial(cls, **options)
 
 
 class OneTurn(Environment):
     """A verifier as an environment: the problem's prompt is the conversation, no tools, and the first assistant
-    turn ends the episode with the verifier's verdict as its reward."""
+    turn ends the episode with the verifier's verdict as its reward. Without a verifier the episode ends with no
+    reward, and the label stage scores the response with the problem's own verifier."""
 
     name = "one_turn"
     version = "1"
 
-    def __init__(self, verifier: Verifier) -> None:
+    def __init__(self, verifier: Verifier | None = None) -> None:
         self.verifier = verifier
         self._reference: Any = None
+
+    @classmethod
+    def factory(cls, config: EnvConfig) -> Callable[[], Environment]:
+        from rlvr.verifiers.registry import get_verifier
+
+        if config.options:
+            raise UserError(f"env.type=one_turn takes no options; got {', '.join(sorted(config.options))}")
+        verifier = get_verifier(config.verifier) if config.verifier else None
+        return partial(cls, verifier)
 
     def reset(self, task: Mapping[str, Any], seed: int) -> Opening:
         from rlvr.chat import as_messages
@@ -118,6 +205,8 @@ class OneTurn(Environment):
         return Opening(messages=as_messages(str(task["prompt"])))
 
     def step(self, response: str) -> Reply:
+        if self.verifier is None:
+            return Reply(done=True, stop_reason="done")
         score = self.verifier.score(response, self._reference)
         return Reply(reward=score.value, done=True, stop_reason="done", verdict=score)
 

@@ -1,0 +1,276 @@
+"""The `gym` environment: a text environment written elsewhere with the gym-style `reset`/`step` API, run unmodified.
+
+The wrapped object has `reset(seed=...) -> (observation, info)` and `step(action) -> (observation, reward,
+terminated, truncated, info)`: GEM (`gem-llm`, the `gem` extra) and gymnasium-style text environments. Two other
+shapes of a step's result are read as well: SkyRL-gym's `{"observations": [messages], "reward", "done"}` (its
+environments open with `init(prompt)` rather than `reset`, which is called with the task's prompt messages), and
+OpenEnv's `StepResult` (`.observation`, `.reward`, `.done`; its actions are objects: see `action_type`).
+
+The opening is the first observation as a user message (after `options.system`, if set); each assistant turn is
+passed as the action; the reply is the next observation as a user message (a `tool` message when GEM's info says
+`use_tool`) with the step's reward, and the episode is done when the step says terminated or truncated (the
+final observation is then not shown: nothing follows it). GEM's `info["prefix"]`/`info["suffix"]` are put around
+the observation as GEM's own observation wrapper does. An exception inside the wrapped step ends the episode with
+stop reason `error`.
+
+Seeds: the wrapped environment is made fresh in each `reset` and reset with `seed mod 2**32`. Many of these
+environments draw from Python's and NumPy's global generators (GEM's `reset` reseeds them), which episodes in
+other threads share: each episode keeps its own copy of both global states (`GlobalRandom`), swapped in under a
+process-wide lock around each call, so an episode replays the same whatever runs beside it.
+
+Options (`env.options`): `make` ("gem", or "package.module:callable" called as `callable(id, **kwargs)`, or
+`callable(**kwargs)` without an id), `id`, `kwargs`, `system`, `affixes`, `reset_seed` (false for environments
+whose reset takes no seed), `observation_key` (the attribute or key holding a structured observation's text),
+`action_type` and `action_field` (an import path of a class built as `action_type(**{action_field: text})`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import random
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rlvr.chat import as_messages
+from rlvr.errors import UserError
+from rlvr.verifiers.base import Score, one_line
+from rlvr.verifiers.environment import EnvConfig, Environment, Message, Opening, Reply, read_options
+
+__all__ = ["GEM_INSTALL", "GlobalRandom", "GymEnvironment", "GymOptions", "import_callable", "quiet_import"]
+
+GEM_INSTALL = "pip install -e '.[gem]' && pip install --no-deps gem-llm==0.1.0 (or `make envs`)"
+SEED_MODULUS = 2**32  # NumPy's legacy seeding takes seeds below 2**32
+
+_GLOBAL_RANDOM_LOCK = threading.RLock()
+
+
+class GlobalRandom:
+    """One episode's own copy of the global random states (Python's `random`, NumPy's `np.random`): swapped in on
+    entering, saved and swapped back out on leaving, under a process-wide lock. Starts from `seed`."""
+
+    def __init__(self, seed: int) -> None:
+        self._seed = seed % SEED_MODULUS
+        self._python: Any = random.Random(self._seed).getstate()
+        self._numpy: Any = None
+        self._outer: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> GlobalRandom:
+        _GLOBAL_RANDOM_LOCK.acquire()
+        numpy = sys.modules.get("numpy")
+        outer_numpy = None
+        if numpy is not None:
+            outer_numpy = numpy.random.get_state()
+            if self._numpy is None:
+                self._numpy = numpy.random.RandomState(self._seed).get_state()
+            numpy.random.set_state(self._numpy)
+        self._outer = (random.getstate(), outer_numpy)
+        random.setstate(self._python)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        assert self._outer is not None  # entered
+        outer_python, outer_numpy = self._outer
+        self._python = random.getstate()
+        random.setstate(outer_python)
+        if outer_numpy is not None:
+            numpy = sys.modules["numpy"]
+            self._numpy = numpy.random.get_state()
+            numpy.random.set_state(outer_numpy)
+        self._outer = None
+        _GLOBAL_RANDOM_LOCK.release()
+
+
+def quiet_import(module: str) -> Any:
+    """Import `module` without letting it configure the root logger: GEM calls logging.basicConfig(level=INFO) on
+    import, which would make every library's INFO lines print in our runs. basicConfig does nothing when the root
+    logger has a handler, so one is there while importing."""
+    root = logging.getLogger()
+    placeholder = logging.NullHandler()
+    root.addHandler(placeholder)
+    try:
+        return importlib.import_module(module)
+    finally:
+        root.removeHandler(placeholder)
+
+
+def import_callable(spec: str, what: str) -> Callable[..., Any]:
+    """The callable named by "package.module:attribute"; a one-line UserError when it cannot be had."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise UserError(f"{what} {spec!r} must be an import path 'package.module:attribute'")
+    try:
+        obj: Any = quiet_import(module_name)
+        for part in attribute.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f"cannot import {what} {spec!r}: {type(exc).__name__}: {exc}") from exc
+    if not callable(obj):
+        raise UserError(f"{what} {spec!r} is not callable")
+    return obj
+
+
+class GymOptions(BaseModel):
+    """The gym adapter's own settings (`env.options`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    make: str = Field("gem", description="'gem' (gem.make), or 'package.module:callable' making the environment")
+    id: str | None = Field(None, description="the environment id passed to the maker (GEM: 'game:Wordle-v0', ...)")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the maker")
+    system: str | None = Field(None, description="a system message before the first observation")
+    affixes: bool = Field(True, description="put GEM's info['prefix'] and info['suffix'] around observations")
+    reset_seed: bool = Field(True, description="pass the episode's seed to reset (false: reset() takes none)")
+    observation_key: str | None = Field(None, description="attribute or key of a structured observation's text")
+    action_type: str | None = Field(None, description="'package.module:Class' of structured actions (OpenEnv)")
+    action_field: str = Field("message", description="the action class's field that gets the assistant's text")
+
+    @model_validator(mode="after")
+    def _gem_needs_an_id(self) -> GymOptions:
+        if self.make == "gem" and not self.id:
+            raise ValueError("make=gem needs an id, e.g. 'game:GuessTheNumber-v0-easy'")
+        return self
+
+
+def _gem_maker(env_id: str) -> Callable[..., Any]:
+    try:
+        gem = quiet_import("gem")
+    except ImportError as exc:
+        raise UserError(f"env.type=gym with make=gem needs GEM: {GEM_INSTALL} ({exc})") from exc
+    registry = importlib.import_module("gem.envs.registration").ENV_REGISTRY
+    if env_id not in registry:
+        examples = ", ".join(sorted(name for name in registry if name.startswith("game:"))[:6])
+        raise UserError(f"unknown GEM environment {env_id!r}; GEM registers e.g. {examples}")
+    return gem.make
+
+
+def _maker(options: GymOptions) -> Callable[[], Any]:
+    """What makes the wrapped environment afresh: the maker with the id and keyword arguments bound."""
+    make = _gem_maker(str(options.id)) if options.make == "gem" else import_callable(options.make, "env.options.make")
+    args = (options.id,) if options.id is not None else ()
+    return lambda: make(*args, **options.kwargs)
+
+
+@dataclass(frozen=True)
+class _Step:
+    observation: Any
+    reward: float | None
+    done: bool
+    info: Mapping[str, Any]
+
+
+def _read_step(result: Any) -> _Step:
+    """A step's result in any of the shapes the module docstring names."""
+    if isinstance(result, tuple) and len(result) == 5:
+        observation, reward, terminated, truncated, info = result
+        return _Step(observation, _reward(reward), bool(terminated or truncated), _info(info))
+    if isinstance(result, tuple) and len(result) == 4:  # the older gym API: (observation, reward, done, info)
+        observation, reward, done, info = result
+        return _Step(observation, _reward(reward), bool(done), _info(info))
+    if isinstance(result, Mapping) and "observations" in result:  # SkyRL-gym
+        return _Step(result["observations"], _reward(result.get("reward")), bool(result.get("done")), {})
+    if hasattr(result, "observation") and hasattr(result, "done"):  # OpenEnv's StepResult
+        return _Step(result.observation, _reward(getattr(result, "reward", None)), bool(result.done), {})
+    raise TypeError(f"step returned {type(result).__name__}, not (observation, reward, terminated, truncated, info)")
+
+
+def _read_reset(result: Any) -> tuple[Any, Mapping[str, Any]]:
+    if isinstance(result, tuple) and len(result) == 2:
+        return result[0], _info(result[1])
+    if hasattr(result, "observation"):  # OpenEnv's StepResult
+        return result.observation, {}
+    return result, {}
+
+
+def _reward(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _info(info: Any) -> Mapping[str, Any]:
+    return info if isinstance(info, Mapping) else {}
+
+
+class GymEnvironment(Environment):
+    """A gym-style environment made by `maker`, one per episode, played turn by turn."""
+
+    name = "gym"
+    version = "1"
+
+    def __init__(self, maker: Callable[[], Any], options: GymOptions) -> None:
+        self.maker = maker
+        self.options = options
+        self._action_type = import_callable(options.action_type, "action_type") if options.action_type else None
+        self._env: Any = None
+        self._random: GlobalRandom | None = None
+
+    @classmethod
+    def factory(cls, config: EnvConfig) -> Callable[[], Environment]:
+        options = read_options(GymOptions, config)
+        maker = _maker(options)
+        if options.action_type:
+            import_callable(options.action_type, "action_type")  # a bad path fails here, once
+        return lambda: cls(maker, options)
+
+    def reset(self, task: Mapping[str, Any], seed: int) -> Opening:
+        self.close()
+        self._random = GlobalRandom(seed)
+        with self._random:
+            self._env = self.maker()
+            if not hasattr(self._env, "reset") and hasattr(self._env, "init"):  # SkyRL-gym
+                observation, info = _read_reset(self._env.init(as_messages(str(task.get("prompt", "")))))
+            elif self.options.reset_seed:
+                observation, info = _read_reset(self._env.reset(seed=seed % SEED_MODULUS))
+            else:
+                observation, info = _read_reset(self._env.reset())
+        system = [{"role": "system", "content": self.options.system}] if self.options.system else []
+        return Opening(messages=system + self._messages(observation, info))
+
+    def step(self, response: str) -> Reply:
+        if self._env is None or self._random is None:
+            raise RuntimeError("step before reset")
+        action = self._action_type(**{self.options.action_field: response}) if self._action_type else response
+        try:
+            with self._random:
+                step = _read_step(self._env.step(action))
+        except Exception as exc:  # the wrapped environment's fault, not the model's: the episode ends in error
+            reason = one_line(f"the environment's step raised {type(exc).__name__}: {exc}")
+            return Reply(done=True, stop_reason="error", verdict=Score(0.0, "error", reason=reason))
+        if step.done:
+            return Reply(reward=step.reward, done=True, stop_reason="done")
+        return Reply(messages=self._messages(step.observation, step.info), reward=step.reward)
+
+    def close(self) -> None:
+        env, self._env = self._env, None
+        closer = getattr(env, "close", None)
+        if callable(closer):
+            closer()
+
+    def _messages(self, observation: Any, info: Mapping[str, Any]) -> list[Message]:
+        """The observation as conversation messages."""
+        key = self.options.observation_key
+        if key is not None:
+            observation = observation[key] if isinstance(observation, Mapping) else getattr(observation, key)
+        if isinstance(observation, list) and all(isinstance(m, Mapping) for m in observation):  # SkyRL: messages
+            return [{"role": str(m["role"]), "content": str(m["content"])} for m in observation]
+        text = observation if isinstance(observation, str) else str(observation)
+        if self.options.affixes:
+            text = _affixed(text, info)
+        return [{"role": "tool" if info.get("use_tool") else "user", "content": text}]
+
+
+def _affixed(text: str, info: Mapping[str, Any]) -> str:
+    """GEM's rendering: info's prefix before the observation, its suffix on the line after."""
+    prefix, suffix = info.get("prefix"), info.get("suffix")
+    if isinstance(suffix, str) and suffix:
+        text = (text if text.endswith("\n") or not text else text + "\n") + suffix
+    if isinstance(prefix, str):
+        text = prefix + text
+    return text
