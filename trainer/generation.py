@@ -147,7 +147,8 @@ def _generate(
 ) -> tuple[list[list[int]], list[list[float]]]:
     """New tokens per prompt row, cut after the first eos (the eos is kept), and, with a `recorder`, their
     log-probs cut the same way (else no rows). With a `row_sampler` each token is its draw (`sampling` then
-    asks for greedy decoding, which it replaces).
+    asks for greedy decoding, which it replaces). The prompts are read as the model reads them
+    (trainer/prompts.py), then decoded by `_generate_ids`.
 
     `cache`: "shared_prompt" computes each distinct prompt's key/value cache once for all the rows that repeat it
     (`_shared_prompt_cache`); "static" asks transformers for a static key/value cache of the batch's full length,
@@ -157,7 +158,26 @@ def _generate(
     """
     if not prompts:
         return [], []
-    encoded = policy.tokenizer.pad({"input_ids": prompt_ids(policy.tokenizer, prompts)}, return_tensors="pt")
+    rows = prompt_ids(policy.tokenizer, prompts)
+    return _generate_ids(policy, rows, max_new_tokens, cache, precision, recorder, row_sampler, **sampling)
+
+
+def _generate_ids(
+    policy: Policy,
+    rows: list[list[int]],
+    max_new_tokens: int,
+    cache: Cache = "shared_prompt",
+    precision: Precision = "auto",
+    recorder: TokenLogprobs | None = None,
+    row_sampler: RowSampler | None = None,
+    **sampling: Any,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """`_generate` from token-id rows (each row's whole context, unpadded): what the multi-turn loop
+    (trainer/multi_turn.py) decodes from, since it keeps a conversation's tokens and never re-tokenizes them.
+    The rows are left-padded into one batch."""
+    if not rows:
+        return [], []
+    encoded = policy.tokenizer.pad({"input_ids": rows}, return_tensors="pt")
     encoded = encoded.to(policy.model.device)
     with torch.no_grad(), sampling_autocast(policy, precision), packed_attention(policy.model):
         if cache == "graph":

@@ -1,0 +1,483 @@
+"""The multi-turn rollout loop on the transformers engine: episodes of environments (verifiers/environment.py)
+played in batches, tokens kept from the first turn to the last.
+
+Tokens in, tokens out. An episode's prompt is its opening rendered as the model reads it (`ChatRendering`); each
+assistant turn's sampled ids are appended as they were drawn (loss mask 1), and each environment reply's
+messages as the token ids the chat template gives them (loss mask 0), so no earlier turn is ever decoded and
+tokenized again: what the loss trains on is exactly what was sampled (TRL 5224 and verl 6719 drifted there).
+
+Batched: at each turn every running episode decodes in one `_generate_ids` batch (left-padded rows of each
+episode's whole context), row-seeded (trainer/row_sampling.py) with a key per (seed, task key, sample, turn),
+so an episode's tokens do not depend on which others are still running. The environments' steps of a turn
+run side by side in a thread pool, so a slow tool does not hold the others' steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from transformers import PreTrainedTokenizerBase
+
+from rlvr.trainer.generation import Cache, Precision, TokenLogprobs, _decode, _eos_ids, _generate_ids
+from rlvr.trainer.policy import Policy
+from rlvr.trainer.prompts import has_chat_template
+from rlvr.trainer.row_sampling import RowSampler, mix64, row_key
+from rlvr.verifiers.base import Score, one_line
+from rlvr.verifiers.environment import Environment, Message, Opening, Reply, StopReason, ToolUse, episode_reward
+
+__all__ = [
+    "Budgets",
+    "ChatRendering",
+    "Trajectory",
+    "Turn",
+    "environment_seed",
+    "run_episodes",
+    "tools_system_message",
+    "turn_key",
+]
+
+log = logging.getLogger(__name__)
+
+# The fixed conversation that environment messages are appended to when they are rendered (`ChatRendering`).
+_BASE: list[Message] = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+_ENVIRONMENT_STREAM = 0x452821E638D01377  # mixed into an episode's key to make the seed its environment resets with
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """What an episode may spend. `max_tokens` counts a trajectory's tokens after its prompt, sampled and
+    environment tokens alike; a turn samples at most min(`max_new_tokens`, what `max_tokens` leaves).
+    `max_tool_output_tokens`: an environment message's content is cut to this many tokens before it is appended."""
+
+    max_turns: int
+    max_tokens: int
+    max_new_tokens: int
+    max_tool_output_tokens: int
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < 1:
+                raise ValueError(f"budget {name} must be >= 1, got {value}")
+
+
+@dataclass
+class Turn:
+    """One turn of a trajectory (a row of the store's `turns` table). `start`, `end`: its token span in
+    `Trajectory.completion_ids` (empty for an environment that raised). `reward`, `tool_uses`: the reply's, on
+    the environment turn that appends its messages, or on the assistant turn when the reply's messages are not
+    appended (it ended the episode, or a budget did). `seconds`: the turn's share of its batch's decoding, or
+    the environment's step."""
+
+    turn: int
+    role: str  # "assistant"; "tool": the reply holds a tool message, or step raised; "user": else, or reset raised
+    start: int
+    end: int
+    text: str
+    tool_uses: tuple[ToolUse, ...]
+    reward: float | None
+    seconds: float
+
+
+@dataclass
+class Trajectory:
+    """One episode: its prompt, every token after it (sampled at loss mask 1, the environment's at 0), its turns
+    and how it ended. `reward`: the sum of its replies' rewards (`episode_reward`); `verdict`: the last reply's.
+    `finish_reason`: the last assistant turn's ("stop": it ended with eos; "length": a budget cut it)."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float] | None
+    turns: list[Turn]
+    response: str
+    reward: float | None
+    verdict: Score | None
+    stop_reason: StopReason
+    finish_reason: Literal["stop", "length"]
+
+
+def tools_system_message(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The tools offered, as the text of a system message, for a model whose chat template does not render tools
+    (SmolLM2's plain ChatML, a model with no template): the Hermes format that Qwen2.5's template writes, which
+    the warm start teaches. The model calls a tool with `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+    in its turn; results come back as messages of role tool."""
+    signatures = "\n".join(json.dumps(tool) for tool in tools)
+    return (
+        "# Tools\n\nYou may call tools to help with the task. Their signatures are inside <tools></tools>, one "
+        f"JSON object a line:\n<tools>\n{signatures}\n</tools>\n\nFor each call, write a JSON object with the "
+        "tool's name and its arguments inside <tool_call></tool_call> tags:\n<tool_call>\n"
+        '{"name": <tool name>, "arguments": <arguments as a JSON object>}\n</tool_call>\n'
+        "Each call's result comes back in a message of role tool."
+    )
+
+
+def _tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
+    return [str(tool.get("function", tool).get("name", "")) for tool in tools]
+
+
+def _with_tools(messages: list[Message], tools: Sequence[Mapping[str, Any]]) -> list[Message]:
+    """`messages` with `tools_system_message` added to the first system message, or as a new first one."""
+    text = tools_system_message(tools)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+class ChatRendering:
+    """How one tokenizer turns an episode's messages into the token ids the model reads.
+
+    - With a chat template: the opening goes through `apply_chat_template(messages, tools=..., add_generation_
+      prompt=True)`, tokenized without extra special tokens (as trainer/prompts.py renders a chat prompt: with
+      no tools the ids equal `prompt_ids` of the messages' JSON). Each reply's messages are the ids the template
+      adds to a fixed two-message conversation (`_BASE`) when they follow it and the assistant's turn is opened
+      again, together with what the template writes after the assistant's end-of-turn token (ChatML's "\\n"
+      after <|im_end|>): the sampled turn ends at that token, so the rest of the turn's closing is the
+      environment's. A template for which the fixed conversation's ids are not a prefix of the longer one's
+      cannot be appended to token-wise, and is refused.
+    - With no template (a base model, the tiny built-in one): the opening is its messages' contents joined by
+      newlines, tokenized with the tokenizer's usual special tokens (as prompts.py reads a chat), and each
+      environment message is its content on a line of its own, after the turn.
+    - Tools: when the rendered opening does not name every tool offered (the template does not render tools,
+      as SmolLM2's plain ChatML does not, and the environment's own messages do not describe them), the tools
+      are given in a system message (`tools_system_message`).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.templated = has_chat_template(tokenizer)
+        self.model = str(getattr(tokenizer, "name_or_path", "") or "this model")
+        self._base: list[int] = []
+        self._after_turn: list[int] = []
+        if self.templated:
+            self._base = self._ids(self._render(_BASE, None, generation_prompt=False), special=False)
+            self._after_turn = self._after_end_of_turn(self._base, eos_ids)
+
+    def opening(self, opening: Opening) -> list[int]:
+        """The prompt's ids: the opening with the assistant's first turn opened."""
+        messages = list(opening.messages)
+        text = self._opening_text(messages, opening.tools)
+        if opening.tools and not all(name in text for name in _tool_names(opening.tools)):
+            text = self._opening_text(_with_tools(messages, opening.tools), [])
+        return self._ids(text, special=not self.templated)
+
+    def reply(self, messages: Sequence[Message]) -> list[int]:
+        """The ids appended after an assistant turn that ended with eos: `messages`, then the assistant's next
+        turn opened."""
+        if not self.templated:
+            return self._ids("".join(f"\n{m['content']}" for m in messages), special=False)
+        longer = self._ids(self._render([*_BASE, *messages], None, generation_prompt=True), special=False)
+        if longer[: len(self._base)] != self._base:
+            raise ValueError(
+                f"the chat template of {self.model} renders a conversation that gains messages differently from "
+                "the same conversation without them (not a token prefix); its turns cannot be appended as token ids"
+            )
+        return self._after_turn + longer[len(self._base) :]
+
+    def cut(self, content: str, limit: int) -> str:
+        """`content` cut to its first `limit` tokens, with a marker saying how many were left out."""
+        ids = self._ids(content, special=False)
+        if len(ids) <= limit:
+            return content
+        kept = self.tokenizer.decode(ids[:limit])
+        return f"{kept}\n[... {len(ids) - limit} more tokens cut]"
+
+    def _opening_text(self, messages: list[Message], tools: Sequence[Mapping[str, Any]]) -> str:
+        if not self.templated:
+            return "\n".join(m["content"] for m in messages)
+        return self._render(messages, list(tools) or None, generation_prompt=True)
+
+    def _render(self, messages: list[Message], tools: list[Any] | None, *, generation_prompt: bool) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+            )
+        except Exception as exc:  # jinja's TemplateError, or a template's own raise_exception
+            roles = ", ".join(m["role"] for m in messages)
+            reason = one_line(str(exc))
+            raise ValueError(f"the chat template of {self.model} cannot render roles [{roles}]: {reason}") from exc
+        return str(text)
+
+    def _ids(self, text: str, *, special: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def _after_end_of_turn(self, base: list[int], eos_ids: set[int]) -> list[int]:
+        """What the template writes after the fixed conversation's assistant turn ends (its last eos), or none
+        when the template closes that turn with no eos token."""
+        ends = [i for i, token in enumerate(base) if token in eos_ids]
+        if not ends or _BASE[-1]["content"] not in self.tokenizer.decode(base[: ends[-1]]):
+            return []
+        return base[ends[-1] + 1 :]
+
+
+@dataclass
+class _Episode:
+    """An episode while it plays: its environment, the tokens so far and the turns."""
+
+    prompt_index: int
+    sample_index: int
+    key: int  # row_key(seed, the task's key, sample index): the first turn's sampling key
+    environment: Environment | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    replies: list[Reply] = field(default_factory=list)
+    response: str = ""
+    finish_reason: Literal["stop", "length"] = "stop"
+    stop_reason: StopReason | None = None
+
+    def add(self, ids: list[int], mask: int, logprobs: list[float] | None) -> tuple[int, int]:
+        start = len(self.completion_ids)
+        self.completion_ids += ids
+        self.loss_mask += [mask] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        return start, len(self.completion_ids)
+
+    def fault(self, role: str, exc: BaseException, seconds: float) -> None:
+        """An environment that raised: a turn with no tokens holding the exception, and the episode ends."""
+        end = len(self.completion_ids)
+        text = one_line(f"{type(exc).__name__}: {exc}")
+        self.turns.append(Turn(len(self.turns), role, end, end, text, (), None, seconds))
+        self.stop_reason = "error"
+
+    def trajectory(self, with_logprobs: bool) -> Trajectory:
+        assert self.stop_reason is not None
+        return Trajectory(
+            prompt_index=self.prompt_index,
+            sample_index=self.sample_index,
+            prompt_ids=self.prompt_ids,
+            completion_ids=self.completion_ids,
+            loss_mask=self.loss_mask,
+            logprobs=self.logprobs if with_logprobs else None,
+            turns=self.turns,
+            response=self.response,
+            reward=episode_reward(self.replies),
+            verdict=self.replies[-1].verdict if self.replies else None,
+            stop_reason=self.stop_reason,
+            finish_reason=self.finish_reason,
+        )
+
+
+def turn_key(key: int, turn: int) -> int:
+    """The sampling key of an episode's assistant turn `turn`, given its first turn's key (`row_key` of (seed,
+    task key, sample index)): the first turn draws as `generation.sample` draws that row."""
+    return key if turn == 0 else row_key(key, turn, 0)
+
+
+def environment_seed(key: int) -> int:
+    """The seed an episode's environment resets with: from the episode's key, never from the process; a
+    non-negative 63-bit int (numpy's generators refuse negative seeds)."""
+    return mix64(key ^ _ENVIRONMENT_STREAM) >> 1
+
+
+@dataclass(frozen=True)
+class _Decoding:
+    """How every turn decodes: the sampling settings of `run_episodes`."""
+
+    policy: Policy
+    temperature: float
+    top_p: float
+    cache: Cache
+    precision: Precision
+    logprob_temperature: float | None
+
+    def turn(self, rows: list[list[int]], keys: list[int], budgets: list[int]) -> tuple[list[list[int]], list[Any]]:
+        """Each row's sampled ids (cut after eos and to its budget) and log-probs (None each without them)."""
+        recorder = None if self.logprob_temperature is None else TokenLogprobs(self.logprob_temperature)
+        drawn = RowSampler(self.temperature, self.top_p, keys)
+        ids, logprobs = _generate_ids(
+            self.policy, rows, max(budgets), self.cache, self.precision, recorder, drawn, do_sample=False
+        )
+        cut = [row[:budget] for row, budget in zip(ids, budgets)]
+        return cut, [lp[:budget] for lp, budget in zip(logprobs, budgets)] if logprobs else [None] * len(cut)
+
+
+def run_episodes(
+    policy: Policy,
+    factories: Sequence[Callable[[], Environment]],
+    tasks: Sequence[Mapping[str, Any]],
+    counts: Sequence[int],
+    *,
+    budgets: Budgets,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    row_keys: Sequence[int],
+    cache: Cache = "shared_prompt",
+    precision: Precision = "auto",
+    logprob_temperature: float | None = None,
+    environment_threads: int = 8,
+) -> list[Trajectory]:
+    """`counts[i]` episodes of task i, each with a fresh environment from `factories[i]`, grouped by task in order
+    (as `generation.sample` groups samples). Episode j of task i resets with `environment_seed` of its key
+    (seed, row_keys[i], j) and samples its turns with `turn_key`s of it (`row_keys`: one distinct int a task).
+
+    Each turn: every running episode samples at most min(max_new_tokens, what max_tokens leaves) tokens, all in
+    one batch; then their environments step, side by side. An episode ends when a turn did not end with eos
+    ("token_budget", whatever the reply), when a reply is done (its stop reason, "done" by default), after
+    `max_turns` ("max_turns"), when the reply's rendered messages would leave no token of `max_tokens`
+    ("token_budget"), or when its environment raises ("error": recorded in a turn of its own, the others play
+    on). The environment steps
+    on every sampled turn, a cut one too, so a verifier's one-turn episode scores what `sample` would give it.
+    With `logprob_temperature`, the sampled tokens' log-probs (`TokenLogprobs`), 0.0 on environment tokens.
+    """
+    _check_arguments(policy, factories, tasks, counts, row_keys, temperature, environment_threads)
+    rendering = ChatRendering(policy.tokenizer, _eos_ids(policy))
+    decoding = _Decoding(policy, temperature, top_p, cache, precision, logprob_temperature)
+    episodes = [_Episode(i, j, row_key(seed, row_keys[i], j)) for i, count in enumerate(counts) for j in range(count)]
+    with ThreadPoolExecutor(max_workers=environment_threads, thread_name_prefix="environment") as pool:
+        try:
+            _open_all(episodes, factories, tasks, rendering, pool)
+            for turn in range(budgets.max_turns):
+                running = [e for e in episodes if e.stop_reason is None]
+                if not running:
+                    break
+                _sample_turn(running, turn, budgets, decoding)
+                _step_all(running, turn == budgets.max_turns - 1, budgets, rendering, pool)
+        finally:
+            list(pool.map(_close, [e for e in episodes if e.environment is not None]))
+    return [e.trajectory(logprob_temperature is not None) for e in episodes]
+
+
+def _check_arguments(
+    policy: Policy,
+    factories: Sequence[Any],
+    tasks: Sequence[Any],
+    counts: Sequence[int],
+    row_keys: Sequence[int],
+    temperature: float,
+    environment_threads: int,
+) -> None:
+    if policy.ranks is not None:
+        raise ValueError("multi-turn episodes are not split over data-parallel ranks yet; set train.data_parallel=1")
+    if not len(factories) == len(tasks) == len(counts) == len(row_keys):
+        raise ValueError(
+            f"one factory, count and row key a task: {len(tasks)} tasks, {len(factories)} factories, "
+            f"{len(counts)} counts, {len(row_keys)} row keys"
+        )
+    if any(count < 0 for count in counts):
+        raise ValueError(f"counts must be >= 0, got {list(counts)}")
+    if len(set(row_keys)) != len(row_keys):
+        raise ValueError(f"row_keys must be distinct, got {list(row_keys)}")
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 for sampling")
+    if environment_threads < 1:
+        raise ValueError(f"environment_threads must be >= 1, got {environment_threads}")
+
+
+def _open_all(
+    episodes: list[_Episode],
+    factories: Sequence[Callable[[], Environment]],
+    tasks: Sequence[Mapping[str, Any]],
+    rendering: ChatRendering,
+    pool: ThreadPoolExecutor,
+) -> None:
+    """Make and reset every episode's environment (side by side) and render its prompt."""
+
+    def open_one(episode: _Episode) -> tuple[Opening | BaseException, float]:
+        started = time.perf_counter()
+        try:
+            episode.environment = factories[episode.prompt_index]()
+            opening = episode.environment.reset(tasks[episode.prompt_index], environment_seed(episode.key))
+            if not isinstance(opening, Opening):
+                raise TypeError(f"reset returned {type(opening).__name__}, not an Opening")
+            return opening, time.perf_counter() - started
+        except Exception as exc:
+            return exc, time.perf_counter() - started
+
+    for episode, (opened, seconds) in zip(episodes, pool.map(open_one, episodes)):
+        if isinstance(opened, Opening):
+            episode.prompt_ids = rendering.opening(opened)
+        else:
+            episode.fault("user", opened, seconds)
+
+
+def _sample_turn(running: list[_Episode], turn: int, budgets: Budgets, decoding: _Decoding) -> None:
+    """One assistant turn of every running episode, decoded in one batch."""
+    limits = [min(budgets.max_new_tokens, budgets.max_tokens - len(e.completion_ids)) for e in running]
+    keys = [turn_key(e.key, turn) for e in running]
+    started = time.perf_counter()
+    sampled, logprobs = decoding.turn([e.prompt_ids + e.completion_ids for e in running], keys, limits)
+    share = (time.perf_counter() - started) / len(running)
+    eos = _eos_ids(decoding.policy)
+    for episode, ids, row_logprobs in zip(running, sampled, logprobs):
+        start, end = episode.add(ids, 1, row_logprobs)
+        episode.response = _decode(decoding.policy, ids)
+        episode.finish_reason = "stop" if ids and ids[-1] in eos else "length"
+        episode.turns.append(Turn(len(episode.turns), "assistant", start, end, episode.response, (), None, share))
+
+
+def _step_all(
+    running: list[_Episode], last_turn: bool, budgets: Budgets, rendering: ChatRendering, pool: ThreadPoolExecutor
+) -> None:
+    """Every running episode's environment answers its last turn (side by side); each reply is appended or
+    ends the episode."""
+
+    def step_one(episode: _Episode) -> tuple[Reply | BaseException, float]:
+        assert episode.environment is not None
+        started = time.perf_counter()
+        try:
+            reply = episode.environment.step(episode.response)
+            if not isinstance(reply, Reply):
+                raise TypeError(f"step returned {type(reply).__name__}, not a Reply")
+            return reply, time.perf_counter() - started
+        except Exception as exc:
+            return exc, time.perf_counter() - started
+
+    for episode, (reply, seconds) in zip(running, pool.map(step_one, running)):
+        if isinstance(reply, Reply):
+            _take_reply(episode, reply, seconds, last_turn, budgets, rendering)
+        else:
+            episode.fault("tool", reply, seconds)
+
+
+def _take_reply(
+    episode: _Episode, reply: Reply, seconds: float, last_turn: bool, budgets: Budgets, rendering: ChatRendering
+) -> None:
+    """Append the reply's messages as environment tokens, or end the episode (the reply's reward and tool uses
+    then go on the assistant turn)."""
+    episode.replies.append(reply)
+    stop = _stop_reason(episode, reply, last_turn)
+    if stop is None:
+        limit = budgets.max_tool_output_tokens
+        messages = [{**m, "content": rendering.cut(m["content"], limit)} for m in reply.messages]
+        ids = rendering.reply(messages)
+        if len(episode.completion_ids) + len(ids) < budgets.max_tokens:  # a token at least left to sample
+            start, end = episode.add(ids, 0, None)
+            role = "tool" if any(m["role"] == "tool" for m in messages) else "user"
+            text = "\n".join(m["content"] for m in messages)
+            episode.turns.append(
+                Turn(len(episode.turns), role, start, end, text, reply.tool_uses, reply.reward, seconds)
+            )
+            return
+        stop = "token_budget"
+    assistant = episode.turns[-1]
+    assistant.reward, assistant.tool_uses = reply.reward, reply.tool_uses
+    episode.stop_reason = stop
+
+
+def _stop_reason(episode: _Episode, reply: Reply, last_turn: bool) -> StopReason | None:
+    """Why the episode ends after this reply, before its messages are rendered; None when it goes on."""
+    if episode.finish_reason == "length":
+        return "token_budget"
+    if reply.done:
+        return reply.stop_reason or "done"
+    return "max_turns" if last_turn else None
+
+
+def _close(episode: _Episode) -> None:
+    """Close the episode's environment; a failure to close is logged, never raised over the episodes."""
+    assert episode.environment is not None
+    try:
+        episode.environment.close()
+    except Exception as exc:
+        log.warning("closing environment %s failed: %s", type(episode.environment).__name__, one_line(str(exc)))
