@@ -27,6 +27,7 @@ from rlvr.flows.openlineage_events import OpenLineageConfig
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table, run_stage
 from rlvr.storage.store import Store
+from rlvr.verifiers.env_registry import EnvConfig
 
 if TYPE_CHECKING:
     from rlvr.curricula.base import AllocateConfig, SelectConfig
@@ -94,6 +95,23 @@ class RunConfigBase(BaseModel):
     data: str | None = Field(None, description="train on the problems of this data run (`rlvr data`) instead")
     flow: FlowConfig = Field(default_factory=FlowConfig)
     openlineage: OpenLineageConfig = Field(default_factory=OpenLineageConfig)
+    env: EnvConfig = Field(
+        default_factory=EnvConfig,
+        exclude_if=lambda value: not value.multi_turn,  # the one-turn default: left out of dumps, so ids stay
+        description="the environment a rollout is an episode of (docs/environments.md); default: one turn",
+    )
+
+    @model_validator(mode="after")
+    def _environments_where_supported(self) -> RunConfigBase:
+        """An environment's episodes run on the transformers engine in the run's own process, for now."""
+        if not self.env.multi_turn:
+            return self
+        train, rollout = getattr(self, "train", None), getattr(self, "rollout", None)
+        if rollout is not None and rollout.type != "transformers":
+            raise ValueError(f"env.type={self.env.type} runs on rollout.type=transformers only, not {rollout.type}")
+        if train is not None and train.data_parallel > 1:
+            raise ValueError(f"env.type={self.env.type} does not run over train.data_parallel ranks yet; use 1")
+        return self
 
     @model_validator(mode="after")
     def _ranks_sample_row_seeded(self) -> RunConfigBase:

@@ -60,6 +60,7 @@ from rlvr.trainer.checkpoints import Ranks, TrainerState, keep_snapshots, take_t
 from rlvr.trainer.devices import own_stream, resolve_device
 from rlvr.trainer.policy import set_threads
 from rlvr.trainer.rank_group import close_group, current_group
+from rlvr.verifiers.env_registry import environment_label
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +264,10 @@ def _rollout(
 ) -> Any:
     """The rollout stage of a round; with GHPO's hints it reads the selections (their hint ratios) too."""
     hinted = cfg.select.hints.enabled
+    params = {**sampling, "hints": cfg.select.hints.model_dump()} if hinted else dict(sampling)
+    if cfg.env.multi_turn:  # one turn, the default, adds nothing: its ids stay those of before environments
+        params["env"] = cfg.env.model_dump(mode="json")
+        params["environment"] = environment_label(cfg.env)  # its name and version: a new version samples again
     return run(
         ROLLOUT,
         cfg.rollout,
@@ -273,7 +278,7 @@ def _rollout(
             "policy": policy,
             "selections": selections if hinted else None,
         },
-        params={**sampling, "hints": cfg.select.hints.model_dump()} if hinted else sampling,
+        params=params,
     )
 
 

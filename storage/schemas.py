@@ -168,6 +168,35 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("staleness", _i),  # the step that trains on it minus the step whose policy sampled it (0: in sync)
             ("logprobs", pa.list_(pa.float32())),  # the sampling policy's, per token (stored with flow.async_level)
             ("hint_ratio", _f),  # GHPO: the share of the solution the prompt showed (0: none; `prompt` includes it)
+            # Episodes of an environment (env.type): null on a one-turn rollout of the default, which trains on
+            # every completion token after the prompt's own tokenization.
+            ("prompt_ids", pa.list_(_i)),  # the opening (messages and tools) as the model read it
+            ("loss_mask", pa.list_(pa.int8())),  # 1 on sampled tokens, 0 on the environment's (tool output ...)
+            ("n_turns", _i),  # assistant turns
+            ("stop_reason", _s),  # done, max_turns, token_budget, tool_timeout, error
+            ("env", _s),  # environment name and version, "name@version"
+            ("env_reward", _f),  # the environment's own reward (sum over turns), when it gives one
+            ("env_verdict", _s),  # its verdict as JSON (status, extracted, reason, components), when it gives one
+        ]
+    ),
+    "turns": pa.schema(
+        [
+            ("rollout_id", _s),
+            ("run_id", _s),
+            ("step", _i),
+            ("problem_id", _s),
+            ("turn", _i),  # 0, 1, ... in the trajectory, assistant and environment turns alike
+            ("role", _s),  # assistant, tool, user
+            ("token_start", _i),  # the turn's span in the rollout's completion_ids, end exclusive
+            ("token_end", _i),
+            ("text", _s),  # the assistant's decoded turn, or the environment message's content
+            ("tool_names", pa.list_(_s)),  # the calls answered on this turn, in order
+            ("tool_arguments", pa.list_(_s)),
+            ("tool_outputs", pa.list_(_s)),
+            ("tool_statuses", pa.list_(_s)),  # ok, error, timeout, malformed
+            ("reward", _f),
+            ("seconds", _f),
+            ("stop_reason", _s),  # on the trajectory's last turn: why it ended
         ]
     ),
     "rewards": pa.schema(

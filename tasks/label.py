@@ -12,9 +12,12 @@ decided here, before any chunk runs, so the rows are the same wherever the chunk
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import pyarrow as pa
 
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.verifiers.base import Score
@@ -56,7 +59,11 @@ def chunked(fan_out: Callable[..., Iterator[list[Score]]], chunk: int) -> MissSc
 def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, Built]:
     """params: `fan_out`, the run's FanOut: where chunks of verifications run when a step has more than its
     `verify_chunk` rollouts (in place, in one piece, without one)."""
-    rollouts = inputs.rows("rollouts", ["rollout_id", "problem_id", "response"])
+    table = inputs.table("rollouts")
+    given = environment_verdicts(table)  # an environment that gives its own reward has scored these already
+    rollouts = [
+        r for r in table.select(["rollout_id", "problem_id", "response"]).to_pylist() if r["rollout_id"] not in given
+    ]
     references = problem_references(inputs.table("problems", ["problem_id", "verifier", "reference"]))
     fan_out = ctx.params.get("fan_out")
     chunk = getattr(fan_out, "verify_chunk", None)  # a FanOut has it (flow.executor.verify_chunk); `map` has not
@@ -64,14 +71,46 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
     if fan_out is not None and chunk and len(rollouts) > chunk:
         misses = chunked(fan_out, chunk)
     verdicts, entries = score_rollouts(ctx.store, cfg, rollouts, references, misses)
+    verdict_of = {r["rollout_id"]: v for r, v in zip(rollouts, verdicts)} | given
     rows = [
-        {"rollout_id": r["rollout_id"], "run_id": ctx.run_id, "step": ctx.step, "problem_id": r["problem_id"], **v}
-        for r, v in zip(rollouts, verdicts)
+        {
+            "rollout_id": r["rollout_id"],
+            "run_id": ctx.run_id,
+            "step": ctx.step,
+            "problem_id": r["problem_id"],
+            **verdict_of[r["rollout_id"]],
+        }
+        for r in table.select(["rollout_id", "problem_id"]).to_pylist()
     ]
     return {
         "reward_cache": Built(rows_to_table("reward_cache", entries)),
         "rewards": Built(rows_to_table("rewards", rows)),
     }
+
+
+def environment_verdicts(rollouts: pa.Table) -> dict[str, dict[str, Any]]:
+    """rollout_id -> its rewards columns, for the episodes whose environment gave the reward (`env_reward`): the
+    environment ("name@version") stands as the verifier, its verdict's status and parts as given (status "ok"
+    when it gave a reward and no verdict)."""
+    if "env_reward" not in rollouts.column_names:  # rollouts written before environments
+        return {}
+    found = {}
+    for r in rollouts.select(["rollout_id", "env", "env_reward", "env_verdict"]).to_pylist():
+        if r["env_reward"] is None:
+            continue
+        verdict = json.loads(r["env_verdict"]) if r["env_verdict"] else {"status": "ok"}
+        name, _, version = str(r["env"]).partition("@")
+        found[r["rollout_id"]] = {
+            "verifier": f"env:{name}",
+            "verifier_version": version,
+            "score": float(r["env_reward"]),
+            "status": verdict.get("status", "ok"),
+            "extracted": verdict.get("extracted"),
+            "reason": verdict.get("reason"),
+            "components": json.dumps(verdict.get("components") or {}, sort_keys=True),
+            "cache_hit": False,
+        }
+    return found
 
 
 LABEL: Stage[VerifierConfig] = Stage(

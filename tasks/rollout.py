@@ -5,20 +5,26 @@ With GHPO's hints (`select.hints`) a prompt carries the share of its solution it
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from functools import partial
 from typing import Any
 
 from rlvr.curricula.hints import HintConfig, hinted_prompt, solutions_of
+from rlvr.errors import UserError
 from rlvr.storage.ids import row_id
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy, sampler_policy
 from rlvr.trainer.devices import stage_device, usage
-from rlvr.trainer.engines import ENGINES, EngineConfig, engine_for
+from rlvr.trainer.engine_base import RolloutEngine, SamplingParams
+from rlvr.trainer.engines import ENGINES, EngineConfig, TransformersEngine, engine_for
+from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, behaviour_logprobs
+from rlvr.trainer.multi_turn import Budgets, Trajectory, Turn, run_episodes
+from rlvr.verifiers.env_registry import EnvConfig, environment_factory
 
 
-def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> Built:
+def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> dict[str, Built]:
     """params: `device` (the run's policy.device: where the policy is loaded; an engine with its own copy of the
     weights, vLLM or a server, samples where it runs); with flow.async_level, `staleness` (the step that trains
     on these rollouts minus the step whose policy samples them) and `behaviour` (the train stage's GRPO settings:
@@ -38,34 +44,151 @@ def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> Built:
     sampling = cfg.sampling(seed)
     if behaviour is not None and ctx.params.get("logprobs") == "sampling":
         sampling = replace(sampling, logprob_temperature=behaviour["temperature"])
-    samples = engine.generate(prompts, [s["n_rollouts"] for s in slots], sampling)
-    logprobs = [s.logprobs for s in samples]
-    if behaviour is not None and any(lp is None for lp in logprobs):  # an engine that does not give them
-        logprobs = list(behaviour_logprobs(policy, prompts, samples, GRPOConfig.model_validate(behaviour)))
+    env = ctx.params.get("env")
+    if env is None:  # the one-turn case: a verifier scores the completion in the label stage
+        samples = engine.generate(prompts, [s["n_rollouts"] for s in slots], sampling)
+        logprobs = [s.logprobs for s in samples]
+        if behaviour is not None and any(lp is None for lp in logprobs):  # an engine that does not give them
+            logprobs = list(behaviour_logprobs(policy, prompts, samples, GRPOConfig.model_validate(behaviour)))
+        trajectories = [one_turn(s, lp) for s, lp in zip(samples, logprobs)]
+    else:
+        tasks = slot_tasks(inputs, slots, prompts)
+        trajectories = play_episodes(engine, EnvConfig.model_validate(env), tasks, slots, sampling, seed)
     ctx.usage.update(usage(policy.model))
-    rows = []
-    for s, sample_logprobs in zip(samples, logprobs):
-        slot = slots[s.prompt_index]
-        rows.append(
+    rollouts: list[dict[str, Any]] = []
+    turns: list[dict[str, Any]] = []
+    for t in trajectories:
+        slot = slots[t.prompt_index]
+        rollout_id = row_id("r", ctx.run_id, ctx.step, slot["slot"], t.sample_index)
+        rollouts.append(
             {
-                "rollout_id": row_id("r", ctx.run_id, ctx.step, slot["slot"], s.sample_index),
+                "rollout_id": rollout_id,
                 "run_id": ctx.run_id,
                 "step": ctx.step,
                 "slot": slot["slot"],
                 "problem_id": slot["problem_id"],
-                "sample_index": s.sample_index,
-                "prompt": prompts[s.prompt_index],
-                "response": s.text,
-                "completion_ids": s.completion_ids,
-                "n_tokens": s.n_tokens,
-                "finish_reason": s.finish_reason,
+                "sample_index": t.sample_index,
+                "prompt": prompts[t.prompt_index],
+                "response": t.response,
+                "completion_ids": t.completion_ids,
+                "n_tokens": len(t.completion_ids),
+                "finish_reason": t.finish_reason,
                 "policy_id": policy_ref,
                 "staleness": int(ctx.params.get("staleness", 0)),
-                "logprobs": sample_logprobs,
-                "hint_ratio": ratios[s.prompt_index],
+                "logprobs": t.logprobs,
+                "hint_ratio": ratios[t.prompt_index],
+                **episode_columns(t, env, ctx.params.get("environment")),
             }
         )
-    return Built(rows_to_table("rollouts", rows))
+        common = {"rollout_id": rollout_id, "run_id": ctx.run_id, "step": ctx.step, "problem_id": slot["problem_id"]}
+        turns.extend({**common, **row} for row in turn_rows(t))
+    return {"rollouts": Built(rows_to_table("rollouts", rollouts)), "turns": Built(rows_to_table("turns", turns))}
+
+
+def one_turn(sample: Sample, logprobs: list[float] | None) -> Trajectory:
+    """A one-turn rollout as the trajectory of an episode that ended after its first assistant turn."""
+    turn = Turn(0, "assistant", 0, sample.n_tokens, sample.text, (), None, 0.0)
+    return Trajectory(
+        prompt_index=sample.prompt_index,
+        sample_index=sample.sample_index,
+        prompt_ids=[],
+        completion_ids=sample.completion_ids,
+        loss_mask=[1] * sample.n_tokens,
+        logprobs=logprobs,
+        turns=[turn],
+        response=sample.text,
+        reward=None,
+        verdict=None,
+        stop_reason="done",
+        finish_reason=sample.finish_reason,
+    )
+
+
+def slot_tasks(inputs: Inputs, slots: list[dict[str, Any]], prompts: list[str]) -> list[dict[str, Any]]:
+    """Each slot's problem row, as the environment's task (its prompt the one sampled from: hinted or not)."""
+    problem_of = {p["problem_id"]: p for p in inputs.rows("problems")}
+    return [{**problem_of[s["problem_id"]], "prompt": prompt} for s, prompt in zip(slots, prompts)]
+
+
+def play_episodes(
+    engine: RolloutEngine,
+    env: EnvConfig,
+    tasks: list[dict[str, Any]],
+    slots: list[dict[str, Any]],
+    sampling: SamplingParams,
+    seed: int,
+) -> list[Trajectory]:
+    """The slots' episodes of environment `env`, every running one decoding in one batch a turn."""
+    if not isinstance(engine, TransformersEngine) or engine.policy is None:
+        raise UserError(f"env.type={env.type} runs on rollout.type=transformers only (vllm and openai: not yet)")
+    own = engine.settings()
+    budgets = Budgets(
+        max_turns=env.max_turns,
+        max_tokens=env.max_tokens,
+        max_new_tokens=sampling.max_new_tokens,
+        max_tool_output_tokens=env.max_tool_output_tokens,
+    )
+    return run_episodes(
+        engine.policy,
+        [environment_factory(env) for _ in tasks],
+        tasks,
+        [s["n_rollouts"] for s in slots],
+        budgets=budgets,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=seed,
+        row_keys=[s["slot"] for s in slots],
+        cache=own.cache,
+        precision=own.precision,
+        logprob_temperature=sampling.logprob_temperature,
+        environment_threads=env.parallel_tools,
+    )
+
+
+def episode_columns(t: Trajectory, env: dict[str, Any] | None, label: str | None) -> dict[str, Any]:
+    """The rollouts columns of an environment's episode (none for the one-turn case)."""
+    if env is None:
+        return {}
+    verdict = None
+    if t.verdict is not None:
+        v = t.verdict
+        verdict = json.dumps(
+            {"status": v.status, "extracted": v.extracted, "reason": v.reason, "components": v.components}
+        )
+    return {
+        "prompt_ids": t.prompt_ids,
+        "loss_mask": t.loss_mask,
+        "n_turns": sum(1 for turn in t.turns if turn.role == "assistant"),
+        "stop_reason": t.stop_reason,
+        "env": label,
+        "env_reward": t.reward,
+        "env_verdict": verdict,
+    }
+
+
+def turn_rows(t: Trajectory) -> list[dict[str, Any]]:
+    """The trajectory's rows of the `turns` table; the last carries its stop reason."""
+    rows = []
+    for turn in t.turns:
+        uses = turn.tool_uses
+        rows.append(
+            {
+                "turn": turn.turn,
+                "role": turn.role,
+                "token_start": turn.start,
+                "token_end": turn.end,
+                "text": turn.text,
+                "tool_names": [u.name for u in uses] if uses else None,
+                "tool_arguments": [u.arguments for u in uses] if uses else None,
+                "tool_outputs": [u.output for u in uses] if uses else None,
+                "tool_statuses": [u.status for u in uses] if uses else None,
+                "reward": turn.reward,
+                "seconds": turn.seconds,
+                "stop_reason": None,
+            }
+        )
+    rows[-1]["stop_reason"] = t.stop_reason
+    return rows
 
 
 def slot_prompts(
@@ -92,6 +215,6 @@ ROLLOUT: Stage[EngineConfig] = Stage(
     config=ENGINES.config_type,
     default=ENGINES.default_config,
     inputs=("allocations", "problems", "policy", "selections"),
-    outputs={"rollouts": Output("rollouts")},
+    outputs={"rollouts": Output("rollouts"), "turns": Output("turns")},
     build=build,
 )

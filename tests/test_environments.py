@@ -50,11 +50,13 @@ def call(name: str, argument: str, value: str) -> str:
 
 def test_builtins_are_registered_and_an_unknown_type_names_them():
     names = registered()
-    assert list(names) == ["calculator", "gym", "one_turn", "textarena"]
+    assert list(names) == ["calculator", "gym", "one_turn", "retry", "textarena"]
     assert names["calculator"] is CalculatorEnvironment and names["one_turn"] is OneTurn
     with pytest.raises(UserError) as raised:
         environment_factory({"type": "calculater"})
-    assert str(raised.value) == "unknown environment 'calculater'; registered: calculator, gym, one_turn, textarena"
+    assert (
+        str(raised.value) == "unknown environment 'calculater'; registered: calculator, gym, one_turn, retry, textarena"
+    )
 
 
 @pytest.mark.parametrize(
@@ -592,3 +594,30 @@ def test_textarena_guess_the_number_and_tictactoe_against_a_scripted_opponent():
     assert game.step("[5]") == Reply(reward=1.0, done=True, stop_reason="done")  # O on 3, 4, 5
     with pytest.raises(UserError, match="^unknown TextArena game 'Nope-v0'; e.g. "):
         environment_factory({"type": "textarena", "options": {"id": "Nope-v0"}})
+
+
+# ----------------------------------------------------------------------------------------------
+# The retry environment (self-correction with feedback)
+
+
+def test_retry_answers_a_miss_with_feedback_and_ends_on_a_right_answer_with_its_discounted_reward():
+    make = environment_factory({"type": "retry", "max_turns": 3, "options": {"turn_discount": 0.5}})
+    env = make()
+    opening = env.reset({"prompt": "What is 12 * 3?", "reference": "36", "verifier": "final_number"}, seed=0)
+    assert opening.messages == [{"role": "user", "content": "What is 12 * 3?"}] and opening.tools == []
+    miss = env.step("It is 35.")
+    assert miss.messages == [{"role": "user", "content": "That is not right. Try again."}]
+    assert (miss.done, miss.reward) == (False, None)
+    second_miss = env.step("Then 37.")
+    assert second_miss.messages == miss.messages and not second_miss.done
+    hit = env.step("36")
+    assert (hit.done, hit.reward, hit.messages) == (True, 0.25, [])  # right on assistant turn 2: 0.5 ** 2
+    assert hit.verdict is not None and hit.verdict.status == "ok"
+
+
+def test_retry_scores_with_the_configured_verifier_over_the_problems_own():
+    env = environment_factory({"type": "retry", "max_turns": 2, "verifier": "final_number"})()
+    env.reset({"prompt": "2+2=", "reference": "4", "verifier": "no_such_verifier"}, seed=0)
+    assert env.step("the answer is 4").reward == 1.0
+    with pytest.raises(UserError):
+        environment_factory({"type": "retry", "options": {"turn_discount": 0}})

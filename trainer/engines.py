@@ -68,20 +68,20 @@ class TransformersEngine(RolloutEngine):
 
     def __init__(self, cfg: EngineConfig) -> None:
         super().__init__(cfg)
-        self._policy: Policy | None = None
+        self.policy: Policy | None = None
 
     def update_weights(self, policy: Policy, policy_ref: str) -> None:
-        self._policy = policy
+        self.policy = policy
 
-    def _settings(self) -> TransformersEngineConfig:
+    def settings(self) -> TransformersEngineConfig:
         return self.cfg if isinstance(self.cfg, TransformersEngineConfig) else TransformersEngineConfig()
 
     def generate(self, prompts: Sequence[str], counts: Sequence[int], sampling: SamplingParams) -> list[Sample]:
-        if self._policy is None:
+        if self.policy is None:
             raise RuntimeError("call update_weights before generate")
-        own = self._settings()
+        own = self.settings()
         return sample(
-            self._policy,
+            self.policy,
             list(prompts),
             list(counts),
             max_new_tokens=sampling.max_new_tokens,
@@ -95,13 +95,13 @@ class TransformersEngine(RolloutEngine):
         )
 
     def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
-        if self._policy is None:
+        if self.policy is None:
             raise RuntimeError("call update_weights before greedy")
-        own = self._settings()
-        return greedy(self._policy, list(prompts), max_new_tokens=max_new_tokens, cache=own.cache)
+        own = self.settings()
+        return greedy(self.policy, list(prompts), max_new_tokens=max_new_tokens, cache=own.cache)
 
     def close(self) -> None:
-        self._policy = None
+        self.policy = None
 
 
 ENGINES: TypedRegistry[RolloutEngine] = TypedRegistry(

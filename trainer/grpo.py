@@ -352,6 +352,11 @@ class RolloutBatch:
     components: list[dict[str, float]] | None = None
     max_new_tokens: int | None = None
     answers: list[str | None] | None = None  # per sample: the verifier's extracted answer (SEED-GRPO)
+    # Per sample, for an environment's episodes (None: a one-turn rollout): the opening's token ids, which the
+    # loss conditions on instead of the tokenized prompt, and the loss mask over completion_ids (0 on the
+    # environment's tokens: tool output, a user's follow-up).
+    prompt_token_ids: list[list[int] | None] | None = None
+    loss_masks: list[list[int] | None] | None = None
 
 
 def _padded(rows: list[list[int]], pad_id: int, side: Literal["left", "right"]) -> Tensor:
@@ -451,11 +456,12 @@ def training_rows(
         return None
     rows = (torch.isin(group_index, active_groups) & keep).nonzero().squeeze(1).tolist()
     pad_id = policy.tokenizer.pad_token_id
-    prompt_tokens = prompts.prompt_ids(policy.tokenizer, batch.prompts)
-    prompt_ids = _padded([prompt_tokens[batch.samples[k].prompt_index] for k in rows], pad_id, "left")
+    prompt_ids = _padded(_row_prompt_ids(policy, batch, rows), pad_id, "left")
     completion_ids = _padded([batch.samples[k].completion_ids for k in rows], pad_id, "right")
     lengths = torch.tensor([batch.samples[k].n_tokens for k in rows])
     mask = torch.arange(completion_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    if batch.loss_masks is not None:
+        mask &= _padded([_loss_mask(batch, k) for k in rows], 0, "right").bool()[:, : mask.shape[1]]
     per_group = batch.kl_weights or [1.0] * len(batch.prompts)
     kl_weights = torch.tensor([per_group[batch.samples[k].prompt_index] for k in rows], dtype=torch.float32)
     tensors = (prompt_ids, completion_ids, mask, advantages[rows], group_index[rows], active_groups, kl_weights)
@@ -465,6 +471,25 @@ def training_rows(
         stored = [list(batch.samples[k].logprobs or []) for k in rows]
         training.old_logp = torch.tensor([row + [0.0] * (mask.shape[1] - len(row)) for row in stored]).to(device)
     return training
+
+
+def _row_prompt_ids(policy: Policy, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
+    """Each row's prompt tokens: its episode's opening when it has one, else its group's prompt tokenized."""
+    given = batch.prompt_token_ids or [None] * len(batch.samples)
+    tokenized = prompts.prompt_ids(policy.tokenizer, batch.prompts)
+    return [given[k] or tokenized[batch.samples[k].prompt_index] for k in rows]
+
+
+def _loss_mask(batch: RolloutBatch, k: int) -> list[int]:
+    """Sample k's loss mask over its completion tokens (all 1 for a one-turn rollout)."""
+    assert batch.loss_masks is not None
+    mask = batch.loss_masks[k]
+    n_tokens = len(batch.samples[k].completion_ids)
+    if mask is None:
+        return [1] * n_tokens
+    if len(mask) != n_tokens:
+        raise ValueError(f"sample {k}: loss mask of {len(mask)} tokens for {n_tokens} completion tokens")
+    return list(mask)
 
 
 def set_activation_checkpointing(model: PreTrainedModel, enabled: bool) -> None:

@@ -224,6 +224,7 @@ class _Episode:
     prompt_index: int
     sample_index: int
     key: int  # row_key(seed, the task's key, sample index): the first turn's sampling key
+    reset_seed: int = 0  # environment_seed of row_key(seed, the task's key, 0): the group's one instance
     environment: Environment | None = None
     prompt_ids: list[int] = field(default_factory=list)
     completion_ids: list[int] = field(default_factory=list)
@@ -318,8 +319,9 @@ def run_episodes(
     environment_threads: int = 8,
 ) -> list[Trajectory]:
     """`counts[i]` episodes of task i, each with a fresh environment from `factories[i]`, grouped by task in order
-    (as `generation.sample` groups samples). Episode j of task i resets with `environment_seed` of its key
-    (seed, row_keys[i], j) and samples its turns with `turn_key`s of it (`row_keys`: one distinct int a task).
+    (as `generation.sample` groups samples). Every episode of task i resets with `environment_seed` of the key
+    (seed, row_keys[i], 0), so a GRPO group plays one instance (one game, one hidden number), and episode j samples
+    its turns with `turn_key`s of its key (seed, row_keys[i], j) (`row_keys`: one distinct int a task).
 
     Each turn: every running episode samples at most min(max_new_tokens, what max_tokens leaves) tokens, all in
     one batch; then their environments step, side by side. An episode ends when a turn did not end with eos
@@ -333,7 +335,11 @@ def run_episodes(
     _check_arguments(policy, factories, tasks, counts, row_keys, temperature, environment_threads)
     rendering = ChatRendering(policy.tokenizer, _eos_ids(policy))
     decoding = _Decoding(policy, temperature, top_p, cache, precision, logprob_temperature)
-    episodes = [_Episode(i, j, row_key(seed, row_keys[i], j)) for i, count in enumerate(counts) for j in range(count)]
+    episodes = [
+        _Episode(i, j, row_key(seed, row_keys[i], j), environment_seed(row_key(seed, row_keys[i], 0)))
+        for i, count in enumerate(counts)
+        for j in range(count)
+    ]
     with ThreadPoolExecutor(max_workers=environment_threads, thread_name_prefix="environment") as pool:
         try:
             _open_all(episodes, factories, tasks, rendering, pool)
@@ -387,7 +393,7 @@ def _open_all(
         started = time.perf_counter()
         try:
             episode.environment = factories[episode.prompt_index]()
-            opening = episode.environment.reset(tasks[episode.prompt_index], environment_seed(episode.key))
+            opening = episode.environment.reset(tasks[episode.prompt_index], episode.reset_seed)
             if not isinstance(opening, Opening):
                 raise TypeError(f"reset returned {type(opening).__name__}, not an Opening")
             return opening, time.perf_counter() - started

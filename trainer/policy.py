@@ -17,7 +17,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 from transformers.utils import logging as transformers_logging
 
 from rlvr.errors import UserError
@@ -133,8 +139,24 @@ MODEL_BUILD_LOCK = threading.RLock()
 def _load_directory(path: str, source: str, local_files_only: bool, dtype: torch.dtype = torch.float32) -> Policy:
     with MODEL_BUILD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=local_files_only)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only)
+        tokenizer = load_tokenizer(path, local_files_only=local_files_only)
         return _prepare(model, tokenizer, source, dtype)
+
+
+GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def load_tokenizer(path: str, local_files_only: bool = True) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in directory `path`, as it was saved. `AutoTokenizer` picks the class of the model's
+    type from config.json (Qwen2Tokenizer for a Qwen2 model), which rebuilds a generic tokenizer's pipeline: the
+    tiny built-in model's then encoded every letter as nothing at all (so a multi-turn environment's messages
+    became no tokens). A tokenizer saved as the generic class is loaded as that class, from its tokenizer.json."""
+    config_file = Path(path) / "tokenizer_config.json"
+    if config_file.is_file() and (Path(path) / "tokenizer.json").is_file():
+        saved_class = json.loads(config_file.read_text()).get("tokenizer_class")
+        if saved_class in GENERIC_TOKENIZER_CLASSES:
+            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=local_files_only)
+    return AutoTokenizer.from_pretrained(path, local_files_only=local_files_only)
 
 
 def place(policy: Policy, device: torch.device) -> Policy:

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rlvr.child_guard import exit_when_gone, start_time
 from rlvr.errors import Stopped, UserError, stop_with
@@ -56,6 +56,7 @@ from rlvr.trainer.lora import SETTINGS_FILE, LoraSettings, add_lora
 from rlvr.trainer.policy import (
     MODEL_BUILD_LOCK,
     Policy,
+    load_tokenizer,
     make_optimizer,
     policy_files,
     set_threads,
@@ -179,7 +180,7 @@ def skeleton(static: dict[str, bytes], dtype: torch.dtype, threads: int) -> Poli
             (Path(tmp) / name).write_bytes(data)
         with MODEL_BUILD_LOCK:
             config = AutoConfig.from_pretrained(tmp)
-            tokenizer = AutoTokenizer.from_pretrained(tmp)
+            tokenizer = load_tokenizer(tmp)
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype)
             if (Path(tmp) / "generation_config.json").is_file():

@@ -45,7 +45,11 @@ def rollout_batch(
         )
         rewards.append(score_of[r["rollout_id"]])
     components = None if components_of is None else [components_of[r["rollout_id"]] for r in ordered]
-    return RolloutBatch(prompts=prompts, samples=samples, rewards=rewards, components=components)
+    batch = RolloutBatch(prompts=prompts, samples=samples, rewards=rewards, components=components)
+    if any(r.get("loss_mask") is not None for r in ordered):  # an environment's episodes
+        batch.loss_masks = [None if r.get("loss_mask") is None else list(r["loss_mask"]) for r in ordered]
+        batch.prompt_token_ids = [None if r.get("prompt_ids") is None else list(r["prompt_ids"]) for r in ordered]
+    return batch
 
 
 def reward_components(inputs: Inputs) -> dict[str, dict[str, float]]:

@@ -28,6 +28,7 @@ from rlvr.errors import UserError
 from rlvr.verifiers.calculator_env import CalculatorEnvironment
 from rlvr.verifiers.environment import EnvConfig, Environment, OneTurn
 from rlvr.verifiers.gym_adapter import GymEnvironment
+from rlvr.verifiers.retry_env import RetryEnvironment
 from rlvr.verifiers.textarena_adapter import TextArenaEnvironment
 
 __all__ = [
@@ -43,7 +44,7 @@ __all__ = [
 ENTRY_POINT_GROUP = "rlvr.environments"
 
 BUILTIN: dict[str, type[Environment]] = {
-    cls.name: cls for cls in (OneTurn, CalculatorEnvironment, GymEnvironment, TextArenaEnvironment)
+    cls.name: cls for cls in (OneTurn, CalculatorEnvironment, RetryEnvironment, GymEnvironment, TextArenaEnvironment)
 }
 
 
@@ -161,3 +162,13 @@ def environment_factory(config: EnvConfig | Mapping[str, Any]) -> Callable[[], E
             where = ".".join(str(part) for part in problem["loc"])
             raise UserError(f"env.{where}: {problem['msg']}") from exc
     return environment_class(config.type).factory(config)
+
+
+def environment_label(config: EnvConfig | Mapping[str, Any]) -> str:
+    """ "name@version" of the configured environment: the rollouts' `env` and the rewards' verifier when it gives
+    the reward; part of the rollout stage's identity, so a new version samples again."""
+    made = environment_factory(config)()
+    try:
+        return f"{made.name}@{made.version}"
+    finally:
+        made.close()

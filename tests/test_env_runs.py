@@ -1,0 +1,135 @@
+"""Whole runs with environments: the rollouts are episodes, the `turns` table records them, the loss trains only
+on sampled tokens, and an environment from a registry package that no one here wrote (GEM) runs unmodified."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+
+from rlvr.storage.store import Store
+from rlvr.storage.views import query
+from tests.cli_helpers import cli_env, rlvr
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "train.steps=2",
+    "select.batch_size=4",
+    "allocate.n=4",
+    "warmstart.steps=20",
+    "difficulty.k=2",
+    "evaluate.every=2",
+    "checkpoint.every=2",
+]
+RETRY = [*SMALL, "env.type=retry", "env.max_turns=3"]
+
+
+def rows(store: Store, sql: str) -> list[dict[str, Any]]:
+    return query(store, sql).to_pylist()
+
+
+@pytest.fixture(scope="module")
+def retry_run(tmp_path_factory, prefect_api):
+    """A run of the `retry` environment (a wrong answer is told so and answers again), with every minibatch the
+    loss saw recorded: its rows' prompt and completion ids and the token mask the loss weighed them by."""
+    import rlvr.trainer.grpo as grpo
+    from rlvr.flows.config import load_config
+    from rlvr.flows.runs import execute
+
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    original = grpo.minibatch_loss
+
+    def recording(policy, training, selected, *args, **kwargs):
+        seen.append(
+            (
+                training.prompt_ids[selected].cpu(),
+                training.completion_ids[selected].cpu(),
+                training.mask[selected].cpu(),
+            )
+        )
+        return original(policy, training, selected, *args, **kwargs)
+
+    root = str(tmp_path_factory.mktemp("retry") / "store")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grpo, "minibatch_loss", recording)
+        execute(root, load_config(None, ["run_id=retry", *RETRY]))
+    return Store.open(root), seen
+
+
+def test_episodes_are_stored_with_their_turns_and_stop_reasons(retry_run) -> None:
+    store, _ = retry_run
+    episodes = rows(store, "SELECT rollout_id, n_turns, stop_reason, env, env_reward FROM rollouts")
+    assert {e["env"] for e in episodes} == {"retry@1"}
+    assert {e["stop_reason"] for e in episodes} <= {"done", "max_turns", "token_budget"}
+    assert any(e["n_turns"] == 3 for e in episodes) and any(e["n_turns"] == 1 for e in episodes)
+    turns = rows(store, "SELECT rollout_id, count(*) FILTER (role = 'assistant') AS n FROM turns GROUP BY 1")
+    assert {t["rollout_id"]: t["n"] for t in turns} == {e["rollout_id"]: e["n_turns"] for e in episodes}
+    last = rows(store, "SELECT rollout_id, stop_reason FROM turns WHERE stop_reason IS NOT NULL")
+    assert {t["rollout_id"]: t["stop_reason"] for t in last} == {e["rollout_id"]: e["stop_reason"] for e in episodes}
+    # the environment's reward where it gave one (a right answer), the verifier's 0 on the last answer elsewhere
+    rewards = rows(store, "SELECT r.env_reward, w.verifier, w.score FROM rollouts r JOIN rewards w USING (rollout_id)")
+    for r in rewards:
+        if r["env_reward"] is None:
+            assert r["verifier"] != "env:retry" and r["score"] == 0.0
+        else:
+            assert (r["verifier"], r["score"]) == ("env:retry", r["env_reward"])
+
+
+def test_a_trajectory_is_its_sampled_turns_and_the_environments_tokens_exactly(retry_run) -> None:
+    from rlvr.trainer.checkpoints import load_policy
+
+    store, _ = retry_run
+    policy_id = rows(store, "SELECT policy_id FROM rollouts LIMIT 1")[0]["policy_id"]
+    tokenizer = load_policy(store, policy_id, device=torch.device("cpu")).tokenizer
+    episodes = {e["rollout_id"]: e for e in rows(store, "SELECT rollout_id, completion_ids, loss_mask FROM rollouts")}
+    turns = rows(store, "SELECT rollout_id, turn, role, token_start, token_end, text FROM turns ORDER BY ALL")
+    covered: dict[str, int] = {}
+    for t in turns:
+        episode = episodes[t["rollout_id"]]
+        assert t["token_start"] == covered.get(t["rollout_id"], 0)  # the spans tile the trajectory in order
+        covered[t["rollout_id"]] = t["token_end"]
+        span = slice(t["token_start"], t["token_end"])
+        mask = episode["loss_mask"][span]
+        if t["role"] == "assistant":
+            assert mask == [1] * len(mask)
+        else:  # the tiny model has no chat template: a message is its content on a line of its own
+            assert t["role"] == "user" and mask == [0] * len(mask)
+            assert episode["completion_ids"][span] == tokenizer(f"\n{t['text']}", add_special_tokens=False)["input_ids"]
+    assert covered == {rid: len(e["completion_ids"]) for rid, e in episodes.items()}
+    assert any(0 in e["loss_mask"] for e in episodes.values())
+
+
+def test_the_loss_never_weighs_an_environment_token(retry_run) -> None:
+    store, seen = retry_run
+    stored = rows(store, "SELECT prompt_ids, completion_ids, loss_mask FROM rollouts")
+    mask_of = {(tuple(r["prompt_ids"]), tuple(r["completion_ids"])): r["loss_mask"] for r in stored}
+    pad = 0  # the tiny tokenizer's <pad>
+    checked = with_environment_tokens = 0
+    for prompt_ids, completion_ids, mask in seen:
+        for prompt, completion, weights in zip(prompt_ids.tolist(), completion_ids.tolist(), mask.tolist()):
+            prompt = prompt[next(i for i, token in enumerate(prompt) if token != pad) :]  # left padding
+            key = next(k for k in mask_of if k[0] == tuple(prompt) and completion[: len(k[1])] == list(k[1]))
+            expected = mask_of[key]
+            assert [int(w) for w in weights] == expected + [0] * (len(weights) - len(expected))
+            checked += 1
+            with_environment_tokens += 0 in expected
+    assert checked and with_environment_tokens  # the loss saw multi-turn rows, and none of their env tokens
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gem") is None, reason="the gem extra is not installed (make envs)")
+def test_a_gem_environment_runs_unmodified_through_a_whole_run(tmp_path, prefect_api) -> None:
+    store = tmp_path / "store"
+    options = 'env.options={make: gem, id: "game:GuessTheNumber-v0-easy"}'
+    sets = [arg for o in [*SMALL, "env.type=gym", "env.max_turns=3", options] for arg in ("--set", o)]
+    done = rlvr("run", "--store", str(store), *sets, env=cli_env(PREFECT_API_URL=prefect_api), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    s = Store.open(str(store))
+    assert rows(s, "SELECT DISTINCT env FROM rollouts") == [{"env": "gym@1"}]
+    rewards = rows(s, "SELECT verifier, status, score FROM rewards")
+    assert rewards and {r["verifier"] for r in rewards} == {"env:gym"} and {r["status"] for r in rewards} == {"ok"}
+    # GEM's own rewards: -0.1 for a malformed guess (all the tiny model writes), 1.0 for the number
+    assert {r["score"] for r in rewards} <= {-0.1, 0.0, 1.0}
+    assert rows(s, "SELECT count(*) AS n FROM train_steps")[0]["n"] == 2

@@ -1,0 +1,65 @@
+"""The `retry` environment: answer, hear whether it was right, try again (multi-turn self-correction).
+
+The opening is the problem's prompt. Each assistant turn is scored by the verifier (`env.verifier`, else the
+problem's own); a correct answer ends the episode with its reward, a wrong one is answered with a user message
+(`options.feedback`) and the model answers again, until `env.max_turns`. An episode that never answers right ends
+on max_turns without a reward of the environment's: the label stage then scores its last answer, a 0.
+`options.turn_discount` d scales a correct answer on assistant turn t (0-based) to d**t, so that a first-turn answer
+is worth more than a corrected one (1.0, the default: any correct answer is worth 1).
+
+No tools and no randomness: the episode is a pure function of the model's turns, so the seed is unused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlvr.chat import as_messages
+from rlvr.verifiers.base import Score, Verifier
+from rlvr.verifiers.environment import EnvConfig, Environment, Opening, Reply, read_options
+
+
+class RetryOptions(BaseModel):
+    """The retry environment's own settings (`env.options`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    feedback: str = Field("That is not right. Try again.", min_length=1, description="the user's reply to a miss")
+    turn_discount: float = Field(1.0, gt=0, le=1, description="a correct answer on turn t earns turn_discount**t")
+
+
+class RetryEnvironment(Environment):
+    name = "retry"
+    version = "1"
+
+    def __init__(self, verifier: Verifier | None, options: RetryOptions) -> None:
+        self.verifier, self.options = verifier, options
+        self._scorer: Verifier | None = None
+        self._reference: Any = None
+        self._turn = 0
+
+    @classmethod
+    def factory(cls, config: EnvConfig) -> Callable[[], Environment]:
+        from rlvr.verifiers.registry import get_verifier
+
+        options = read_options(RetryOptions, config)
+        verifier = get_verifier(config.verifier) if config.verifier else None
+        return lambda: cls(verifier, options)
+
+    def reset(self, task: Mapping[str, Any], seed: int) -> Opening:
+        from rlvr.verifiers.registry import get_verifier
+
+        self._scorer = self.verifier or get_verifier(str(task["verifier"]))
+        self._reference, self._turn = task.get("reference"), 0
+        return Opening(messages=as_messages(str(task["prompt"])))
+
+    def step(self, response: str) -> Reply:
+        assert self._scorer is not None, "reset before step"
+        score: Score = self._scorer.score(response, self._reference)
+        turn, self._turn = self._turn, self._turn + 1
+        if score.status == "ok":
+            return Reply(reward=score.value * self.options.turn_discount**turn, done=True, verdict=score)
+        return Reply(messages=[{"role": "user", "content": self.options.feedback}])
