@@ -11,6 +11,9 @@ With flow.async_level=1 (sampling a step beside training the one before) the sam
 while generation is ahead of training: a step's rollouts committed, its update not, and the next step's
 sampling in flight. Every rollout is then sampled once: the (problem, sample index, sampling policy) triples
 of the two stores are the same.
+
+With multi-turn episodes (env.type=retry: a wrong answer is told so and answers again) the same holds, and the
+`turns` tables (every turn's role, token span, text and the trajectories' stop reasons) are equal too.
 """
 
 from __future__ import annotations
@@ -115,6 +118,12 @@ def sampled(store: Path) -> list[tuple]:
     return [tuple(row.values()) for row in query(s, sql).to_pylist()]
 
 
+def turns(store: Path) -> list[tuple]:
+    s = Store.open(str(store))
+    sql = "SELECT rollout_id, turn, role, token_start, token_end, text, stop_reason FROM turns ORDER BY ALL"
+    return [tuple(row.values()) for row in query(s, sql).to_pylist()]
+
+
 SKILLS = ("synthesize.source.per_category=10",)
 SYNC_WITH_HINTS_AND_REWRITES = (
     # two-step solutions: a one-step one (every skills problem) states its answer at once and is never hinted
@@ -128,8 +137,15 @@ SYNC_WITH_HINTS_AND_REWRITES = (
 )
 
 
+# Multi-turn episodes (a wrong answer is told so and answers again): the kills land between the stages of steps
+# whose rollouts are whole trajectories; their turns must come back the same.
+MULTI_TURN = ("train.steps=6", "env.type=retry", "env.max_turns=3")
+
+
 @pytest.mark.parametrize(
-    ("async_level", "extra"), [(0, SYNC_WITH_HINTS_AND_REWRITES), (1, (*SKILLS, "flow.async_level=1"))]
+    ("async_level", "extra"),
+    [(0, SYNC_WITH_HINTS_AND_REWRITES), (1, (*SKILLS, "flow.async_level=1")), (0, MULTI_TURN)],
+    ids=["sync", "async", "multi_turn"],
 )
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api, async_level, extra):
     env = cli_env(PREFECT_API_URL=prefect_api)
@@ -162,7 +178,10 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api, async_l
     assert decisions(killed) == decisions(reference)
     assert sampled(killed) == sampled(reference)
     assert {row[-1] for row in sampled(reference)} == ({0, 1} if async_level else {0})
-    if not async_level:  # the hints and rewrites happened, so their resume was tested
+    assert turns(killed) == turns(reference)
+    if "env.type=retry" in extra:  # the episodes had several turns, so their resume was tested
+        assert any(row[2] == "user" for row in turns(reference))
+    elif not async_level:  # the hints and rewrites happened, so their resume was tested
         made = decisions(reference)
         assert any(row["hint_ratio"] > 0 for row in made["selections"])
         assert any(row["kept"] for row in made["restructured"])
