@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 # The fixed conversation that environment messages are appended to when they are rendered (`ChatRendering`).
 _BASE: list[Message] = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+_FAULTS = ("tool_timeout", "error")  # a reply's stop reasons that outrank the turn's own cut (`_stop_reason`)
 _ENVIRONMENT_STREAM = 0x452821E638D01377  # mixed into an episode's key to make the seed its environment resets with
 
 
@@ -72,7 +73,8 @@ class Turn:
     `Trajectory.completion_ids` (empty for an environment that raised). `reward`, `tool_uses`: the reply's, on
     the environment turn that appends its messages, or on the assistant turn when the reply's messages are not
     appended (it ended the episode, or a budget did). `seconds`: the turn's share of its batch's decoding, or
-    the environment's step."""
+    the environment's step; an assistant turn that carries the reply holds the step's seconds too (a tool
+    that hung and ended the episode is timed on the turn that called it)."""
 
     turn: int
     role: str  # "assistant"; "tool": the reply holds a tool message, or step raised; "user": else, or reset raised
@@ -325,7 +327,8 @@ def run_episodes(
 
     Each turn: every running episode samples at most min(max_new_tokens, what max_tokens leaves) tokens, all in
     one batch; then their environments step, side by side. An episode ends when a turn did not end with eos
-    ("token_budget", whatever the reply), when a reply is done (its stop reason, "done" by default), after
+    ("token_budget", unless the reply ends it on a fault: "tool_timeout", "error"), when a reply is done (its
+    stop reason, "done" by default), after
     `max_turns` ("max_turns"), when the reply's rendered messages would leave no token of `max_tokens`
     ("token_budget"), or when its environment raises ("error": recorded in a turn of its own, the others play
     on). The environment steps
@@ -468,11 +471,15 @@ def _take_reply(
         stop = "token_budget"
     assistant = episode.turns[-1]
     assistant.reward, assistant.tool_uses = reply.reward, reply.tool_uses
+    assistant.seconds += seconds
     episode.stop_reason = stop
 
 
 def _stop_reason(episode: _Episode, reply: Reply, last_turn: bool) -> StopReason | None:
-    """Why the episode ends after this reply, before its messages are rendered; None when it goes on."""
+    """Why the episode ends after this reply, before its messages are rendered; None when it goes on. An
+    environment's fault names the stop even on a turn its budget cut: the tool ran and would end it anyway."""
+    if reply.done and reply.stop_reason in _FAULTS:
+        return reply.stop_reason
     if episode.finish_reason == "length":
         return "token_budget"
     if reply.done:
