@@ -14,6 +14,9 @@ and described by `plugin_errors`, so one broken package cannot break every run.
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Annotated, Any, Generic, TypeVar, Union
 
@@ -22,6 +25,7 @@ from pydantic import BaseModel, Discriminator, Tag
 from rlvr.errors import UserError
 
 __all__ = [
+    "ClassPlugins",
     "TypedRegistry",
     "generation",
 ]
@@ -119,3 +123,63 @@ class TypedRegistry(Generic[Impl]):
     def make(self, cfg: BaseModel) -> Impl:
         """A new implementation object for `cfg`."""
         return self.implementation(cfg)(cfg)  # type: ignore[call-arg]
+
+
+PathState = tuple[tuple[str, int | None], ...]
+
+
+def sys_path_state() -> PathState:
+    """Each sys.path entry and its modification time: installing or removing a package changes its folder's."""
+    state: list[tuple[str, int | None]] = []
+    for entry in sys.path:
+        try:
+            state.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            state.append((entry, None))
+    return tuple(state)
+
+
+class ClassPlugins(Generic[Impl]):
+    """Classes registered by name under an entry-point group (verifiers, environments), each checked, and one
+    line per entry point refused (broken, not the right kind of class, a clashing name): one broken package
+    never breaks every run. Scanned again only when sys.path or one of its folders changed (reading every
+    installed distribution's metadata costs milliseconds, and labelling asks per step): an install or uninstall
+    adds or removes a dist-info folder, which changes its folder's mtime; an entry_points.txt edited in place is
+    not seen, and a plugin module already imported is not re-imported."""
+
+    def __init__(
+        self, group: str, what: str, builtin: Mapping[str, type[Impl]], check: Callable[[object, str], str | None]
+    ) -> None:
+        self.group, self.what, self.builtin, self.check = group, what, builtin, check
+        self.cached: tuple[PathState, tuple[dict[str, type[Impl]], list[str]]] | None = None
+
+    def load(self) -> tuple[dict[str, type[Impl]], list[str]]:
+        """The plugins (a copy) and the refusals, from the cache while sys.path is unchanged."""
+        state = sys_path_state()
+        if self.cached is None or self.cached[0] != state:
+            self.cached = (state, self.scan())
+        plugins, errors = self.cached[1]
+        return dict(plugins), list(errors)
+
+    def scan(self) -> tuple[dict[str, type[Impl]], list[str]]:
+        plugins: dict[str, type[Impl]] = {}
+        errors: list[str] = []
+        for entry_point in entry_points(group=self.group):
+            label = f"plugin {entry_point.name!r} ({entry_point.value})"
+            if entry_point.name in self.builtin:
+                errors.append(f"{label} ignored: {entry_point.name!r} is a built-in {self.what}")
+                continue
+            if entry_point.name in plugins:
+                errors.append(f"{label} ignored: another plugin already registered {entry_point.name!r}")
+                continue
+            try:
+                loaded = entry_point.load()
+            except Exception as exc:  # a broken plugin is reported, never a crash of every run
+                errors.append(f"{label} failed to load: {type(exc).__name__}: {exc}")
+                continue
+            problem = self.check(loaded, entry_point.name)
+            if problem is not None:
+                errors.append(f"{label} rejected: {problem}")
+                continue
+            plugins[entry_point.name] = loaded
+        return plugins, errors

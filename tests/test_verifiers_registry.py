@@ -93,9 +93,9 @@ def test_entry_points_are_scanned_again_only_when_sys_path_changes(plugin_dir, m
     import rlvr.verifiers.registry as registry
 
     scans = []
-    real_scan = registry._scan_plugins
-    monkeypatch.setattr(registry, "_scan_plugins", lambda: scans.append(1) or real_scan())
-    monkeypatch.setattr(registry, "_loaded", None)
+    real_scan = registry.PLUGINS.scan
+    monkeypatch.setattr(registry.PLUGINS, "scan", lambda: scans.append(1) or real_scan())
+    monkeypatch.setattr(registry.PLUGINS, "cached", None)
     for _ in range(3):
         assert "echo" in registered()
     assert len(scans) == 1

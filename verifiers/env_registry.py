@@ -16,15 +16,13 @@ a name that differs or clashes) is left out and described by `plugin_errors()`; 
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 from collections.abc import Callable, Mapping
-from importlib.metadata import entry_points
 from typing import Any
 
 from pydantic import ValidationError
 
 from rlvr.errors import UserError
+from rlvr.plugins import ClassPlugins
 from rlvr.verifiers.calculator_env import CalculatorEnvironment
 from rlvr.verifiers.environment import EnvConfig, Environment, OneTurn
 from rlvr.verifiers.gym_adapter import GymEnvironment
@@ -62,52 +60,11 @@ def _check_environment_class(obj: object, expected_name: str | None) -> str | No
     return None
 
 
-_loaded: tuple[tuple[tuple[str, int | None], ...], tuple[dict[str, type[Environment]], list[str]]] | None = None
-
-
-def _sys_path_state() -> tuple[tuple[str, int | None], ...]:
-    """sys.path and each entry's mtime: an install or uninstall into a folder changes the folder's mtime."""
-    state: list[tuple[str, int | None]] = []
-    for entry in sys.path:
-        try:
-            state.append((entry, os.stat(entry or ".").st_mtime_ns))
-        except OSError:
-            state.append((entry, None))
-    return tuple(state)
+PLUGINS: ClassPlugins[Environment] = ClassPlugins(ENTRY_POINT_GROUP, "environment", BUILTIN, _check_environment_class)
 
 
 def _plugins() -> tuple[dict[str, type[Environment]], list[str]]:
-    """The plugins and the refusals, scanned again only when sys.path or one of its folders changed."""
-    global _loaded
-    state = _sys_path_state()
-    if _loaded is None or _loaded[0] != state:
-        _loaded = (state, _scan())
-    plugins, errors = _loaded[1]
-    return dict(plugins), list(errors)
-
-
-def _scan() -> tuple[dict[str, type[Environment]], list[str]]:
-    plugins: dict[str, type[Environment]] = {}
-    errors: list[str] = []
-    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
-        label = f"plugin {entry_point.name!r} ({entry_point.value})"
-        if entry_point.name in BUILTIN:
-            errors.append(f"{label} ignored: {entry_point.name!r} is a built-in environment")
-            continue
-        if entry_point.name in plugins:
-            errors.append(f"{label} ignored: another plugin already registered {entry_point.name!r}")
-            continue
-        try:
-            loaded = entry_point.load()
-        except Exception as exc:  # a broken plugin is reported, never a crash of every run
-            errors.append(f"{label} failed to load: {type(exc).__name__}: {exc}")
-            continue
-        problem = _check_environment_class(loaded, entry_point.name)
-        if problem is not None:
-            errors.append(f"{label} rejected: {problem}")
-            continue
-        plugins[entry_point.name] = loaded
-    return plugins, errors
+    return PLUGINS.load()
 
 
 def registered() -> dict[str, type[Environment]]:

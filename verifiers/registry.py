@@ -16,11 +16,9 @@ pool uses it to run verifiers that are importable but not registered (e.g. test-
 from __future__ import annotations
 
 import importlib
-import os
-import sys
-from importlib.metadata import entry_points
 
 from rlvr.errors import UserError
+from rlvr.plugins import ClassPlugins
 from rlvr.verifiers.arithmetic import ArithmeticVerifier, FinalNumberVerifier
 from rlvr.verifiers.base import Verifier
 from rlvr.verifiers.math import MathVerifier
@@ -53,56 +51,11 @@ def _check_verifier_class(obj: object, expected_name: str) -> str | None:
     return None
 
 
-_loaded: tuple[tuple[tuple[str, int | None], ...], tuple[dict[str, type[Verifier]], list[str]]] | None = None
-
-
-def _path_state() -> tuple[tuple[str, int | None], ...]:
-    """Each sys.path entry and its modification time: installing or removing a package changes its folder's."""
-    state: list[tuple[str, int | None]] = []
-    for entry in sys.path:
-        try:
-            state.append((entry, os.stat(entry or ".").st_mtime_ns))
-        except OSError:
-            state.append((entry, None))
-    return tuple(state)
+PLUGINS: ClassPlugins[Verifier] = ClassPlugins(ENTRY_POINT_GROUP, "verifier", BUILTIN, _check_verifier_class)
 
 
 def _load_plugins() -> tuple[dict[str, type[Verifier]], list[str]]:
-    """The plugins found on sys.path, and why others were refused; scanned again only when sys.path or one of its
-    folders changed (reading every installed distribution's metadata costs milliseconds, and labelling asks per
-    step). An install or uninstall adds or removes a dist-info folder, which changes its folder's mtime; an
-    entry_points.txt edited in place is not seen, and a plugin module already imported is not re-imported.
-    (The type registries in rlvr.plugins scan once per process.)"""
-    global _loaded
-    state = _path_state()
-    if _loaded is None or _loaded[0] != state:
-        _loaded = (state, _scan_plugins())
-    plugins, errors = _loaded[1]
-    return dict(plugins), list(errors)
-
-
-def _scan_plugins() -> tuple[dict[str, type[Verifier]], list[str]]:
-    plugins: dict[str, type[Verifier]] = {}
-    errors: list[str] = []
-    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
-        label = f"plugin {entry_point.name!r} ({entry_point.value})"
-        if entry_point.name in BUILTIN:
-            errors.append(f"{label} ignored: {entry_point.name!r} is a built-in verifier")
-            continue
-        if entry_point.name in plugins:
-            errors.append(f"{label} ignored: another plugin already registered {entry_point.name!r}")
-            continue
-        try:
-            loaded = entry_point.load()
-        except Exception as exc:
-            errors.append(f"{label} failed to load: {type(exc).__name__}: {exc}")
-            continue
-        problem = _check_verifier_class(loaded, entry_point.name)
-        if problem is not None:
-            errors.append(f"{label} rejected: {problem}")
-            continue
-        plugins[entry_point.name] = loaded
-    return plugins, errors
+    return PLUGINS.load()
 
 
 def registered() -> dict[str, type[Verifier]]:
