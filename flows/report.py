@@ -11,7 +11,7 @@ import html
 import json
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,15 @@ from typing import Any
 import duckdb
 
 from rlvr.errors import UserError
-from rlvr.flows.report_plots import RUN_COLORS, Figure, RunData, all_figures, is_number, run_colors
+from rlvr.flows.report_plots import (
+    RUN_COLORS,
+    Figure,
+    RunData,
+    all_figures,
+    environment_of,
+    is_number,
+    run_colors,
+)
 from rlvr.flows.runs import existing_run, final_checkpoint, format_age, last_by_phase
 from rlvr.storage.lineage import ancestors
 from rlvr.storage.run_records import run_status
@@ -40,6 +48,7 @@ VIEWS = (
     "rewards",
     "train_steps",
 )
+EPISODE_VIEWS = ("turns",)  # read only when a run has an environment (one-turn runs' turns say nothing new)
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,9 @@ def load_runs(store: Store, run_ids: Sequence[str]) -> list[RunPage]:
     if len(run_ids) > MAX_RUNS:
         raise UserError(f"{len(run_ids)} runs named; one report compares at most {MAX_RUNS}")
     records = {run_id: existing_run(store, run_id) for run_id in run_ids}
-    con = connect(store, "; ".join(f"SELECT * FROM {view}" for view in VIEWS))
+    configs = [json.loads(record.get("config_json") or "{}") for record in records.values()]
+    views = VIEWS + EPISODE_VIEWS if any(environment_of(config) for config in configs) else VIEWS
+    con = connect(store, "; ".join(f"SELECT * FROM {view}" for view in views))
     try:
         return [load_run(store, con, run_id, records[run_id]) for run_id in run_ids]
     finally:
@@ -145,7 +156,38 @@ def load_run(store: Store, con: duckdb.DuckDBPyConnection, run_id: str, record: 
             run_id,
         ),
     )
+    if data.environment is not None:
+        data = with_episodes(con, data)
     return RunPage(data, record, load_lineage(store, con, run_id, config.get("data")))
+
+
+def with_episodes(con: duckdb.DuckDBPyConnection, data: RunData) -> RunData:
+    """The run's data with, per step, from the turns table: trajectories and their assistant turns, stop reasons
+    (on each trajectory's last turn) and tool calls (one entry of `tool_statuses` per call) with how many were ok."""
+    run_id = data.run_id
+    return replace(
+        data,
+        episodes=_rows(
+            con,
+            "SELECT step, count(DISTINCT rollout_id) AS trajectories, "
+            "count(*) FILTER (role = 'assistant') AS assistant_turns FROM turns WHERE run_id = ? "
+            "GROUP BY step ORDER BY step",
+            run_id,
+        ),
+        stop_reasons=_rows(
+            con,
+            "SELECT step, stop_reason, count(*) AS n FROM turns WHERE run_id = ? AND stop_reason IS NOT NULL "
+            "GROUP BY ALL ORDER BY ALL",
+            run_id,
+        ),
+        tool_calls=_rows(
+            con,
+            "SELECT step, count(*) AS calls, count(*) FILTER (status = 'ok') AS ok "
+            "FROM (SELECT step, unnest(tool_statuses) AS status FROM turns WHERE run_id = ?) "
+            "GROUP BY step ORDER BY step",
+            run_id,
+        ),
+    )
 
 
 def load_lineage(store: Store, con: duckdb.DuckDBPyConnection, run_id: str, data_run: str | None) -> Lineage:

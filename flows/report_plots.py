@@ -2,13 +2,15 @@
 
 SVG keeps the page self-contained (no JavaScript, no network, text stays selectable text) and the output
 byte-for-byte reproducible. A figure never draws an empty axis: a run without data for it is listed with
-the reason ("no data: ...") and a figure where no run has data shows only that note.
+the reason ("no data: ...") and a figure where no run has data shows only that note. The figures about
+episodes (turns, stop reasons, tool calls) are left out of a page on which no run has an environment.
 """
 
 from __future__ import annotations
 
 import io
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,6 +33,14 @@ STATUS_COLORS = {
     "timeout": "#9467bd",
     "error": "#7f7f7f",
 }
+STOP_COLORS = {
+    "done": "#2ca02c",
+    "max_turns": "#ff7f0e",
+    "token_budget": "#9467bd",
+    "tool_timeout": "#d62728",
+    "error": "#7f7f7f",
+}
+LABELLED_POINTS = 12  # steps; a curve of at most this many steps carries each point's value as text
 MAX_LABELLED_ARMS = 12  # more arms than this (e.g. category x bin) label only the most probable
 SMOOTH_ARMS_AFTER = 50  # steps; longer arm curves are drawn as trailing means
 HALF, WIDE = (6.4, 3.4), 12.8
@@ -64,6 +74,14 @@ class RunData:
     difficulty: dict[str, list[float]] = field(default_factory=dict)  # pass rates per estimating policy
     difficulty_k: int | None = None
     statuses: list[dict[str, Any]] = field(default_factory=list)  # domain, status, n
+    # Episodes of an environment (read only for runs that have one): per step, from the turns table
+    episodes: list[dict[str, Any]] = field(default_factory=list)  # step, trajectories, assistant_turns
+    stop_reasons: list[dict[str, Any]] = field(default_factory=list)  # step, stop_reason, n
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # step, calls, ok
+
+    @property
+    def environment(self) -> str | None:
+        return environment_of(self.config)
 
     def setting(self, dotted: str) -> Any:
         """A config value by its `--set` key (`select.type`), None when the run's config has no such key."""
@@ -73,6 +91,13 @@ class RunData:
                 return None
             value = value[part]
         return value
+
+
+def environment_of(config: dict[str, Any]) -> str | None:
+    """A run config's `env.type` when its rollouts are episodes of an environment; None for one-turn runs."""
+    env = config.get("env")
+    env_type = env.get("type") if isinstance(env, dict) else None
+    return None if env_type in (None, "one_turn") else str(env_type)
 
 
 @dataclass(frozen=True)
@@ -425,7 +450,153 @@ def status_figure(runs: Sequence[RunData]) -> Figure:
     return Figure(fig_id, title, caption, to_svg(fig, fig_id, title), notes)
 
 
-FIGURES: tuple[Callable[[Sequence[RunData]], Figure], ...] = (
+def _no_episodes_reason(run: RunData) -> str:
+    if run.kind == "data" or run.environment is not None:
+        return _no_step_reason(run)
+    return f"no environment (env.type={run.setting('env.type') or 'one_turn'}): one turn per rollout"
+
+
+def _label_points(ax: Axes, xs: Sequence[int], ys: Sequence[float], labels: Sequence[str], color: str) -> None:
+    """Each point's value as text above it, on curves short enough for the labels not to overlap."""
+    if len(xs) > LABELLED_POINTS:
+        return
+    for x, y, label in zip(xs, ys, labels):
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(0, 5), ha="center", color=color, fontsize=7.5)
+
+
+def turns_figure(runs: Sequence[RunData]) -> Figure | None:
+    """Mean assistant turns per trajectory at each step; None when no run has an environment."""
+    if not any(run.environment for run in runs):
+        return None
+    fig_id, title = "turns", "Turns per trajectory"
+    caption = (
+        "Mean number of assistant turns per trajectory at each RL step (turns: assistant rows per rollout); "
+        "dashed: the run's env.max_turns."
+    )
+    present, notes = _split(runs, lambda r: bool(r.episodes), _no_episodes_reason)
+    if not present:
+        return Figure(fig_id, title, caption, None, notes)
+    colors = run_colors(runs)
+    fig = _new_figure(HALF)
+    ax = fig.add_subplot()
+    top = 1.0
+    for run in present:
+        color = colors[run.run_id]
+        steps = [e["step"] for e in run.episodes]
+        means = [e["assistant_turns"] / e["trajectories"] for e in run.episodes]
+        trajectories = sum(e["trajectories"] for e in run.episodes)
+        overall = sum(e["assistant_turns"] for e in run.episodes) / trajectories
+        label = f"{run.run_id} ({run.environment}): {overall:.2f} over {trajectories:,} trajectories"
+        ax.plot(steps, means, color=color, marker="o", markersize=3.5, lw=1.5, label=label)
+        _label_points(ax, steps, means, [f"{m:.2f}" for m in means], color)
+        max_turns = run.setting("env.max_turns")
+        if is_number(max_turns):
+            ax.axhline(max_turns, color=color, ls="--", lw=0.8)
+            top = max(top, float(max_turns))
+        top = max(top, *means)
+    ax.set_ylim(0, top * 1.25)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("assistant turns per trajectory")
+    ax.legend(loc="lower left")
+    return Figure(fig_id, title, caption, to_svg(fig, fig_id, title), notes)
+
+
+def _stop_reason_order(runs: Sequence[RunData]) -> list[str]:
+    seen = {row["stop_reason"] for run in runs for row in run.stop_reasons}
+    return [r for r in STOP_COLORS if r in seen] + sorted(seen - set(STOP_COLORS))
+
+
+def _draw_stop_reasons(ax: Axes, run: RunData, reasons: Sequence[str]) -> None:
+    """One bar per step, stacked by stop reason in shares of the step's trajectories; the legend counts each."""
+    counts: dict[int, Counter[str]] = {}
+    for row in run.stop_reasons:
+        counts.setdefault(row["step"], Counter())[row["stop_reason"]] += row["n"]
+    steps = sorted(counts)
+    totals = np.array([sum(counts[s].values()) for s in steps], dtype=float)
+    bottom = np.zeros(len(steps))
+    for reason in reasons:
+        n = np.array([counts[s][reason] for s in steps], dtype=float)
+        if not n.any():
+            continue
+        shares = n / totals
+        color = STOP_COLORS.get(reason, "#bcbd22")
+        ax.bar(steps, shares, bottom=bottom, width=0.8, color=color, label=f"{reason}: {int(n.sum()):,}")
+        if len(steps) <= LABELLED_POINTS:
+            for step, share, start in zip(steps, shares, bottom):
+                if share >= 0.1:
+                    ax.text(
+                        step, start + share / 2, f"{share:.0%}", ha="center", va="center", color="white", fontsize=7
+                    )
+        bottom += shares
+    ax.set_ylim(0, 1)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("share of trajectories")
+    ax.grid(False)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), title="stop reason (trajectories)")
+
+
+def stop_reason_figure(runs: Sequence[RunData]) -> Figure | None:
+    """How each step's trajectories ended; None when no run has an environment."""
+    if not any(run.environment for run in runs):
+        return None
+    fig_id, title = "stop-reasons", "Stop reasons"
+    caption = (
+        "Why each RL step's trajectories ended, as shares of the step's trajectories (turns.stop_reason on a "
+        "trajectory's last turn): done, max_turns, token_budget, tool_timeout or error."
+    )
+    present, notes = _split(runs, lambda r: bool(r.stop_reasons), _no_episodes_reason)
+    if not present:
+        return Figure(fig_id, title, caption, None, notes)
+    reasons = _stop_reason_order(present)
+    fig = _new_figure((HALF[0], 0.8 + 2.6 * len(present)))
+    axes = fig.subplots(len(present), 1, sharex=True, squeeze=False)
+    for ax, run in zip(axes[:, 0], present):
+        _draw_stop_reasons(ax, run, reasons)
+        if len(runs) > 1:
+            ax.set_title(run.run_id, fontsize=9)
+    axes[-1][0].set_xlabel("RL step")
+    return Figure(fig_id, title, caption, to_svg(fig, fig_id, title), notes)
+
+
+def _no_tool_calls_reason(run: RunData) -> str:
+    if run.episodes:
+        return f"no tool calls in its {sum(e['trajectories'] for e in run.episodes):,} trajectories"
+    return _no_episodes_reason(run)
+
+
+def tool_call_figure(runs: Sequence[RunData]) -> Figure | None:
+    """The share of each step's tool calls that returned ok; None when no run has an environment."""
+    if not any(run.environment for run in runs):
+        return None
+    fig_id, title = "tool-calls", "Tool-call success rate"
+    caption = (
+        "Share of each RL step's tool calls that returned status ok, among all its calls (turns.tool_statuses: "
+        "ok, error, timeout or malformed); a point's label is ok / calls."
+    )
+    present, notes = _split(runs, lambda r: any(t["calls"] for t in r.tool_calls), _no_tool_calls_reason)
+    if not present:
+        return Figure(fig_id, title, caption, None, notes)
+    colors = run_colors(runs)
+    fig = _new_figure(HALF)
+    ax = fig.add_subplot()
+    for run in present:
+        color = colors[run.run_id]
+        rows = [t for t in run.tool_calls if t["calls"]]
+        steps, rates = [t["step"] for t in rows], [t["ok"] / t["calls"] for t in rows]
+        ok, calls = sum(t["ok"] for t in rows), sum(t["calls"] for t in rows)
+        label = f"{run.run_id}: {ok:,} of {calls:,} calls ok ({ok / calls:.0%})"
+        ax.plot(steps, rates, color=color, marker="o", markersize=3.5, lw=1.5, label=label)
+        _label_points(ax, steps, rates, [f"{t['ok']}/{t['calls']}" for t in rows], color)
+    ax.set_ylim(-0.02, 1.12)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("share of tool calls with status ok")
+    ax.legend(loc="lower left")
+    return Figure(fig_id, title, caption, to_svg(fig, fig_id, title), notes)
+
+
+FIGURES: tuple[Callable[[Sequence[RunData]], Figure | None], ...] = (
     reward_figure,
     accuracy_figure,
     effective_ratio_figure,
@@ -433,13 +604,17 @@ FIGURES: tuple[Callable[[Sequence[RunData]], Figure], ...] = (
     curriculum_figure,
     difficulty_figure,
     status_figure,
+    turns_figure,
+    stop_reason_figure,
+    tool_call_figure,
 )
 
 
 def all_figures(runs: Sequence[RunData]) -> list[Figure]:
-    """Every figure of the report, in page order; matplotlib's style is set for these figures only."""
+    """Every figure of the report that applies to these runs, in page order; matplotlib's style is set for these
+    figures only."""
     with mpl.rc_context(STYLE):
-        return [make(runs) for make in FIGURES]
+        return [figure for make in FIGURES if (figure := make(runs)) is not None]
 
 
 def is_number(value: Any) -> bool:

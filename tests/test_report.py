@@ -216,6 +216,7 @@ def test_uniform_run_alone_shows_the_reason_instead_of_an_empty_curriculum(runs,
     result = rlvr("report", "uni", "--store", runs.root, "--out", str(out))
     assert result.returncode == 0 and result.stdout.strip() == str(out), result.stderr
     page = Page(out.read_text(encoding="utf-8"))
+    assert list(page.figures) == list(FIGURES)  # no turns, stop reasons or tool calls: one-turn runs have none
     assert page.figures["curriculum"]["svgs"] == 0
     assert page.figures["curriculum"]["no_data"] == UNIFORM_NOTE
     assert all(page.figures[name]["svgs"] == 1 for name in FIGURES if name != "curriculum")
