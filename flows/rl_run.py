@@ -265,9 +265,7 @@ def _rollout(
     """The rollout stage of a round; with GHPO's hints it reads the selections (their hint ratios) too."""
     hinted = cfg.select.hints.enabled
     params = {**sampling, "hints": cfg.select.hints.model_dump()} if hinted else dict(sampling)
-    if cfg.env.multi_turn:  # one turn, the default, adds nothing: its ids stay those of before environments
-        params["env"] = cfg.env.model_dump(mode="json")
-        params["environment"] = environment_label(cfg.env)  # its name and version: a new version samples again
+    params.update(env_params(cfg))
     return run(
         ROLLOUT,
         cfg.rollout,
@@ -280,6 +278,15 @@ def _rollout(
         },
         params=params,
     )
+
+
+def env_params(cfg: RunConfigBase) -> dict[str, Any]:
+    """The run's environment for the stages that play episodes (rollout, evaluate): its config and its
+    "name@version" (a new version samples again); nothing for one turn, the default, so ids stay those of runs
+    from before environments."""
+    if not cfg.env.multi_turn:
+        return {}
+    return {"env": cfg.env.model_dump(mode="json"), "environment": environment_label(cfg.env)}
 
 
 _warned: set[str] = set()
@@ -301,7 +308,13 @@ def _warn_refill_limit(cfg: RunConfigBase, step: int, kept: int) -> None:
 def evaluate(store: str, cfg: RunConfigBase, step: int, phase: str, refs: StepRefs) -> float:
     """Greedy accuracy of `refs.policy_ref` on the held-out split of the synthesized problems (an `evals` row)."""
     inputs = {"policy": refs.policy_ref, "problems": refs.problems[0]}
-    params = {"phase": phase, "verifier": cfg.label, "device": cfg.policy.device, **engine_param(cfg)}
+    params = {
+        "phase": phase,
+        "verifier": cfg.label,
+        "device": cfg.policy.device,
+        **engine_param(cfg),
+        **env_params(cfg),
+    }
     result = run(EVALUATE, cfg.evaluate, run_context(store, cfg, step), inputs=inputs, params=params)
     return float(result.table(open_store(store)).column("accuracy")[0].as_py())
 

@@ -1,4 +1,5 @@
-"""evaluate: greedy accuracy of a policy on a held-out split, verified like the training rewards."""
+"""evaluate: greedy accuracy of a policy on a held-out split, verified like the training rewards; with an
+environment (`env`), of one greedy episode per problem, scored by the environment's verdict where it gives one."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from rlvr.trainer.checkpoints import load_policy
 from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.engines import EngineConfig, engine_for
 from rlvr.trainer.generation import greedy
+from rlvr.trainer.multi_turn import Budgets, run_episodes
 from rlvr.trainer.policy import Policy
+from rlvr.verifiers.base import Score
 from rlvr.verifiers.cache import VerifierConfig, score_cached, verifier_identity
+from rlvr.verifiers.env_registry import EnvConfig, environment_factory
 
 
 class EvaluateConfig(BaseModel):
@@ -30,16 +34,23 @@ def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
     `device` (the run's policy.device) and, when the run samples through another engine than transformers,
     `rollout` (that engine's config: the answers come from it, as the rollouts do)."""
     verifier: VerifierConfig = ctx.params["verifier"]
-    columns = ["split", "prompt", "reference", "verifier"]
-    problems = [p for p in inputs.rows("problems", columns) if p["split"] == cfg.split]
+    problems = [p for p in inputs.rows("problems") if p["split"] == cfg.split]
     if not problems:
         raise ValueError(f"evaluation split {cfg.split!r} has no problems")
     policy = inputs.load("policy", partial(load_policy, device=stage_device(ctx.params.get("device"))))
-    answers = greedy_answers(policy, inputs.require_id("policy"), [p["prompt"] for p in problems], cfg, ctx)
+    env = ctx.params.get("env")
+    given: list[Score | None] = [None] * len(problems)
+    if env is None:
+        answers = greedy_answers(policy, inputs.require_id("policy"), [p["prompt"] for p in problems], cfg, ctx)
+    else:
+        answers, given = greedy_episodes(policy, EnvConfig.model_validate(env), problems, cfg)
     ctx.usage.update(usage(policy.model))
-    pairs = [(a, p["reference"]) for a, p in zip(answers, problems)]
-    scores, _, _ = score_cached(ctx.store, verifier, pairs, [p["verifier"] for p in problems])
-    correct = sum(s.status == "ok" for s in scores)
+    missing = [i for i, verdict in enumerate(given) if verdict is None]  # scored by the problem's verifier
+    pairs = [(answers[i], problems[i]["reference"]) for i in missing]
+    scores, _, _ = score_cached(ctx.store, verifier, pairs, [problems[i]["verifier"] for i in missing])
+    for i, score in zip(missing, scores):
+        given[i] = score
+    correct = sum(verdict is not None and verdict.status == "ok" for verdict in given)
     row = {
         "run_id": ctx.run_id,
         "step": ctx.step,
@@ -66,6 +77,29 @@ def greedy_answers(
     return engine.greedy(prompts, cfg.max_new_tokens)
 
 
+def greedy_episodes(
+    policy: Policy, env: EnvConfig, problems: list[dict[str, Any]], cfg: EvaluateConfig
+) -> tuple[list[str], list[Score | None]]:
+    """One greedy episode of environment `env` per problem: each one's last answer, and the environment's verdict
+    where it gave one (None: the problem's verifier scores the answer). A turn decodes at most
+    `evaluate.max_new_tokens` tokens, as a one-turn evaluation's answer does."""
+    budgets = Budgets(env.max_turns, env.max_tokens, cfg.max_new_tokens, env.max_tool_output_tokens)
+    make = environment_factory(env)
+    trajectories = run_episodes(
+        policy,
+        [make] * len(problems),
+        problems,
+        [1] * len(problems),
+        budgets=budgets,
+        temperature=0.0,
+        top_p=1.0,
+        seed=0,
+        row_keys=range(len(problems)),
+        environment_threads=env.parallel_tools,
+    )
+    return [t.response for t in trajectories], [t.verdict for t in trajectories]
+
+
 def identity(cfg: EvaluateConfig, params: Mapping[str, Any]) -> dict[str, Any]:
     """How often evaluations run does not change one, and only the verifiers matter, not their pool; the
     engine counts when it is not transformers (its greedy decoding may differ in the last bits)."""
@@ -76,6 +110,7 @@ def identity(cfg: EvaluateConfig, params: Mapping[str, Any]) -> dict[str, Any]:
         **verifier_identity(params["verifier"]),
         "phase": params["phase"],
         **engine,
+        **({"env": params["env"], "environment": params["environment"]} if params.get("env") is not None else {}),
     }
 
 

@@ -133,3 +133,28 @@ def test_a_gem_environment_runs_unmodified_through_a_whole_run(tmp_path, prefect
     # GEM's own rewards: -0.1 for a malformed guess (all the tiny model writes), 1.0 for the number
     assert {r["score"] for r in rewards} <= {-0.1, 0.0, 1.0}
     assert rows(s, "SELECT count(*) AS n FROM train_steps")[0]["n"] == 2
+
+
+def test_evaluation_plays_one_greedy_episode_a_problem_whose_first_turn_is_the_one_turn_answer(retry_run) -> None:
+    from rlvr.tasks.evaluate import EvaluateConfig, greedy_episodes
+    from rlvr.trainer.checkpoints import load_policy
+    from rlvr.trainer.generation import greedy
+    from rlvr.verifiers.env_registry import EnvConfig
+    from rlvr.verifiers.registry import get_verifier
+
+    store, _ = retry_run
+    evals = rows(store, "SELECT phase, step, accuracy, policy_id FROM evals WHERE phase = 'rl' ORDER BY step")
+    assert [e["step"] for e in evals] == [2]
+    policy = load_policy(store, evals[-1]["policy_id"], device=torch.device("cpu"))
+    problems = rows(store, "SELECT * FROM problems WHERE split = 'test' ORDER BY problem_id LIMIT 40")
+    cfg = EvaluateConfig()
+    answers, verdicts = greedy_episodes(policy, EnvConfig(type="retry", max_turns=3), problems, cfg)
+    one_turn = greedy(policy, [p["prompt"] for p in problems], max_new_tokens=cfg.max_new_tokens)
+    first_right = [
+        get_verifier(p["verifier"]).score(a, p["reference"]).status == "ok" for p, a in zip(problems, one_turn)
+    ]
+    for right, verdict, answer, single in zip(first_right, verdicts, answers, one_turn):
+        if right:  # greedy: the episode's first turn is the one-turn answer, so it ends there, right
+            assert verdict is not None and verdict.status == "ok" and answer == single
+    retried = sum(v is not None and v.status == "ok" for v in verdicts)
+    assert retried >= sum(first_right)

@@ -296,7 +296,7 @@ class _Decoding:
     def turn(self, rows: list[list[int]], keys: list[int], budgets: list[int]) -> tuple[list[list[int]], list[Any]]:
         """Each row's sampled ids (cut after eos and to its budget) and log-probs (None each without them)."""
         recorder = None if self.logprob_temperature is None else TokenLogprobs(self.logprob_temperature)
-        drawn = RowSampler(self.temperature, self.top_p, keys)
+        drawn = RowSampler(self.temperature, self.top_p, keys) if self.temperature > 0 else None  # 0: greedy
         ids, logprobs = _generate_ids(
             self.policy, rows, max(budgets), self.cache, self.precision, recorder, drawn, do_sample=False
         )
@@ -334,6 +334,7 @@ def run_episodes(
     on). The environment steps
     on every sampled turn, a cut one too, so a verifier's one-turn episode scores what `sample` would give it.
     With `logprob_temperature`, the sampled tokens' log-probs (`TokenLogprobs`), 0.0 on environment tokens.
+    `temperature` 0: greedy decoding (evaluations), the same tokens whatever the keys.
     """
     _check_arguments(policy, factories, tasks, counts, row_keys, temperature, environment_threads)
     rendering = ChatRendering(policy.tokenizer, _eos_ids(policy))
@@ -377,8 +378,8 @@ def _check_arguments(
         raise ValueError(f"counts must be >= 0, got {list(counts)}")
     if len(set(row_keys)) != len(row_keys):
         raise ValueError(f"row_keys must be distinct, got {list(row_keys)}")
-    if temperature <= 0:
-        raise ValueError("temperature must be > 0 for sampling")
+    if temperature < 0:
+        raise ValueError("temperature must be >= 0 (0: greedy decoding, as evaluations decode)")
     if environment_threads < 1:
         raise ValueError(f"environment_threads must be >= 1, got {environment_threads}")
 
