@@ -152,7 +152,8 @@ class ArithmeticSource(ProblemSource):
         style = knobs.pop("style", "expression")
         spec = ArithmeticSpec(**knobs)
         params = json.dumps(spec.model_dump() | ({"style": style} if style == "question" else {}), sort_keys=True)
-        category = f"d{spec.digits}t{spec.terms}" + (spec.ops if style == "question" else "")
+        widths = "x".join(map(str, spec.operand_digits)) if spec.operand_digits else str(spec.digits)
+        category = f"d{widths}t{spec.terms}" + (spec.ops if style == "question" else "")
         for row in generate(spec, seed):
             if style == "question":
                 row = {**row, "prompt": question_of(row["prompt"])}

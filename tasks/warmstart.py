@@ -3,19 +3,27 @@
 Pure RL from random init does not learn full-answer arithmetic on this model in minutes; a few
 supervised steps on the warmup split fix the output format. The held-out test split is never seen
 here, so the rise in test accuracy after this stage comes from RL.
+
+`data` chooses what the steps train on: `answers` (the default), each problem's prompt and answer;
+`tool_transcripts`, each problem played through the calculator environment by a scripted assistant that calls the
+calculator and states its result (data/tool_transcripts.py), trained on the assistant's tokens only
+(trainer/sft.py), so a model whose template has no tools learns the call format before multi-turn GRPO.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rlvr.data.tool_transcripts import synthesize_transcripts
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import checkpoint_built, load_policy, parameter_count
 from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.policy import make_optimizer, policy_files, policy_from_files
-from rlvr.trainer.sft import sft_warmstart
+from rlvr.trainer.sft import sft_steps, sft_warmstart, transcript_sequences
+from rlvr.verifiers.calculator_env import CalculatorOptions
 
 
 class WarmstartConfig(BaseModel):
@@ -25,27 +33,46 @@ class WarmstartConfig(BaseModel):
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
     split: str = "warmup"
+    data: Literal["answers", "tool_transcripts"] = Field(
+        "answers",
+        exclude_if=lambda value: value == "answers",  # left out of dumps (so of ids) at the default: ids stay
+        description="answers: prompt -> answer; tool_transcripts: calculator episodes (data/tool_transcripts.py)",
+    )
+    env_options: dict[str, Any] = Field(
+        default_factory=dict,
+        exclude_if=lambda value: not value,
+        description="tool_transcripts: the calculator environment's options; give the run's env.options",
+    )
+
+    @field_validator("env_options")
+    @classmethod
+    def _calculator_options(cls, value: dict[str, Any]) -> dict[str, Any]:
+        CalculatorOptions.model_validate(value)  # a misspelt option fails here, with the key's name
+        return value
 
 
 def build(inputs: Inputs, cfg: WarmstartConfig, ctx: StageContext) -> dict[str, Built]:
     """params: `device` (the run's policy.device)."""
-    problems = inputs.rows("problems", ["split", "prompt", "answer"])
-    examples = [(p["prompt"], p["answer"]) for p in problems if p["split"] == cfg.split]
-    if not examples:
+    problems = [p for p in inputs.rows("problems") if p["split"] == cfg.split]
+    if not problems:
         raise ValueError(f"warm start split {cfg.split!r} has no problems")
     # A private copy: the initial policy object may be held in memory for other readers.
     device = stage_device(ctx.params.get("device"))
     policy = policy_from_files(policy_files(inputs.load("policy", partial(load_policy, device=device))), device=device)
     optimizer = make_optimizer(policy, lr=cfg.lr, weight_decay=0.0)
-    losses = sft_warmstart(
-        policy, optimizer, examples, steps=cfg.steps, batch_size=cfg.batch_size, seed=ctx.derive_seed("warmstart")
-    )
+    seed = ctx.derive_seed("warmstart")
+    if cfg.data == "tool_transcripts":
+        sequences = transcript_sequences(policy, synthesize_transcripts(problems, cfg.env_options, seed=seed))
+        losses = sft_steps(policy, optimizer, sequences, steps=cfg.steps, batch_size=cfg.batch_size, seed=seed)
+    else:
+        examples = [(p["prompt"], p["answer"]) for p in problems]
+        losses = sft_warmstart(policy, optimizer, examples, steps=cfg.steps, batch_size=cfg.batch_size, seed=seed)
     rows = [
         {
             "run_id": ctx.run_id,
             "step": i + 1,
             "loss": loss,
-            "examples": min(cfg.batch_size, len(examples)),
+            "examples": min(cfg.batch_size, len(problems)),
             "lr": cfg.lr,
         }
         for i, loss in enumerate(losses)

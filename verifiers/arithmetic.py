@@ -14,12 +14,13 @@ verdicts too, even when this file does not change.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import re
 from fractions import Fraction
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlvr.verifiers.base import MISSING_REFERENCE, Score, is_missing
 from rlvr.verifiers.math import MathVerifier
@@ -114,6 +115,24 @@ class ArithmeticSpec(BaseModel):
     terms: int = Field(2, ge=2, le=6)
     ops: str = Field("+", pattern=r"^[+\-*]+$")
     count: int = Field(100, ge=1)
+    operand_digits: list[int] | None = Field(
+        None,
+        exclude_if=lambda value: value is None,  # left out of dumps (so of params and ids) when unset
+        description="exact digits of each operand, e.g. [3, 2] for 3-digit by 2-digit (overrides digits)",
+    )
+
+    @model_validator(mode="after")
+    def _one_width_a_term(self) -> ArithmeticSpec:
+        widths = self.operand_digits
+        if widths is not None and (len(widths) != self.terms or not all(1 <= d <= 6 for d in widths)):
+            raise ValueError(f"operand_digits needs one width in 1..6 for each of the {self.terms} terms, got {widths}")
+        return self
+
+    def operand_ranges(self) -> list[range]:
+        """Each operand's values: 0 to 10**digits - 1, or exactly `operand_digits[i]` digits when set."""
+        if self.operand_digits is None:
+            return [range(10**self.digits)] * self.terms
+        return [range(10 ** (d - 1) if d > 1 else 0, 10**d) for d in self.operand_digits]
 
 
 GENERATOR_VERSION = "2"  # 2: rows carry a worked solution
@@ -121,7 +140,7 @@ GENERATOR_VERSION = "2"  # 2: rows carry a worked solution
 
 def space_size(spec: ArithmeticSpec) -> int:
     """How many distinct problems the spec can produce."""
-    return (10**spec.digits) ** spec.terms * len(set(spec.ops)) ** (spec.terms - 1)
+    return math.prod(len(values) for values in spec.operand_ranges()) * len(set(spec.ops)) ** (spec.terms - 1)
 
 
 def _render(operands: list[int], operators: list[str]) -> str:
@@ -140,12 +159,12 @@ def generate(spec: ArithmeticSpec, seed: int) -> list[dict[str, Any]]:
     """
     rng = random.Random(seed)
     ops = sorted(set(spec.ops))
-    top = 10**spec.digits
+    ranges = spec.operand_ranges()
     size = space_size(spec)
     if size <= spec.count:
         combos = [
             (list(operands), list(operators))
-            for operands in itertools.product(range(top), repeat=spec.terms)
+            for operands in itertools.product(*ranges)
             for operators in itertools.product(ops, repeat=spec.terms - 1)
         ]
         rng.shuffle(combos)
@@ -153,7 +172,7 @@ def generate(spec: ArithmeticSpec, seed: int) -> list[dict[str, Any]]:
         seen: set[str] = set()
         combos = []
         while len(combos) < spec.count:
-            operands = [rng.randrange(top) for _ in range(spec.terms)]
+            operands = [rng.randrange(values.start, values.stop) for values in ranges]
             operators = [rng.choice(ops) for _ in range(spec.terms - 1)]
             expression = _render(operands, operators)
             if expression not in seen:
