@@ -103,14 +103,13 @@ class RunConfigBase(BaseModel):
 
     @model_validator(mode="after")
     def _environments_where_supported(self) -> RunConfigBase:
-        """An environment's episodes run on the transformers engine in the run's own process, for now."""
+        """An environment's episodes run on the transformers engine (in the run's process, or over its
+        data-parallel ranks), for now."""
         if not self.env.multi_turn:
             return self
-        train, rollout = getattr(self, "train", None), getattr(self, "rollout", None)
+        rollout = getattr(self, "rollout", None)
         if rollout is not None and rollout.type != "transformers":
             raise ValueError(f"env.type={self.env.type} runs on rollout.type=transformers only, not {rollout.type}")
-        if train is not None and train.data_parallel > 1:
-            raise ValueError(f"env.type={self.env.type} does not run over train.data_parallel ranks yet; use 1")
         return self
 
     @model_validator(mode="after")

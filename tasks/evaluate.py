@@ -14,11 +14,11 @@ from rlvr.trainer.checkpoints import load_policy
 from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.engines import EngineConfig, engine_for
 from rlvr.trainer.generation import greedy
-from rlvr.trainer.multi_turn import Budgets, run_episodes
+from rlvr.trainer.multi_turn import Budgets, play_episodes
 from rlvr.trainer.policy import Policy
 from rlvr.verifiers.base import Score
 from rlvr.verifiers.cache import VerifierConfig, score_cached, verifier_identity
-from rlvr.verifiers.env_registry import EnvConfig, environment_factory
+from rlvr.verifiers.env_registry import EnvConfig
 
 
 class EvaluateConfig(BaseModel):
@@ -84,19 +84,9 @@ def greedy_episodes(
     where it gave one (None: the problem's verifier scores the answer). A turn decodes at most
     `evaluate.max_new_tokens` tokens, as a one-turn evaluation's answer does."""
     budgets = Budgets(env.max_turns, env.max_tokens, cfg.max_new_tokens, env.max_tool_output_tokens)
-    make = environment_factory(env)
-    trajectories = run_episodes(
-        policy,
-        [make] * len(problems),
-        problems,
-        [1] * len(problems),
-        budgets=budgets,
-        temperature=0.0,
-        top_p=1.0,
-        seed=0,
-        row_keys=range(len(problems)),
-        environment_threads=env.parallel_tools,
-    )
+    settings = {"temperature": 0.0, "top_p": 1.0, "seed": 0}
+    counts, keys = [1] * len(problems), list(range(len(problems)))
+    trajectories = play_episodes(policy, env, problems, counts, budgets=budgets, settings=settings, row_keys=keys)
     return [t.response for t in trajectories], [t.verdict for t in trajectories]
 
 

@@ -20,8 +20,9 @@ from rlvr.trainer.engine_base import RolloutEngine, SamplingParams
 from rlvr.trainer.engines import ENGINES, EngineConfig, TransformersEngine, engine_for
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, behaviour_logprobs
-from rlvr.trainer.multi_turn import Budgets, Trajectory, Turn, run_episodes
-from rlvr.verifiers.env_registry import EnvConfig, environment_factory
+from rlvr.trainer.multi_turn import Budgets, Trajectory, Turn
+from rlvr.trainer.multi_turn import play_episodes as play
+from rlvr.verifiers.env_registry import EnvConfig
 
 
 def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> dict[str, Built]:
@@ -118,7 +119,8 @@ def play_episodes(
     sampling: SamplingParams,
     seed: int,
 ) -> list[Trajectory]:
-    """The slots' episodes of environment `env`, every running one decoding in one batch a turn."""
+    """The slots' episodes of environment `env`, every running one decoding in one batch a turn (over the
+    data-parallel ranks, when the policy has them)."""
     if not isinstance(engine, TransformersEngine) or engine.policy is None:
         raise UserError(f"env.type={env.type} runs on rollout.type=transformers only (vllm and openai: not yet)")
     own = engine.settings()
@@ -128,21 +130,16 @@ def play_episodes(
         max_new_tokens=sampling.max_new_tokens,
         max_tool_output_tokens=env.max_tool_output_tokens,
     )
-    return run_episodes(
-        engine.policy,
-        [environment_factory(env) for _ in tasks],
-        tasks,
-        [s["n_rollouts"] for s in slots],
-        budgets=budgets,
+    settings = dict(
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         seed=seed,
-        row_keys=[s["slot"] for s in slots],
         cache=own.cache,
         precision=own.precision,
         logprob_temperature=sampling.logprob_temperature,
-        environment_threads=env.parallel_tools,
     )
+    counts, keys = [s["n_rollouts"] for s in slots], [s["slot"] for s in slots]
+    return play(engine.policy, env, tasks, counts, budgets=budgets, settings=settings, row_keys=keys)
 
 
 def episode_columns(t: Trajectory, env: dict[str, Any] | None, label: str | None) -> dict[str, Any]:

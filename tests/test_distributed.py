@@ -167,6 +167,47 @@ def _assert_ranks_sample_what_one_process_samples(sharded: Policy, whole: Policy
         (s.prompt_index, s.sample_index, s.completion_ids) for s in expected
     ]
     assert greedy(sharded, PROMPTS, max_new_tokens=4) == greedy(whole, PROMPTS, max_new_tokens=4)
+    _assert_ranks_play_what_one_process_plays(sharded, whole)
+
+
+ANSWERS = ["3", "37", "11", "25", "9"]
+
+
+def _assert_ranks_play_what_one_process_plays(sharded: Policy, whole: Policy) -> None:
+    """Multi-turn episodes (the retry environment) split over the ranks by tasks give one process's trajectories:
+    the same tokens, masks, turns and stop reasons, sampled and greedy."""
+    from rlvr.trainer.multi_turn import Budgets, play_episodes
+    from rlvr.verifiers.environment import EnvConfig
+
+    env = EnvConfig(type="retry", max_turns=3, verifier="arithmetic")
+    tasks = [{"prompt": p, "reference": a} for p, a in zip(PROMPTS, ANSWERS)]
+    budgets, keys = Budgets(max_turns=3, max_tokens=64, max_new_tokens=4, max_tool_output_tokens=32), [4, 0, 2, 9, 5]
+    for settings, counts in (
+        (dict(temperature=1.0, top_p=0.9, seed=11), [3, 1, 4, 2, 3]),
+        (dict(temperature=0.0, top_p=1.0, seed=0), [1] * 5),
+    ):
+        played = [
+            play_episodes(policy, env, tasks, counts, budgets=budgets, settings=settings, row_keys=keys)
+            for policy in (sharded, whole)
+        ]
+        assert all(drawn > 0 for drawn in sharded.ranks.state.sampled)
+        got, expected = (
+            [
+                (
+                    t.prompt_index,
+                    t.sample_index,
+                    t.completion_ids,
+                    t.loss_mask,
+                    t.stop_reason,
+                    [(u.role, u.start, u.end) for u in t.turns],
+                )
+                for t in ts
+            ]
+            for ts in played
+        )
+        assert got == expected
+        if settings["temperature"] > 0:
+            assert any(0 in t.loss_mask for t in played[1])  # some sampled episode had a feedback turn
 
 
 @pytest.mark.slow

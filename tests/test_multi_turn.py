@@ -14,6 +14,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -321,7 +322,7 @@ def test_environment_steps_of_a_turn_run_side_by_side(policy):
 
 
 def test_refused_arguments_are_one_line(policy):
-    policy.ranks = object()
+    policy.ranks = SimpleNamespace(in_op=False)  # a rank group outside an operation: play_episodes splits over it
     with pytest.raises(ValueError, match="train.data_parallel"):
         play(policy, TASKS, [1, 1, 1])
     policy.ranks = None

@@ -223,6 +223,10 @@ def _transformers_generate(
         max_new_tokens=max_new_tokens,
         pad_token_id=policy.tokenizer.pad_token_id,
         eos_token_id=sorted(_eos_ids(policy)),
+        # Never in lockstep with other ranks: transformers syncs every token step across the process group when the
+        # model is FSDP-managed, which ranks decoding different numbers of calls (multi-turn episodes) would
+        # deadlock on; each rank decodes from whole weights, with no collective of its own.
+        synced_gpus=False,
         **caching,
         **({"logits_processor": transformers.LogitsProcessorList(processors)} if processors else {}),
         **POLICY_ONLY,

@@ -14,6 +14,7 @@ run side by side in a thread pool, so a slow tool does not hold the others' step
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -29,7 +30,17 @@ from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import has_chat_template
 from rlvr.trainer.row_sampling import RowSampler, mix64, row_key
 from rlvr.verifiers.base import Score, one_line
-from rlvr.verifiers.environment import Environment, Message, Opening, Reply, StopReason, ToolUse, episode_reward
+from rlvr.verifiers.env_registry import environment_factory
+from rlvr.verifiers.environment import (
+    EnvConfig,
+    Environment,
+    Message,
+    Opening,
+    Reply,
+    StopReason,
+    ToolUse,
+    episode_reward,
+)
 
 __all__ = [
     "Budgets",
@@ -37,8 +48,10 @@ __all__ = [
     "Trajectory",
     "Turn",
     "environment_seed",
+    "play_episodes",
     "run_episodes",
     "tools_system_message",
+    "trajectory_from_dict",
     "turn_key",
 ]
 
@@ -367,8 +380,11 @@ def _check_arguments(
     temperature: float,
     environment_threads: int,
 ) -> None:
-    if policy.ranks is not None:
-        raise ValueError("multi-turn episodes are not split over data-parallel ranks yet; set train.data_parallel=1")
+    if policy.ranks is not None and not policy.ranks.in_op:
+        raise ValueError(
+            "a policy over data-parallel ranks (train.data_parallel) plays episodes through play_episodes, which "
+            "splits them over the ranks"
+        )
     if not len(factories) == len(tasks) == len(counts) == len(row_keys):
         raise ValueError(
             f"one factory, count and row key a task: {len(tasks)} tasks, {len(factories)} factories, "
@@ -495,3 +511,48 @@ def _close(episode: _Episode) -> None:
         episode.environment.close()
     except Exception as exc:
         log.warning("closing environment %s failed: %s", type(episode.environment).__name__, one_line(str(exc)))
+
+
+def play_episodes(
+    policy: Policy,
+    env: EnvConfig,
+    tasks: Sequence[Mapping[str, Any]],
+    counts: Sequence[int],
+    *,
+    budgets: Budgets,
+    settings: Mapping[str, Any],
+    row_keys: Sequence[int],
+) -> list[Trajectory]:
+    """`run_episodes` of environment `env` (one environment per episode, from its registry factory), in this
+    process or, for a policy over data-parallel ranks (`policy.ranks`), split over them by tasks: each rank plays
+    its share with its own environments from the whole weights, and rank 0 gathers the trajectories. Reset seeds
+    and sampling keys come from (seed, task key, sample, turn), so the rank count changes no token.
+    `settings`: run_episodes' temperature, top_p, seed, cache, precision and logprob_temperature."""
+    if policy.ranks is not None and not policy.ranks.in_op:
+        request = {
+            "env": env.model_dump(mode="json"),
+            "tasks": [dict(task) for task in tasks],
+            "counts": list(counts),
+            "budgets": dataclasses.asdict(budgets),
+            "settings": dict(settings),
+            "keys": list(row_keys),
+        }
+        return list(policy.ranks.episodes(request))
+    make = environment_factory(env)
+    return run_episodes(
+        policy,
+        [make] * len(tasks),
+        tasks,
+        counts,
+        budgets=budgets,
+        row_keys=row_keys,
+        environment_threads=env.parallel_tools,
+        **settings,
+    )
+
+
+def trajectory_from_dict(raw: Mapping[str, Any]) -> Trajectory:
+    """A `Trajectory` from `dataclasses.asdict` of one (as data-parallel ranks send it to rank 0)."""
+    turns = [Turn(**{**turn, "tool_uses": tuple(ToolUse(**use) for use in turn["tool_uses"])}) for turn in raw["turns"]]
+    verdict = None if raw["verdict"] is None else Score(**raw["verdict"])
+    return Trajectory(**{**raw, "turns": turns, "verdict": verdict})

@@ -53,6 +53,7 @@ from rlvr.trainer.distributed import distributed_grpo_step, parse_payload, paylo
 from rlvr.trainer.generation import Sample, greedy, sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch
 from rlvr.trainer.lora import SETTINGS_FILE, LoraSettings, add_lora
+from rlvr.trainer.multi_turn import Budgets, Trajectory, play_episodes, trajectory_from_dict
 from rlvr.trainer.policy import (
     MODEL_BUILD_LOCK,
     Policy,
@@ -76,6 +77,7 @@ from rlvr.trainer.sharding import (
     stored_name,
     whole_weights,
 )
+from rlvr.verifiers.environment import EnvConfig
 
 TIMEOUT = timedelta(minutes=30)  # a collective waits this long for a rank (rank 0 verifying a large step)
 WATCH_S = 0.5  # how often rank 0 looks at the ranks it started
@@ -278,6 +280,31 @@ def _sample_share(
     by_rank = [[Sample(**raw) for raw in json.loads(part)] for part in parts]
     state.sampled = [len(samples) for samples in by_rank]
     return sorted((s for samples in by_rank for s in samples), key=lambda s: (s.prompt_index, s.sample_index))
+
+
+def _episodes_share(state: RankState, request: dict[str, Any]) -> list[Trajectory]:
+    """This rank's share of an episodes operation (whole tasks: a group's episodes stay on one rank), played from
+    the whole weights; on rank 0 every rank's trajectories in the one-process order, on the others none."""
+    assert state.policy is not None
+    counts = request["counts"]
+    mine = shares(counts, dist.get_world_size())[dist.get_rank()]
+    found: list[Trajectory] = []
+    with whole_weights(state.policy.model):
+        if mine:
+            played = play_episodes(
+                state.policy,
+                EnvConfig.model_validate(request["env"]),
+                [request["tasks"][i] for i in mine],
+                [counts[i] for i in mine],
+                budgets=Budgets(**request["budgets"]),
+                settings=request["settings"],
+                row_keys=[request["keys"][i] for i in mine],
+            )
+            found = [dataclasses.replace(t, prompt_index=mine[t.prompt_index]) for t in played]
+    parts = gather_bytes(json.dumps([dataclasses.asdict(t) for t in found]).encode(), state.device)
+    by_rank = [[trajectory_from_dict(raw) for raw in json.loads(part)] for part in parts]
+    state.sampled = [len(trajectories) for trajectories in by_rank]
+    return sorted((t for part in by_rank for t in part), key=lambda t: (t.prompt_index, t.sample_index))
 
 
 def _greedy_share(state: RankState, prompts: list[str], settings: dict[str, Any]) -> list[str]:
@@ -519,6 +546,12 @@ class RankGroup:
         with self.op("sample", {}, request):
             return _sample_share(self.state, prompts, counts, settings, keys)
 
+    def episodes(self, request: dict[str, Any]) -> list[Trajectory]:
+        """`multi_turn.play_episodes` over the ranks (`request`: env, tasks, counts, budgets, settings, keys), each
+        rank playing its share of the tasks; on rank 0 every trajectory in the one-process order."""
+        with self.op("episodes", {}, json.dumps(request).encode()):
+            return _episodes_share(self.state, request)
+
     def greedy(self, prompts: list[str], settings: dict[str, Any]) -> list[str]:
         """`generation.greedy` over the ranks (`settings`: max_new_tokens, cache), each rank its share."""
         request = json.dumps({"prompts": prompts, "settings": settings}).encode()
@@ -705,6 +738,8 @@ def _serve_one(state: RankState, header: dict[str, Any]) -> None:
     elif op == "sample":
         request = json.loads(broadcast_bytes(None, device))
         _sample_share(state, request["prompts"], request["counts"], request["settings"], request["keys"])
+    elif op == "episodes":
+        _episodes_share(state, json.loads(broadcast_bytes(None, device)))
     elif op == "greedy":
         request = json.loads(broadcast_bytes(None, device))
         _greedy_share(state, request["prompts"], request["settings"])
