@@ -125,3 +125,21 @@ def test_keys_added_later_leave_the_ids_of_earlier_runs_as_they_were():
 def test_what_data_parallel_ranks_do_not_combine_with_is_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["train.data_parallel=2", *overrides])
+
+
+def test_an_environment_changes_the_config_id_and_the_one_turn_default_does_not():
+    from rlvr.flows.config import CONFIG
+
+    def config_id(*overrides: str) -> str:
+        return CONFIG.output_ids("r", None, load_config(None, ["run_id=r", *overrides]), {}, {})["config"]
+
+    assert config_id("env.type=one_turn", "env.max_turns=3") == config_id() == "config-0789b2d3512a8a667779"
+    assert config_id("env.type=retry") != config_id()
+    assert config_id("env.type=retry", "env.max_turns=3") != config_id("env.type=retry")
+
+
+def test_an_environment_on_an_engine_without_episodes_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["env.type=calculator", "rollout.type=vllm"])
+    assert "env.type=calculator runs on rollout.type=transformers only, not vllm" in str(info.value)
+    assert "\n" not in str(info.value).strip()
