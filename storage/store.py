@@ -700,15 +700,20 @@ class Store:
 
     def create_new(self, path: str, data: bytes) -> bool:
         """Write `path` only if it does not exist yet, atomically; False when it already did."""
-        self._check_lease(getattr(self._thread, "fencing", ()), listing=False)  # inside `_fencing` only
+        fencing = getattr(self._thread, "fencing", ())  # inside `_fencing` only
         if not self.is_local:
+            self._check_lease(fencing, listing=False)
             try:
                 self.fs.pipe_file(path, data, mode="create")
             except FileExistsError:
                 return False
             return True
+        if not os.path.isdir(os.path.dirname(path)):  # made before the check: no write waits between them
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._check_lease(fencing, listing=False)
         tmp = self._write_temp(path, data, sync=False)  # an index entry is a hint: no fsync
         try:
+            self._check_lease(fencing, listing=False)  # again: the process may have been frozen while it wrote
             os.link(tmp, path)  # fails if `path` exists: the local form of S3's If-None-Match
         except FileExistsError:
             return False
