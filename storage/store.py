@@ -157,6 +157,9 @@ class Store:
                         f"or `rlvr data --store {root}`, or pass the right --store / RLVR_STORE"
                     )
                 store._write_atomic(marker, canonical_json({"format": STORE_FORMAT}).encode())
+                if store.is_local:  # made now, not by a run's first index entry, a write inside its fencing
+                    for kind in sorted(INDEXED_KINDS):
+                        os.makedirs(store.path("indexes", kind), exist_ok=True)
                 return store
             found = json.loads(store.fs.cat_file(marker)).get("format")
         if found != STORE_FORMAT:
