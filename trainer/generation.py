@@ -358,12 +358,7 @@ def sample(
         settings.update(seed=seed, cache=cache, precision=precision, logprob_temperature=logprob_temperature)
         keys = list(row_keys) if row_keys is not None else list(range(len(prompts)))
         return list(policy.ranks.sample(list(prompts), list(counts), settings, keys))
-    if len(prompts) != len(counts):
-        raise ValueError(f"{len(prompts)} prompts but {len(counts)} counts")
-    if any(count < 0 for count in counts):
-        raise ValueError(f"counts must be >= 0, got {counts}")
-    if temperature <= 0:
-        raise ValueError("temperature must be > 0 for sampling; use greedy() for deterministic decoding")
+    _check_sampling(prompts, counts, temperature)
     rows = [(prompt_index, sample_index) for prompt_index, count in enumerate(counts) for sample_index in range(count)]
     recorder = None if logprob_temperature is None else TokenLogprobs(logprob_temperature)
     row_prompts = [prompts[prompt_index] for prompt_index, _ in rows]
@@ -381,6 +376,22 @@ def sample(
         completions, logprobs = _generate(
             policy, row_prompts, max_new_tokens, cache, precision, recorder, drawn, do_sample=False
         )
+    return _samples(policy, rows, completions, logprobs)
+
+
+def _check_sampling(prompts: list[str], counts: list[int], temperature: float) -> None:
+    if len(prompts) != len(counts):
+        raise ValueError(f"{len(prompts)} prompts but {len(counts)} counts")
+    if any(count < 0 for count in counts):
+        raise ValueError(f"counts must be >= 0, got {counts}")
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 for sampling; use greedy() for deterministic decoding")
+
+
+def _samples(
+    policy: Policy, rows: list[tuple[int, int]], completions: list[list[int]], logprobs: list[list[float]]
+) -> list[Sample]:
+    """Each (prompt index, sample index) row's completion as a `Sample`, decoded, with why it ended."""
     eos = _eos_ids(policy)
     return [
         Sample(

@@ -94,12 +94,12 @@ def quiet_import(module: str) -> Any:
     import, which would make every library's INFO lines print in our runs. basicConfig does nothing when the root
     logger has a handler, so one is there while importing."""
     root = logging.getLogger()
-    placeholder = logging.NullHandler()
-    root.addHandler(placeholder)
+    guard = logging.NullHandler()
+    root.addHandler(guard)
     try:
         return importlib.import_module(module)
     finally:
-        root.removeHandler(placeholder)
+        root.removeHandler(guard)
 
 
 def import_callable(spec: str, what: str) -> Callable[..., Any]:
