@@ -113,6 +113,20 @@ class RunConfigBase(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _transcripts_open_as_rollouts_do(self) -> RunConfigBase:
+        """A warm start on calculator transcripts trains on the openings the environment makes from its options;
+        with the calculator environment in the run, they must be the rollouts' own."""
+        warmstart = getattr(self, "warmstart", None)
+        if warmstart is None or warmstart.data != "tool_transcripts" or self.env.type != "calculator":
+            return self
+        if warmstart.env_options != self.env.options:
+            raise ValueError(
+                f"warmstart.env_options {warmstart.env_options} differ from env.options {self.env.options}: the warm "
+                "start would train on openings the rollouts never see; give both the same options"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _ranks_sample_row_seeded(self) -> RunConfigBase:
         """Data-parallel ranks each sample their share of a step's prompts, so with train.data_parallel > 1 every
         sample draws from its own seed: `rollout.seeding` is `row` unless set, and `batch` is refused."""

@@ -177,6 +177,8 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("env", _s),  # environment name and version, "name@version"
             ("env_reward", _f),  # the environment's own reward (sum over turns), when it gives one
             ("env_verdict", _s),  # its verdict as JSON (status, extracted, reason, components), when it gives one
+            ("turn_starts", pa.list_(_i)),  # where each assistant turn starts in completion_ids
+            ("turn_rewards", pa.list_(_f)),  # each assistant turn's reward from the environment (null: none)
         ]
     ),
     "turns": pa.schema(

@@ -152,14 +152,17 @@ def episode_columns(t: Trajectory, env: dict[str, Any] | None, label: str | None
         verdict = json.dumps(
             {"status": v.status, "extracted": v.extracted, "reason": v.reason, "components": v.components}
         )
+    assistant = [turn for turn in t.turns if turn.role == "assistant"]
     return {
         "prompt_ids": t.prompt_ids,
         "loss_mask": t.loss_mask,
-        "n_turns": sum(1 for turn in t.turns if turn.role == "assistant"),
+        "n_turns": len(assistant),
         "stop_reason": t.stop_reason,
         "env": label,
         "env_reward": t.reward,
         "env_verdict": verdict,
+        "turn_starts": [turn.start for turn in assistant],
+        "turn_rewards": [turn.reward for turn in assistant],
     }
 
 

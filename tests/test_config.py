@@ -143,3 +143,12 @@ def test_an_environment_on_an_engine_without_episodes_is_refused_in_one_line():
         load_config(None, ["env.type=calculator", "rollout.type=vllm"])
     assert "env.type=calculator runs on rollout.type=transformers only, not vllm" in str(info.value)
     assert "\n" not in str(info.value).strip()
+
+
+def test_a_warm_start_on_calculator_transcripts_must_open_as_the_calculator_rollouts_do():
+    same = ["env.type=calculator", "warmstart.data=tool_transcripts", "env.options={tool_format: prompt}"]
+    cfg = load_config(None, [*same, "warmstart.env_options={tool_format: prompt}"])
+    assert cfg.warmstart.env_options == cfg.env.options == {"tool_format": "prompt"}
+    with pytest.raises(ConfigError, match=r"warmstart.env_options \{'python': True\} differ from env.options"):
+        load_config(None, [*same, "warmstart.env_options={python: true}"])
+    load_config(None, ["env.type=retry", "warmstart.data=tool_transcripts"])  # another environment: not compared

@@ -33,13 +33,14 @@ def rows(store: Store, sql: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def retry_run(tmp_path_factory, prefect_api):
-    """A run of the `retry` environment (a wrong answer is told so and answers again), with every minibatch the
-    loss saw recorded: its rows' prompt and completion ids and the token mask the loss weighed them by."""
+    """A run of the `retry` environment (a wrong answer is told so and answers again) with turn-level credit, with
+    every minibatch the loss saw recorded: its rows' prompt and completion ids, the token mask the loss weighed them
+    by, and their advantages."""
     import rlvr.trainer.grpo as grpo
     from rlvr.flows.config import load_config
     from rlvr.flows.runs import execute
 
-    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     original = grpo.minibatch_loss
 
     def recording(policy, training, selected, *args, **kwargs):
@@ -48,6 +49,7 @@ def retry_run(tmp_path_factory, prefect_api):
                 training.prompt_ids[selected].cpu(),
                 training.completion_ids[selected].cpu(),
                 training.mask[selected].cpu(),
+                training.advantages[selected].cpu(),
             )
         )
         return original(policy, training, selected, *args, **kwargs)
@@ -55,7 +57,7 @@ def retry_run(tmp_path_factory, prefect_api):
     root = str(tmp_path_factory.mktemp("retry") / "store")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(grpo, "minibatch_loss", recording)
-        execute(root, load_config(None, ["run_id=retry", *RETRY]))
+        execute(root, load_config(None, ["run_id=retry", *RETRY, "train.grpo.turn_credit=return_to_go"]))
     return Store.open(root), seen
 
 
@@ -67,6 +69,16 @@ def test_episodes_are_stored_with_their_turns_and_stop_reasons(retry_run) -> Non
     assert any(e["n_turns"] == 3 for e in episodes) and any(e["n_turns"] == 1 for e in episodes)
     turns = rows(store, "SELECT rollout_id, count(*) FILTER (role = 'assistant') AS n FROM turns GROUP BY 1")
     assert {t["rollout_id"]: t["n"] for t in turns} == {e["rollout_id"]: e["n_turns"] for e in episodes}
+    # each episode's assistant turns, as the loss's turn credit reads them, are the turns table's
+    assistant = rows(
+        store,
+        "SELECT rollout_id, list(token_start ORDER BY turn) AS starts, list(reward ORDER BY turn) AS rewards "
+        "FROM turns WHERE role = 'assistant' GROUP BY 1",
+    )
+    stored = rows(store, "SELECT rollout_id, turn_starts, turn_rewards FROM rollouts")
+    assert {a["rollout_id"]: (a["starts"], a["rewards"]) for a in assistant} == {
+        e["rollout_id"]: (e["turn_starts"], e["turn_rewards"]) for e in stored
+    }
     last = rows(store, "SELECT rollout_id, stop_reason FROM turns WHERE stop_reason IS NOT NULL")
     assert {t["rollout_id"]: t["stop_reason"] for t in last} == {e["rollout_id"]: e["stop_reason"] for e in episodes}
     # the environment's reward where it gave one (a right answer), the verifier's 0 on the last answer elsewhere
@@ -108,7 +120,8 @@ def test_the_loss_never_weighs_an_environment_token(retry_run) -> None:
     mask_of = {(tuple(r["prompt_ids"]), tuple(r["completion_ids"])): r["loss_mask"] for r in stored}
     pad = 0  # the tiny tokenizer's <pad>
     checked = with_environment_tokens = 0
-    for prompt_ids, completion_ids, mask in seen:
+    assert all(advantages.dim() == 2 for *_, advantages in seen)  # one a token: turn_credit reached the loss
+    for prompt_ids, completion_ids, mask, _ in seen:
         for prompt, completion, weights in zip(prompt_ids.tolist(), completion_ids.tolist(), mask.tolist()):
             prompt = prompt[next(i for i, token in enumerate(prompt) if token != pad) :]  # left padding
             key = next(k for k in mask_of if k[0] == tuple(prompt) and completion[: len(k[1])] == list(k[1]))

@@ -12,8 +12,9 @@ while generation is ahead of training: a step's rollouts committed, its update n
 sampling in flight. Every rollout is then sampled once: the (problem, sample index, sampling policy) triples
 of the two stores are the same.
 
-With multi-turn episodes (env.type=retry: a wrong answer is told so and answers again) the same holds, and the
-`turns` tables (every turn's role, token span, text and the trajectories' stop reasons) are equal too.
+With multi-turn episodes (env.type=retry: a wrong answer is told so and answers again), sampled ahead of training
+(flow.async_level=1) and trained with turn-level credit, the same holds, and the `turns` tables (every turn's role,
+token span, text and the trajectories' stop reasons) are equal too.
 """
 
 from __future__ import annotations
@@ -137,14 +138,21 @@ SYNC_WITH_HINTS_AND_REWRITES = (
 )
 
 
-# Multi-turn episodes (a wrong answer is told so and answers again): the kills land between the stages of steps
-# whose rollouts are whole trajectories; their turns must come back the same.
-MULTI_TURN = ("train.steps=6", "env.type=retry", "env.max_turns=3")
+# Multi-turn episodes (a wrong answer is told so and answers again), a step sampled beside the update of the one
+# before, each turn credited with the reward still to come: the kills land between the stages of steps whose
+# rollouts are whole trajectories; their turns must come back the same.
+MULTI_TURN = (
+    "train.steps=6",
+    "env.type=retry",
+    "env.max_turns=3",
+    "flow.async_level=1",
+    "train.grpo.turn_credit=return_to_go",
+)
 
 
 @pytest.mark.parametrize(
     ("async_level", "extra"),
-    [(0, SYNC_WITH_HINTS_AND_REWRITES), (1, (*SKILLS, "flow.async_level=1")), (0, MULTI_TURN)],
+    [(0, SYNC_WITH_HINTS_AND_REWRITES), (1, (*SKILLS, "flow.async_level=1")), (1, MULTI_TURN)],
     ids=["sync", "async", "multi_turn"],
 )
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api, async_level, extra):

@@ -28,6 +28,7 @@ from rlvr.trainer.generation import Sample
 from rlvr.trainer.logprobs import completion_logprobs as completion_logprobs  # re-exported: sft, distributed
 from rlvr.trainer.logprobs import completion_logprobs_and_entropy as completion_logprobs_and_entropy
 from rlvr.trainer.policy import Policy
+from rlvr.trainer.turn_credit import token_advantages, turn_returns
 
 Aggregation = Literal["seq-mean-token-mean", "token-mean", "token-sum"]
 AdvantageScale = Literal["std", "batch", "none"]
@@ -163,13 +164,16 @@ def clipped_surrogate_loss(
     stats: clip_fraction = share of tokens whose gradient a clip removes (the clipped term or the dual-clip
     bound is the one taken); approx_kl = token mean of (ρ - 1) - log ρ, the k3 estimate of KL(π_old ‖ π_θ).
     token_weight [R, T] (detached): each token's objective times it (decoupled PPO's π_prox / π_behaviour).
+    advantages: [R], or [R, T] for an advantage per token (an episode's turns under `turn_credit="return_to_go"`).
     """
     if ratio_cap is not None and ratio_cap <= 1.0 + clip_high:
         raise ValueError(f"ratio_cap {ratio_cap} must exceed 1 + clip_high = {1.0 + clip_high}")
     mask = mask.to(logp.dtype)
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
-    advantage = advantages.to(logp.dtype).unsqueeze(-1)
+    advantage = advantages.to(logp.dtype)
+    if advantage.dim() == 1:  # one advantage a row ([R, T]: one a token, `turn_credit`)
+        advantage = advantage.unsqueeze(-1)
     weight = ratio if ratio_cap is None else ratio * (ratio.clamp(max=ratio_cap) / ratio).detach()
     unclipped = weight * advantage
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantage
@@ -325,8 +329,20 @@ class GRPOConfig(BaseModel):
         ),
     )
 
+    turn_credit: Literal["trajectory", "return_to_go"] = Field(
+        default="trajectory",
+        exclude_if=lambda value: value == "trajectory",  # left out of dumps (so of ids) at the default
+        description=(
+            "an environment's episodes: every sampled token gets its trajectory's advantage (trajectory), or each "
+            "assistant turn the group advantage of the reward still to come from it (return_to_go; "
+            "trainer/turn_credit.py, docs/training.md)"
+        ),
+    )
+
     @model_validator(mode="after")
     def _consistent(self) -> "GRPOConfig":
+        if self.turn_credit != "trajectory" and (self.advantage_components or self.semantic_entropy is not None):
+            raise ValueError("turn_credit=return_to_go works on the reward alone, not with GDPO or SEED-GRPO")
         if self.ratio_cap is not None and self.ratio_cap <= 1.0 + self.clip_high:
             raise ValueError(f"ratio_cap must exceed 1 + clip_high = {1.0 + self.clip_high}")
         if self.overlong == "penalty" and self.overlong_buffer is None:
@@ -357,6 +373,10 @@ class RolloutBatch:
     # environment's tokens: tool output, a user's follow-up).
     prompt_token_ids: list[list[int] | None] | None = None
     loss_masks: list[list[int] | None] | None = None
+    # Per sample, its assistant turns: where each starts in completion_ids and its reward from the environment
+    # (None: none given); `turn_credit="return_to_go"` reads them. None: one turn from token 0, without a reward.
+    turn_starts: list[list[int] | None] | None = None
+    turn_rewards: list[list[float | None] | None] | None = None
 
 
 def _padded(rows: list[list[int]], pad_id: int, side: Literal["left", "right"]) -> Tensor:
@@ -373,7 +393,7 @@ class TrainingRows:
     prompt_ids: Tensor  # [R, P] left-padded
     completion_ids: Tensor  # [R, T] right-padded
     mask: Tensor  # [R, T] True on real completion tokens
-    advantages: Tensor  # [R]
+    advantages: Tensor  # [R], or [R, T] one a token (`turn_credit`)
     groups: Tensor  # [R] group (prompt) index of each row
     active_groups: Tensor  # the groups with a non-zero advantage
     kl_weights: Tensor  # [R] the factor on β of each row (1 unless the batch gives weights)
@@ -414,7 +434,8 @@ def component_matrix(components: list[dict[str, float]], weights: dict[str, floa
 
 def step_advantages(batch: RolloutBatch, rewards: Tensor, group_index: Tensor, cfg: GRPOConfig) -> Tensor:
     """Every sample's advantage under `cfg`: the overlong penalty joins the reward (as one more component
-    of weight 1 under GDPO), then group / batch / GDPO normalisation, then the advantage clip."""
+    of weight 1 under GDPO), then group / batch / GDPO normalisation, then the advantage clip. [N], or [N, L]
+    (one a completion token) under `turn_credit="return_to_go"`."""
     penalty = None
     if cfg.overlong == "penalty":
         assert batch.max_new_tokens is not None and cfg.overlong_buffer is not None  # checked by grpo_step
@@ -428,6 +449,9 @@ def step_advantages(batch: RolloutBatch, rewards: Tensor, group_index: Tensor, c
             values = torch.cat([values, penalty.unsqueeze(1).to(values.dtype)], dim=1)
             weights = torch.cat([weights, torch.ones(1, dtype=weights.dtype)])
         advantages = gdpo_advantages(values, group_index, weights, scale=cfg.advantage_scale)
+    elif cfg.turn_credit == "return_to_go":
+        scores = rewards if penalty is None else rewards + penalty
+        advantages = episode_turn_advantages(batch, scores, group_index, cfg.advantage_scale)
     else:
         advantages = group_advantages(
             rewards if penalty is None else rewards + penalty, group_index, scale=cfg.advantage_scale
@@ -442,6 +466,20 @@ def step_advantages(batch: RolloutBatch, rewards: Tensor, group_index: Tensor, c
     return advantages
 
 
+def episode_turn_advantages(batch: RolloutBatch, scores: Tensor, group_index: Tensor, scale: AdvantageScale) -> Tensor:
+    """[N, L] each completion token's advantage under `turn_credit="return_to_go"` (trainer/turn_credit.py): per
+    assistant turn, the group advantage of the reward still to come from it."""
+    n = len(batch.samples)
+    starts = [s or [0] for s in (batch.turn_starts or [None] * n)]
+    given = batch.turn_rewards or [None] * n
+    rewards = [list(r or [])[: len(s)] + [None] * (len(s) - len(r or [])) for r, s in zip(given, starts)]
+    returns = turn_returns(scores, rewards)
+    per_turn = torch.stack(
+        [group_advantages(returns[:, t], group_index, scale=scale) for t in range(returns.shape[1])], dim=1
+    )
+    return token_advantages(per_turn, starts, [len(s.completion_ids) for s in batch.samples])
+
+
 def training_rows(
     policy: Policy, batch: RolloutBatch, advantages: Tensor, group_index: Tensor, trainable: Tensor | None = None
 ) -> TrainingRows | None:
@@ -451,7 +489,8 @@ def training_rows(
     `overlong="mask"`; they still counted in their group's mean and std (the advantages are given).
     """
     keep = torch.ones_like(group_index, dtype=torch.bool) if trainable is None else trainable
-    active_groups = torch.unique(group_index[(advantages != 0) & keep])
+    signal = advantages != 0 if advantages.dim() == 1 else (advantages != 0).any(dim=1)
+    active_groups = torch.unique(group_index[signal & keep])
     if active_groups.numel() == 0:
         return None
     rows = (torch.isin(group_index, active_groups) & keep).nonzero().squeeze(1).tolist()
@@ -464,7 +503,8 @@ def training_rows(
         mask &= _padded([_loss_mask(batch, k) for k in rows], 0, "right").bool()[:, : mask.shape[1]]
     per_group = batch.kl_weights or [1.0] * len(batch.prompts)
     kl_weights = torch.tensor([per_group[batch.samples[k].prompt_index] for k in rows], dtype=torch.float32)
-    tensors = (prompt_ids, completion_ids, mask, advantages[rows], group_index[rows], active_groups, kl_weights)
+    row_advantages = advantages[rows] if advantages.dim() == 1 else advantages[rows][:, : mask.shape[1]]
+    tensors = (prompt_ids, completion_ids, mask, row_advantages, group_index[rows], active_groups, kl_weights)
     device = next(policy.model.parameters()).device  # built on the CPU; the model may sit on a GPU
     training = TrainingRows(*(t.to(device) for t in tensors))
     if all(batch.samples[k].logprobs is not None for k in rows):

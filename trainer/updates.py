@@ -49,6 +49,8 @@ def rollout_batch(
     if any(r.get("loss_mask") is not None for r in ordered):  # an environment's episodes
         batch.loss_masks = [None if r.get("loss_mask") is None else list(r["loss_mask"]) for r in ordered]
         batch.prompt_token_ids = [None if r.get("prompt_ids") is None else list(r["prompt_ids"]) for r in ordered]
+        batch.turn_starts = [None if r.get("turn_starts") is None else list(r["turn_starts"]) for r in ordered]
+        batch.turn_rewards = [None if r.get("turn_rewards") is None else list(r["turn_rewards"]) for r in ordered]
     return batch
 
 
