@@ -162,8 +162,21 @@ def episode_columns(t: Trajectory, env: dict[str, Any] | None, label: str | None
         "env_reward": t.reward,
         "env_verdict": verdict,
         "turn_starts": [turn.start for turn in assistant],
-        "turn_rewards": [turn.reward for turn in assistant],
+        "turn_rewards": assistant_turn_rewards(t.turns),
     }
+
+
+def assistant_turn_rewards(turns: list[Turn]) -> list[float | None]:
+    """Each assistant turn's reward: the reply to it carries it, on the environment's turn that follows, or on the
+    assistant turn itself when the reply ended the episode (trainer/multi_turn.py `_take_reply`)."""
+    rewards: list[float | None] = []
+    for k, turn in enumerate(turns):
+        if turn.role != "assistant":
+            continue
+        reply = turns[k + 1] if k + 1 < len(turns) and turns[k + 1].role != "assistant" else None
+        given = [r for r in (turn.reward, None if reply is None else reply.reward) if r is not None]
+        rewards.append(sum(given) if given else None)
+    return rewards
 
 
 def turn_rows(t: Trajectory) -> list[dict[str, Any]]:

@@ -70,10 +70,12 @@ def test_episodes_are_stored_with_their_turns_and_stop_reasons(retry_run) -> Non
     turns = rows(store, "SELECT rollout_id, count(*) FILTER (role = 'assistant') AS n FROM turns GROUP BY 1")
     assert {t["rollout_id"]: t["n"] for t in turns} == {e["rollout_id"]: e["n_turns"] for e in episodes}
     # each episode's assistant turns, as the loss's turn credit reads them, are the turns table's
+    # (a reply's reward sits on the environment's turn after the assistant's, or on the assistant's when it ended)
     assistant = rows(
         store,
-        "SELECT rollout_id, list(token_start ORDER BY turn) AS starts, list(reward ORDER BY turn) AS rewards "
-        "FROM turns WHERE role = 'assistant' GROUP BY 1",
+        "SELECT rollout_id, list(token_start ORDER BY turn) AS starts, list(r ORDER BY turn) AS rewards FROM ("
+        " SELECT *, coalesce(reward, CASE WHEN lead(role) OVER w <> 'assistant' THEN lead(reward) OVER w END) AS r"
+        " FROM turns WINDOW w AS (PARTITION BY rollout_id ORDER BY turn)) WHERE role = 'assistant' GROUP BY 1",
     )
     stored = rows(store, "SELECT rollout_id, turn_starts, turn_rewards FROM rollouts")
     assert {a["rollout_id"]: (a["starts"], a["rewards"]) for a in assistant} == {

@@ -114,3 +114,16 @@ def test_turn_credit_is_refused_beside_gdpo_and_seed_grpo_and_left_out_of_dumps_
         GRPOConfig(turn_credit="return_to_go", semantic_entropy=1.0)
     assert "turn_credit" not in GRPOConfig().model_dump()
     assert GRPOConfig(turn_credit="return_to_go").model_dump()["turn_credit"] == "return_to_go"
+
+
+def test_an_assistant_turns_reward_is_the_reply_to_it_on_the_next_turn_or_its_own_when_it_ended() -> None:
+    from rlvr.tasks.rollout import assistant_turn_rewards
+    from rlvr.trainer.multi_turn import Turn
+
+    def turn(k: int, role: str, reward: float | None) -> Turn:
+        return Turn(k, role, k, k + 1, "", (), reward, 0.0)
+
+    # an intermediate reward on the tool turn answering assistant turn 0, the final one on the last assistant turn
+    played = [turn(0, "assistant", None), turn(1, "tool", 0.25), turn(2, "assistant", None), turn(3, "user", None)]
+    assert assistant_turn_rewards([*played, turn(4, "assistant", 1.0)]) == [0.25, None, 1.0]
+    assert assistant_turn_rewards([turn(0, "assistant", None)]) == [None]
