@@ -61,6 +61,20 @@ class SourceConfig(BaseModel):
     name: str | None = Field(None, description="how problems and reports name the source (default: its type)")
     weight: float = Field(1.0, gt=0, description="its share of `synthesize.size` (ignored when size is unset)")
     verifier: str | None = Field(None, description="the verifier of its problems (default: the source's own)")
+    test_fraction: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        exclude_if=lambda value: value is None,  # left out of dumps (so of ids) when unset
+        description="its share held out as test (default: synthesize.test_fraction)",
+    )
+    warmup_fraction: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        exclude_if=lambda value: value is None,
+        description="its share kept for the warm start (default: synthesize.warmup_fraction)",
+    )
 
 
 SHARED_FIELDS = frozenset({"type", *SourceConfig.model_fields})

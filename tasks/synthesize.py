@@ -107,7 +107,7 @@ def assign_splits(n: int, test_fraction: float, warmup_fraction: float, seed: in
     """A seeded split label for each of n rows: round(n*test) test, round(n*warmup) warmup, rest train."""
     n_test, n_warmup = round(n * test_fraction), round(n * warmup_fraction)
     if n_test + n_warmup > n:
-        raise ValueError("test_fraction + warmup_fraction must leave room for the train split")
+        raise ValueError(f"test_fraction {test_fraction} + warmup_fraction {warmup_fraction} add up to more than 1")
     labels = ["test"] * n_test + ["warmup"] * n_warmup + ["train"] * (n - n_test - n_warmup)
     random.Random(seed).shuffle(labels)
     return labels
@@ -229,7 +229,10 @@ def problem_rows(pool: Pool, cfg: SynthesizeConfig, ctx: StageContext) -> list[d
     rows = []
     for name, source in make_sources(cfg.sources).items():
         mine = [c for c in pool.accepted if c.source == name]
-        splits = assign_splits(len(mine), cfg.test_fraction, cfg.warmup_fraction, ctx.seed)
+        own = source.cfg
+        test = cfg.test_fraction if own.test_fraction is None else own.test_fraction
+        warmup = cfg.warmup_fraction if own.warmup_fraction is None else own.warmup_fraction
+        splits = assign_splits(len(mine), test, warmup, ctx.seed)
         rows += [
             {
                 "problem_id": problem_id(c),

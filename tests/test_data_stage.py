@@ -212,6 +212,23 @@ def test_weighted_sources_share_the_size(tmp_path):
     assert {name: c["read"] for name, c in counts.items()} == {"arithmetic": 20, "skills": 10}
 
 
+def test_a_source_can_split_its_own_way(tmp_path):
+    """Products only for the warm start, three-term problems only for training and test: per-source fractions."""
+    products = "{type: arithmetic, name: products, ops: '*', count: 40, warmup_fraction: 1.0, test_fraction: 0}"
+    mixed = "{type: arithmetic, name: mixed, terms: 3, count: 50, warmup_fraction: 0}"
+    cfg = load_config(None, [f"synthesize.sources=[{products}, {mixed}]", "synthesize.test_fraction=0.2"])
+    store = Store.open(str(tmp_path / "store"), create=True)
+    made = run_stage(store, SYNTHESIZE, cfg.synthesize, run_id="splits")
+    sql = "SELECT source, split, count(*) AS n FROM problems GROUP BY ALL ORDER BY ALL"
+    assert [tuple(r.values()) for r in query(store, sql).to_pylist()] == [
+        ("mixed", "test", 10),
+        ("mixed", "train", 40),
+        ("products", "warmup", 40),
+    ]
+    assert "warmup_fraction" not in load_config(None, []).synthesize.model_dump()["sources"][0]  # ids stay
+    assert made.ids["problems"]
+
+
 MATH_FILE = [
     {
         "question": "Compute $\\frac{1}{2} + \\frac{1}{4}$.",
