@@ -455,16 +455,18 @@ def report(
     print(write_report(open_existing(store), run_ids, out_file))
 
 
-def _register_data_commands() -> None:
-    from rlvr.flows.cli import check_command, data_commands
+def _register_module_commands() -> None:
+    """The commands that live in modules of their own."""
+    from rlvr.flows.cli import check_command, data_commands, serve_command
 
     app.command()(data_commands.data)
     app.command()(data_commands.difficulty)
     app.command()(data_commands.export)
     app.command()(check_command.check)
+    app.command(name="serve-rm")(serve_command.serve_rm)
 
 
-_register_data_commands()
+_register_module_commands()
 
 
 def _print_chunks(chunks: Iterable[list[tuple[Any, ...]]], columns: list[str], format: str) -> None:

@@ -1,0 +1,46 @@
+"""`rlvr serve-rm`: a local model as a reward server (trainer/reward_server.py; usage: docs/rewards.md)."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+
+out = Console(soft_wrap=True)
+
+
+def serve_rm(
+    model: str = typer.Option(
+        ...,
+        "--model",
+        help="a Hugging Face model directory (a sequence-classification reward model or a causal LM), "
+        "'tiny' or 'smollm2-135m-instruct'",
+    ),
+    host: str = typer.Option("127.0.0.1", "--host", help="interface to listen on (0.0.0.0: every interface)"),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="port to listen on (0: any free port)"),
+    device: str = typer.Option("cpu", "--device", help="auto, cpu, cuda or cuda:N"),
+    threads: int = typer.Option(1, "--threads", min=1, help="torch CPU threads (fixed: rewards stay bit-identical)"),
+    batch_size: int = typer.Option(16, "--batch-size", min=1, help="rows in one forward pass"),
+    seed: int = typer.Option(0, "--seed", help="draws the weights of 'tiny' (other models load theirs)"),
+) -> None:
+    """Serve a local model for rewards: OpenRLHF's /get_reward, vLLM's /classify, OpenAI's /v1/chat/completions.
+
+    Runs until Ctrl-C. A sequence-classification model's reward is its logit; a causal LM's is its P(Yes) as a judge.
+    """
+    from rlvr.trainer.reward_models import load_served_model
+    from rlvr.trainer.reward_server import listening_socket, reward_app, serve, url_of
+
+    served = load_served_model(model, device=device, threads=threads, seed=seed, batch_size=batch_size)
+    sock = listening_socket(host, port)  # listening before the URL is printed: a client may connect at once
+    url = url_of(sock)
+    say(f"serving {served.name} ({served.kind}) on {url}")
+    say(f"  POST {url}/get_reward  {url}/classify  {url}/v1/chat/completions   GET {url}/health")
+    say("press Ctrl-C to stop it")
+    try:
+        serve(reward_app(served), sock)
+    except KeyboardInterrupt:
+        pass
+    say("stopped")
+
+
+def say(text: str) -> None:
+    out.print(text, markup=False, highlight=False)
