@@ -321,8 +321,19 @@ def test_code_rejects_bad_references_without_running_anything(reference, expecte
 # Every registered verifier
 
 
-@pytest.mark.parametrize("name", sorted(registered()))
+@pytest.mark.parametrize("name", sorted(name for name, cls in registered().items() if cls.needs == "nothing"))
 @pytest.mark.parametrize("reference", [[1, 2], {"not": "a reference"}, object(), "[" * 100_000, 3.5j])
 def test_every_verifier_explains_a_bad_reference_without_raising(name, reference):
     reason = get_verifier(name).reference_error(reference)
     assert isinstance(reason, str) and reason and "\n" not in reason
+
+
+@pytest.mark.parametrize("reference", [None, "", "[" * 100_000, [1, 2], {"not": "a reference"}])
+def test_the_judge_reads_any_text_or_json_reference(reference):
+    assert get_verifier("judge").reference_error(reference) is None
+
+
+@pytest.mark.parametrize("reference", [object(), 3.5j])
+def test_the_judge_explains_a_reference_it_cannot_read(reference):
+    reason = get_verifier("judge").reference_error(reference)
+    assert reason is not None and reason.startswith("a judge's reference must be text or JSON: Object of type")

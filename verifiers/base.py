@@ -57,6 +57,9 @@ class Verifier(ABC):
     domain: ClassVar[str]
     version: ClassVar[str]
     rewrite_templates: ClassVar[Mapping[str, str]] = {}
+    # What the run gives it besides (response, reference): nothing, or a model endpoint (the judge: the label
+    # stage asks it, with the question, and its failed verdicts are left out of the update, never trained on as 0).
+    needs: ClassVar[Literal["nothing", "endpoint"]] = "nothing"
 
     @abstractmethod
     def score(self, response: str, reference: Any) -> Score:

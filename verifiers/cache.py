@@ -150,6 +150,11 @@ def reward_cache(store: Store) -> RewardCache:
     return _caches[store.root]
 
 
+def cache_for(store: Store | None) -> RewardCache:
+    """The store's cache, or without a store (a stage's build tested on its own) a process-local one."""
+    return reward_cache(store) if store is not None else _local_cache
+
+
 # Statuses that depend only on (response, reference, version); timeouts and worker deaths may not
 # repeat, so they are never cached.
 CACHEABLE = frozenset({"ok", "wrong", "unparseable"})
@@ -215,7 +220,7 @@ def score_cached(
     """
     names = [cfg.verifier_of(name) for name in (verifiers or [None] * len(pairs))]
     keys = verdict_keys(names, pairs)
-    cache = reward_cache(store) if store is not None else _local_cache
+    cache = cache_for(store)
     cached = cache.lookup(keys)
     misses = [i for i, score in enumerate(cached) if score is None]
     fresh = score_misses(cfg, [names[i] for i in misses], [pairs[i] for i in misses])
@@ -281,8 +286,15 @@ def problem_references(table: Any) -> dict[str, tuple[str | None, Any]]:
 
 
 def verifier_identity(cfg: VerifierConfig, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """What decides a labelling stage's verdicts: the override, if any, and the version of every verifier
-    a problem may name (not the pool settings)."""
+    """What decides a labelling stage's verdicts: the override, if any, the version of every verifier a problem
+    may name (not the pool settings), and the judge's identity when the run has one (`params["judge"]`). A
+    verifier that needs an endpoint is versioned by its endpoint's identity only, so runs without one keep the
+    ids they had before it was registered."""
+    from rlvr.verifiers.judge import JudgeConfig
     from rlvr.verifiers.registry import registered
 
-    return {"verifier": cfg.verifier, "versions": {name: cls.version for name, cls in registered().items()}}
+    versions = {name: cls.version for name, cls in registered().items() if cls.needs == "nothing"}
+    identity: dict[str, Any] = {"verifier": cfg.verifier, "versions": versions}
+    if params and params.get("judge"):
+        identity["judge"] = JudgeConfig.model_validate(params["judge"]).identity()
+    return identity

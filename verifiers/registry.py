@@ -36,6 +36,7 @@ BUILTIN: dict[str, type[Verifier]] = {
     "text": importlib.import_module("rlvr.verifiers.text").TextVerifier,
     "math_format": importlib.import_module("rlvr.verifiers.composite").MathFormatVerifier,
     "code": importlib.import_module("rlvr.verifiers.code").CodeVerifier,
+    "judge": importlib.import_module("rlvr.verifiers.judge").JudgeVerifier,
 }
 
 
