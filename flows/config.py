@@ -103,13 +103,14 @@ class RunConfigBase(BaseModel):
 
     @model_validator(mode="after")
     def _environments_where_supported(self) -> RunConfigBase:
-        """An environment's episodes run on the transformers engine (in the run's process, or over its
-        data-parallel ranks), for now."""
-        if not self.env.multi_turn:
-            return self
+        """An environment's episodes keep every conversation as token ids: an `openai` engine must send them as
+        ids (a text prompt would be tokenized again by the server, earlier turns included)."""
         rollout = getattr(self, "rollout", None)
-        if rollout is not None and rollout.type != "transformers":
-            raise ValueError(f"env.type={self.env.type} runs on rollout.type=transformers only, not {rollout.type}")
+        if self.env.multi_turn and getattr(rollout, "prompt_as", "token_ids") == "text":
+            raise ValueError(
+                f"env.type={self.env.type} sends each conversation as token ids; rollout.prompt_as=text would "
+                "tokenize earlier turns again: set rollout.prompt_as=token_ids"
+            )
         return self
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy
 from rlvr.trainer.devices import stage_device, usage
+from rlvr.trainer.engine_base import RolloutEngine
 from rlvr.trainer.engines import EngineConfig, engine_for
 from rlvr.trainer.generation import greedy
 from rlvr.trainer.multi_turn import Budgets, play_episodes
@@ -40,10 +41,11 @@ def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
     policy = inputs.load("policy", partial(load_policy, device=stage_device(ctx.params.get("device"))))
     env = ctx.params.get("env")
     given: list[Score | None] = [None] * len(problems)
+    engine = run_engine(policy, inputs.require_id("policy"), ctx)
     if env is None:
-        answers = greedy_answers(policy, inputs.require_id("policy"), [p["prompt"] for p in problems], cfg, ctx)
+        answers = greedy_answers(policy, [p["prompt"] for p in problems], cfg, engine)
     else:
-        answers, given = greedy_episodes(policy, EnvConfig.model_validate(env), problems, cfg)
+        answers, given = greedy_episodes(policy, EnvConfig.model_validate(env), problems, cfg, engine)
     ctx.usage.update(usage(policy.model))
     missing = [i for i, verdict in enumerate(given) if verdict is None]  # scored by the problem's verifier
     pairs = [(answers[i], problems[i]["reference"]) for i in missing]
@@ -64,29 +66,41 @@ def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
     return Built(rows_to_table("evals", [row]))
 
 
-def greedy_answers(
-    policy: Policy, policy_ref: str, prompts: list[str], cfg: EvaluateConfig, ctx: StageContext
-) -> list[str]:
-    """The policy's greedy answers: through the run's engine when params name one, else transformers on the
-    policy itself (what the `transformers` engine does too)."""
+def run_engine(policy: Policy, policy_ref: str, ctx: StageContext) -> RolloutEngine | None:
+    """The run's engine, given the policy, when params name one (not transformers); None: decode on the policy
+    itself (what the `transformers` engine does too)."""
     engine_cfg: EngineConfig | None = ctx.params.get("rollout")
     if engine_cfg is None:
-        return greedy(policy, prompts, max_new_tokens=cfg.max_new_tokens)
+        return None
     engine = engine_for(engine_cfg)
     engine.update_weights(policy, policy_ref)
+    return engine
+
+
+def greedy_answers(policy: Policy, prompts: list[str], cfg: EvaluateConfig, engine: RolloutEngine | None) -> list[str]:
+    """The policy's greedy answers: through the run's engine when it has one, else transformers on the policy."""
+    if engine is None:
+        return greedy(policy, prompts, max_new_tokens=cfg.max_new_tokens)
     return engine.greedy(prompts, cfg.max_new_tokens)
 
 
 def greedy_episodes(
-    policy: Policy, env: EnvConfig, problems: list[dict[str, Any]], cfg: EvaluateConfig
+    policy: Policy,
+    env: EnvConfig,
+    problems: list[dict[str, Any]],
+    cfg: EvaluateConfig,
+    engine: RolloutEngine | None = None,
 ) -> tuple[list[str], list[Score | None]]:
     """One greedy episode of environment `env` per problem: each one's last answer, and the environment's verdict
     where it gave one (None: the problem's verifier scores the answer). A turn decodes at most
-    `evaluate.max_new_tokens` tokens, as a one-turn evaluation's answer does."""
+    `evaluate.max_new_tokens` tokens, as a one-turn evaluation's answer does; through the run's `engine` when it
+    has one, as one-turn answers are."""
     budgets = Budgets(env.max_turns, env.max_tokens, cfg.max_new_tokens, env.max_tool_output_tokens)
     settings = {"temperature": 0.0, "top_p": 1.0, "seed": 0}
     counts, keys = [1] * len(problems), list(range(len(problems)))
-    trajectories = play_episodes(policy, env, problems, counts, budgets=budgets, settings=settings, row_keys=keys)
+    trajectories = play_episodes(
+        policy, env, problems, counts, budgets=budgets, settings=settings, row_keys=keys, engine=engine
+    )
     return [t.response for t in trajectories], [t.verdict for t in trajectories]
 
 

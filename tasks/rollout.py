@@ -10,8 +10,9 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
+import torch
+
 from rlvr.curricula.hints import HintConfig, hinted_prompt, solutions_of
-from rlvr.errors import UserError
 from rlvr.storage.ids import row_id
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy, sampler_policy
@@ -19,9 +20,17 @@ from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.engine_base import RolloutEngine, SamplingParams
 from rlvr.trainer.engines import ENGINES, EngineConfig, TransformersEngine, engine_for
 from rlvr.trainer.generation import Sample
-from rlvr.trainer.grpo import GRPOConfig, behaviour_logprobs
+from rlvr.trainer.grpo import (
+    GRPOConfig,
+    RolloutBatch,
+    behaviour_logprobs,
+    rollout_logprobs,
+    training_precision,
+    training_rows,
+)
 from rlvr.trainer.multi_turn import Budgets, Trajectory, Turn
 from rlvr.trainer.multi_turn import play_episodes as play
+from rlvr.trainer.policy import Policy
 from rlvr.verifiers.env_registry import EnvConfig
 
 
@@ -54,7 +63,10 @@ def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> dict[str, Bui
         trajectories = [one_turn(s, lp) for s, lp in zip(samples, logprobs)]
     else:
         tasks = slot_tasks(inputs, slots, prompts)
-        trajectories = play_episodes(engine, EnvConfig.model_validate(env), tasks, slots, sampling, seed)
+        trajectories = play_episodes(engine, policy, EnvConfig.model_validate(env), tasks, slots, sampling, seed)
+        if behaviour is not None and any(t.logprobs is None for t in trajectories):  # an engine that gives none
+            computed = episode_logprobs(policy, prompts, trajectories, GRPOConfig.model_validate(behaviour))
+            trajectories = [replace(t, logprobs=lp) for t, lp in zip(trajectories, computed)]
     ctx.usage.update(usage(policy.model))
     rollouts: list[dict[str, Any]] = []
     turns: list[dict[str, Any]] = []
@@ -113,33 +125,54 @@ def slot_tasks(inputs: Inputs, slots: list[dict[str, Any]], prompts: list[str]) 
 
 def play_episodes(
     engine: RolloutEngine,
+    policy: Policy,
     env: EnvConfig,
     tasks: list[dict[str, Any]],
     slots: list[dict[str, Any]],
     sampling: SamplingParams,
     seed: int,
 ) -> list[Trajectory]:
-    """The slots' episodes of environment `env`, every running one decoding in one batch a turn (over the
-    data-parallel ranks, when the policy has them)."""
-    if not isinstance(engine, TransformersEngine) or engine.policy is None:
-        raise UserError(f"env.type={env.type} runs on rollout.type=transformers only (vllm and openai: not yet)")
-    own = engine.settings()
+    """The slots' episodes of environment `env`, every running one decoding in one batch a turn: on the policy
+    itself for the transformers engine (over the data-parallel ranks, when the policy has them), else through the
+    engine's `continue_rows` (`policy` then renders the messages)."""
     budgets = Budgets(
         max_turns=env.max_turns,
         max_tokens=env.max_tokens,
         max_new_tokens=sampling.max_new_tokens,
         max_tool_output_tokens=env.max_tool_output_tokens,
     )
-    settings = dict(
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        seed=seed,
-        cache=own.cache,
-        precision=own.precision,
-        logprob_temperature=sampling.logprob_temperature,
-    )
+    settings: dict[str, Any] = dict(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
     counts, keys = [s["n_rollouts"] for s in slots], [s["slot"] for s in slots]
-    return play(engine.policy, env, tasks, counts, budgets=budgets, settings=settings, row_keys=keys)
+    if not isinstance(engine, TransformersEngine):
+        return play(policy, env, tasks, counts, budgets=budgets, settings=settings, row_keys=keys, engine=engine)
+    own = engine.settings()
+    settings |= dict(cache=own.cache, precision=own.precision, logprob_temperature=sampling.logprob_temperature)
+    return play(policy, env, tasks, counts, budgets=budgets, settings=settings, row_keys=keys)
+
+
+def episode_logprobs(
+    policy: Policy, prompts: list[str], trajectories: list[Trajectory], cfg: GRPOConfig
+) -> list[list[float]]:
+    """Each episode's token log-probs under `policy`, the one that sampled it, for an engine that gives none: as
+    the train stage computes π_old (`behaviour_logprobs` does the same for one turn) over the episode's opening ids
+    and every token after them, then 0.0 on the environment's tokens, as the transformers loop records them."""
+    played = [t for t in trajectories if t.completion_ids]  # an environment that failed to reset: no tokens
+    samples = [
+        Sample(t.prompt_index, t.sample_index, t.completion_ids, t.response, len(t.completion_ids), t.finish_reason)
+        for t in played
+    ]
+    found: dict[tuple[int, int], list[float]] = {}
+    if samples:
+        batch = RolloutBatch(prompts, samples, [0.0] * len(samples), prompt_token_ids=[t.prompt_ids for t in played])
+        group_index = torch.tensor([t.prompt_index for t in played], dtype=torch.long)
+        rows = training_rows(policy, batch, torch.ones(len(samples)), group_index)
+        assert rows is not None  # every advantage is 1: every episode is a row, in order
+        with training_precision(policy, cfg.model_copy(update={"gradient_checkpointing": False})):
+            old_logp = rollout_logprobs(policy, rows, cfg, None)[0]
+        for i, t in enumerate(played):
+            row = old_logp[i, : len(t.completion_ids)].tolist()
+            found[(t.prompt_index, t.sample_index)] = [lp if m else 0.0 for lp, m in zip(row, t.loss_mask)]
+    return [found.get((t.prompt_index, t.sample_index), []) for t in trajectories]
 
 
 def episode_columns(t: Trajectory, env: dict[str, Any] | None, label: str | None) -> dict[str, Any]:

@@ -138,11 +138,15 @@ def test_an_environment_changes_the_config_id_and_the_one_turn_default_does_not(
     assert config_id("env.type=retry", "env.max_turns=3") != config_id("env.type=retry")
 
 
-def test_an_environment_on_an_engine_without_episodes_is_refused_in_one_line():
+def test_environments_run_on_every_built_in_engine_and_an_openai_one_must_send_token_ids():
+    for engine in ("transformers", "vllm", "openai"):
+        assert load_config(None, ["env.type=calculator", f"rollout.type={engine}"]).rollout.type == engine
+    load_config(None, ["rollout.type=openai", "rollout.prompt_as=text"])  # one turn: text prompts are allowed
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["env.type=calculator", "rollout.type=vllm"])
-    assert "env.type=calculator runs on rollout.type=transformers only, not vllm" in str(info.value)
-    assert "\n" not in str(info.value).strip()
+        load_config(None, ["env.type=retry", "rollout.type=openai", "rollout.prompt_as=text"])
+    message = str(info.value).strip()
+    assert "env.type=retry sends each conversation as token ids; rollout.prompt_as=text would" in message
+    assert "set rollout.prompt_as=token_ids" in message and "\n" not in message
 
 
 def test_a_warm_start_on_calculator_transcripts_must_open_as_the_calculator_rollouts_do():

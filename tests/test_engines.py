@@ -22,12 +22,18 @@ from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.trainer.engine_base import SamplingParams, request_seed
 from rlvr.trainer.engines import ENGINES, TransformersEngine, TransformersEngineConfig
-from rlvr.trainer.generation import Sample, greedy, sample
+from rlvr.trainer.generation import Sample, _generate_ids, greedy, sample
+from rlvr.trainer.multi_turn import Budgets, Trajectory, engine_seed, play_episodes, turn_key
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy, policy_from_files
+from rlvr.trainer.prompts import prompt_ids
 from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig
+from rlvr.trainer.rng import seeded_rng
+from rlvr.trainer.row_sampling import row_key
 from rlvr.trainer.vllm_engine import VLLMEngineConfig
+from rlvr.verifiers.env_registry import EnvConfig
 from tests.cli_helpers import cli_env, rlvr
 from tests.conftest import TINY_OVERRIDES
+from tests.test_multi_turn import eos_bias
 
 PROMPTS = ["1+2=", "3+4=", "5+5=", "9-2="]
 
@@ -55,30 +61,28 @@ class ServerState:
 
 
 def completions_answer(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
-    """`n` seeded samples of one prompt, as OpenAI's completions endpoint answers (torch's RNG is
-    process-global, hence the lock: requests may overlap, sampling may not)."""
-    prompt = body["prompt"]
-    if isinstance(prompt, list):  # token ids: the text they spell (`sample` tokenizes it back, BOS included)
-        prompt = state.policy.tokenizer.decode(prompt, skip_special_tokens=True)
+    """`n` seeded samples of one prompt, as OpenAI's completions endpoint answers: token ids are continued as they
+    are (as vLLM does), a text is read as the rollouts read a prompt; each draw is `sample`'s for that seed (torch's
+    RNG is process-global, hence the lock: requests may overlap, sampling may not)."""
+    prompt, n, max_tokens, temperature = body["prompt"], int(body["n"]), int(body["max_tokens"]), body["temperature"]
     with state.sampling_lock:
-        if float(body["temperature"]) == 0:  # greedy, as vLLM's server decodes at temperature 0
-            text = greedy(state.policy, [prompt], max_new_tokens=int(body["max_tokens"]))[0]
-            choice = {"index": 0, "text": text, "finish_reason": "length"}
-            return {"object": "text_completion", "model": "tiny", "choices": [choice] * int(body["n"])}
-        samples = sample(
-            state.policy,
-            [prompt],
-            [int(body["n"])],
-            max_new_tokens=int(body["max_tokens"]),
-            temperature=float(body["temperature"]),
-            top_p=float(body["top_p"]),
-            seed=int(body["seed"]),
-        )
+        policy = state.policy
+        row = list(prompt) if isinstance(prompt, list) else prompt_ids(policy.tokenizer, [prompt])[0]
+        if float(temperature) == 0:  # greedy, as vLLM's server decodes at temperature 0
+            completions = _generate_ids(policy, [row], max_tokens, do_sample=False)[0] * n
+        else:
+            with seeded_rng(int(body["seed"]), policy.model.device):
+                completions, _ = _generate_ids(
+                    policy, [row] * n, max_tokens, do_sample=True, temperature=float(temperature),
+                    top_p=float(body["top_p"]), top_k=0,
+                )  # fmt: skip
     choices = []
-    for s in samples:
-        choice: dict[str, Any] = {"index": s.sample_index, "text": s.text, "finish_reason": s.finish_reason}
+    for index, ids in enumerate(completions):
+        stopped = bool(ids) and ids[-1] == policy.tokenizer.eos_token_id
+        text = policy.tokenizer.decode(ids, skip_special_tokens=True)
+        choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": "stop" if stopped else "length"}
         if state.token_ids and body.get("return_token_ids"):
-            choice["token_ids"] = s.completion_ids
+            choice["token_ids"] = ids
         choices.append(choice)
     return {"object": "text_completion", "model": "tiny", "choices": choices[::-1]}  # any order: index says
 
@@ -338,6 +342,65 @@ def test_greedy_is_one_temperature_0_request_a_prompt(server, policy) -> None:
     assert local.greedy(PROMPTS, 4) == answers  # the built-in engine: transformers' greedy on the policy
 
 
+# --- episodes of an environment through the server ------------------------------------------------
+
+RETRY = EnvConfig(type="retry", max_turns=3, verifier="arithmetic", options={"feedback": "-0-"})
+EPISODE_BUDGETS = Budgets(max_turns=3, max_tokens=30, max_new_tokens=4, max_tool_output_tokens=8)
+
+
+def retry_episodes(policy: Policy, engine: OpenAIEngine | None, temperature: float) -> list[Trajectory]:
+    """Retry episodes of four sums answered wrong (the tiny model never writes 99), seed 7, task keys 3 to 6."""
+    tasks = [{"prompt": prompt, "reference": "99"} for prompt in PROMPTS]
+    settings = {"temperature": temperature, "top_p": 1.0, "seed": 7}
+    return play_episodes(
+        policy, RETRY, tasks, [2, 1, 3, 2], budgets=EPISODE_BUDGETS, settings=settings, row_keys=[3, 4, 5, 6],
+        engine=engine,
+    )  # fmt: skip
+
+
+def test_an_episode_is_the_servers_sampled_ids_and_the_environments_tokens_each_turn_sent_as_ids(server, policy):
+    """Each assistant turn is one request (n=1) whose prompt is the episode's ids so far, exactly, with its turn's
+    seed; its answer's ids are the turn's tokens; the environment's tokens between turns are its rendered message."""
+    url, state = server
+    eos_bias(policy, 3.0)  # turns end with eos, so episodes go on to the environment's feedback
+    trajectories = retry_episodes(policy, engine_at(url, policy, concurrency=4), 1.0)
+    assert max(len(t.turns) for t in trajectories) == 5  # three assistant turns, the feedback between them
+    requests = {(tuple(r["prompt"]), r["seed"]): r for r in state.requests}
+    assert len(requests) == len(state.requests) == sum(u.role == "assistant" for t in trajectories for u in t.turns)
+    feedback = policy.tokenizer("\n-0-", add_special_tokens=False)["input_ids"]
+    for t in trajectories:
+        assert t.prompt_ids == prompt_ids(policy.tokenizer, [PROMPTS[t.prompt_index]])[0]
+        key = row_key(7, 3 + t.prompt_index, t.sample_index)
+        for k, turn in enumerate(u for u in t.turns if u.role == "assistant"):
+            sent = requests[(tuple(t.prompt_ids + t.completion_ids[: turn.start]), engine_seed(turn_key(key, k)))]
+            assert (sent["n"], sent["max_tokens"], sent["return_token_ids"]) == (1, min(4, 30 - turn.start), True)
+            (choice,) = completions_answer(state, sent)["choices"]
+            assert t.completion_ids[turn.start : turn.end] == choice["token_ids"]
+            assert t.loss_mask[turn.start : turn.end] == [1] * (turn.end - turn.start)
+        for turn in (u for u in t.turns if u.role == "user"):
+            assert (t.completion_ids[turn.start : turn.end], turn.text) == (feedback, "-0-")
+            assert t.loss_mask[turn.start : turn.end] == [0] * len(feedback)
+        assert t.logprobs is None  # the server gives none: the rollout stage computes them when a run needs them
+
+
+def test_greedy_episodes_through_the_server_are_the_policys_own(server, policy) -> None:
+    url, state = server
+    eos_bias(policy, 0.9)  # greedy turns that end with eos on some prompts and run to their budget on others
+    served = retry_episodes(policy, engine_at(url, policy), 0.0)
+    local = retry_episodes(policy, None, 0.0)
+    assert [(t.completion_ids, t.loss_mask, t.stop_reason) for t in served] == [
+        (t.completion_ids, t.loss_mask, t.stop_reason) for t in local
+    ]
+    assert max(len(t.turns) for t in served) == 5 and len({tuple(t.completion_ids) for t in served}) > 1
+    assert {(r["temperature"], r["n"]) for r in state.requests} == {(0.0, 1)}
+
+
+def test_continuing_rows_needs_prompts_sent_as_token_ids(server, policy) -> None:
+    url, _ = server
+    with pytest.raises(UserError, match=r"^env episodes send each conversation as token ids.*prompt_as=token_ids$"):
+        engine_at(url, policy, prompt_as="text").continue_rows([[1, 5]], [2], 1.0, 1.0, [0])
+
+
 @pytest.mark.slow
 def test_evaluation_and_difficulty_sample_through_the_runs_engine(server, tmp_path, prefect_api) -> None:
     """A run with rollout.type=openai: its evaluations ask the server for greedy answers, its difficulty pass
@@ -362,6 +425,34 @@ def test_evaluation_and_difficulty_sample_through_the_runs_engine(server, tmp_pa
     assert kinds[(2, 0.7)] == difficulty  # difficulty.k = 2
     assert kinds[(4, 1.0)] == rollouts  # allocate.n = 4
     assert sum(kinds.values()) == len(state.requests)
+
+
+@pytest.mark.slow
+def test_a_retry_run_plays_its_episodes_through_the_server(server, tmp_path, prefect_api) -> None:
+    """A whole 2-step run of the retry environment on rollout.type=openai, sampled a step ahead (flow.async_level=1):
+    every assistant turn of a stored episode was one request of the episode's ids so far, and the log-probs the
+    server does not give are computed from the sampling policy, 0.0 on the environment's tokens."""
+    url, state = server
+    overrides = [*TINY_OVERRIDES, "train.steps=2", "evaluate.every=2", "checkpoint.every=2", "flow.async_level=1"]
+    overrides += ["env.type=retry", "env.max_turns=3", "rollout.type=openai", f"rollout.base_url={url}"]
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    done = rlvr("run", "--store", str(tmp_path / "store"), *sets, env=cli_env(PREFECT_API_URL=prefect_api))
+    assert done.returncode == 0, done.stderr[-2000:]
+    store = Store.open(str(tmp_path / "store"))
+    episodes = query(
+        store, "SELECT prompt_ids, completion_ids, loss_mask, turn_starts, logprobs, staleness, env FROM rollouts"
+    ).to_pylist()
+    assert len(episodes) == 2 * 4 * 4 and {e["env"] for e in episodes} == {"retry@1"}
+    assert max(len(e["turn_starts"]) for e in episodes) > 1  # some episodes heard the feedback and answered again
+    sent = {tuple(r["prompt"]) for r in state.requests if r["n"] == 1 and r["temperature"] == 1.0}
+    for e in episodes:
+        for start in e["turn_starts"]:
+            assert tuple(e["prompt_ids"] + e["completion_ids"][:start]) in sent
+    ahead = [e for e in episodes if e["staleness"] == 1]
+    assert ahead and all(len(e["logprobs"]) == len(e["completion_ids"]) for e in ahead)
+    for e in ahead:
+        assert all((lp == 0.0) == (m == 0) for lp, m in zip(e["logprobs"], e["loss_mask"]))
+    assert all(isinstance(r["prompt"], list) for r in state.requests)  # every prompt went as token ids
 
 
 def test_rollout_type_chooses_the_engine(tiny_config) -> None:

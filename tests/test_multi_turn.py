@@ -7,6 +7,7 @@ checked on SmolLM2's real ChatML tokenizer too."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -20,7 +21,10 @@ import pytest
 import torch
 
 import rlvr.trainer.multi_turn as multi_turn
+from rlvr.tasks.rollout import episode_logprobs
+from rlvr.trainer.engines import TransformersEngine, TransformersEngineConfig
 from rlvr.trainer.generation import sample
+from rlvr.trainer.grpo import GRPOConfig
 from rlvr.trainer.multi_turn import Budgets, ChatRendering, Trajectory, run_episodes, tools_system_message
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
 from rlvr.trainer.prompts import prompt_ids
@@ -324,11 +328,59 @@ def test_refused_arguments_are_one_line(policy):
     policy.ranks = SimpleNamespace(in_op=False)  # a rank group outside an operation: play_episodes splits over it
     with pytest.raises(ValueError, match="train.data_parallel"):
         play(policy, TASKS, [1, 1, 1])
+    assert len(play(policy, TASKS, [1, 1, 1], engine=local_engine(policy))) == 3  # an engine decodes, not the ranks
     policy.ranks = None
     with pytest.raises(ValueError, match="distinct"):
         play(policy, TASKS, [1, 1, 1], row_keys=[0, 0, 1])
     with pytest.raises(ValueError, match="max_turns"):
         Budgets(max_turns=0, max_tokens=1, max_new_tokens=1, max_tool_output_tokens=1)
+
+
+def local_engine(policy: Policy) -> TransformersEngine:
+    engine = TransformersEngine(TransformersEngineConfig())
+    engine.update_weights(policy, "policy")
+    return engine
+
+
+def test_through_an_engine_each_turn_continues_every_running_episodes_ids_in_one_call(chatml, monkeypatch):
+    """`EngineDecoding`: one `continue_rows` call a turn, its rows each episode's ids so far (nothing decoded and
+    tokenized again), each with the seed of its turn key; the sampled ids are the engine's answer exactly."""
+    eos_bias(chatml, 3.0)
+    engine = local_engine(chatml)
+    calls: list[tuple[list[list[int]], list[int], list[tuple[list[int], str]]]] = []
+    real = engine.continue_rows
+
+    def record(rows: Any, budgets: Any, temperature: float, top_p: float, seeds: Any) -> Any:
+        out = real(rows, budgets, temperature, top_p, seeds)
+        calls.append(([list(row) for row in rows], list(seeds), out))
+        return out
+
+    monkeypatch.setattr(engine, "continue_rows", record)
+    trajectories = play(chatml, TASKS, [2, 3, 1], engine=engine)
+    assert [len(rows) for rows, _, _ in calls] == [6, 5, 3]
+    for t in trajectories:
+        key = multi_turn.row_key(7, t.prompt_index, t.sample_index)
+        for k, turn in enumerate(u for u in t.turns if u.role == "assistant"):
+            rows, seeds, out = calls[k]
+            sent = (t.prompt_ids + t.completion_ids[: turn.start], multi_turn.engine_seed(multi_turn.turn_key(key, k)))
+            row = list(zip(rows, seeds)).index(sent)
+            assert out[row] == (t.completion_ids[turn.start : turn.end], "stop")
+        assert t.logprobs is None and t.stop_reason == "done"
+    greedy = [tokens(t) for t in play(chatml, TASKS, [1, 1, 1], temperature=0.0)]
+    assert [tokens(t) for t in play(chatml, TASKS, [1, 1, 1], temperature=0.0, engine=engine)] == greedy
+
+
+def test_episode_logprobs_for_an_engine_that_gives_none_are_what_the_loop_records(chatml):
+    """The rollout stage's `episode_logprobs` (the sampling policy's, as the train stage computes π_old) match the
+    log-probs the transformers loop records while it samples, and are 0.0 exactly on the environment's tokens."""
+    eos_bias(chatml, 2.0)
+    recorded = play(chatml, TASKS, [2, 3, 1], logprob_temperature=1.0)
+    bare = [dataclasses.replace(t, logprobs=None) for t in recorded]
+    computed = episode_logprobs(chatml, [task["prompt"] for task in TASKS], bare, GRPOConfig())
+    assert any(0 in t.loss_mask for t in recorded)
+    for t, logprobs in zip(recorded, computed, strict=True):
+        assert logprobs == pytest.approx(t.logprobs, abs=1e-5)
+        assert [lp == 0.0 for lp in logprobs] == [m == 0 for m in t.loss_mask]
 
 
 def test_a_template_that_does_not_append_by_prefix_is_refused_naming_the_model():

@@ -8,21 +8,29 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlvr.errors import UserError
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.policy import Policy
 
 __all__ = [
+    "Continuation",
     "EngineConfig",
     "RolloutEngine",
     "SamplingParams",
+    "check_rows",
     "eos_ids",
     "request_seed",
     "with_eos",
 ]
+
+
+# One token-id row continued (`RolloutEngine.continue_rows`): its sampled ids, ending with the eos when it stopped,
+# and why it ended ("stop": eos; "length": its budget).
+Continuation = tuple[list[int], Literal["stop", "length"]]
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,14 @@ def request_seed(seed: int, prompt_index: int) -> int:
     distinct per prompt and the same in every process, so the same seed gives the same samples however
     the requests are batched or ordered."""
     return random.Random(f"{seed}:{prompt_index}").getrandbits(31)
+
+
+def check_rows(rows: Sequence[Sequence[int]], budgets: Sequence[int], seeds: Sequence[int]) -> None:
+    """`continue_rows`' arguments: one budget (>= 1) and one seed a non-empty row."""
+    if not len(rows) == len(budgets) == len(seeds):
+        raise ValueError(f"one budget and seed a row: {len(rows)} rows, {len(budgets)} budgets, {len(seeds)} seeds")
+    if any(budget < 1 for budget in budgets) or any(not row for row in rows):
+        raise ValueError(f"every row needs a token and a budget >= 1, got budgets {list(budgets)}")
 
 
 def eos_ids(policy: Policy) -> set[int]:
@@ -93,6 +109,22 @@ class RolloutEngine(ABC):
     @abstractmethod
     def generate(self, prompts: Sequence[str], counts: Sequence[int], sampling: SamplingParams) -> list[Sample]:
         """`counts[i]` samples of `prompts[i]`, grouped by prompt in order; the same for the same seed."""
+
+    def continue_rows(
+        self,
+        rows: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        temperature: float,
+        top_p: float,
+        seeds: Sequence[int],
+    ) -> list[Continuation]:
+        """One completion of each token-id row, at most `budgets[i]` tokens drawn with `seeds[i]` (temperature 0:
+        greedy), all rows in one batch: a turn of the multi-turn loop (trainer/multi_turn.py), whose rows are whole
+        conversations kept as ids, so nothing before the new turn is decoded and tokenized again."""
+        raise UserError(
+            f"rollout.type={self.type} cannot continue token-id rows (continue_rows), so it cannot play env "
+            "episodes; the built-in engines (transformers, vllm, openai) can"
+        )
 
     def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
         """The greedy completion of each prompt (evaluation, the CLPO policy rewriter): one sample at

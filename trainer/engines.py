@@ -20,10 +20,18 @@ from typing import Literal
 from pydantic import Field
 
 from rlvr.plugins import TypedRegistry
-from rlvr.trainer.engine_base import EngineConfig, RolloutEngine, SamplingParams
-from rlvr.trainer.generation import Cache, Precision, Sample, greedy, sample
+from rlvr.trainer.engine_base import (
+    Continuation,
+    EngineConfig,
+    RolloutEngine,
+    SamplingParams,
+    check_rows,
+    eos_ids,
+)
+from rlvr.trainer.generation import Cache, Precision, Sample, _generate_ids, greedy, sample
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig
+from rlvr.trainer.row_sampling import RowSampler
 from rlvr.trainer.vllm_engine import VLLMEngine, VLLMEngineConfig
 
 __all__ = ["ENGINES", "EngineConfig", "RolloutEngine", "SamplingParams", "TransformersEngine", "engine_for"]
@@ -93,6 +101,30 @@ class TransformersEngine(RolloutEngine):
             logprob_temperature=sampling.logprob_temperature,
             row_keys=range(len(prompts)) if own.seeding == "row" else None,
         )
+
+    def continue_rows(
+        self,
+        rows: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        temperature: float,
+        top_p: float,
+        seeds: Sequence[int],
+    ) -> list[Continuation]:
+        """Row-seeded (each seed is its row's key, trainer/row_sampling.py), so a row draws the same tokens in any
+        batch. The rollout stage plays episodes on the policy itself instead (multi_turn's `PolicyDecoding`),
+        which also records log-probs and splits over data-parallel ranks."""
+        if self.policy is None:
+            raise RuntimeError("call update_weights before continue_rows")
+        check_rows(rows, budgets, seeds)
+        if not rows:
+            return []
+        own = self.settings()
+        drawn = RowSampler(temperature, top_p, list(seeds)) if temperature > 0 else None  # 0: greedy
+        whole = [list(row) for row in rows]
+        ids, _ = _generate_ids(self.policy, whole, max(budgets), own.cache, own.precision, None, drawn, do_sample=False)
+        eos = eos_ids(self.policy)
+        cut = [row[:budget] for row, budget in zip(ids, budgets)]
+        return [(row, "stop" if row and row[-1] in eos else "length") for row in cut]
 
     def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
         if self.policy is None:

@@ -1,14 +1,16 @@
-"""The multi-turn rollout loop on the transformers engine: episodes of environments (verifiers/environment.py)
-played in batches, tokens kept from the first turn to the last.
+"""The multi-turn rollout loop: episodes of environments (verifiers/environment.py) played in batches, tokens kept
+from the first turn to the last, decoded on the policy in this process or through a rollout engine (vllm, openai).
 
 Tokens in, tokens out. An episode's prompt is its opening rendered as the model reads it (`ChatRendering`); each
 assistant turn's sampled ids are appended as they were drawn (loss mask 1), and each environment reply's
 messages as the token ids the chat template gives them (loss mask 0), so no earlier turn is ever decoded and
 tokenized again: what the loss trains on is exactly what was sampled (TRL 5224 and verl 6719 drifted there).
 
-Batched: at each turn every running episode decodes in one `_generate_ids` batch (left-padded rows of each
-episode's whole context), row-seeded (trainer/row_sampling.py) with a key per (seed, task key, sample, turn),
-so an episode's tokens do not depend on which others are still running. The environments' steps of a turn
+Batched: at each turn every running episode decodes in one batch of token-id rows (each episode's whole context),
+seeded with a key per (seed, task key, sample, turn), so an episode's tokens do not depend on which others are
+still running. On the policy (`PolicyDecoding`) that is one `_generate_ids` call, row-seeded
+(trainer/row_sampling.py); through an engine (`EngineDecoding`) it is one `continue_rows` call, each row with a
+seed of its key (vLLM: one `generate`; a server: one request a row). The environments' steps of a turn
 run side by side in a thread pool, so a slow tool does not hold the others' steps.
 """
 
@@ -21,10 +23,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
+from rlvr.trainer.engine_base import RolloutEngine
 from rlvr.trainer.generation import Cache, Precision, TokenLogprobs, _decode, _eos_ids, _generate_ids
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import has_chat_template
@@ -45,8 +48,12 @@ from rlvr.verifiers.environment import (
 __all__ = [
     "Budgets",
     "ChatRendering",
+    "EngineDecoding",
+    "PolicyDecoding",
     "Trajectory",
     "Turn",
+    "TurnDecoding",
+    "engine_seed",
     "environment_seed",
     "play_episodes",
     "run_episodes",
@@ -295,9 +302,22 @@ def environment_seed(key: int) -> int:
     return mix64(key ^ _ENVIRONMENT_STREAM) >> 1
 
 
+class TurnDecoding(Protocol):
+    """How a turn decodes: each running episode's row (its whole conversation as token ids) in, at most its budget
+    of sampled ids out (ending with the eos when it stopped), with their log-probs when `records_logprobs`."""
+
+    @property
+    def records_logprobs(self) -> bool: ...
+
+    def turn(
+        self, rows: list[list[int]], keys: list[int], budgets: list[int]
+    ) -> tuple[list[list[int]], list[list[float] | None]]: ...
+
+
 @dataclass(frozen=True)
-class _Decoding:
-    """How every turn decodes: the sampling settings of `run_episodes`."""
+class PolicyDecoding:
+    """Turns decoded on the policy in this process (the transformers engine), row-seeded by the turn keys; with
+    `logprob_temperature`, the sampled tokens' log-probs recorded as they are drawn (`TokenLogprobs`)."""
 
     policy: Policy
     temperature: float
@@ -306,8 +326,13 @@ class _Decoding:
     precision: Precision
     logprob_temperature: float | None
 
-    def turn(self, rows: list[list[int]], keys: list[int], budgets: list[int]) -> tuple[list[list[int]], list[Any]]:
-        """Each row's sampled ids (cut after eos and to its budget) and log-probs (None each without them)."""
+    @property
+    def records_logprobs(self) -> bool:
+        return self.logprob_temperature is not None
+
+    def turn(
+        self, rows: list[list[int]], keys: list[int], budgets: list[int]
+    ) -> tuple[list[list[int]], list[list[float] | None]]:
         recorder = None if self.logprob_temperature is None else TokenLogprobs(self.logprob_temperature)
         drawn = RowSampler(self.temperature, self.top_p, keys) if self.temperature > 0 else None  # 0: greedy
         ids, logprobs = _generate_ids(
@@ -315,6 +340,34 @@ class _Decoding:
         )
         cut = [row[:budget] for row, budget in zip(ids, budgets)]
         return cut, [lp[:budget] for lp, budget in zip(logprobs, budgets)] if logprobs else [None] * len(cut)
+
+
+@dataclass(frozen=True)
+class EngineDecoding:
+    """Turns decoded by a rollout engine that keeps its own weights (vLLM in this process, a server elsewhere):
+    one `continue_rows` call a turn, each row with a seed made from its turn key. Such engines give no log-probs
+    (the rollout stage computes the sampling policy's when a run needs them)."""
+
+    engine: RolloutEngine
+    temperature: float
+    top_p: float
+
+    @property
+    def records_logprobs(self) -> bool:
+        return False
+
+    def turn(
+        self, rows: list[list[int]], keys: list[int], budgets: list[int]
+    ) -> tuple[list[list[int]], list[list[float] | None]]:
+        seeds = [engine_seed(key) for key in keys]
+        continued = self.engine.continue_rows(rows, budgets, self.temperature, self.top_p, seeds)
+        return [ids[:budget] for (ids, _), budget in zip(continued, budgets)], [None] * len(rows)
+
+
+def engine_seed(key: int) -> int:
+    """The seed an engine draws a row's turn with: its turn key (a signed 64-bit int) mixed down to 31 bits, which
+    every server's seed field takes (vLLM's takes 64, others 32)."""
+    return mix64(key) >> 33
 
 
 def run_episodes(
@@ -332,6 +385,7 @@ def run_episodes(
     precision: Precision = "auto",
     logprob_temperature: float | None = None,
     environment_threads: int = 8,
+    engine: RolloutEngine | None = None,
 ) -> list[Trajectory]:
     """`counts[i]` episodes of task i, each with a fresh environment from `factories[i]`, grouped by task in order
     (as `generation.sample` groups samples). Every episode of task i resets with `environment_seed` of the key
@@ -348,10 +402,18 @@ def run_episodes(
     on every sampled turn, a cut one too, so a verifier's one-turn episode scores what `sample` would give it.
     With `logprob_temperature`, the sampled tokens' log-probs (`TokenLogprobs`), 0.0 on environment tokens.
     `temperature` 0: greedy decoding (evaluations), the same tokens whatever the keys.
+
+    `engine`: decode each turn through it (`EngineDecoding`: `cache`, `precision` and `logprob_temperature` are
+    then unused and trajectories carry no log-probs); None: on `policy` itself (`PolicyDecoding`). The policy
+    always renders the messages (its tokenizer) and names the eos.
     """
-    _check_arguments(policy, factories, tasks, counts, row_keys, temperature, environment_threads)
+    _check_arguments(policy, factories, tasks, counts, row_keys, temperature, environment_threads, engine)
     rendering = ChatRendering(policy.tokenizer, _eos_ids(policy))
-    decoding = _Decoding(policy, temperature, top_p, cache, precision, logprob_temperature)
+    decoding: TurnDecoding = (
+        PolicyDecoding(policy, temperature, top_p, cache, precision, logprob_temperature)
+        if engine is None
+        else EngineDecoding(engine, temperature, top_p)
+    )
     episodes = [
         _Episode(i, j, row_key(seed, row_keys[i], j), environment_seed(row_key(seed, row_keys[i], 0)))
         for i, count in enumerate(counts)
@@ -364,11 +426,11 @@ def run_episodes(
                 running = [e for e in episodes if e.stop_reason is None]
                 if not running:
                     break
-                _sample_turn(running, turn, budgets, decoding)
+                _sample_turn(running, turn, budgets, decoding, policy)
                 _step_all(running, turn == budgets.max_turns - 1, budgets, rendering, pool)
         finally:
             list(pool.map(_close, [e for e in episodes if e.environment is not None]))
-    return [e.trajectory(logprob_temperature is not None) for e in episodes]
+    return [e.trajectory(decoding.records_logprobs) for e in episodes]
 
 
 def _check_arguments(
@@ -379,8 +441,9 @@ def _check_arguments(
     row_keys: Sequence[int],
     temperature: float,
     environment_threads: int,
+    engine: RolloutEngine | None,
 ) -> None:
-    if policy.ranks is not None and not policy.ranks.in_op:
+    if engine is None and policy.ranks is not None and not policy.ranks.in_op:
         raise ValueError(
             "a policy over data-parallel ranks (train.data_parallel) plays episodes through play_episodes, which "
             "splits them over the ranks"
@@ -427,17 +490,17 @@ def _open_all(
             episode.fault("user", opened, seconds)
 
 
-def _sample_turn(running: list[_Episode], turn: int, budgets: Budgets, decoding: _Decoding) -> None:
+def _sample_turn(running: list[_Episode], turn: int, budgets: Budgets, decoding: TurnDecoding, policy: Policy) -> None:
     """One assistant turn of every running episode, decoded in one batch."""
     limits = [min(budgets.max_new_tokens, budgets.max_tokens - len(e.completion_ids)) for e in running]
     keys = [turn_key(e.key, turn) for e in running]
     started = time.perf_counter()
     sampled, logprobs = decoding.turn([e.prompt_ids + e.completion_ids for e in running], keys, limits)
     share = (time.perf_counter() - started) / len(running)
-    eos = _eos_ids(decoding.policy)
+    eos = _eos_ids(policy)
     for episode, ids, row_logprobs in zip(running, sampled, logprobs):
         start, end = episode.add(ids, 1, row_logprobs)
-        episode.response = _decode(decoding.policy, ids)
+        episode.response = _decode(policy, ids)
         episode.finish_reason = "stop" if ids and ids[-1] in eos else "length"
         episode.turns.append(Turn(len(episode.turns), "assistant", start, end, episode.response, (), None, share))
 
@@ -522,13 +585,15 @@ def play_episodes(
     budgets: Budgets,
     settings: Mapping[str, Any],
     row_keys: Sequence[int],
+    engine: RolloutEngine | None = None,
 ) -> list[Trajectory]:
     """`run_episodes` of environment `env` (one environment per episode, from its registry factory), in this
-    process or, for a policy over data-parallel ranks (`policy.ranks`), split over them by tasks: each rank plays
-    its share with its own environments from the whole weights, and rank 0 gathers the trajectories. Reset seeds
-    and sampling keys come from (seed, task key, sample, turn), so the rank count changes no token.
+    process or, for a policy over data-parallel ranks (`policy.ranks`) decoding on itself, split over them by
+    tasks: each rank plays its share with its own environments from the whole weights, and rank 0 gathers the
+    trajectories. Reset seeds and sampling keys come from (seed, task key, sample, turn), so the rank count
+    changes no token. With an `engine` (vllm, openai) every episode plays here and decodes through it.
     `settings`: run_episodes' temperature, top_p, seed, cache, precision and logprob_temperature."""
-    if policy.ranks is not None and not policy.ranks.in_op:
+    if engine is None and policy.ranks is not None and not policy.ranks.in_op:
         request = {
             "env": env.model_dump(mode="json"),
             "tasks": [dict(task) for task in tasks],
@@ -547,6 +612,7 @@ def play_episodes(
         budgets=budgets,
         row_keys=row_keys,
         environment_threads=env.parallel_tools,
+        engine=engine,
         **settings,
     )
 

@@ -6,8 +6,10 @@ conditions on: a text prompt would be tokenized again by the server, with its sp
 time after a chat template's own. `prompt_as=text` is for servers that take only text.
 
 One request per prompt asks for all of its samples (`n`), several requests in flight at once
-(`concurrency`); connection errors, timeouts, 429 and 5xx answers are retried with exponential backoff,
-and a server that still fails becomes one `UserError` line. Token ids come from the server when it
+(`concurrency`). A turn of the multi-turn loop (`continue_rows`) sends one request per running conversation, its
+token ids as the prompt (n=1, its own seed), so earlier turns are never decoded and tokenized again. Connection
+errors, timeouts, 429 and 5xx answers are retried with exponential backoff, and a server that still fails becomes
+one `UserError` line. Token ids come from the server when it
 returns them (vLLM's `return_token_ids`, or logprob tokens written `token_id:N` by a vLLM server started
 with `--return-tokens-as-token-ids`); otherwise the text is re-tokenized with the policy's tokenizer,
 which is exact only for tokenizers that round-trip (a warning says so once).
@@ -43,7 +45,15 @@ import httpx
 from pydantic import Field, model_validator
 
 from rlvr.errors import UserError
-from rlvr.trainer.engine_base import EngineConfig, RolloutEngine, SamplingParams, request_seed, with_eos
+from rlvr.trainer.engine_base import (
+    Continuation,
+    EngineConfig,
+    RolloutEngine,
+    SamplingParams,
+    check_rows,
+    request_seed,
+    with_eos,
+)
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.policy import Policy, policy_files
 from rlvr.trainer.prompts import prompt_ids, prompt_text
@@ -219,14 +229,52 @@ class OpenAIEngine(RolloutEngine):
     def _complete(
         self, prompt_index: int, prompt: list[int] | str, count: int, sampling: SamplingParams
     ) -> list[Sample]:
+        seed = request_seed(sampling.seed, prompt_index)
+        choices = self._choices(prompt, count, sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed)
+        return [self._sample(prompt_index, index, choice) for index, choice in enumerate(choices)]
+
+    def continue_rows(
+        self,
+        rows: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        temperature: float,
+        top_p: float,
+        seeds: Sequence[int],
+    ) -> list[Continuation]:
+        """One request a row (n=1, its seed, the row's token ids as the prompt), `concurrency` in flight, with
+        the retries and timeouts of every request; a server decodes temperature 0 greedily."""
+        if self._policy is None:
+            raise RuntimeError("call update_weights before continue_rows")
+        check_rows(rows, budgets, seeds)
+        if self.cfg.prompt_as == "text":
+            raise UserError(
+                "env episodes send each conversation as token ids, which rollout.prompt_as=text does not allow; set "
+                "rollout.prompt_as=token_ids"
+            )
+        if not rows:
+            return []
+        self._served_model()
+
+        def one(row: Sequence[int], budget: int, seed: int) -> Continuation:
+            (choice,) = self._choices(list(row), 1, budget, temperature, top_p, seed)
+            ids, reason, _ = self._finished(choice)
+            return ids, reason
+
+        with ThreadPoolExecutor(max_workers=min(self.cfg.concurrency, len(rows))) as pool:
+            return list(pool.map(one, rows, budgets, seeds))
+
+    def _choices(
+        self, prompt: list[int] | str, count: int, max_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> list[dict[str, Any]]:
+        """The server's `count` completions of one prompt, in sample order."""
         body: dict[str, Any] = {
             "model": self._model,
             "prompt": prompt,
             "n": count,
-            "max_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "seed": request_seed(sampling.seed, prompt_index),
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": seed,
         }
         if self.cfg.request_token_ids:
             body["return_token_ids"] = True
@@ -236,15 +284,19 @@ class OpenAIEngine(RolloutEngine):
         choices = sorted(answer.get("choices") or [], key=lambda choice: int(choice.get("index", 0)))
         if len(choices) != count:
             raise UserError(f"rollout server {self.cfg.base_url} returned {len(choices)} completions for n={count}")
-        return [self._sample(prompt_index, index, choice) for index, choice in enumerate(choices)]
+        return choices
 
     def _sample(self, prompt_index: int, sample_index: int, choice: dict[str, Any]) -> Sample:
+        ids, reason, text = self._finished(choice)
+        return Sample(prompt_index, sample_index, ids, text, len(ids), reason)
+
+    def _finished(self, choice: dict[str, Any]) -> tuple[list[int], Literal["stop", "length"], str]:
+        """A choice's ids (ending with the eos when it stopped), why it ended, and its text."""
         reason = choice.get("finish_reason")
         if reason not in ("stop", "length"):
             raise UserError(f"rollout server {self.cfg.base_url} ended a completion with finish_reason {reason!r}")
         text = str(choice.get("text") or "")
-        ids = self._token_ids(choice, text, reason == "stop")
-        return Sample(prompt_index, sample_index, ids, text, len(ids), reason)
+        return self._token_ids(choice, text, reason == "stop"), reason, text
 
     def _token_ids(self, choice: dict[str, Any], text: str, stopped: bool) -> list[int]:
         """The server's ids if it gave them, else the text re-tokenized; ending with the eos if it stopped."""

