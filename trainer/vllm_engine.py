@@ -177,12 +177,19 @@ class VLLMEngine(RolloutEngine):
         seeds: Sequence[int],
     ) -> list[Continuation]:
         """Every row in one `generate` call, one request a row (n=1, its seed), so each running episode's turn
-        decodes in one batch; vLLM decodes temperature 0 greedily."""
+        decodes in one batch; vLLM decodes temperature 0 greedily. vLLM cuts a turn at its max_model_len ("length")
+        and refuses a row that already fills it: that is one line here."""
         if self.llm is None or self._policy is None:
             raise RuntimeError("call update_weights before continue_rows")
         check_rows(rows, budgets, seeds)
         if not rows:
             return []
+        limit, longest = self.llm.model_config.max_model_len, max(len(row) for row in rows)
+        if longest >= limit:
+            raise UserError(
+                f"an episode's conversation reached {longest} tokens, vLLM's max_model_len is {limit}: raise "
+                "rollout.max_model_len or lower env.max_tokens"
+            )
         from vllm import SamplingParams as VLLMSamplingParams
 
         params = [

@@ -25,6 +25,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vllm is not installed here; `make test-vllm` runs these in .venv-vllm")
 
+from rlvr.errors import UserError  # noqa: E402
 from rlvr.trainer.engine_base import SamplingParams  # noqa: E402
 from rlvr.trainer.generation import greedy  # noqa: E402
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step  # noqa: E402
@@ -165,6 +166,11 @@ def test_vllm_engine_plays_retry_episodes_as_token_ids() -> None:
             (t.completion_ids, t.loss_mask, t.stop_reason) for t in greedy_local
         ]
         assert max(len(t.turns) for t in greedy_vllm) > 1  # some greedy answer was wrong and tried again
+
+        ((ids, reason),) = real([[1, 5, 6] * 20], [8], 1.0, 1.0, [3])  # 60 tokens: 4 left of max_model_len 64
+        assert len(ids) == 4 if reason == "length" else len(ids) <= 4
+        with pytest.raises(UserError, match=r"^an episode's conversation reached 64 tokens, vLLM's max_model_len"):
+            real([[1, 5] * 32], [2], 1.0, 1.0, [3])
     finally:
         engine.close()
 
