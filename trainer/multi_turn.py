@@ -365,8 +365,8 @@ class EngineDecoding:
 
 
 def engine_seed(key: int) -> int:
-    """The seed an engine draws a row's turn with: its turn key (a signed 64-bit int) mixed down to 31 bits, which
-    every server's seed field takes (vLLM's takes 64, others 32)."""
+    """The seed an engine draws a row's turn with: its turn key (a signed 64-bit int) mixed down to 31 bits, so that
+    a server whose seed is a 32-bit int takes it too (vLLM's takes any int64)."""
     return mix64(key) >> 33
 
 
