@@ -28,6 +28,7 @@ from rlvr.storage.ids import canonical_json
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table, run_stage
 from rlvr.storage.store import Store
 from rlvr.verifiers.env_registry import EnvConfig
+from rlvr.verifiers.model_rewards import RewardConfig
 
 if TYPE_CHECKING:
     from rlvr.curricula.base import AllocateConfig, SelectConfig
@@ -99,6 +100,11 @@ class RunConfigBase(BaseModel):
         default_factory=EnvConfig,
         exclude_if=lambda value: not value.multi_turn,  # the one-turn default: left out of dumps, so ids stay
         description="the environment a rollout is an episode of (docs/environments.md); default: one turn",
+    )
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig,
+        exclude_if=lambda value: value.judge is None,  # without a model-given reward: left out of dumps, ids stay
+        description="model-given rewards: the judge's endpoint, the failed share a step bears (docs/rewards.md)",
     )
 
     @model_validator(mode="after")

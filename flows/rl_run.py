@@ -229,7 +229,7 @@ def _generate(
             inputs={"selections": selections.id, "difficulty": refs.difficulty, "rewards": refs.rewards},
         )
         rollouts = _rollout(at, cfg, refs.problems, selections.id, allocations.id, policy, sampling)
-        fanned = {"fan_out": current_fan_out()}  # it carries flow.executor.verify_chunk
+        fanned = {"fan_out": current_fan_out(), **cfg.reward.label_params()}  # fan_out carries verify_chunk
         rewards = run(LABEL, cfg.label, at, inputs={"rollouts": rollouts.id, "problems": refs.problems}, params=fanned)
         made.selections.append(selections.id)
         made.rollouts.append(rollouts.id)

@@ -215,6 +215,10 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("reason", _s),
             ("components", _s),
             ("cache_hit", pa.bool_()),
+            # a model-given reward's (the judge's): seconds the call took (0 from the cache), and where it came from
+            # as JSON (endpoint, model, template_sha); null for a verifier's
+            ("latency_s", _f),
+            ("provenance", _s),
         ]
     ),
     "reward_cache": pa.schema(
@@ -254,6 +258,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("effective_ratio", _f),
             ("groups", _i),
             ("rollouts", _i),
+            ("reward_errors", _i),  # rollouts left out: a model's verdict on them failed (status error)
             ("clip_fraction", _f),
             ("kl", _f),
             ("ref_kl", _f),

@@ -19,6 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from rlvr.errors import UserError
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.verifiers.base import Score
 from rlvr.verifiers.cache import (
@@ -29,6 +30,8 @@ from rlvr.verifiers.cache import (
     score_rollouts,
     verifier_identity,
 )
+from rlvr.verifiers.judge import JudgeConfig, JudgeVerifier
+from rlvr.verifiers.model_rewards import check_error_rate, judge_rollouts
 
 
 @dataclass(frozen=True)
@@ -61,17 +64,21 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
     `verify_chunk` rollouts (in place, in one piece, without one)."""
     table = inputs.table("rollouts")
     given = environment_verdicts(table)  # an environment that gives its own reward has scored these already
-    rollouts = [
-        r for r in table.select(["rollout_id", "problem_id", "response"]).to_pylist() if r["rollout_id"] not in given
-    ]
     references = problem_references(inputs.table("problems", ["problem_id", "verifier", "reference"]))
+    rollouts: list[dict[str, Any]] = []
+    judged: list[dict[str, Any]] = []
+    for r in table.select(["rollout_id", "problem_id", "prompt", "response"]).to_pylist():
+        if r["rollout_id"] not in given:
+            verifier = cfg.verifier_of(references[r["problem_id"]][0])
+            (judged if verifier == JudgeVerifier.name else rollouts).append(r)
+    judge_of, judge_entries = judge_verdicts(ctx, judged, references)
     fan_out = ctx.params.get("fan_out")
     chunk = getattr(fan_out, "verify_chunk", None)  # a FanOut has it (flow.executor.verify_chunk); `map` has not
     misses: MissScorer = score_fresh
     if fan_out is not None and chunk and len(rollouts) > chunk:
         misses = chunked(fan_out, chunk)
     verdicts, entries = score_rollouts(ctx.store, cfg, rollouts, references, misses)
-    verdict_of = {r["rollout_id"]: v for r, v in zip(rollouts, verdicts)} | given
+    verdict_of = {r["rollout_id"]: v for r, v in zip(rollouts, verdicts)} | given | judge_of
     rows = [
         {
             "rollout_id": r["rollout_id"],
@@ -83,9 +90,25 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
         for r in table.select(["rollout_id", "problem_id"]).to_pylist()
     ]
     return {
-        "reward_cache": Built(rows_to_table("reward_cache", entries)),
+        "reward_cache": Built(rows_to_table("reward_cache", [*entries, *judge_entries])),
         "rewards": Built(rows_to_table("rewards", rows)),
     }
+
+
+def judge_verdicts(
+    ctx: StageContext, judged: list[dict[str, Any]], references: dict[str, tuple[str | None, Any]]
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """rollout_id -> its rewards columns for the rollouts whose verifier is the judge (`params["judge"]`, the run's
+    reward.judge), and the new cache entries; the run stops when the step's failed share passes
+    `params["max_error_rate"]`."""
+    if not judged:
+        return {}, []
+    if not ctx.params.get("judge"):
+        raise UserError("problems name the 'judge' verifier but reward.judge is not set (docs/rewards.md)")
+    judge = JudgeConfig.model_validate(ctx.params["judge"])
+    rows, entries = judge_rollouts(ctx.store, judge, judged, {pid: ref for pid, (_, ref) in references.items()})
+    check_error_rate(rows, judge, float(ctx.params.get("max_error_rate", 0.0)))
+    return {r["rollout_id"]: row for r, row in zip(judged, rows)}, entries
 
 
 def environment_verdicts(rollouts: pa.Table) -> dict[str, dict[str, Any]]:

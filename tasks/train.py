@@ -103,6 +103,7 @@ def step_row(
         **{name: stats[name] for name in ("loss", "mean_reward", "reward_std", "effective_ratio")},
         "groups": len(batch.prompts),
         "rollouts": len(batch.samples),
+        "reward_errors": batch.reward_errors,
         **{name: stats[name] for name in ("clip_fraction", "kl", "ref_kl", "entropy", "grad_norm")},
         "lr": cfg.grpo.lr,
         "updates": int(stats["updates"]),

@@ -147,7 +147,7 @@ def _write_store_labelled_by_version_1(root: str) -> str:
     store.write_artifact(
         "rewards",
         "rewards-math-v1",
-        _table(rewards),
+        rows_to_table("rewards", rewards),
         stage="label",
         parents=["rollouts-math-v1", "problems-math-v1"],
         **common,

@@ -377,6 +377,7 @@ class RolloutBatch:
     # (None: none given); `turn_credit="return_to_go"` reads them. None: one turn from token 0, without a reward.
     turn_starts: list[list[int] | None] | None = None
     turn_rewards: list[list[float | None] | None] | None = None
+    reward_errors: int = 0  # the step's rollouts left out because a model's verdict on them failed (the judge's)
 
 
 def _padded(rows: list[list[int]], pad_id: int, side: Literal["left", "right"]) -> Tensor:

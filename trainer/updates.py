@@ -15,6 +15,7 @@ from rlvr.storage.stage import Inputs
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
 from rlvr.trainer.policy import Policy
+from rlvr.verifiers.model_rewards import model_given
 
 
 def rollout_batch(
@@ -94,13 +95,17 @@ def step_batch(inputs: Inputs, grpo: GRPOConfig) -> RolloutBatch:
     """The step's rollouts with their rewards: only the groups the filter kept (with dynamic sampling), their
     reward components (GDPO), the rollouts' token limit (overlong shaping), CLPO's KL weights and the
     verifier's extracted answers (SEED-GRPO)."""
-    score_of = dict(zip(*inputs.table("rewards", ["rollout_id", "score"]).to_pydict().values()))
-    rollouts = inputs.rows("rollouts")
+    verdicts = inputs.table("rewards", ["rollout_id", "score", "status", "verifier"]).to_pylist()
+    score_of = {v["rollout_id"]: v["score"] for v in verdicts}
+    # a model's failed verdict (the judge's) is no reward at all: never trained on as the 0 it carries
+    failed = {v["rollout_id"] for v in verdicts if v["status"] == "error" and model_given(v["verifier"])}
+    rollouts = [r for r in inputs.rows("rollouts") if r["rollout_id"] not in failed]
     if inputs.ids.get("groups"):  # groups the filter judged train only if kept (CLPO's same-step rewrites it never saw)
         judged = {r["slot"]: r["kept"] for r in inputs.rows("groups", ["slot", "kept"])}
         rollouts = [r for r in rollouts if judged.get(r["slot"], True)]
     components_of = reward_components(inputs) if grpo.advantage_components is not None else None
     batch = rollout_batch(rollouts, score_of, components_of)
+    batch.reward_errors = len(failed)
     if grpo.needs_max_length:
         batch.max_new_tokens = rollout_max_new_tokens(inputs)
     if inputs.ids.get("restructured"):

@@ -1,0 +1,174 @@
+"""Whole runs rewarded by a judge (reward.judge, docs/rewards.md): the rewards rows carry the judge's words and
+provenance, a failed verdict is left out of the update and counted in train_steps, a re-run with the same judge
+asks it only what it never answered, a changed template asks it everything again, and a step whose failed share
+passes reward.max_error_rate stops the run with one line naming the endpoint.
+
+The judge is a small local endpoint whose verdict is a rule (the answer equals the reference) and which fails on
+every answer holding a 3: these tests are about what the pipeline does with a judge's verdicts and failures; a
+real model as the judge is tests/test_reward_server.py's and benchmarks/judge_agreement.py's."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from rlvr.storage.store import Store
+from rlvr.storage.views import query
+from rlvr.trainer.reward_server import serving_in_thread
+from tests.cli_helpers import cli_env, rlvr
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "train.steps=2",
+    "select.batch_size=4",
+    "allocate.n=4",
+    "warmstart.steps=20",
+    "difficulty.k=2",
+    "evaluate.every=2",
+    "checkpoint.every=2",
+    "synthesize.source.verifier=judge",
+]
+
+
+class RuleJudge:
+    """Says yes when the answer is the reference; answers 503 to every answer holding a 3; counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.app = FastAPI()
+        self.app.post("/v1/chat/completions")(self.complete)
+        self.app.post("/down/v1/chat/completions")(self.down)
+
+    async def complete(self, request: Request) -> Any:
+        self.calls += 1
+        text = (await request.json())["messages"][0]["content"]
+        reference = re.search(r"^Reference answer: (.*)$", text, re.M).group(1)  # type: ignore[union-attr]
+        answer = re.search(r"^Answer to grade: (.*)$", text, re.M).group(1)  # type: ignore[union-attr]
+        if "3" in answer:
+            return JSONResponse({"error": {"message": "busy"}}, status_code=503)
+        verdict = "yes" if answer.strip() == reference.strip() else "no"
+        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": verdict}}]}
+
+    async def down(self, request: Request) -> Any:
+        return JSONResponse({"error": {"message": "down for maintenance"}}, status_code=500)
+
+
+@pytest.fixture(scope="module")
+def judge() -> Iterator[tuple[RuleJudge, str]]:
+    rule = RuleJudge()
+    with serving_in_thread(rule.app) as url:
+        yield rule, url
+
+
+def judged(url: str, **extra: Any) -> list[str]:
+    endpoint = {"base_url": f"{url}/v1", "model": "rule", "retries": 0, "timeout_s": 10, **extra}
+    return [f"reward.judge={json.dumps(endpoint)}", "reward.max_error_rate=1.0"]
+
+
+def run(store: str, run_id: str, overrides: list[str]) -> None:
+    sets = [arg for o in [*SMALL, *overrides] for arg in ("--set", o)]
+    result = rlvr("run", "--store", store, "--run-id", run_id, *sets, env=cli_env(), timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def rows(store: str, sql: str) -> list[dict[str, Any]]:
+    return query(Store.open(store), sql).to_pylist()
+
+
+@pytest.fixture(scope="module")
+def judged_store(judge, tmp_path_factory) -> tuple[str, dict[str, int]]:
+    """One store, three runs of the same config: the judge, the same judge again, then a changed template; with
+    the judge's call counts after each."""
+    rule, url = judge
+    store = str(tmp_path_factory.mktemp("judged") / "store")
+    calls = {}
+    for run_id, extra in [
+        ("first", {}),
+        ("again", {}),
+        (
+            "retemplated",
+            {"template": "Question: {question}\nReference answer: {reference}\nAnswer to grade: {response}"},
+        ),
+    ]:
+        before = rule.calls
+        run(store, run_id, judged(url, **extra))
+        calls[run_id] = rule.calls - before
+    return store, calls
+
+
+def test_a_judges_verdicts_are_stored_with_its_words_and_provenance(judge, judged_store) -> None:
+    _, url = judge
+    store, calls = judged_store
+    verdicts = rows(store, "SELECT * FROM rewards WHERE run_id = 'first'")
+    assert {v["verifier"] for v in verdicts} == {"judge"}
+    assert {v["status"] for v in verdicts} == {"ok", "wrong", "error"}  # the tiny model answers 3s and misses
+    for v in verdicts:
+        provenance = json.loads(v["provenance"])
+        assert provenance["endpoint"] == f"{url}/v1" and provenance["model"] == "rule"
+        if v["status"] == "error":
+            assert v["reason"] == f'judge {url}/v1/chat/completions: HTTP 503: {{"error":{{"message":"busy"}}}}'
+        else:
+            assert v["reason"] == ("yes" if v["status"] == "ok" else "no")  # the judge's own words
+            assert v["score"] == (1.0 if v["status"] == "ok" else 0.0)
+    assert calls["first"] == sum(1 for v in verdicts if not v["cache_hit"])  # one call a miss, no retry (retries=0)
+
+
+def test_a_failed_verdict_is_left_out_of_the_update_and_counted(judged_store) -> None:
+    store, _ = judged_store
+    steps = rows(
+        store,
+        """SELECT t.step, t.rollouts, t.reward_errors, count(*) AS judged, count(*) FILTER (w.status = 'error') AS failed
+           FROM train_steps t JOIN rewards w USING (run_id, step) WHERE t.run_id = 'first' GROUP BY ALL ORDER BY 1""",
+    )
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert s["reward_errors"] == s["failed"]
+        assert s["rollouts"] == s["judged"] - s["failed"]  # the update's rows: the failed ones are not among them
+    assert sum(s["failed"] for s in steps) > 0
+
+
+def test_the_same_judge_again_is_asked_only_what_it_never_answered(judged_store) -> None:
+    store, calls = judged_store
+    first, again = (
+        rows(
+            store,
+            "SELECT w.status, w.cache_hit FROM rewards w JOIN rollouts r USING (rollout_id) "
+            f"WHERE w.run_id = '{run_id}' ORDER BY r.step, r.slot, r.sample_index",
+        )
+        for run_id in ("first", "again")
+    )
+    assert [v["status"] for v in again] == [v["status"] for v in first]  # the same rollouts, the same verdicts
+    assert all(v["cache_hit"] == (v["status"] != "error") for v in again)  # failures are never cached
+    assert calls["again"] == sum(1 for v in again if v["status"] == "error")
+
+
+def test_a_changed_template_asks_the_judge_again(judged_store) -> None:
+    store, calls = judged_store
+    verdicts = rows(store, "SELECT verifier_version, cache_hit FROM rewards WHERE run_id = 'retemplated'")
+    versions = {
+        r["verifier_version"] for r in rows(store, "SELECT verifier_version FROM rewards WHERE run_id = 'first'")
+    }
+    assert not any(v["cache_hit"] for v in verdicts)
+    assert {v["verifier_version"] for v in verdicts}.isdisjoint(versions)
+    assert calls["retemplated"] == len(verdicts)
+
+
+def test_a_step_whose_failures_pass_the_threshold_stops_the_run_in_one_line(judge, tmp_path) -> None:
+    _, url = judge
+    endpoint = {"base_url": f"{url}/down/v1", "model": "rule", "retries": 1, "backoff_s": 0, "timeout_s": 10}
+    sets = [arg for o in [*SMALL, f"reward.judge={json.dumps(endpoint)}"] for arg in ("--set", o)]
+    result = rlvr("run", "--store", str(tmp_path / "store"), *sets, env=cli_env(), timeout=600)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]  # after the progress bar's last state
+    assert last == (
+        f"error: the judge at {url}/down/v1 failed 16 of 16 verdicts this step (more than reward.max_error_rate "
+        f'0.1); first: judge {url}/down/v1/chat/completions: HTTP 500: {{"error":{{"message":"down for '
+        'maintenance"}} after 2 tries'
+    )
