@@ -158,7 +158,20 @@ def load_run(store: Store, con: duckdb.DuckDBPyConnection, run_id: str, record: 
     )
     if data.environment is not None:
         data = with_episodes(con, data)
+    if config.get("reward", {}).get("judge"):  # only such runs' rewards have the judge's columns
+        data = replace(data, judge=judge_steps(con, run_id))
     return RunPage(data, record, load_lineage(store, con, run_id, config.get("data")))
+
+
+def judge_steps(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
+    """Per step, the judge's verdicts, how many failed, and the mean seconds of its calls (cache misses)."""
+    return _rows(
+        con,
+        "SELECT step, count(*) AS verdicts, count(*) FILTER (status = 'error') AS failed, "
+        "avg(latency_s) FILTER (NOT cache_hit) AS seconds FROM rewards WHERE run_id = ? AND verifier = 'judge' "
+        "GROUP BY step ORDER BY step",
+        run_id,
+    )
 
 
 def with_episodes(con: duckdb.DuckDBPyConnection, data: RunData) -> RunData:

@@ -76,6 +76,8 @@ class RunData:
     statuses: list[dict[str, Any]] = field(default_factory=list)  # domain, status, n
     # Episodes of an environment (read only for runs that have one): per step, from the turns table
     episodes: list[dict[str, Any]] = field(default_factory=list)  # step, trajectories, assistant_turns
+    # Judge verdicts (rewards.verifier = 'judge'), per step: step, verdicts, failed, seconds (mean of the calls)
+    judge: list[dict[str, Any]] = field(default_factory=list)
     stop_reasons: list[dict[str, Any]] = field(default_factory=list)  # step, stop_reason, n
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # step, calls, ok
 
@@ -596,6 +598,44 @@ def tool_call_figure(runs: Sequence[RunData]) -> Figure | None:
     return Figure(fig_id, title, caption, to_svg(fig, fig_id, title), notes)
 
 
+def judge_figure(runs: Sequence[RunData]) -> Figure | None:
+    """The share of each step's judge verdicts that failed, and the mean seconds of a call; None when no run was
+    rewarded by a judge."""
+    if not any(run.judge for run in runs):
+        return None
+    fig_id, title = "judge", "Judge: failed verdicts and latency"
+    caption = (
+        "Left: share of each RL step's judge verdicts with status error (rewards.verifier = 'judge'; left out of "
+        "the update); a point's label is failed / verdicts. Right: mean seconds of the step's calls to the judge "
+        "(rewards.latency_s of the verdicts not taken from the cache)."
+    )
+    present, notes = _split(runs, lambda r: bool(r.judge), lambda r: "no judge verdicts")
+    colors = run_colors(runs)
+    fig = _new_figure((WIDE, HALF[1]))
+    failed_ax, latency_ax = fig.subplots(1, 2)
+    slowest = 0.0
+    for run in present:
+        color = colors[run.run_id]
+        steps = [j["step"] for j in run.judge]
+        rates = [j["failed"] / j["verdicts"] for j in run.judge]
+        failed, verdicts = sum(j["failed"] for j in run.judge), sum(j["verdicts"] for j in run.judge)
+        label = f"{run.run_id}: {failed:,} of {verdicts:,} failed ({failed / verdicts:.1%})"
+        failed_ax.plot(steps, rates, color=color, marker="o", markersize=3.5, lw=1.5, label=label)
+        _label_points(failed_ax, steps, rates, [f"{j['failed']}/{j['verdicts']}" for j in run.judge], color)
+        asked = [(j["step"], j["seconds"]) for j in run.judge if j["seconds"] is not None]
+        latency_ax.plot([a[0] for a in asked], [a[1] for a in asked], color=color, marker="o", markersize=3.5)
+        slowest = max([slowest, *(a[1] for a in asked)])
+    failed_ax.set_ylim(-0.02, 1.12)
+    failed_ax.set_ylabel("share of verdicts failed")
+    failed_ax.legend(loc="upper left")
+    latency_ax.set_ylabel("seconds a call (cache misses)")
+    latency_ax.set_ylim(0, slowest * 1.15 or 1.0)
+    for ax in (failed_ax, latency_ax):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("RL step")
+    return Figure(fig_id, title, caption, to_svg(fig, fig_id, title), notes)
+
+
 FIGURES: tuple[Callable[[Sequence[RunData]], Figure | None], ...] = (
     reward_figure,
     accuracy_figure,
@@ -607,6 +647,7 @@ FIGURES: tuple[Callable[[Sequence[RunData]], Figure | None], ...] = (
     turns_figure,
     stop_reason_figure,
     tool_call_figure,
+    judge_figure,
 )
 
 

@@ -172,3 +172,19 @@ def test_a_step_whose_failures_pass_the_threshold_stops_the_run_in_one_line(judg
         f'0.1); first: judge {url}/down/v1/chat/completions: HTTP 500: {{"error":{{"message":"down for '
         'maintenance"}} after 2 tries'
     )
+
+
+def test_the_report_shows_the_judges_failed_share_and_latency(judged_store, tmp_path) -> None:
+    store, _ = judged_store
+    out = tmp_path / "report.html"
+    result = rlvr("report", "first", "again", "--store", store, "--out", str(out), env=cli_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    page = out.read_text()
+    assert "Judge: failed verdicts and latency" in page
+    for run_id in ("first", "again"):
+        (counts,) = rows(
+            store,
+            f"SELECT count(*) AS n, count(*) FILTER (status = 'error') AS failed FROM rewards WHERE run_id = '{run_id}'",
+        )
+        share = counts["failed"] / counts["n"]
+        assert f"{run_id}: {counts['failed']:,} of {counts['n']:,} failed ({share:.1%})" in page
