@@ -2,7 +2,7 @@
 
     config -> synthesize -> initialize -> evaluate(init) -> warmstart -> evaluate(warmstart) -> difficulty
     then for every RL step t (one Prefect task run, `rl-step`):
-        select -> allocate -> rollout -> label  [-> filter, and refill rounds of these four]
+        select -> allocate -> rollout -> label (or rlpr)  [-> filter, and refill rounds of these four]
         [-> restructure] -> train -> update
     and every `evaluate.every` / `checkpoint.every` steps (and at the last one): evaluate, checkpoint
 
@@ -51,6 +51,8 @@ from rlvr.tasks.evaluate import EVALUATE
 from rlvr.tasks.filter import FILTER
 from rlvr.tasks.label import LABEL
 from rlvr.tasks.restructure import RESTRUCTURE
+from rlvr.tasks.rlpr import RLPR
+from rlvr.tasks.rlpr_debias import RLPR_DEBIAS
 from rlvr.tasks.rollout import ROLLOUT
 from rlvr.tasks.select import SELECT
 from rlvr.tasks.train import TRAIN
@@ -69,8 +71,9 @@ log = logging.getLogger(__name__)
 class StepRefs:
     """What one RL step hands the next (artifact ids): the problem pool (the synthesized problems, then
     the rewrites CLPO kept), their difficulty, the policy to sample and train (`policy_ref`), the policy
-    RL started from (the KL reference), the selection strategy's state, and the step's rewards (every
-    round: the outcome buffers of the next allocation)."""
+    RL started from (the KL reference), the selection strategy's state, the step's rewards (every
+    round: the outcome buffers of the next allocation), and the filter's last decision (with filter.std, the
+    state of RLPR's std filter)."""
 
     problems: tuple[str, ...]
     difficulty: str
@@ -79,6 +82,7 @@ class StepRefs:
     state: str | None = None
     rewards: tuple[str, ...] = ()
     earlier: tuple[str, ...] = ()  # with flow.async_level k: the policies entering the k steps before, oldest first
+    filter_state: str | None = None
 
 
 @dataclass
@@ -89,7 +93,12 @@ class Generated:
     rollouts: list[str] = field(default_factory=list)
     rewards: list[str] = field(default_factory=list)
     groups: list[str] = field(default_factory=list)
+    debias: list[str] = field(default_factory=list)  # label.reward=rlpr: the rounds' debiasing terms
     drawn: int = 0  # the slots the rounds used (the next free slot)
+
+    def filter_state(self, before: str | None) -> str | None:
+        """The filter state the next step starts from: the last round's decision, or `before` without a filter."""
+        return self.groups[-1] if self.groups else before
 
 
 @task(name="rl-step", cache_policy=NONE)
@@ -120,7 +129,12 @@ def _step_stages(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> t
         problems = (*problems, restructured["problems"])
     metrics = trained.table(open_store(store), "train_steps").to_pylist()[0]
     next_refs = replace(
-        refs, problems=problems, policy_ref=trained["train_steps"], state=updated.id, rewards=tuple(training.rewards)
+        refs,
+        problems=problems,
+        policy_ref=trained["train_steps"],
+        state=updated.id,
+        rewards=tuple(training.rewards),
+        filter_state=made.filter_state(refs.filter_state),
     )
     return next_refs, metrics
 
@@ -229,11 +243,10 @@ def _generate(
             inputs={"selections": selections.id, "difficulty": refs.difficulty, "rewards": refs.rewards},
         )
         rollouts = _rollout(at, cfg, refs.problems, selections.id, allocations.id, policy, sampling)
-        fanned = {"fan_out": current_fan_out(), **cfg.reward.label_params()}  # fan_out carries verify_chunk
-        rewards = run(LABEL, cfg.label, at, inputs={"rollouts": rollouts.id, "problems": refs.problems}, params=fanned)
+        rewards = _label(at, cfg, refs, made, rollouts.id, policy, beside_trainer=sampler is not None)
         made.selections.append(selections.id)
         made.rollouts.append(rollouts.id)
-        made.rewards.append(rewards["rewards"])
+        made.rewards.append(rewards)
         made.drawn = drawn + count
         if not cfg.filter.enabled:
             return made
@@ -241,7 +254,7 @@ def _generate(
             FILTER,
             cfg.filter,
             at,
-            inputs={"rollouts": made.rollouts, "rewards": made.rewards},
+            inputs={"rollouts": made.rollouts, "rewards": made.rewards, "state": _filter_state(cfg, refs)},
             params={"batch_size": batch, "refills_done": refills, "first_slot": drawn},
         )
         made.groups.append(groups.id)
@@ -251,6 +264,50 @@ def _generate(
                 _warn_refill_limit(cfg, step_of(at), decision["kept"])
             return made
         drawn, count, refills = drawn + count, decision["refill_prompts"], refills + 1
+
+
+def _label(
+    at: RunContext,
+    cfg: RunConfigBase,
+    refs: StepRefs,
+    made: Generated,
+    rollouts: str,
+    policy: str,
+    beside_trainer: bool,
+) -> str:
+    """A round's rewards: the verifiers' (label), or with label.reward=rlpr RLPR's (the rlpr stage, with `policy`,
+    the one that sampled them). Its debiasing terms are computed once per problem and policy: with
+    debias_with=start for the whole pool with the policy RL started from (rlpr_debias, committed at the first step
+    and found after), else with `policy`, the step's later rounds reading the earlier rounds' terms."""
+    if cfg.label.reward != "rlpr":
+        fanned = {"fan_out": current_fan_out(), **cfg.reward.label_params()}  # fan_out carries verify_chunk
+        labelled = run(LABEL, cfg.label, at, inputs={"rollouts": rollouts, "problems": refs.problems}, params=fanned)
+        return labelled["rewards"]
+    params: dict[str, Any] = {"device": cfg.policy.device, **({"beside_trainer": True} if beside_trainer else {})}
+    debias_policy, known = policy, list(made.debias)
+    if cfg.label.rlpr.debias_with == "start":
+        debias_policy = refs.start_ref
+        pool_inputs = {"problems": refs.problems[0], "policy": debias_policy}
+        pool = run(
+            RLPR_DEBIAS, cfg.label, at.at_step(None), inputs=pool_inputs, params={"splits": cfg.select.splits, **params}
+        )
+        known = [pool.id, *known]
+    inputs = {
+        "rollouts": rollouts,
+        "problems": refs.problems,
+        "policy": policy,
+        "debias_policy": debias_policy,
+        "debias": known,
+    }
+    result = run(RLPR, cfg.label, at, inputs=inputs, params=params)
+    made.debias.append(result["rlpr_debias"])
+    return result["rewards"]
+
+
+def _filter_state(cfg: RunConfigBase, refs: StepRefs) -> str | None:
+    """The filter's state input: with filter.std, the decision the step before left (None otherwise, so runs without
+    it keep their ids)."""
+    return refs.filter_state if cfg.filter.std is not None else None
 
 
 def _rollout(
@@ -413,7 +470,9 @@ def _thread_steps(store: str, cfg: RunConfigBase, first: int, last: int, refs: S
     pending = submit(first, sampled)
     for step in range(first, last + 1):
         made, state = pending.result()
-        sampled = replace(sampled, state=state, rewards=tuple(made.rewards))
+        sampled = replace(
+            sampled, state=state, rewards=tuple(made.rewards), filter_state=made.filter_state(sampled.filter_state)
+        )
         # before the trainer takes it: the policy the next step samples with, copied (the next subflow's too)
         keep_snapshots({_sampler_ref(lag, step + 1)} if step < cfg.train.steps else set())
         if step < last:
@@ -465,7 +524,15 @@ def _trained_step(
     `after` runs between the update and the evaluation (the process sampler queues the steps it unblocked)."""
     policy_ref, metrics = rl_train(store, cfg, step, refs, made)
     earlier = lag.trained(step, policy_ref)
-    refs = replace(refs, policy_ref=policy_ref, state=state, rewards=tuple(made.rewards), earlier=earlier)
+    filter_state = made.filter_state(refs.filter_state)
+    refs = replace(
+        refs,
+        policy_ref=policy_ref,
+        state=state,
+        rewards=tuple(made.rewards),
+        earlier=earlier,
+        filter_state=filter_state,
+    )
     if after is not None:
         after()
     _after_step(store, cfg, step, refs, metrics)
@@ -511,7 +578,9 @@ class SamplingServer:
             at = run_context(self.store, self.cfg, job.step)
             made = _generate(at, self.cfg, refs, job.sampler)
             state = _update_state(at, self.cfg, refs, made).id
-        self.refs = replace(refs, state=state, rewards=tuple(made.rewards))
+        self.refs = replace(
+            refs, state=state, rewards=tuple(made.rewards), filter_state=made.filter_state(refs.filter_state)
+        )
         events, self.events = self.events, []
         return made, state, events
 
@@ -550,6 +619,7 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     assert cfg.run_id is not None
     check_async(cfg, store)
     check_clpo(cfg)
+    check_rlpr(cfg)
     config_id = commit_config(open_store(store), cfg)
     problems = problems_of_run(store, cfg, config_id)
     _warn_without_solutions(store, cfg, problems)
@@ -624,6 +694,21 @@ def check_clpo(cfg: RunConfigBase) -> None:
             f"restructure.join=same_step keeps {slots} of select.batch_size={cfg.select.batch_size} prompts for "
             "rewrites, leaving none to draw; raise select.batch_size or lower restructure.share"
         )
+
+
+def check_rlpr(cfg: RunConfigBase) -> None:
+    """label.reward=rlpr's limits, as one-line errors before any work."""
+    if cfg.label.reward != "rlpr":
+        return
+    refused = [
+        (cfg.env.multi_turn, f"env.type={cfg.env.type} plays episodes; RLPR rewards one response"),
+        (cfg.restructure.enabled, "restructure.enabled (CLPO) reads each group's accuracy, which RLPR does not give"),
+        (cfg.select.hints.enabled, "select.hints (GHPO) changes prompts, whose debiasing terms RLPR keeps per problem"),
+        (cfg.train.data_parallel > 1, "train.data_parallel > 1: the rlpr stage reads the policy whole in one process"),
+    ]
+    for on, why in refused:
+        if on:
+            raise UserError(f"label.reward=rlpr does not combine with {why}; set one of them off")
 
 
 def check_async(cfg: RunConfigBase, store: str = "") -> None:

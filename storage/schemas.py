@@ -216,9 +216,21 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("components", _s),
             ("cache_hit", pa.bool_()),
             # a model-given reward's (the judge's): seconds the call took (0 from the cache), and where it came from
-            # as JSON (endpoint, model, template_sha); null for a verifier's
+            # as JSON (endpoint, model, template_sha; RLPR's: the policy and its probabilities); null for a verifier's
             ("latency_s", _f),
             ("provenance", _s),
+        ]
+    ),
+    # RLPR's debiasing terms (label.reward=rlpr): the policy's mean per-token probability of a problem's reference
+    # right after its prompt, with no reasoning, once per (problem, policy) (tasks/rlpr.py, tasks/rlpr_debias.py)
+    "rlpr_debias": pa.schema(
+        [
+            ("run_id", _s),
+            ("step", _i),
+            ("problem_id", _s),
+            ("policy_id", _s),
+            ("probability", _f),
+            ("n_tokens", _i),
         ]
     ),
     "reward_cache": pa.schema(

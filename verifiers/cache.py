@@ -16,7 +16,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,6 +25,7 @@ from rlvr.storage.errors import ArtifactNotFound, DamagedArtifact, DamagedFile
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.store import Store
 from rlvr.verifiers.base import Score
+from rlvr.verifiers.rlpr import RLPRConfig
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,8 @@ class VerifierConfig(BaseModel):
     """How answers are scored (the `label` section; difficulty, evaluation and CLPO use it too).
 
     Every problem names its verifier (the `verifier` column of `problems`); `verifier` here, when set,
-    scores every problem with that one instead (e.g. `rlvr relabel --verifier math`).
+    scores every problem with that one instead (e.g. `rlvr relabel --verifier math`). `reward: rlpr` rewards the
+    RL steps' rollouts with RLPR instead (the `rlpr` stage); the rest of the run still scores with the verifiers.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -173,6 +175,16 @@ class VerifierConfig(BaseModel):
     workers: int = Field(2, ge=0, description="verifier worker processes; 0 scores in-process, without a timeout")
     timeout_s: float = Field(5.0, gt=0, description="hard wall-clock limit per verdict")
     memory_mb: int = Field(2048, ge=64, description="address-space limit of each worker")
+    reward: Literal["verifier", "rlpr"] = Field(
+        "verifier",
+        exclude_if=lambda value: value == "verifier",  # left out of dumps (so of ids) at its default: runs keep theirs
+        description="what rewards a step's rollouts: the verifiers, or RLPR's policy probability (docs/rewards.md)",
+    )
+    rlpr: RLPRConfig = Field(
+        default_factory=RLPRConfig,
+        exclude_if=lambda value: value == RLPRConfig(),  # left out of dumps at its defaults
+        description="RLPR's reward, with reward=rlpr (verifiers/rlpr.py)",
+    )
 
     def verifier_of(self, problem_verifier: str | None) -> str:
         """The verifier that scores a problem whose own verifier is `problem_verifier`."""

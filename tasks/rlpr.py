@@ -1,0 +1,115 @@
+"""rlpr: RLPR's rewards in place of label (`label.reward=rlpr`, docs/rewards.md#rlpr). Each rollout's reward is
+(1 - w) * clip(r - r_noreason, 0, 1) + w * format, where r is the sampling policy's mean per-token probability of
+the problem's reference written in place of the response's answer, r_noreason the same with no reasoning, and
+format 1 when the response states an answer where `answer_span` finds one; a response that states none gets 0
+(status unparseable), as RLPR's code gives it.
+
+The r_noreason terms are the `rlpr_debias` rows: those of the `debias` inputs computed with the `debias_policy`
+are reused, the missing ones computed here with it and committed as this stage's own `rlpr_debias` (so each is
+computed once per problem and policy: the flow hands a step's later rounds the earlier rounds' terms, and with
+debias_with=start the terms of the whole pool, tasks/rlpr_debias.py). Rewards rows carry their provenance (the
+policy, r, r_noreason, the reference's tokens). Everything is a function of the inputs: a resumed run makes the
+same rows.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from typing import Any
+
+from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
+from rlvr.trainer.checkpoints import load_policy, sampler_policy
+from rlvr.trainer.devices import stage_device, usage
+from rlvr.trainer.rlpr import debias_rows, reference_probabilities, rlpr_identity
+from rlvr.verifiers.cache import VerifierConfig
+from rlvr.verifiers.rlpr import RLPR_VERSION, answer_span, rlpr_reward, with_reference
+
+
+def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, Built]:
+    """Inputs: the round's `rollouts`, the `problems`, the sampling `policy`, the `debias_policy` and the `debias`
+    terms known so far. params: `device`; `beside_trainer` under flow.async_level (read the sampler's copies)."""
+    settings = cfg.rlpr
+    loader = sampler_policy if ctx.params.get("beside_trainer") else load_policy
+    load = partial(loader, device=stage_device(ctx.params.get("device")))
+    rollouts = inputs.rows("rollouts", ["rollout_id", "problem_id", "prompt", "response"])
+    problems = {p["problem_id"]: p for p in inputs.rows("problems", ["problem_id", "prompt", "reference"])}
+    debias_policy = inputs.require_id("debias_policy")
+    known = known_terms(inputs, debias_policy)
+    missing = sorted({r["problem_id"] for r in rollouts} - set(known))
+    new_terms: list[dict[str, Any]] = []
+    if missing:  # before the sampling policy is loaded: a sampler's loader may reuse one model for both
+        model = inputs.load("debias_policy", load)
+        new_terms = debias_rows(model, debias_policy, [problems[p] for p in missing], settings, ctx.run_id, ctx.step)
+        ctx.usage.update(usage(model.model))
+    debias_of = {**known, **{t["problem_id"]: t["probability"] for t in new_terms}}
+    spans = [answer_span(str(r["response"])) for r in rollouts]
+    stated = [(i, span) for i, span in enumerate(spans) if span is not None]
+    policy_id = inputs.require_id("policy")
+    probability = {}
+    if stated:
+        policy = inputs.load("policy", load)
+        texts = [
+            with_reference(
+                str(rollouts[i]["prompt"]),
+                str(rollouts[i]["response"]),
+                span,
+                str(problems[rollouts[i]["problem_id"]]["reference"]),
+            )
+            for i, span in stated
+        ]
+        found = reference_probabilities(policy, texts, settings.temperature, settings.micro_batch_tokens)
+        probability = {i: term for (i, _), term in zip(stated, found, strict=True)}
+        ctx.usage.update(usage(policy.model))
+    rows = []
+    for i, r in enumerate(rollouts):
+        debias = debias_of[r["problem_id"]]
+        span = spans[i]
+        term = probability.get(i)
+        raw = term.mean if term is not None else 0.0
+        components = {"probability": raw, "debias": debias, "format": float(span is not None)}
+        provenance: dict[str, Any] = {"policy": policy_id, "debias_policy": debias_policy, "raw": raw, "debias": debias}
+        if term is not None:
+            provenance |= {"tokens": term.tokens, "lowest": term.lowest}
+        rows.append(
+            {
+                "rollout_id": r["rollout_id"],
+                "run_id": ctx.run_id,
+                "step": ctx.step,
+                "problem_id": r["problem_id"],
+                "verifier": "rlpr",
+                "verifier_version": RLPR_VERSION,
+                "score": rlpr_reward(raw, debias, span is not None, settings),
+                "status": "ok" if span is not None else "unparseable",
+                "extracted": str(r["response"])[span.start : span.end] if span is not None else None,
+                "reason": None if span is not None else "the response states no answer (answer_span found none)",
+                "components": json.dumps(components, sort_keys=True),
+                "cache_hit": False,
+                "latency_s": None,  # the forward passes' time is the stage run's (the `stage_runs` view)
+                "provenance": json.dumps(provenance, sort_keys=True),
+            }
+        )
+    return {
+        "rlpr_debias": Built(rows_to_table("rlpr_debias", new_terms)),
+        "rewards": Built(rows_to_table("rewards", rows)),
+    }
+
+
+def known_terms(inputs: Inputs, policy_id: str) -> dict[str, float]:
+    """problem_id -> r_noreason under `policy_id`, from the `debias` inputs (none when there are none)."""
+    if not inputs.ids.get("debias"):
+        return {}
+    columns = ["problem_id", "policy_id", "probability"]
+    return {t["problem_id"]: t["probability"] for t in inputs.rows("debias", columns) if t["policy_id"] == policy_id}
+
+
+RLPR: Stage[VerifierConfig] = Stage(
+    name="rlpr",
+    code_version="1",
+    section="label",
+    config=VerifierConfig,
+    inputs=("rollouts", "problems", "policy", "debias_policy", "debias"),
+    outputs={"rlpr_debias": Output("rlpr_debias"), "rewards": Output("rewards")},
+    build=build,
+    identity=rlpr_identity,
+)
