@@ -10,8 +10,6 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-import torch
-
 from rlvr.curricula.hints import HintConfig, hinted_prompt, solutions_of
 from rlvr.storage.ids import row_id
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
@@ -20,14 +18,7 @@ from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.engine_base import RolloutEngine, SamplingParams
 from rlvr.trainer.engines import ENGINES, EngineConfig, TransformersEngine, engine_for
 from rlvr.trainer.generation import Sample
-from rlvr.trainer.grpo import (
-    GRPOConfig,
-    RolloutBatch,
-    behaviour_logprobs,
-    rollout_logprobs,
-    training_precision,
-    training_rows,
-)
+from rlvr.trainer.grpo import GRPOConfig, behaviour_logprobs
 from rlvr.trainer.multi_turn import Budgets, Trajectory, Turn
 from rlvr.trainer.multi_turn import play_episodes as play
 from rlvr.trainer.policy import Policy
@@ -153,25 +144,19 @@ def play_episodes(
 def episode_logprobs(
     policy: Policy, prompts: list[str], trajectories: list[Trajectory], cfg: GRPOConfig
 ) -> list[list[float]]:
-    """Each episode's token log-probs under `policy`, the one that sampled it, for an engine that gives none: as
-    the train stage computes π_old (`behaviour_logprobs` does the same for one turn) over the episode's opening ids
-    and every token after them, then 0.0 on the environment's tokens, as the transformers loop records them."""
+    """Each episode's token log-probs under `policy`, the one that sampled it, for an engine that gives none: π_old
+    as the train stage computes it (`behaviour_logprobs`) over the episode's opening ids and every token after them,
+    then 0.0 on the environment's tokens, as the transformers loop records them."""
     played = [t for t in trajectories if t.completion_ids]  # an environment that failed to reset: no tokens
     samples = [
         Sample(t.prompt_index, t.sample_index, t.completion_ids, t.response, len(t.completion_ids), t.finish_reason)
         for t in played
     ]
-    found: dict[tuple[int, int], list[float]] = {}
-    if samples:
-        batch = RolloutBatch(prompts, samples, [0.0] * len(samples), prompt_token_ids=[t.prompt_ids for t in played])
-        group_index = torch.tensor([t.prompt_index for t in played], dtype=torch.long)
-        rows = training_rows(policy, batch, torch.ones(len(samples)), group_index)
-        assert rows is not None  # every advantage is 1: every episode is a row, in order
-        with training_precision(policy, cfg.model_copy(update={"gradient_checkpointing": False})):
-            old_logp = rollout_logprobs(policy, rows, cfg, None)[0]
-        for i, t in enumerate(played):
-            row = old_logp[i, : len(t.completion_ids)].tolist()
-            found[(t.prompt_index, t.sample_index)] = [lp if m else 0.0 for lp, m in zip(row, t.loss_mask)]
+    computed = behaviour_logprobs(policy, prompts, samples, cfg, [t.prompt_ids for t in played])
+    found = {
+        (t.prompt_index, t.sample_index): [lp if m else 0.0 for lp, m in zip(row, t.loss_mask)]
+        for t, row in zip(played, computed)
+    }
     return [found.get((t.prompt_index, t.sample_index), []) for t in trajectories]
 
 

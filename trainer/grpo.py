@@ -672,13 +672,20 @@ def _clipped_updates(
     return {**averages, "updates": float(updates)}
 
 
-def behaviour_logprobs(policy: Policy, prompts: list[str], samples: list[Sample], cfg: GRPOConfig) -> list[list[float]]:
+def behaviour_logprobs(
+    policy: Policy,
+    prompts: list[str],
+    samples: list[Sample],
+    cfg: GRPOConfig,
+    prompt_token_ids: list[list[int] | None] | None = None,
+) -> list[list[float]]:
     """Each sample's token log-probs under `policy`, the one that sampled them, as the train stage computes π_old
     (`cfg`'s temperature, autocast and micro-batches; no gradient). Stored with rollouts that a later policy
-    trains on (flow.async_level), where π_old can no longer be recomputed from the trained model."""
+    trains on (flow.async_level), where π_old can no longer be recomputed from the trained model.
+    `prompt_token_ids`: each sample's own prompt ids (an episode's opening), else its group's prompt tokenized."""
     if not samples:
         return []
-    batch = RolloutBatch(prompts=prompts, samples=samples, rewards=[0.0] * len(samples))
+    batch = RolloutBatch(prompts, samples, [0.0] * len(samples), prompt_token_ids=prompt_token_ids)
     group_index = torch.tensor([sample.prompt_index for sample in samples], dtype=torch.long)
     rows = training_rows(policy, batch, torch.ones(len(samples)), group_index)
     assert rows is not None  # every advantage is 1: every sample is a row, in order
