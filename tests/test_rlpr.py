@@ -183,6 +183,33 @@ def test_batched_equals_one_at_a_time(tiny):
     assert reference_probabilities(tiny, texts) == batched  # the same inputs, the same numbers
 
 
+def test_smollm2_reads_the_reference_through_its_chat_template(smollm2_tokenizer):
+    """A BPE model with a chat template: the reference's tokens are the last ones of the rewritten response (digits
+    are tokens of their own in SmolLM2's vocabulary), read after the templated prompt; the numbers are a forward by
+    hand, and the reference is likelier after right reasoning than after wrong reasoning or none."""
+    from rlvr.trainer.prompts import prompt_ids
+    from rlvr.verifiers.rlpr import with_reference, without_reasoning
+
+    policy = init_policy(PolicyConfig(model="smollm2-135m-instruct"), seed=0)
+    prompt, reference = "What is 34 + 6?", "40"
+    right, wrong = "34 + 6 = 40. The answer is 40.", "34 + 6 = 41. The answer is 41."
+    texts = [with_reference(prompt, r, answer_span(r), reference) for r in (right, wrong)]  # type: ignore[arg-type]
+    texts.append(without_reasoning(prompt, reference, RLPRConfig()))
+    found = reference_probabilities(policy, texts)
+    assert [f.tokens for f in found] == [2, 2, 2]
+    prompt_tokens = prompt_ids(policy.tokenizer, [prompt])[0]
+    assert smollm2_tokenizer.decode(prompt_tokens).endswith("<|im_start|>assistant\n")
+    for text, term in zip(texts, found):
+        tail = policy.tokenizer(text.before + text.reference, add_special_tokens=False)["input_ids"]
+        ids = prompt_tokens + tail
+        assert smollm2_tokenizer.decode(ids[-2:]) == "40"
+        with torch.no_grad():
+            logits = policy.model(torch.tensor([ids])).logits[0].double()
+        hand = [torch.softmax(logits[k - 1], dim=-1)[ids[k]].item() for k in (len(ids) - 2, len(ids) - 1)]
+        assert term.mean == pytest.approx(sum(hand) / 2, abs=1e-5)
+    assert found[0].mean > found[1].mean > found[2].mean
+
+
 # ----- the standard-deviation filter ----------------------------------------------------------------------------
 
 
