@@ -120,6 +120,16 @@ class RunConfigBase(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _judge_where_answers_are_scored(self) -> RunConfigBase:
+        """reward.judge is given to the label section, which every stage that scores answers reads (label,
+        difficulty, evaluation, CLPO); it is left out of that section's dump, so ids change only through the
+        judge's identity (`verifier_identity`)."""
+        label = getattr(self, "label", None)
+        if label is not None and label.judge != self.reward.judge:
+            self.label = label.model_copy(update={"judge": self.reward.judge})
+        return self
+
+    @model_validator(mode="after")
     def _transcripts_open_as_rollouts_do(self) -> RunConfigBase:
         """A warm start on calculator transcripts trains on the openings the environment makes from its options;
         with the calculator environment in the run, they must be the rollouts' own."""

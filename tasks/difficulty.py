@@ -108,11 +108,12 @@ def estimate_shard(job: ShardJob) -> ShardEstimate:
     pairs = [(s.text, problems[s.prompt_index]["reference"]) for s in samples]
     names = [job.verifier.verifier_of(problems[s.prompt_index]["verifier"]) for s in samples]
     store = open_store(job.store) if job.store is not None else None
-    scores, _, _ = score_cached(store, job.verifier, pairs, names)
+    questions = [problems[s.prompt_index]["prompt"] for s in samples]  # what a judge is asked with the answer
+    scores, _, _ = score_cached(store, job.verifier, pairs, names, questions=questions)
     successes = [0] * len(problems)
     for s, score in zip(samples, scores, strict=True):
         successes[s.prompt_index] += score.status == "ok"
-    entries = cache_entries(verdict_keys(names, pairs), scores)
+    entries = cache_entries(verdict_keys(names, pairs, job.verifier, questions), scores)
     return ShardEstimate(job.index, successes, entries, **usage(policy.model))
 
 

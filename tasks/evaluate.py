@@ -49,7 +49,8 @@ def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
     ctx.usage.update(usage(policy.model))
     missing = [i for i, verdict in enumerate(given) if verdict is None]  # scored by the problem's verifier
     pairs = [(answers[i], problems[i]["reference"]) for i in missing]
-    scores, _, _ = score_cached(ctx.store, verifier, pairs, [problems[i]["verifier"] for i in missing])
+    names, questions = [problems[i]["verifier"] for i in missing], [problems[i]["prompt"] for i in missing]
+    scores, _, _ = score_cached(ctx.store, verifier, pairs, names, questions=questions)
     for i, score in zip(missing, scores):
         given[i] = score
     correct = sum(verdict is not None and verdict.status == "ok" for verdict in given)

@@ -30,7 +30,7 @@ from rlvr.verifiers.cache import (
     score_rollouts,
     verifier_identity,
 )
-from rlvr.verifiers.judge import JudgeConfig, JudgeVerifier
+from rlvr.verifiers.judge import JudgeVerifier
 from rlvr.verifiers.model_rewards import check_error_rate, judge_rollouts
 
 
@@ -71,7 +71,7 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
         if r["rollout_id"] not in given:
             verifier = cfg.verifier_of(references[r["problem_id"]][0])
             (judged if verifier == JudgeVerifier.name else rollouts).append(r)
-    judge_of, judge_entries = judge_verdicts(ctx, judged, references)
+    judge_of, judge_entries = judge_verdicts(ctx, cfg, judged, references)
     fan_out = ctx.params.get("fan_out")
     chunk = getattr(fan_out, "verify_chunk", None)  # a FanOut has it (flow.executor.verify_chunk); `map` has not
     misses: MissScorer = score_fresh
@@ -96,16 +96,16 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
 
 
 def judge_verdicts(
-    ctx: StageContext, judged: list[dict[str, Any]], references: dict[str, tuple[str | None, Any]]
+    ctx: StageContext, cfg: VerifierConfig, judged: list[dict[str, Any]], references: dict[str, tuple[str | None, Any]]
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-    """rollout_id -> its rewards columns for the rollouts whose verifier is the judge (`params["judge"]`, the run's
+    """rollout_id -> its rewards columns for the rollouts whose verifier is the judge (`cfg.judge`, the run's
     reward.judge), and the new cache entries; the run stops when the step's failed share passes
     `params["max_error_rate"]`."""
     if not judged:
         return {}, []
-    if not ctx.params.get("judge"):
+    if cfg.judge is None:
         raise UserError("problems name the 'judge' verifier but reward.judge is not set (docs/rewards.md)")
-    judge = JudgeConfig.model_validate(ctx.params["judge"])
+    judge = cfg.judge
     rows, entries = judge_rollouts(ctx.store, judge, judged, {pid: ref for pid, (_, ref) in references.items()})
     check_error_rate(rows, judge, float(ctx.params.get("max_error_rate", 0.0)))
     return {r["rollout_id"]: row for r, row in zip(judged, rows)}, entries

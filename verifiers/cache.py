@@ -25,6 +25,7 @@ from rlvr.storage.errors import ArtifactNotFound, DamagedArtifact, DamagedFile
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.store import Store
 from rlvr.verifiers.base import Score
+from rlvr.verifiers.judge import JudgeConfig, JudgeVerifier, judged_reference
 from rlvr.verifiers.rlpr import RLPRConfig
 
 log = logging.getLogger(__name__)
@@ -123,11 +124,32 @@ def cache_key(verifier: str, version: str, response: Any, reference: Any) -> Cac
     return (verifier, version, text_hash(response), reference_hash(reference))
 
 
-def verdict_keys(names: Sequence[str], pairs: Sequence[tuple[Any, Any]]) -> list[CacheKey]:
-    """The cache key of each pair (response, reference) scored by the verifier `names[i]`."""
+def verdict_keys(
+    names: Sequence[str],
+    pairs: Sequence[tuple[Any, Any]],
+    cfg: VerifierConfig | None = None,
+    questions: Sequence[str] | None = None,
+) -> list[CacheKey]:
+    """The cache key of each pair (response, reference) scored by the verifier `names[i]`; the judge's keys name
+    its config's version and hash the question with the reference (`judged_pairs`)."""
+    pairs = judged_pairs(names, pairs, questions)
+    judge = cfg.judge.version() if cfg is not None and cfg.judge is not None else JudgeVerifier.version
     return [
-        cache_key(name, version_of(name), response, reference)
+        cache_key(name, judge if name == JudgeVerifier.name else version_of(name), response, reference)
         for name, (response, reference) in zip(names, pairs, strict=True)
+    ]
+
+
+def judged_pairs(
+    names: Sequence[str], pairs: Sequence[tuple[Any, Any]], questions: Sequence[str] | None
+) -> list[tuple[Any, Any]]:
+    """The pairs, each the judge scores with its reference replaced by (question, reference): what its verdict
+    depends on, hence what its cache key hashes and what it is asked."""
+    if questions is None or JudgeVerifier.name not in names:
+        return list(pairs)
+    return [
+        (response, judged_reference(question, reference)) if name == JudgeVerifier.name else (response, reference)
+        for name, (response, reference), question in zip(names, pairs, questions, strict=True)
     ]
 
 
@@ -185,6 +207,11 @@ class VerifierConfig(BaseModel):
         exclude_if=lambda value: value == RLPRConfig(),  # left out of dumps at its defaults
         description="RLPR's reward, with reward=rlpr (verifiers/rlpr.py)",
     )
+    judge: JudgeConfig | None = Field(
+        None,
+        exclude=True,  # the run's reward.judge, given here by the run config: ids see it through verifier_identity
+        description="the endpoint of problems whose verifier is the judge (set it as reward.judge)",
+    )
 
     def verifier_of(self, problem_verifier: str | None) -> str:
         """The verifier that scores a problem whose own verifier is `problem_verifier`."""
@@ -221,6 +248,7 @@ def score_cached(
     pairs: Sequence[tuple[Any, Any]],
     verifiers: Sequence[str | None] | None = None,
     score_misses: MissScorer = score_fresh,
+    questions: Sequence[str] | None = None,
 ) -> tuple[list[Score], list[bool], list[dict[str, Any]]]:
     """Scores of `pairs` (response, reference), each with the verifier `cfg.verifier_of(verifiers[i])`
     (cache first, then `score_misses`: by default that verifier's pool), whether each was a hit, and the
@@ -231,11 +259,12 @@ def score_cached(
     Without a store (a stage's build tested on its own) a process-local cache stands in.
     """
     names = [cfg.verifier_of(name) for name in (verifiers or [None] * len(pairs))]
-    keys = verdict_keys(names, pairs)
+    keys = verdict_keys(names, pairs, cfg, questions)
+    asked = judged_pairs(names, pairs, questions)  # the judge is asked the question too
     cache = cache_for(store)
     cached = cache.lookup(keys)
     misses = [i for i, score in enumerate(cached) if score is None]
-    fresh = score_misses(cfg, [names[i] for i in misses], [pairs[i] for i in misses])
+    fresh = score_misses(cfg, [names[i] for i in misses], [asked[i] for i in misses])
     _check_count(fresh, len(misses), "scoring the reward-cache misses")
     scored = dict(zip(misses, fresh, strict=True))
     scores = [score if score is not None else scored[i] for i, score in enumerate(cached)]
@@ -249,10 +278,25 @@ def _score_fresh(cfg: VerifierConfig, name: str, pairs: list[tuple[Any, Any]]) -
     from rlvr.verifiers.pool import score_safely, shared_pool
     from rlvr.verifiers.registry import get_verifier
 
+    if name == JudgeVerifier.name and cfg.judge is not None:
+        return judge_scores(cfg.judge, pairs)
     if cfg.workers == 0:
         verifier = get_verifier(name)
         return [score_safely(verifier, response, reference) for response, reference in pairs]
     return shared_pool(name, cfg.workers, cfg.timeout_s, cfg.memory_mb).score_many(pairs)
+
+
+def judge_scores(judge: JudgeConfig, pairs: list[tuple[Any, Any]]) -> list[Score]:
+    """The judge's verdicts on (response, (question, reference)) pairs (`judged_pairs`); a pair without its
+    question (a caller that gave none) is an error verdict, not a question-less call."""
+    from rlvr.verifiers.judge import JudgeClient, JudgeItem
+
+    asked = [i for i, (_, ref) in enumerate(pairs) if isinstance(ref, dict) and "question" in ref]
+    scores = [Score(0.0, "error", reason="the judge was given no question for this answer")] * len(pairs)
+    items = [JudgeItem(str(pairs[i][1]["question"]), pairs[i][1]["reference"], str(pairs[i][0])) for i in asked]
+    for i, verdict in zip(asked, JudgeClient(judge).verdicts(items), strict=True):
+        scores[i] = verdict.score
+    return scores
 
 
 def version_of(name: str) -> str:
@@ -299,14 +343,13 @@ def problem_references(table: Any) -> dict[str, tuple[str | None, Any]]:
 
 def verifier_identity(cfg: VerifierConfig, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """What decides a labelling stage's verdicts: the override, if any, the version of every verifier a problem
-    may name (not the pool settings), and the judge's identity when the run has one (`params["judge"]`). A
-    verifier that needs an endpoint is versioned by its endpoint's identity only, so runs without one keep the
-    ids they had before it was registered."""
-    from rlvr.verifiers.judge import JudgeConfig
+    may name (not the pool settings), and the judge's identity when the run has one (`cfg.judge`, the run's
+    reward.judge). A verifier that needs an endpoint is versioned by its endpoint's identity only, so runs without
+    one keep the ids they had before it was registered."""
     from rlvr.verifiers.registry import registered
 
     versions = {name: cls.version for name, cls in registered().items() if cls.needs == "nothing"}
     identity: dict[str, Any] = {"verifier": cfg.verifier, "versions": versions}
-    if params and params.get("judge"):
-        identity["judge"] = JudgeConfig.model_validate(params["judge"]).identity()
+    if cfg.judge is not None:
+        identity["judge"] = cfg.judge.identity()
     return identity

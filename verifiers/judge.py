@@ -101,6 +101,11 @@ class JudgeVerifier(Verifier):
         return None
 
 
+def judged_reference(question: str, reference: Any) -> dict[str, Any]:
+    """What the judge's verdict depends on besides the response: its cache key hashes both."""
+    return {"question": question, "reference": reference}
+
+
 @dataclass(frozen=True)
 class JudgeItem:
     question: str

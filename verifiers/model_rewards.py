@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlvr.errors import UserError
 from rlvr.storage.store import Store
 from rlvr.verifiers.cache import cache_entries, cache_for, cache_key
-from rlvr.verifiers.judge import JudgeClient, JudgeConfig, JudgeItem, JudgeVerdict, JudgeVerifier
+from rlvr.verifiers.judge import JudgeClient, JudgeConfig, JudgeItem, JudgeVerdict, JudgeVerifier, judged_reference
 
 
 class RewardConfig(BaseModel):
@@ -27,10 +27,9 @@ class RewardConfig(BaseModel):
     )
 
     def label_params(self) -> dict[str, Any]:
-        """What the label stage is given: nothing without a judge (so ids stay those of runs without one)."""
-        if self.judge is None:
-            return {}
-        return {"judge": self.judge.model_dump(mode="json"), "max_error_rate": self.max_error_rate}
+        """What the label stage is given besides its section (which carries the judge, `VerifierConfig.judge`):
+        nothing without a judge, so ids stay those of runs without one."""
+        return {} if self.judge is None else {"max_error_rate": self.max_error_rate}
 
 
 def model_given(verifier: str) -> bool:
@@ -39,11 +38,6 @@ def model_given(verifier: str) -> bool:
 
     cls = registered().get(verifier)
     return cls is not None and cls.needs != "nothing"
-
-
-def judged_reference(question: str, reference: Any) -> dict[str, Any]:
-    """What the judge's verdict depends on besides the response: its cache key hashes both."""
-    return {"question": question, "reference": reference}
 
 
 def judge_rollouts(
