@@ -103,7 +103,7 @@ class RunConfigBase(BaseModel):
     )
     reward: RewardConfig = Field(
         default_factory=RewardConfig,
-        exclude_if=lambda value: value.judge is None,  # without a model-given reward: left out of dumps, ids stay
+        exclude_if=lambda value: not value.given,  # without a model-given reward: left out of dumps, ids stay
         description="model-given rewards: the judge's endpoint, the failed share a step bears (docs/rewards.md)",
     )
 
@@ -121,12 +121,13 @@ class RunConfigBase(BaseModel):
 
     @model_validator(mode="after")
     def _judge_where_answers_are_scored(self) -> RunConfigBase:
-        """reward.judge is given to the label section, which every stage that scores answers reads (label,
-        difficulty, evaluation, CLPO); it is left out of that section's dump, so ids change only through the
-        judge's identity (`verifier_identity`)."""
+        """reward.judge and reward.model are given to the label section, which every stage that scores answers
+        reads (label, difficulty, evaluation, CLPO); they are left out of that section's dump, so ids change only
+        through their identities (`verifier_identity`)."""
         label = getattr(self, "label", None)
-        if label is not None and label.judge != self.reward.judge:
-            self.label = label.model_copy(update={"judge": self.reward.judge})
+        endpoints = {"judge": self.reward.judge, "reward_model": self.reward.model}
+        if label is not None and (label.judge, label.reward_model) != tuple(endpoints.values()):
+            self.label = label.model_copy(update=endpoints)
         return self
 
     @model_validator(mode="after")

@@ -23,6 +23,7 @@ from rlvr.errors import UserError
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.verifiers.base import Score
 from rlvr.verifiers.cache import (
+    MODEL_VERIFIERS,
     MissScorer,
     VerifierConfig,
     problem_references,
@@ -31,7 +32,8 @@ from rlvr.verifiers.cache import (
     verifier_identity,
 )
 from rlvr.verifiers.judge import JudgeVerifier
-from rlvr.verifiers.model_rewards import check_error_rate, judge_rollouts
+from rlvr.verifiers.model_rewards import check_error_rate, endpoint_of, model_rollouts
+from rlvr.verifiers.registry import verifier_class
 
 
 @dataclass(frozen=True)
@@ -66,19 +68,19 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
     given = environment_verdicts(table)  # an environment that gives its own reward has scored these already
     references = problem_references(inputs.table("problems", ["problem_id", "verifier", "reference"]))
     rollouts: list[dict[str, Any]] = []
-    judged: list[dict[str, Any]] = []
+    judged: dict[str, list[dict[str, Any]]] = {name: [] for name in MODEL_VERIFIERS}
     for r in table.select(["rollout_id", "problem_id", "prompt", "response"]).to_pylist():
         if r["rollout_id"] not in given:
             verifier = cfg.verifier_of(references[r["problem_id"]][0])
-            (judged if verifier == JudgeVerifier.name else rollouts).append(r)
-    judge_of, judge_entries = judge_verdicts(ctx, cfg, judged, references)
+            judged.get(verifier, rollouts).append(r)
+    model_of, model_entries = model_verdicts(ctx, cfg, judged, references)
     fan_out = ctx.params.get("fan_out")
     chunk = getattr(fan_out, "verify_chunk", None)  # a FanOut has it (flow.executor.verify_chunk); `map` has not
     misses: MissScorer = score_fresh
     if fan_out is not None and chunk and len(rollouts) > chunk:
         misses = chunked(fan_out, chunk)
     verdicts, entries = score_rollouts(ctx.store, cfg, rollouts, references, misses)
-    verdict_of = {r["rollout_id"]: v for r, v in zip(rollouts, verdicts)} | given | judge_of
+    verdict_of = {r["rollout_id"]: v for r, v in zip(rollouts, verdicts)} | given | model_of
     rows = [
         {
             "rollout_id": r["rollout_id"],
@@ -90,25 +92,34 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
         for r in table.select(["rollout_id", "problem_id"]).to_pylist()
     ]
     return {
-        "reward_cache": Built(rows_to_table("reward_cache", [*entries, *judge_entries])),
+        "reward_cache": Built(rows_to_table("reward_cache", [*entries, *model_entries])),
         "rewards": Built(rows_to_table("rewards", rows)),
     }
 
 
-def judge_verdicts(
-    ctx: StageContext, cfg: VerifierConfig, judged: list[dict[str, Any]], references: dict[str, tuple[str | None, Any]]
+def model_verdicts(
+    ctx: StageContext,
+    cfg: VerifierConfig,
+    judged: dict[str, list[dict[str, Any]]],
+    references: dict[str, tuple[str | None, Any]],
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-    """rollout_id -> its rewards columns for the rollouts whose verifier is the judge (`cfg.judge`, the run's
-    reward.judge), and the new cache entries; the run stops when the step's failed share passes
-    `params["max_error_rate"]`."""
-    if not judged:
-        return {}, []
-    if cfg.judge is None:
-        raise UserError("problems name the 'judge' verifier but reward.judge is not set (docs/rewards.md)")
-    judge = cfg.judge
-    rows, entries = judge_rollouts(ctx.store, judge, judged, {pid: ref for pid, (_, ref) in references.items()})
-    check_error_rate(rows, judge, float(ctx.params.get("max_error_rate", 0.0)))
-    return {r["rollout_id"]: row for r, row in zip(judged, rows)}, entries
+    """rollout_id -> its rewards columns for the rollouts a model scores (the judge, `cfg.judge`; a reward model,
+    `cfg.reward_model`: the run's reward section), and the new cache entries; the run stops when the step's failed
+    share of a model's verdicts passes `params["max_error_rate"]`."""
+    found: dict[str, dict[str, Any]] = {}
+    entries: list[dict[str, Any]] = []
+    answers = {pid: ref for pid, (_, ref) in references.items()}
+    for name, mine in sorted(judged.items()):
+        if not mine:
+            continue
+        if cfg.endpoint_version(name) in (None, verifier_class(name).version):
+            setting = "reward.judge" if name == JudgeVerifier.name else "reward.model"
+            raise UserError(f"problems name the {name!r} verifier but {setting} is not set (docs/rewards.md)")
+        rows, made = model_rollouts(ctx.store, cfg, name, mine, answers)
+        check_error_rate(rows, endpoint_of(cfg, name), float(ctx.params.get("max_error_rate", 0.0)))
+        found |= {r["rollout_id"]: row for r, row in zip(mine, rows)}
+        entries += made
+    return found, entries
 
 
 def environment_verdicts(rollouts: pa.Table) -> dict[str, dict[str, Any]]:

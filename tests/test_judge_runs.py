@@ -43,8 +43,10 @@ class RuleJudge:
     def __init__(self) -> None:
         self.calls = 0
         self.app = FastAPI()
+        self.app.post("/get_reward")(self.reward)
         self.app.post("/v1/chat/completions")(self.complete)
         self.app.post("/down/v1/chat/completions")(self.down)
+        self.app.post("/down/get_reward")(self.down)
 
     async def complete(self, request: Request) -> Any:
         self.calls += 1
@@ -55,6 +57,13 @@ class RuleJudge:
             return JSONResponse({"error": {"message": "busy"}}, status_code=503)
         verdict = "yes" if answer.strip() == reference.strip() else "no"
         return {"choices": [{"index": 0, "message": {"role": "assistant", "content": verdict}}]}
+
+    async def reward(self, request: Request) -> Any:
+        """OpenRLHF's /get_reward by the same rule: 1.0 when the answer (after the question's line) is the label."""
+        self.calls += 1
+        body = await request.json()
+        answers = [query.split("\n", 1)[1].strip() for query in body["query"]]
+        return {"rewards": [float(a == (label or "").strip()) for a, label in zip(answers, body["labels"])]}
 
     async def down(self, request: Request) -> Any:
         return JSONResponse({"error": {"message": "down for maintenance"}}, status_code=500)
@@ -135,7 +144,7 @@ def test_a_failed_verdict_is_left_out_of_the_update_and_counted(judged_store) ->
 
 
 def test_the_same_judge_again_is_asked_only_what_it_never_answered(judged_store) -> None:
-    store, calls = judged_store
+    store, _ = judged_store
     first, again = (
         rows(
             store,
@@ -214,3 +223,26 @@ def test_a_judge_scores_pairs_with_their_questions_through_the_cache(judge) -> N
     assert rule.calls - before == 4  # the failure is asked again; the verdicts are not
     (alone,), _, _ = score_cached(None, cfg, [("12", "12")], ["judge"])  # no question given: no call
     assert alone.status == "error" and alone.reason == "the judge was given no question for this answer"
+
+
+def test_a_reward_model_rewards_a_run_and_a_dead_one_stops_it(judge, tmp_path) -> None:
+    """reward.model: the servers' /get_reward numbers are the rewards, with their provenance; a server answering
+    500 stops the run in one line naming it."""
+    _, url = judge
+    store = str(tmp_path / "store")
+    model = {"urls": [url], "name": "rule", "threshold": 0.5, "max_retries": 0}
+    run(store, "rm", ["synthesize.source.verifier=reward_model", f"reward.model={json.dumps(model)}"])
+    verdicts = rows(store, "SELECT * FROM rewards WHERE run_id = 'rm'")
+    assert {v["verifier"] for v in verdicts} == {"reward_model"} and {v["status"] for v in verdicts} <= {"ok", "wrong"}
+    assert all(v["score"] == (1.0 if v["status"] == "ok" else 0.0) for v in verdicts)
+    assert {v["provenance"] for v in verdicts} == {json.dumps({"endpoints": [url], "model": "rule"}, sort_keys=True)}
+    assert [r["reward_errors"] for r in rows(store, "SELECT reward_errors FROM train_steps ORDER BY step")] == [0, 0]
+
+    dead = {"urls": [f"{url}/down"], "name": "rule", "max_retries": 0}
+    sets = [arg for o in [*SMALL, "synthesize.source.verifier=reward_model", f"reward.model={json.dumps(dead)}"]
+            for arg in ("--set", o)]  # fmt: skip
+    result = rlvr("run", "--store", str(tmp_path / "dead"), *sets, env=cli_env(), timeout=600)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: the reward model at {url}/down failed 16 of 16 verdicts this step (more than ")
+    assert last.endswith(f"first: reward server {url}/down/get_reward: HTTP 500: down for maintenance")

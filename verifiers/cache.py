@@ -26,6 +26,7 @@ from rlvr.storage.ids import canonical_json
 from rlvr.storage.store import Store
 from rlvr.verifiers.base import Score
 from rlvr.verifiers.judge import JudgeConfig, JudgeVerifier, judged_reference
+from rlvr.verifiers.reward_model import RewardModelConfig, RewardModelVerifier
 from rlvr.verifiers.rlpr import RLPRConfig
 
 log = logging.getLogger(__name__)
@@ -133,9 +134,9 @@ def verdict_keys(
     """The cache key of each pair (response, reference) scored by the verifier `names[i]`; the judge's keys name
     its config's version and hash the question with the reference (`judged_pairs`)."""
     pairs = judged_pairs(names, pairs, questions)
-    judge = cfg.judge.version() if cfg is not None and cfg.judge is not None else JudgeVerifier.version
+    cfg = cfg or VerifierConfig()
     return [
-        cache_key(name, judge if name == JudgeVerifier.name else version_of(name), response, reference)
+        cache_key(name, cfg.endpoint_version(name) or version_of(name), response, reference)
         for name, (response, reference) in zip(names, pairs, strict=True)
     ]
 
@@ -143,14 +144,17 @@ def verdict_keys(
 def judged_pairs(
     names: Sequence[str], pairs: Sequence[tuple[Any, Any]], questions: Sequence[str] | None
 ) -> list[tuple[Any, Any]]:
-    """The pairs, each the judge scores with its reference replaced by (question, reference): what its verdict
-    depends on, hence what its cache key hashes and what it is asked."""
-    if questions is None or JudgeVerifier.name not in names:
+    """The pairs, each a model scores (the judge, a reward model) with its reference replaced by (question,
+    reference): what its verdict depends on, hence what its cache key hashes and what the model is asked."""
+    if questions is None or not MODEL_VERIFIERS.intersection(names):
         return list(pairs)
     return [
-        (response, judged_reference(question, reference)) if name == JudgeVerifier.name else (response, reference)
+        (response, judged_reference(question, reference)) if name in MODEL_VERIFIERS else (response, reference)
         for name, (response, reference), question in zip(names, pairs, questions, strict=True)
     ]
+
+
+MODEL_VERIFIERS = frozenset({JudgeVerifier.name, RewardModelVerifier.name})
 
 
 def cache_entries(keys: Sequence[CacheKey], scores: Sequence[Score]) -> list[dict[str, Any]]:
@@ -212,6 +216,19 @@ class VerifierConfig(BaseModel):
         exclude=True,  # the run's reward.judge, given here by the run config: ids see it through verifier_identity
         description="the endpoint of problems whose verifier is the judge (set it as reward.judge)",
     )
+    reward_model: RewardModelConfig | None = Field(
+        None,
+        exclude=True,  # the run's reward.model, as the judge
+        description="the servers of problems whose verifier is reward_model (set them as reward.model)",
+    )
+
+    def endpoint_version(self, name: str) -> str | None:
+        """The version of a verifier that needs an endpoint under this config's endpoint; None for the others."""
+        if name == JudgeVerifier.name:
+            return JudgeVerifier.version if self.judge is None else self.judge.version()
+        if name == RewardModelVerifier.name:
+            return RewardModelVerifier.version if self.reward_model is None else self.reward_model.version()
+        return None
 
     def verifier_of(self, problem_verifier: str | None) -> str:
         """The verifier that scores a problem whose own verifier is `problem_verifier`."""
@@ -280,6 +297,8 @@ def _score_fresh(cfg: VerifierConfig, name: str, pairs: list[tuple[Any, Any]]) -
 
     if name == JudgeVerifier.name and cfg.judge is not None:
         return judge_scores(cfg.judge, pairs)
+    if name == RewardModelVerifier.name and cfg.reward_model is not None:
+        return model_scores(cfg.reward_model, pairs)
     if cfg.workers == 0:
         verifier = get_verifier(name)
         return [score_safely(verifier, response, reference) for response, reference in pairs]
@@ -289,14 +308,32 @@ def _score_fresh(cfg: VerifierConfig, name: str, pairs: list[tuple[Any, Any]]) -
 def judge_scores(judge: JudgeConfig, pairs: list[tuple[Any, Any]]) -> list[Score]:
     """The judge's verdicts on (response, (question, reference)) pairs (`judged_pairs`); a pair without its
     question (a caller that gave none) is an error verdict, not a question-less call."""
-    from rlvr.verifiers.judge import JudgeClient, JudgeItem
+    from rlvr.verifiers.judge import JudgeClient
 
-    asked = [i for i, (_, ref) in enumerate(pairs) if isinstance(ref, dict) and "question" in ref]
-    scores = [Score(0.0, "error", reason="the judge was given no question for this answer")] * len(pairs)
-    items = [JudgeItem(str(pairs[i][1]["question"]), pairs[i][1]["reference"], str(pairs[i][0])) for i in asked]
+    scores, asked, items = _with_questions(pairs, "the judge")
     for i, verdict in zip(asked, JudgeClient(judge).verdicts(items), strict=True):
         scores[i] = verdict.score
     return scores
+
+
+def model_scores(model: RewardModelConfig, pairs: list[tuple[Any, Any]]) -> list[Score]:
+    """The reward model's verdicts on (response, (question, reference)) pairs, as `judge_scores`."""
+    from rlvr.verifiers.reward_model import reward_model_scores
+
+    scores, asked, items = _with_questions(pairs, "the reward model")
+    for i, score in zip(asked, reward_model_scores(model, items)[0], strict=True):
+        scores[i] = score
+    return scores
+
+
+def _with_questions(pairs: list[tuple[Any, Any]], who: str) -> tuple[list[Score], list[int], list[Any]]:
+    """Error verdicts for every pair, the indices of the pairs that carry a question, and those as items."""
+    from rlvr.verifiers.judge import JudgeItem
+
+    asked = [i for i, (_, ref) in enumerate(pairs) if isinstance(ref, dict) and "question" in ref]
+    scores = [Score(0.0, "error", reason=f"{who} was given no question for this answer")] * len(pairs)
+    items = [JudgeItem(str(pairs[i][1]["question"]), pairs[i][1]["reference"], str(pairs[i][0])) for i in asked]
+    return scores, asked, items
 
 
 def version_of(name: str) -> str:
@@ -352,4 +389,6 @@ def verifier_identity(cfg: VerifierConfig, params: Mapping[str, Any] | None = No
     identity: dict[str, Any] = {"verifier": cfg.verifier, "versions": versions}
     if cfg.judge is not None:
         identity["judge"] = cfg.judge.identity()
+    if cfg.reward_model is not None:
+        identity["reward_model"] = cfg.reward_model.identity()
     return identity

@@ -12,8 +12,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.errors import UserError
 from rlvr.storage.store import Store
-from rlvr.verifiers.cache import cache_entries, cache_for, cache_key
-from rlvr.verifiers.judge import JudgeClient, JudgeConfig, JudgeItem, JudgeVerdict, JudgeVerifier, judged_reference
+from rlvr.verifiers.cache import VerifierConfig, cache_entries, cache_for, cache_key
+from rlvr.verifiers.judge import (
+    JudgeClient,
+    JudgeConfig,
+    JudgeItem,
+    JudgeVerdict,
+    JudgeVerifier,
+    judged_reference,
+    template_hash,
+)
+from rlvr.verifiers.reward_model import RewardModelConfig, reward_model_scores
 
 
 class RewardConfig(BaseModel):
@@ -22,14 +31,22 @@ class RewardConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     judge: JudgeConfig | None = Field(None, description="the LLM judge that problems naming verifier 'judge' get")
+    model: RewardModelConfig | None = Field(
+        None, description="the reward-model servers (/get_reward) that problems naming verifier 'reward_model' get"
+    )
     max_error_rate: float = Field(
-        0.1, ge=0.0, le=1.0, description="a step whose share of failed judge verdicts passes it stops the run"
+        0.1, ge=0.0, le=1.0, description="a step whose share of failed model verdicts passes it stops the run"
     )
 
+    @property
+    def given(self) -> bool:
+        """Whether the run has a model-given reward (else the section is left out of dumps, so ids stay)."""
+        return self.judge is not None or self.model is not None
+
     def label_params(self) -> dict[str, Any]:
-        """What the label stage is given besides its section (which carries the judge, `VerifierConfig.judge`):
-        nothing without a judge, so ids stay those of runs without one."""
-        return {} if self.judge is None else {"max_error_rate": self.max_error_rate}
+        """What the label stage is given besides its section (which carries the endpoints: `VerifierConfig.judge`
+        and `.reward_model`): nothing without one, so ids stay those of runs without one."""
+        return {"max_error_rate": self.max_error_rate} if self.given else {}
 
 
 def model_given(verifier: str) -> bool:
@@ -40,34 +57,70 @@ def model_given(verifier: str) -> bool:
     return cls is not None and cls.needs != "nothing"
 
 
-def judge_rollouts(
-    store: Store | None, judge: JudgeConfig, rollouts: Sequence[Mapping[str, Any]], references: Mapping[str, Any]
+def model_rollouts(
+    store: Store | None,
+    cfg: VerifierConfig,
+    name: str,
+    rollouts: Sequence[Mapping[str, Any]],
+    references: Mapping[str, Any],
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The `rewards` columns of each rollout (`prompt`, `response`, `problem_id`) by the judge: cached verdicts
-    first, the misses asked (`JudgeClient`); and the new cache entries (failed calls are never cached)."""
-    version = judge.version()
+    """The `rewards` columns of each rollout (`prompt`, `response`, `problem_id`) scored by the model verifier
+    `name` (the judge, `cfg.judge`, or the reward model, `cfg.reward_model`): cached verdicts first, the misses
+    asked; and the new cache entries (failed calls are never cached)."""
+    version = cfg.endpoint_version(name)
+    assert version is not None, name
     items = [JudgeItem(str(r["prompt"]), references[r["problem_id"]], str(r["response"])) for r in rollouts]
-    keys = [
-        cache_key(JudgeVerifier.name, version, i.response, judged_reference(i.question, i.reference)) for i in items
-    ]
+    keys = [cache_key(name, version, i.response, judged_reference(i.question, i.reference)) for i in items]
     cache = cache_for(store)
     cached = cache.lookup(keys)
     misses = [k for k, score in enumerate(cached) if score is None]
-    asked = dict(zip(misses, JudgeClient(judge).verdicts([items[k] for k in misses]), strict=True))
+    asked = dict(zip(misses, ask(cfg, name, [items[k] for k in misses]), strict=True))
     entries = cache_entries([keys[k] for k in misses], [asked[k].score for k in misses])
     cache.add_entries(entries)
+    provenance = json.dumps(provenance_of(cfg, name), sort_keys=True)
     rows = []
     for k, score in enumerate(cached):
         verdict = asked[k] if score is None else JudgeVerdict(score, score.reason, 0.0)
-        rows.append(_row(judge, version, verdict, hit=score is not None))
+        rows.append(_row(name, version, verdict, hit=score is not None, provenance=provenance))
     return rows, entries
 
 
-def _row(judge: JudgeConfig, version: str, verdict: JudgeVerdict, hit: bool) -> dict[str, Any]:
+def ask(cfg: VerifierConfig, name: str, items: list[JudgeItem]) -> list[JudgeVerdict]:
+    """The model's verdicts on `items`: each judge call's own seconds; a reward model's batch shared out evenly."""
+    if name == JudgeVerifier.name:
+        assert cfg.judge is not None
+        return JudgeClient(cfg.judge).verdicts(items)
+    assert cfg.reward_model is not None
+    scores, seconds = reward_model_scores(cfg.reward_model, items)
+    return [JudgeVerdict(score, score.extracted, seconds / len(items)) for score in scores]
+
+
+def provenance_of(cfg: VerifierConfig, name: str) -> dict[str, Any]:
+    """Where a model verifier's rewards come from, as the rewards table records it."""
+    if name == JudgeVerifier.name:
+        assert cfg.judge is not None
+        return {
+            "endpoint": cfg.judge.base_url,
+            "model": cfg.judge.model,
+            "template_sha": template_hash(cfg.judge.template),
+        }
+    assert cfg.reward_model is not None
+    return {"endpoints": cfg.reward_model.urls, "model": cfg.reward_model.name}
+
+
+def endpoint_of(cfg: VerifierConfig, name: str) -> str:
+    """The endpoint a stop names."""
+    if name == JudgeVerifier.name:
+        assert cfg.judge is not None
+        return f"the judge at {cfg.judge.base_url}"
+    assert cfg.reward_model is not None
+    return f"the reward model at {', '.join(cfg.reward_model.urls)}"
+
+
+def _row(name: str, version: str, verdict: JudgeVerdict, hit: bool, provenance: str) -> dict[str, Any]:
     score = verdict.score
-    provenance = {"endpoint": judge.base_url, "model": judge.model, "template_sha": judge.identity()["template_sha"]}
     return {
-        "verifier": JudgeVerifier.name,
+        "verifier": name,
         "verifier_version": version,
         "score": score.value,
         "status": score.status,
@@ -76,16 +129,16 @@ def _row(judge: JudgeConfig, version: str, verdict: JudgeVerdict, hit: bool) -> 
         "components": json.dumps(score.components, sort_keys=True),
         "cache_hit": hit,
         "latency_s": verdict.seconds,
-        "provenance": json.dumps(provenance, sort_keys=True),
+        "provenance": provenance,
     }
 
 
-def check_error_rate(rows: Sequence[Mapping[str, Any]], judge: JudgeConfig, max_error_rate: float) -> None:
+def check_error_rate(rows: Sequence[Mapping[str, Any]], endpoint: str, max_error_rate: float) -> None:
     """Stop the run, in one line naming the endpoint and an error, when the step's failed share is too high."""
     failed = [r for r in rows if r["status"] == "error"]
     if not rows or len(failed) / len(rows) <= max_error_rate:
         return
     raise UserError(
-        f"the judge at {judge.base_url} failed {len(failed)} of {len(rows)} verdicts this step "
+        f"{endpoint} failed {len(failed)} of {len(rows)} verdicts this step "
         f"(more than reward.max_error_rate {max_error_rate:g}); first: {failed[0]['reason']}"
     )

@@ -37,6 +37,7 @@ BUILTIN: dict[str, type[Verifier]] = {
     "math_format": importlib.import_module("rlvr.verifiers.composite").MathFormatVerifier,
     "code": importlib.import_module("rlvr.verifiers.code").CodeVerifier,
     "judge": importlib.import_module("rlvr.verifiers.judge").JudgeVerifier,
+    "reward_model": importlib.import_module("rlvr.verifiers.reward_model").RewardModelVerifier,
 }
 
 

@@ -189,7 +189,7 @@ class RewardModelClient:
                 return parse(json.loads(content))
             except ValueError as exc:  # json.JSONDecodeError is one
                 problem = str(exc) if not isinstance(exc, json.JSONDecodeError) else f"answer is not JSON: {text!r}"
-        raise RewardServerError(url, f"failed {tries} times; the last time: {problem}")
+        raise RewardServerError(url, problem if tries == 1 else f"failed {tries} times; the last time: {problem}")
 
     def _answer(self, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
         """Status and body of one POST, read whole within `timeout_s` of its start (httpx bounds each read; this
