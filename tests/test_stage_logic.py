@@ -136,6 +136,8 @@ def test_rollout_batch_groups_by_slot():
         {
             "rollout_id": [r["rollout_id"] for r in rows],
             "score": [scores[r["rollout_id"]] for r in rows],
+            "status": ["ok" if scores[r["rollout_id"]] else "wrong" for r in rows],
+            "verifier": ["arithmetic"] * len(rows),
             "extracted": [f"x{r['rollout_id']}" for r in rows],
         }
     )
