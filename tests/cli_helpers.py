@@ -11,6 +11,18 @@ from pathlib import Path
 from typing import TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A whole run at its smallest: 2 RL steps of 4 prompts x 4 samples, a short warm start and difficulty estimate, one
+# evaluation and one checkpoint at the end (the `--set` overrides of the tests that need a real run, not its figures).
+SMALL_RUN = [
+    "train.steps=2",
+    "select.batch_size=4",
+    "allocate.n=4",
+    "warmstart.steps=20",
+    "difficulty.k=2",
+    "evaluate.every=2",
+    "checkpoint.every=2",
+]
 T = TypeVar("T")
 
 

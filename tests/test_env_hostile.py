@@ -14,6 +14,7 @@ import torch
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.verifiers.env_registry import EnvConfig, environment_factory
+from tests.cli_helpers import SMALL_RUN
 from tests.env_fixtures import FLOOD_BYTES, SCRIPTS, ScriptedOptions, script_of
 
 pytestmark = pytest.mark.slow
@@ -25,13 +26,7 @@ SLACK_S = 2.0  # a sandboxed program's start and kill; measured 1.2 s a hang wit
 OUTPUT_TOKENS = 32  # env.max_tool_output_tokens; the tool's byte cap is 16 bytes a token
 OUTPUT_BYTES = 16 * OUTPUT_TOKENS
 HOSTILE = [
-    "train.steps=2",
-    "select.batch_size=4",
-    "allocate.n=4",
-    "warmstart.steps=20",
-    "difficulty.k=2",
-    "evaluate.every=2",
-    "checkpoint.every=2",
+    *SMALL_RUN,
     "rollout.max_new_tokens=8",  # room for the tiny model to end its turns (eos), so episodes reach their faults
     f"env.type={SCRIPTED}",
     f"env.max_turns={MAX_TURNS}",

@@ -11,19 +11,11 @@ import torch
 
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
-from tests.cli_helpers import cli_env, rlvr
+from tests.cli_helpers import SMALL_RUN, cli_env, rlvr
 
 pytestmark = pytest.mark.slow
 
-SMALL = [
-    "train.steps=2",
-    "select.batch_size=4",
-    "allocate.n=4",
-    "warmstart.steps=20",
-    "difficulty.k=2",
-    "evaluate.every=2",
-    "checkpoint.every=2",
-]
+SMALL = SMALL_RUN
 RETRY = [*SMALL, "env.type=retry", "env.max_turns=3"]
 
 

@@ -21,20 +21,11 @@ from fastapi.responses import JSONResponse
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.trainer.reward_server import serving_in_thread
-from tests.cli_helpers import cli_env, rlvr
+from tests.cli_helpers import SMALL_RUN, cli_env, rlvr
 
 pytestmark = pytest.mark.slow
 
-SMALL = [
-    "train.steps=2",
-    "select.batch_size=4",
-    "allocate.n=4",
-    "warmstart.steps=20",
-    "difficulty.k=2",
-    "evaluate.every=2",
-    "checkpoint.every=2",
-    "synthesize.source.verifier=judge",
-]
+SMALL = [*SMALL_RUN, "synthesize.source.verifier=judge"]
 
 
 class RuleJudge:
