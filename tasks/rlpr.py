@@ -15,15 +15,17 @@ same rows.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy, sampler_policy
 from rlvr.trainer.devices import stage_device, usage
-from rlvr.trainer.rlpr import debias_rows, reference_probabilities, rlpr_identity
+from rlvr.trainer.policy import Policy
+from rlvr.trainer.rlpr import ReferenceProbability, debias_rows, reference_probabilities, rlpr_identity
 from rlvr.verifiers.cache import VerifierConfig
-from rlvr.verifiers.rlpr import RLPR_VERSION, answer_span, rlpr_reward, with_reference
+from rlvr.verifiers.rlpr import RLPR_VERSION, AnswerSpan, RLPRConfig, answer_span, rlpr_reward, with_reference
 
 
 def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, Built]:
@@ -44,54 +46,80 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
         ctx.usage.update(usage(model.model))
     debias_of = {**known, **{t["problem_id"]: t["probability"] for t in new_terms}}
     spans = [answer_span(str(r["response"])) for r in rollouts]
-    stated = [(i, span) for i, span in enumerate(spans) if span is not None]
+    probability = reference_terms(inputs, rollouts, problems, spans, load, settings, ctx)
     policy_id = inputs.require_id("policy")
-    probability = {}
-    if stated:
-        policy = inputs.load("policy", load)
-        texts = [
-            with_reference(
-                str(rollouts[i]["prompt"]),
-                str(rollouts[i]["response"]),
-                span,
-                str(problems[rollouts[i]["problem_id"]]["reference"]),
-            )
-            for i, span in stated
-        ]
-        found = reference_probabilities(policy, texts, settings.temperature, settings.micro_batch_tokens)
-        probability = {i: term for (i, _), term in zip(stated, found, strict=True)}
-        ctx.usage.update(usage(policy.model))
-    rows = []
-    for i, r in enumerate(rollouts):
-        debias = debias_of[r["problem_id"]]
-        span = spans[i]
-        term = probability.get(i)
-        raw = term.mean if term is not None else 0.0
-        components = {"probability": raw, "debias": debias, "format": float(span is not None)}
-        provenance: dict[str, Any] = {"policy": policy_id, "debias_policy": debias_policy, "raw": raw, "debias": debias}
-        if term is not None:
-            provenance |= {"tokens": term.tokens, "lowest": term.lowest}
-        rows.append(
-            {
-                "rollout_id": r["rollout_id"],
-                "run_id": ctx.run_id,
-                "step": ctx.step,
-                "problem_id": r["problem_id"],
-                "verifier": "rlpr",
-                "verifier_version": RLPR_VERSION,
-                "score": rlpr_reward(raw, debias, span is not None, settings),
-                "status": "ok" if span is not None else "unparseable",
-                "extracted": str(r["response"])[span.start : span.end] if span is not None else None,
-                "reason": None if span is not None else "the response states no answer (answer_span found none)",
-                "components": json.dumps(components, sort_keys=True),
-                "cache_hit": False,
-                "latency_s": None,  # the forward passes' time is the stage run's (the `stage_runs` view)
-                "provenance": json.dumps(provenance, sort_keys=True),
-            }
+    rows = [
+        reward_row(
+            ctx, r, spans[i], probability.get(i), debias_of[r["problem_id"]], (policy_id, debias_policy), settings
         )
+        for i, r in enumerate(rollouts)
+    ]
     return {
         "rlpr_debias": Built(rows_to_table("rlpr_debias", new_terms)),
         "rewards": Built(rows_to_table("rewards", rows)),
+    }
+
+
+def reference_terms(
+    inputs: Inputs,
+    rollouts: list[dict[str, Any]],
+    problems: dict[str, dict[str, Any]],
+    spans: list[AnswerSpan | None],
+    load: Callable[..., Policy],
+    settings: RLPRConfig,
+    ctx: StageContext,
+) -> dict[int, ReferenceProbability]:
+    """rollout index -> the sampling policy's probability of the reference written in place of its answer span, for
+    the rollouts that state an answer (the policy is loaded only when one does)."""
+    stated = [(i, span) for i, span in enumerate(spans) if span is not None]
+    if not stated:
+        return {}
+    policy = inputs.load("policy", load)
+    texts = [
+        with_reference(
+            str(rollouts[i]["prompt"]),
+            str(rollouts[i]["response"]),
+            span,
+            str(problems[rollouts[i]["problem_id"]]["reference"]),
+        )
+        for i, span in stated
+    ]
+    found = reference_probabilities(policy, texts, settings.temperature, settings.micro_batch_tokens)
+    ctx.usage.update(usage(policy.model))
+    return {i: term for (i, _), term in zip(stated, found, strict=True)}
+
+
+def reward_row(
+    ctx: StageContext,
+    rollout: dict[str, Any],
+    span: AnswerSpan | None,
+    term: ReferenceProbability | None,
+    debias: float,
+    policies: tuple[str, str],
+    settings: RLPRConfig,
+) -> dict[str, Any]:
+    """One `rewards` row: RLPR's reward from the rollout's reference probability (`term`, None without an answer
+    span) and its problem's debias term, with the policies and probabilities as provenance."""
+    raw = term.mean if term is not None else 0.0
+    components = {"probability": raw, "debias": debias, "format": float(span is not None)}
+    provenance: dict[str, Any] = {"policy": policies[0], "debias_policy": policies[1], "raw": raw, "debias": debias}
+    if term is not None:
+        provenance |= {"tokens": term.tokens, "lowest": term.lowest}
+    return {
+        "rollout_id": rollout["rollout_id"],
+        "run_id": ctx.run_id,
+        "step": ctx.step,
+        "problem_id": rollout["problem_id"],
+        "verifier": "rlpr",
+        "verifier_version": RLPR_VERSION,
+        "score": rlpr_reward(raw, debias, span is not None, settings),
+        "status": "ok" if span is not None else "unparseable",
+        "extracted": str(rollout["response"])[span.start : span.end] if span is not None else None,
+        "reason": None if span is not None else "the response states no answer (answer_span found none)",
+        "components": json.dumps(components, sort_keys=True),
+        "cache_hit": False,
+        "latency_s": None,  # the forward passes' time is the stage run's (the `stage_runs` view)
+        "provenance": json.dumps(provenance, sort_keys=True),
     }
 
 

@@ -62,31 +62,34 @@ def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> dict[str, Bui
     rollouts: list[dict[str, Any]] = []
     turns: list[dict[str, Any]] = []
     for t in trajectories:
-        slot = slots[t.prompt_index]
-        rollout_id = row_id("r", ctx.run_id, ctx.step, slot["slot"], t.sample_index)
-        rollouts.append(
-            {
-                "rollout_id": rollout_id,
-                "run_id": ctx.run_id,
-                "step": ctx.step,
-                "slot": slot["slot"],
-                "problem_id": slot["problem_id"],
-                "sample_index": t.sample_index,
-                "prompt": prompts[t.prompt_index],
-                "response": t.response,
-                "completion_ids": t.completion_ids,
-                "n_tokens": len(t.completion_ids),
-                "finish_reason": t.finish_reason,
-                "policy_id": policy_ref,
-                "staleness": int(ctx.params.get("staleness", 0)),
-                "logprobs": t.logprobs,
-                "hint_ratio": ratios[t.prompt_index],
-                **episode_columns(t, env, ctx.params.get("environment")),
-            }
-        )
-        common = {"rollout_id": rollout_id, "run_id": ctx.run_id, "step": ctx.step, "problem_id": slot["problem_id"]}
-        turns.extend({**common, **row} for row in turn_rows(t))
+        row = rollout_row(ctx, t, slots[t.prompt_index], prompts[t.prompt_index], ratios[t.prompt_index], policy_ref)
+        rollouts.append({**row, **episode_columns(t, env, ctx.params.get("environment"))})
+        common = {k: row[k] for k in ("rollout_id", "run_id", "step", "problem_id")}
+        turns.extend({**common, **turn} for turn in turn_rows(t))
     return {"rollouts": Built(rows_to_table("rollouts", rollouts)), "turns": Built(rows_to_table("turns", turns))}
+
+
+def rollout_row(
+    ctx: StageContext, t: Trajectory, slot: dict[str, Any], prompt: str, hint_ratio: float, policy_ref: str
+) -> dict[str, Any]:
+    """The `rollouts` columns every trajectory has (an environment's episode adds `episode_columns`)."""
+    return {
+        "rollout_id": row_id("r", ctx.run_id, ctx.step, slot["slot"], t.sample_index),
+        "run_id": ctx.run_id,
+        "step": ctx.step,
+        "slot": slot["slot"],
+        "problem_id": slot["problem_id"],
+        "sample_index": t.sample_index,
+        "prompt": prompt,
+        "response": t.response,
+        "completion_ids": t.completion_ids,
+        "n_tokens": len(t.completion_ids),
+        "finish_reason": t.finish_reason,
+        "policy_id": policy_ref,
+        "staleness": int(ctx.params.get("staleness", 0)),
+        "logprobs": t.logprobs,
+        "hint_ratio": hint_ratio,
+    }
 
 
 def one_turn(sample: Sample, logprobs: list[float] | None) -> Trajectory:

@@ -422,15 +422,28 @@ def run_episodes(
     with ThreadPoolExecutor(max_workers=environment_threads, thread_name_prefix="environment") as pool:
         try:
             _open_all(episodes, factories, tasks, rendering, pool)
-            for turn in range(budgets.max_turns):
-                running = [e for e in episodes if e.stop_reason is None]
-                if not running:
-                    break
-                _sample_turn(running, turn, budgets, decoding, policy)
-                _step_all(running, turn == budgets.max_turns - 1, budgets, rendering, pool)
+            _play_turns(episodes, budgets, decoding, rendering, policy, pool)
         finally:
             list(pool.map(_close, [e for e in episodes if e.environment is not None]))
     return [e.trajectory(decoding.records_logprobs) for e in episodes]
+
+
+def _play_turns(
+    episodes: list[_Episode],
+    budgets: Budgets,
+    decoding: TurnDecoding,
+    rendering: ChatRendering,
+    policy: Policy,
+    pool: ThreadPoolExecutor,
+) -> None:
+    """Turn after turn until every episode has stopped or `max_turns` are taken: the running episodes sample in one
+    batch, then their environments step side by side."""
+    for turn in range(budgets.max_turns):
+        running = [e for e in episodes if e.stop_reason is None]
+        if not running:
+            return
+        _sample_turn(running, turn, budgets, decoding, policy)
+        _step_all(running, turn == budgets.max_turns - 1, budgets, rendering, pool)
 
 
 def _check_arguments(

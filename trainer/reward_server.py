@@ -168,17 +168,7 @@ def reward_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
         if name is not None and name != served.name:
             raise UnknownModel(f"model {name!r} is not served here; this server serves {served.name!r}")
 
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_body(400, validation_line(exc))
-
-    @app.exception_handler(ScoringError)
-    async def cannot_score(request: Request, exc: ScoringError) -> JSONResponse:
-        return error_body(400, str(exc))
-
-    @app.exception_handler(UnknownModel)
-    async def other_model(request: Request, exc: UnknownModel) -> JSONResponse:
-        return error_body(404, str(exc))
+    add_error_handlers(app)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -201,51 +191,79 @@ def reward_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
     def classify(body: ClassifyRequest) -> dict[str, Any]:
         check_model(body.model)
         texts = [body.input] if isinstance(body.input, str) else body.input
-        probs = class_probabilities(served, texts)
+        answer = classify_answer(served, texts)
         count("classify", len(texts))
-        labels = served.labels
-        tokens = sum(len(ids) for ids in served.tokenizer(texts)["input_ids"]) if texts else 0
-        data = [
-            {"index": i, "label": labels[max(range(len(p)), key=p.__getitem__)], "probs": p, "num_classes": len(p)}
-            for i, p in enumerate(probs)
-        ]
-        return {
-            "id": f"classify-{uuid.uuid4().hex}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": served.name,
-            "data": data,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
-        }
+        return answer
 
     @app.post("/v1/chat/completions")
     def chat_completions(body: ChatRequest) -> dict[str, Any]:
         check_model(body.model)
-        done = complete_chat(
-            served,
-            [m.model_dump() for m in body.messages],
-            max_tokens=body.max_tokens or DEFAULT_MAX_TOKENS,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-        )
+        answer = chat_answer(served, body)
         count("chat_completions", 1)
-        message = {"role": "assistant", "content": done.text}
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": served.name,
-            "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason}],
-            "usage": {
-                "prompt_tokens": done.prompt_tokens,
-                "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens,
-            },
-        }
+        return answer
 
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """A bad request's 400, a text the model cannot score's 400 and another model's name's 404, each one line."""
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_body(400, validation_line(exc))
+
+    @app.exception_handler(ScoringError)
+    async def cannot_score(request: Request, exc: ScoringError) -> JSONResponse:
+        return error_body(400, str(exc))
+
+    @app.exception_handler(UnknownModel)
+    async def other_model(request: Request, exc: UnknownModel) -> JSONResponse:
+        return error_body(404, str(exc))
+
+
+def classify_answer(served: ServedModel, texts: list[str]) -> dict[str, Any]:
+    """vLLM's /classify answer for `texts`: each one's class probabilities and most probable label."""
+    probs = class_probabilities(served, texts)
+    labels = served.labels
+    tokens = sum(len(ids) for ids in served.tokenizer(texts)["input_ids"]) if texts else 0
+    data = [
+        {"index": i, "label": labels[max(range(len(p)), key=p.__getitem__)], "probs": p, "num_classes": len(p)}
+        for i, p in enumerate(probs)
+    ]
+    return {
+        "id": f"classify-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": served.name,
+        "data": data,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+    }
+
+
+def chat_answer(served: ServedModel, body: ChatRequest) -> dict[str, Any]:
+    """An OpenAI chat completion of `body`'s messages by the served model."""
+    done = complete_chat(
+        served,
+        [m.model_dump() for m in body.messages],
+        max_tokens=body.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+    )
+    message = {"role": "assistant", "content": done.text}
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": served.name,
+        "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason}],
+        "usage": {
+            "prompt_tokens": done.prompt_tokens,
+            "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+        },
+    }
 
 
 def validation_line(exc: RequestValidationError) -> str:
