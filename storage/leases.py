@@ -22,7 +22,8 @@ token. `owning` installs the lease on the process's Store (`Store.hold`), and ev
 that the number is still the newest before it publishes anything (`Lease.check`: one listing of
 leases/<run_id>/, once per commit of a batch, so once per RL step); every file write of the run checks the
 lease in memory just before the rename or PUT that publishes it (`Lease.check_fresh`: a listing only when this
-process has sent no heartbeat for half the timeout, which is the case just after a thaw). A failed check is
+process has sent no heartbeat for half the timeout, which is the case just after a thaw; the heartbeat's own
+write too, so a thread frozen between its listing and its write does not touch its old lease file). A failed check is
 `LeaseLost`, one line naming the run and its new owner; from then on every write of the run fails at once.
 Manifests and the run record carry the lease number they were written under (`lease`). The heartbeat thread
 that finds the run taken stops the run's main thread (flows/runs.py), which exits with status 2 without
@@ -95,7 +96,10 @@ class Lease:
             self._lose(newest)
             return False
         self.record["heartbeat_at"] = utc_now()
-        self.store.write_small(self.path, canonical_json(self.record).encode("utf-8"))
+        try:  # fenced like any write of the run: a freeze between the listing above and the rename is caught
+            self.store.write_small(self.path, canonical_json(self.record).encode("utf-8"), run_id=self.run_id)
+        except LeaseLost:
+            return False
         self.beaten_at = started
         return True
 

@@ -145,6 +145,33 @@ def test_a_batch_commit_costs_one_listing_of_the_leases(tmp_path: Path, monkeypa
             assert listings[0] == 1
 
 
+def test_a_heartbeat_frozen_between_its_listing_and_its_write_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The heartbeat thread lists the leases, is frozen past the timeout, the run is taken over, and it thaws:
+    its write is fenced like any other, so its own old lease file is left as it was (CI caught this once)."""
+    from rlvr.storage import leases
+
+    store = Store.open(str(tmp_path / "store"), create=True)
+    with owning(store, "r") as lease:
+        listed = lease_path(store, "r", 0)
+        before = store.fs.cat_file(listed)
+        calls = [0]
+
+        def frozen_after_listing(*args: Any) -> int | None:
+            newest = newest_lease_number(*args)
+            calls[0] += 1
+            if calls[0] == 1:  # the beat's own listing: the owner is still this one, then the freeze
+                take_over(store, "r", 1)
+                lease.beaten_at -= lease.fresh_s + 1
+            return newest
+
+        monkeypatch.setattr(leases, "newest_lease_number", frozen_after_listing)
+        assert lease.beat() is False
+        assert lease.lost is not None and lease.lost.startswith("run 'r' was taken over by process 4242")
+        assert store.fs.cat_file(listed) == before
+
+
 def test_a_manifest_written_before_leases_were_recorded_still_reads() -> None:
     manifest = Manifest("a", "k", "r", "s", None, 0, "", [], [], "1", {}, "2026-01-01", 0.0)
     text = json.loads(manifest.to_json())
