@@ -187,7 +187,8 @@ def _judge(
         chosen = [rewrite for i in todo if (rewrite := rewrites[i]) is not None]  # all: screened ones exist
         rows = _sampled_rows(todo, chosen, requests, pool, policy, cfg, ctx)
         references = {r["problem_id"]: (pool[r["parent"]]["verifier"], r["reference"]) for r in rows}
-        verdicts, _ = score_rollouts(ctx.store, ctx.params["verifier"], rows, references)
+        questions = [r["prompt"] for r in rows]  # a judged problem's rewrite: the judge is asked the rewrite
+        verdicts, _ = score_rollouts(ctx.store, ctx.params["verifier"], rows, references, questions=questions)
         for row, verdict in zip(rows, verdicts):
             index = row["request"]  # this and `parent`, `reference`: not columns, left out when written
             judged.rollouts.setdefault(index, []).append(row)

@@ -200,7 +200,7 @@ def test_difficulty_and_evaluation_ask_the_judge_too(judged_store) -> None:
 
 
 def test_a_judge_scores_pairs_with_their_questions_through_the_cache(judge) -> None:
-    from rlvr.verifiers.cache import VerifierConfig, score_cached
+    from rlvr.verifiers.cache import VerifierConfig, score_cached, score_rollouts
     from rlvr.verifiers.judge import JudgeConfig
 
     rule, url = judge
@@ -214,6 +214,10 @@ def test_a_judge_scores_pairs_with_their_questions_through_the_cache(judge) -> N
     assert rule.calls - before == 4  # the failure is asked again; the verdicts are not
     (alone,), _, _ = score_cached(None, cfg, [("12", "12")], ["judge"])  # no question given: no call
     assert alone.status == "error" and alone.reason == "the judge was given no question for this answer"
+    # rollouts with their questions, as CLPO's check of its rewrites scores them: asked, one a new question
+    rollouts = [{"problem_id": "p", "response": "12"}, {"problem_id": "p", "response": "11"}]
+    verdicts, _ = score_rollouts(None, cfg, rollouts, {"p": ("judge", "12")}, questions=["7+5=", "7+5="])
+    assert [v["status"] for v in verdicts] == ["ok", "wrong"] and rule.calls - before == 6
 
 
 def test_a_reward_model_rewards_a_run_and_a_dead_one_stops_it(judge, tmp_path) -> None:
@@ -237,3 +241,21 @@ def test_a_reward_model_rewards_a_run_and_a_dead_one_stops_it(judge, tmp_path) -
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: the reward model at {url}/down failed 16 of 16 verdicts this step (more than ")
     assert last.endswith(f"first: reward server {url}/down/get_reward: HTTP 500: down for maintenance")
+
+
+def test_relabelling_a_judged_run_asks_its_judge_again_only_what_failed(judge, judged_store) -> None:
+    """`rlvr relabel` reads the run's reward.judge: the judge's cached verdicts stand, the failed ones are asked
+    again with their questions (and fail again: the rule judge fails on every 3), so nothing flips."""
+    rule, url = judge
+    store, _ = judged_store
+    before, calls = rows(store, "SELECT rollout_id, status, reason FROM rewards WHERE run_id = 'again'"), rule.calls
+    result = rlvr("relabel", "again", "--store", store, env=cli_env(), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "0 verdicts flipped (0 up, 0 down)" in result.stdout
+    after = rows(store, "SELECT rollout_id, status, reason FROM relabeled_rewards WHERE run_id = 'again'")
+    assert sorted(after, key=str) == sorted(before, key=str)
+    failed = [r for r in after if r["status"] == "error"]
+    assert failed and {r["reason"] for r in failed} == {
+        f'judge {url}/v1/chat/completions: HTTP 503: {{"error":{{"message":"busy"}}}}'
+    }
+    assert rule.calls - calls == len(failed)  # every other verdict is in the store, a difficulty shard's too

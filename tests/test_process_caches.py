@@ -18,7 +18,7 @@ from rlvr.trainer.checkpoints import load_policy
 from rlvr.trainer.devices import CPU
 from rlvr.trainer.policy import PolicyConfig, weights_bytes
 from rlvr.verifiers.base import Score
-from rlvr.verifiers.cache import RewardCache, cache_key, score_to_entry
+from rlvr.verifiers.cache import RewardCache, cache_key, score_to_entry, stage_entries
 
 
 def test_table_cache_reads_what_another_process_committed(tmp_path):
@@ -73,6 +73,31 @@ def test_reward_cache_entries_reach_other_processes_through_the_store(tmp_path):
         config={},
     )
     assert theirs.lookup([key])[0].status == "ok"  # refreshed from the committed artifact
+
+
+def test_a_stage_commits_its_hits_on_verdicts_only_this_process_holds(tmp_path):
+    """A difficulty shard's verdicts live in the process's cache only (that stage writes no cache artifact): the
+    label stage that hits them commits them, so another process (`rlvr relabel`, a resume) finds them too."""
+    root = str(tmp_path / "s")
+    cache = RewardCache(Store.open(root, create=True))
+    stored, shards, fresh = (cache_key("arithmetic", "1", answer, "7") for answer in ("7", "8", "9"))
+    entries = [score_to_entry(stored, Score(1.0, "ok"))]
+    cache.store.write_artifact(
+        "reward_cache",
+        "reward_cache-1",
+        pa.Table.from_pylist(entries),
+        run_id="r",
+        stage="label",
+        parents=[],
+        code_version="1",
+        config={},
+    )
+    cache.add_entries([score_to_entry(shards, Score(0.0, "wrong"))])  # a difficulty shard's, in this process
+    assert cache.lookup([stored, shards, fresh])[:2] == [Score(1.0, "ok"), Score(0.0, "wrong")]
+    assert (cache.unstored(stored), cache.unstored(shards), cache.unstored(fresh)) == (False, True, False)
+    scores = [Score(1.0, "ok"), Score(0.0, "wrong"), Score(0.0, "wrong")]
+    committed = stage_entries(cache, [stored, shards, fresh], scores, hits=[True, True, False])
+    assert [e["response_hash"] for e in committed] == [shards[2], fresh[2]]  # not the stored one again
 
 
 def test_a_fresh_process_prunes_every_stale_transient_artifact(tmp_path):

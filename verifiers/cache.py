@@ -73,6 +73,7 @@ class RewardCache:
     def __init__(self, store: Store | None) -> None:
         self.store = store
         self._index: dict[CacheKey, Score] = {}
+        self._stored: set[CacheKey] = set()  # keys read from the store's artifacts (the rest: this process's only)
         self._loaded: set[str] = set()
         self._log_position: int | None = None  # how far the store's reward_cache log has been read
 
@@ -103,14 +104,22 @@ class RewardCache:
             log.warning("reward cache: skipping %s", exc)
             self._loaded.add(artifact_id)
             return
-        self.add_entries(entries)
+        self._stored.update(self.add_entries(entries))
         self._loaded.add(artifact_id)
 
-    def add_entries(self, entries: Iterable[dict[str, Any]]) -> None:
-        """Index cache entries (rows of a `reward_cache` artifact, committed or not yet)."""
+    def add_entries(self, entries: Iterable[dict[str, Any]]) -> list[CacheKey]:
+        """Index cache entries (rows of a `reward_cache` artifact, committed or not yet); their keys."""
+        keys = []
         for entry in entries:
             key = (entry["verifier"], entry["verifier_version"], entry["response_hash"], entry["reference_hash"])
             self._index[key] = entry_to_score(entry)
+            keys.append(key)
+        return keys
+
+    def unstored(self, key: CacheKey) -> bool:
+        """Whether the verdict of `key` is known to this process only: a difficulty shard's (that stage writes no
+        cache artifact), or one in a stage's artifact not committed yet."""
+        return key in self._index and key not in self._stored
 
     def lookup(self, keys: Sequence[CacheKey]) -> list[Score | None]:
         self.refresh()
@@ -155,6 +164,16 @@ def judged_pairs(
 
 
 MODEL_VERIFIERS = frozenset({JudgeVerifier.name, RewardModelVerifier.name})
+
+
+def stage_entries(
+    cache: RewardCache, keys: Sequence[CacheKey], scores: Sequence[Score], hits: Sequence[bool]
+) -> list[dict[str, Any]]:
+    """The cache entries a stage commits: its fresh verdicts, and its hits on verdicts the store does not hold yet
+    (a difficulty shard's), so that every verdict of a rewards row is in the store for `rlvr relabel` and any
+    later process to find."""
+    chosen = [i for i, hit in enumerate(hits) if not hit or cache.unstored(keys[i])]
+    return cache_entries([keys[i] for i in chosen], [scores[i] for i in chosen])
 
 
 def cache_entries(keys: Sequence[CacheKey], scores: Sequence[Score]) -> list[dict[str, Any]]:
@@ -285,9 +304,10 @@ def score_cached(
     _check_count(fresh, len(misses), "scoring the reward-cache misses")
     scored = dict(zip(misses, fresh, strict=True))
     scores = [score if score is not None else scored[i] for i, score in enumerate(cached)]
-    entries = cache_entries([keys[i] for i in misses], fresh)
+    hits = [score is not None for score in cached]
+    entries = stage_entries(cache, keys, scores, hits)
     cache.add_entries(entries)
-    return scores, [score is not None for score in cached], entries
+    return scores, hits, entries
 
 
 def _score_fresh(cfg: VerifierConfig, name: str, pairs: list[tuple[Any, Any]]) -> list[Score]:
@@ -348,13 +368,14 @@ def score_rollouts(
     rollouts: Sequence[dict[str, Any]],
     problems: Mapping[str, tuple[str | None, Any]],
     score_misses: MissScorer = score_fresh,
+    questions: Sequence[str] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Verdict columns of a `rewards` row for each rollout (cache first, then `score_misses`), and the new
     cache entries. Rollouts need `response` and `problem_id`; `problems` maps problem ids to (verifier,
-    reference)."""
+    reference); `questions`, one a rollout, are what a judge or a reward model is asked with the answer."""
     pairs = [(r["response"], problems[r["problem_id"]][1]) for r in rollouts]
     verifiers = [problems[r["problem_id"]][0] for r in rollouts]
-    scores, hits, entries = score_cached(store, cfg, pairs, verifiers, score_misses)
+    scores, hits, entries = score_cached(store, cfg, pairs, verifiers, score_misses, questions)
     names = [cfg.verifier_of(name) for name in verifiers]
     verdicts = [
         {

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.errors import UserError
 from rlvr.storage.store import Store
-from rlvr.verifiers.cache import VerifierConfig, cache_entries, cache_for, cache_key
+from rlvr.verifiers.cache import VerifierConfig, cache_for, cache_key, stage_entries
 from rlvr.verifiers.judge import (
     JudgeClient,
     JudgeConfig,
@@ -75,7 +75,8 @@ def model_rollouts(
     cached = cache.lookup(keys)
     misses = [k for k, score in enumerate(cached) if score is None]
     asked = dict(zip(misses, ask(cfg, name, [items[k] for k in misses]), strict=True))
-    entries = cache_entries([keys[k] for k in misses], [asked[k].score for k in misses])
+    scores = [asked[k].score if score is None else score for k, score in enumerate(cached)]
+    entries = stage_entries(cache, keys, scores, [score is not None for score in cached])
     cache.add_entries(entries)
     provenance = json.dumps(provenance_of(cfg, name), sort_keys=True)
     rows = []

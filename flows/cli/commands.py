@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -20,6 +20,10 @@ from rich.table import Table
 
 from rlvr.errors import RunTakenOver, Stopped, UserError, environment_failure
 from rlvr.flows.cli.common import StoreOption, flow_store, open_existing, store_root, with_progress
+
+if TYPE_CHECKING:
+    from rlvr.storage.store import Store
+    from rlvr.verifiers.model_rewards import RewardConfig
 
 app = typer.Typer(
     add_completion=False,
@@ -289,7 +293,10 @@ def relabel(
             raise UserError(f"{target!r} is neither a rewards artifact nor a run with rewards in {found.root}")
     if verifier:
         verifier_class(verifier)  # an unknown name fails here, as one line
-    cfg = VerifierConfig(verifier=verifier, workers=workers, timeout_s=timeout)
+    reward = run_reward_section(found, targets[0].run_id)  # a run id, or one artifact: one run's rewards
+    cfg = VerifierConfig(
+        verifier=verifier, workers=workers, timeout_s=timeout, judge=reward.judge, reward_model=reward.model
+    )
     with ExitStack() as owned:  # it writes under each rewards' run id: no one else may meanwhile
         for owner in sorted({m.run_id for m in targets}):
             owned.enter_context(owning(found, owner, purpose="rlvr relabel"))
@@ -304,6 +311,16 @@ def relabel(
     )
     _print_rows(flips[:20], ["rollout_id", "step", "old_score", "new_score", "old_status", "new_status"], "table")
     out.print(f'flip report: rlvr query "SELECT * FROM relabel_flips ORDER BY step" --store {found.root}')
+
+
+def run_reward_section(store: Store, run_id: str | None) -> RewardConfig:
+    """The `reward` section a run was started with (its judge's and reward model's endpoints): relabelling asks
+    them again, as the run's label stage did."""
+    from rlvr.verifiers.model_rewards import RewardConfig
+
+    record = store.read_run(run_id) if run_id is not None else None
+    section = json.loads((record or {}).get("config_json") or "{}").get("reward") or {}
+    return RewardConfig.model_validate(section)
 
 
 @app.command()
