@@ -19,11 +19,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from rlvr.errors import UserError
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.verifiers.base import Score
 from rlvr.verifiers.cache import (
-    MODEL_VERIFIERS,
     MissScorer,
     VerifierConfig,
     problem_references,
@@ -31,9 +29,7 @@ from rlvr.verifiers.cache import (
     score_rollouts,
     verifier_identity,
 )
-from rlvr.verifiers.judge import JudgeVerifier
-from rlvr.verifiers.model_rewards import check_error_rate, endpoint_of, model_rollouts
-from rlvr.verifiers.registry import verifier_class
+from rlvr.verifiers.model_rewards import model_verdicts, split_by_model
 
 
 @dataclass(frozen=True)
@@ -67,13 +63,11 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
     table = inputs.table("rollouts")
     given = environment_verdicts(table)  # an environment that gives its own reward has scored these already
     references = problem_references(inputs.table("problems", ["problem_id", "verifier", "reference"]))
-    rollouts: list[dict[str, Any]] = []
-    judged: dict[str, list[dict[str, Any]]] = {name: [] for name in MODEL_VERIFIERS}
-    for r in table.select(["rollout_id", "problem_id", "prompt", "response"]).to_pylist():
-        if r["rollout_id"] not in given:
-            verifier = cfg.verifier_of(references[r["problem_id"]][0])
-            judged.get(verifier, rollouts).append(r)
-    model_of, model_entries = model_verdicts(ctx, cfg, judged, references)
+    columns = table.select(["rollout_id", "problem_id", "prompt", "response"]).to_pylist()
+    unscored = [r for r in columns if r["rollout_id"] not in given]
+    judged, rollouts = split_by_model(cfg, unscored, references)
+    max_error_rate = float(ctx.params.get("max_error_rate", 0.0))
+    model_of, model_entries = model_verdicts(ctx.store, cfg, judged, references, max_error_rate)
     fan_out = ctx.params.get("fan_out")
     chunk = getattr(fan_out, "verify_chunk", None)  # a FanOut has it (flow.executor.verify_chunk); `map` has not
     misses: MissScorer = score_fresh
@@ -95,31 +89,6 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
         "reward_cache": Built(rows_to_table("reward_cache", [*entries, *model_entries])),
         "rewards": Built(rows_to_table("rewards", rows)),
     }
-
-
-def model_verdicts(
-    ctx: StageContext,
-    cfg: VerifierConfig,
-    judged: dict[str, list[dict[str, Any]]],
-    references: dict[str, tuple[str | None, Any]],
-) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-    """rollout_id -> its rewards columns for the rollouts a model scores (the judge, `cfg.judge`; a reward model,
-    `cfg.reward_model`: the run's reward section), and the new cache entries; the run stops when the step's failed
-    share of a model's verdicts passes `params["max_error_rate"]`."""
-    found: dict[str, dict[str, Any]] = {}
-    entries: list[dict[str, Any]] = []
-    answers = {pid: ref for pid, (_, ref) in references.items()}
-    for name, mine in sorted(judged.items()):
-        if not mine:
-            continue
-        if cfg.endpoint_version(name) in (None, verifier_class(name).version):
-            setting = "reward.judge" if name == JudgeVerifier.name else "reward.model"
-            raise UserError(f"problems name the {name!r} verifier but {setting} is not set (docs/rewards.md)")
-        rows, made = model_rollouts(ctx.store, cfg, name, mine, answers)
-        check_error_rate(rows, endpoint_of(cfg, name), float(ctx.params.get("max_error_rate", 0.0)))
-        found |= {r["rollout_id"]: row for r, row in zip(mine, rows)}
-        entries += made
-    return found, entries
 
 
 def environment_verdicts(rollouts: pa.Table) -> dict[str, dict[str, Any]]:

@@ -4,17 +4,15 @@ Writes `relabeled_rewards` (the rewards schema; a kind of its own so the `reward
 "what training saw") and a `relabel_flips` report of the rows whose score or status changed.
 Verdicts the current version already gave come from the reward cache; the new ones are cached. A problem judged
 by a model (the judge, a reward model) is asked again with its question, of the endpoint the run was given
-(`cfg.judge`, `cfg.reward_model`: the run's reward section, which `rlvr relabel` reads from the run's config).
+(`cfg.judge`, `cfg.reward_model`: the run's reward section, which `rlvr relabel` reads from the run's config), as
+the label stage asks it, except that no error rate stops a relabelling: failed verdicts stay `error` rows.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.verifiers.cache import VerifierConfig, problem_references, score_rollouts, verifier_identity
-from rlvr.verifiers.model_rewards import model_given, model_rollouts
-from rlvr.verifiers.registry import verifier_class
+from rlvr.verifiers.model_rewards import model_verdicts, split_by_model
 
 
 def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, Built]:
@@ -22,7 +20,8 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
     before = {r["rollout_id"]: r for r in inputs.rows("rewards")}
     rollouts = inputs.rows("rollouts", ["rollout_id", "problem_id", "prompt", "response"])
     references = problem_references(inputs.table("problems", ["problem_id", "verifier", "reference"]))
-    by_model, model_entries, plain = model_verdicts(ctx, cfg, rollouts, references)
+    judged, plain = split_by_model(cfg, rollouts, references)
+    by_model, model_entries = model_verdicts(ctx.store, cfg, judged, references, max_error_rate=None)
     scored, entries = score_rollouts(ctx.store, cfg, plain, references)
     verdict_of = by_model | {r["rollout_id"]: v for r, v in zip(plain, scored)}
     verdicts = [verdict_of[r["rollout_id"]] for r in rollouts]
@@ -49,33 +48,6 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
         "relabeled_rewards": Built(rows_to_table("relabeled_rewards", rows)),
         "relabel_flips": Built(rows_to_table("relabel_flips", flips)),
     }
-
-
-def model_verdicts(
-    ctx: StageContext,
-    cfg: VerifierConfig,
-    rollouts: list[dict[str, Any]],
-    references: dict[str, tuple[str | None, Any]],
-) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """The verdicts of the rollouts a model the run was given scores (rollout_id -> rewards columns, asked as the
-    label stage asks: cache first), their new cache entries, and the rollouts left for the verifiers. Unlike a
-    run, no error rate stops a relabelling: failed verdicts are rows with status `error`."""
-    answers = {pid: ref for pid, (_, ref) in references.items()}
-    groups: dict[str, list[dict[str, Any]]] = {}
-    plain: list[dict[str, Any]] = []
-    for r in rollouts:
-        name = cfg.verifier_of(references[r["problem_id"]][0])
-        if model_given(name) and cfg.endpoint_version(name) not in (None, verifier_class(name).version):
-            groups.setdefault(name, []).append(r)
-        else:
-            plain.append(r)
-    found: dict[str, dict[str, Any]] = {}
-    entries: list[dict[str, Any]] = []
-    for name, mine in sorted(groups.items()):
-        rows, made = model_rollouts(ctx.store, cfg, name, mine, answers)
-        found |= {r["rollout_id"]: row for r, row in zip(mine, rows, strict=True)}
-        entries += made
-    return found, entries, plain
 
 
 RELABEL: Stage[VerifierConfig] = Stage(

@@ -55,34 +55,9 @@ def test_a_resident_model_equals_the_one_loaded_from_the_store(tmp_path):
     assert weights_bytes(loaded.model) == weights_bytes(resident.model)
 
 
-def test_reward_cache_entries_reach_other_processes_through_the_store(tmp_path):
-    root = str(tmp_path / "s")
-    key = cache_key("arithmetic", "1", "7", "7")
-    mine, theirs = RewardCache(Store.open(root, create=True)), RewardCache(Store.open(root))
-    assert theirs.lookup([key]) == [None]
-    mine.remember(key, Score(1.0, "ok"))
-    entry = score_to_entry(key, Score(1.0, "ok"))
-    mine.store.write_artifact(
-        "reward_cache",
-        "reward_cache-1",
-        pa.Table.from_pylist([entry]),
-        run_id="r",
-        stage="label",
-        parents=[],
-        code_version="1",
-        config={},
-    )
-    assert theirs.lookup([key])[0].status == "ok"  # refreshed from the committed artifact
-
-
-def test_a_stage_commits_its_hits_on_verdicts_only_this_process_holds(tmp_path):
-    """A difficulty shard's verdicts live in the process's cache only (that stage writes no cache artifact): the
-    label stage that hits them commits them, so another process (`rlvr relabel`, a resume) finds them too."""
-    root = str(tmp_path / "s")
-    cache = RewardCache(Store.open(root, create=True))
-    stored, shards, fresh = (cache_key("arithmetic", "1", answer, "7") for answer in ("7", "8", "9"))
-    entries = [score_to_entry(stored, Score(1.0, "ok"))]
-    cache.store.write_artifact(
+def commit_cache_entries(store, entries):
+    """What a label stage commits beside its rewards: a `reward_cache` artifact of `entries`."""
+    store.write_artifact(
         "reward_cache",
         "reward_cache-1",
         pa.Table.from_pylist(entries),
@@ -92,6 +67,25 @@ def test_a_stage_commits_its_hits_on_verdicts_only_this_process_holds(tmp_path):
         code_version="1",
         config={},
     )
+
+
+def test_reward_cache_entries_reach_other_processes_through_the_store(tmp_path):
+    root = str(tmp_path / "s")
+    key = cache_key("arithmetic", "1", "7", "7")
+    mine, theirs = RewardCache(Store.open(root, create=True)), RewardCache(Store.open(root))
+    assert theirs.lookup([key]) == [None]
+    mine.remember(key, Score(1.0, "ok"))
+    commit_cache_entries(mine.store, [score_to_entry(key, Score(1.0, "ok"))])
+    assert theirs.lookup([key])[0].status == "ok"  # refreshed from the committed artifact
+
+
+def test_a_stage_commits_its_hits_on_verdicts_only_this_process_holds(tmp_path):
+    """A difficulty shard's verdicts live in the process's cache only (that stage writes no cache artifact): the
+    label stage that hits them commits them, so another process (`rlvr relabel`, a resume) finds them too."""
+    root = str(tmp_path / "s")
+    cache = RewardCache(Store.open(root, create=True))
+    stored, shards, fresh = (cache_key("arithmetic", "1", answer, "7") for answer in ("7", "8", "9"))
+    commit_cache_entries(cache.store, [score_to_entry(stored, Score(1.0, "ok"))])
     cache.add_entries([score_to_entry(shards, Score(0.0, "wrong"))])  # a difficulty shard's, in this process
     assert cache.lookup([stored, shards, fresh])[:2] == [Score(1.0, "ok"), Score(0.0, "wrong")]
     assert (cache.unstored(stored), cache.unstored(shards), cache.unstored(fresh)) == (False, True, False)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.errors import UserError
 from rlvr.storage.store import Store
-from rlvr.verifiers.cache import VerifierConfig, cache_for, cache_key, stage_entries
+from rlvr.verifiers.cache import MODEL_VERIFIERS, VerifierConfig, cache_for, cache_key, stage_entries
 from rlvr.verifiers.judge import (
     JudgeClient,
     JudgeConfig,
@@ -143,3 +143,44 @@ def check_error_rate(rows: Sequence[Mapping[str, Any]], endpoint: str, max_error
         f"{endpoint} failed {len(failed)} of {len(rows)} verdicts this step "
         f"(more than reward.max_error_rate {max_error_rate:g}); first: {failed[0]['reason']}"
     )
+
+
+def split_by_model(
+    cfg: VerifierConfig, rollouts: Sequence[dict[str, Any]], references: Mapping[str, tuple[str | None, Any]]
+) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]]]:
+    """The rollouts a model scores, by model verifier (the judge, a reward model), and the rest, for the verifiers'
+    pool; `references` maps problem ids to (verifier, reference)."""
+    judged: dict[str, list[dict[str, Any]]] = {name: [] for name in MODEL_VERIFIERS}
+    plain: list[dict[str, Any]] = []
+    for r in rollouts:
+        judged.get(cfg.verifier_of(references[r["problem_id"]][0]), plain).append(r)
+    return judged, plain
+
+
+def model_verdicts(
+    store: Store | None,
+    cfg: VerifierConfig,
+    judged: dict[str, list[dict[str, Any]]],
+    references: Mapping[str, tuple[str | None, Any]],
+    max_error_rate: float | None,
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """rollout_id -> its rewards columns for the rollouts each model scores (`split_by_model`; the endpoints are
+    the run's reward section, carried by `cfg`), and the new cache entries. With `max_error_rate` (a run's label
+    stage), a model whose failed share passes it stops the run; without (a relabelling), failures stay `error` rows."""
+    from rlvr.verifiers.registry import verifier_class
+
+    found: dict[str, dict[str, Any]] = {}
+    entries: list[dict[str, Any]] = []
+    answers = {pid: ref for pid, (_, ref) in references.items()}
+    for name, mine in sorted(judged.items()):
+        if not mine:
+            continue
+        if cfg.endpoint_version(name) in (None, verifier_class(name).version):
+            setting = "reward.judge" if name == JudgeVerifier.name else "reward.model"
+            raise UserError(f"problems name the {name!r} verifier but {setting} is not set (docs/rewards.md)")
+        rows, made = model_rollouts(store, cfg, name, mine, answers)
+        if max_error_rate is not None:
+            check_error_rate(rows, endpoint_of(cfg, name), max_error_rate)
+        found |= {r["rollout_id"]: row for r, row in zip(mine, rows, strict=True)}
+        entries += made
+    return found, entries

@@ -315,12 +315,13 @@ def relabel(
 
 def run_reward_section(store: Store, run_id: str | None) -> RewardConfig:
     """The `reward` section a run was started with (its judge's and reward model's endpoints): relabelling asks
-    them again, as the run's label stage did."""
+    them again, as the run's label stage did. The config is read as `rlvr resume` reads it."""
+    from rlvr.flows.config import config_from_json
+    from rlvr.flows.runs import recovered_record
     from rlvr.verifiers.model_rewards import RewardConfig
 
-    record = store.read_run(run_id) if run_id is not None else None
-    section = json.loads((record or {}).get("config_json") or "{}").get("reward") or {}
-    return RewardConfig.model_validate(section)
+    record = (store.read_run(run_id) or recovered_record(store, run_id)) if run_id is not None else None
+    return config_from_json(record["config_json"]).reward if record is not None else RewardConfig()
 
 
 @app.command()
