@@ -116,13 +116,15 @@ class ArithmeticSourceConfig(SourceConfig, ArithmeticSpec):
 
     `style`: "expression" prompts are the bare expression ("34+6="), for a model that continues text and
     writes only the number (the arithmetic verifier); "question" prompts ask it in words ("What is 34 + 6?
-    Answer with just the number."),
-    for a chat model that answers in a sentence, checked by `final_number` (the answer's last number; `math`
-    would accept an answer that only repeats the question, since it evaluates the expression).
+    Answer with just the number."), for a chat model that answers in a sentence, checked by `final_number`
+    (the answer's last number; `math` would accept an answer that only repeats the question, since it
+    evaluates the expression); "working" asks for the working before the answer ("What is 34 + 6? Show your
+    working, then give the final answer as 'Answer: <number>'."), also checked by `final_number`: the setting of
+    RLPR, whose reward reads the reasoning before the answer (docs/rewards.md#rlpr).
     """
 
     type: Literal["arithmetic"] = "arithmetic"
-    style: Literal["expression", "question"] = "expression"
+    style: Literal["expression", "question", "working"] = "expression"
 
 
 class ArithmeticSource(ProblemSource):
@@ -139,7 +141,7 @@ class ArithmeticSource(ProblemSource):
 
     @property
     def verifier(self) -> str:
-        question = isinstance(self.cfg, ArithmeticSourceConfig) and self.cfg.style == "question"
+        question = isinstance(self.cfg, ArithmeticSourceConfig) and self.cfg.style in QUESTION_SUFFIXES
         return self.cfg.verifier or ("final_number" if question else self.default_verifier)
 
     def rewrite(self, prompt: str, answer: str, mode: str) -> tuple[str, str] | None:
@@ -158,19 +160,20 @@ class ArithmeticSource(ProblemSource):
             return None
         rewritten = render_expression(*changed)
         if asked:
-            rewritten = question_of(rewritten)
+            rewritten = question_of(rewritten, style_of(prompt))
         return (rewritten, answer) if rewritten != prompt else None
 
     def rows(self, seed: int) -> Iterable[dict[str, Any]]:
         knobs = spec_of(self.cfg)
         style = knobs.pop("style", "expression")
         spec = ArithmeticSpec(**knobs)
-        params = json.dumps(spec.model_dump() | ({"style": style} if style == "question" else {}), sort_keys=True)
+        asked = style in QUESTION_SUFFIXES
+        params = json.dumps(spec.model_dump() | ({"style": style} if asked else {}), sort_keys=True)
         widths = "x".join(map(str, spec.operand_digits)) if spec.operand_digits else str(spec.digits)
-        category = f"d{widths}t{spec.terms}" + (spec.ops if style == "question" else "")
+        category = f"d{widths}t{spec.terms}" + (spec.ops if asked else "") + ("w" if style == "working" else "")
         for row in generate(spec, seed):
-            if style == "question":
-                row = {**row, "prompt": question_of(row["prompt"])}
+            if asked:
+                row = {**row, "prompt": question_of(row["prompt"], style)}
             yield {**row, "category": category, "domain": "arithmetic", "params": params}
 
 
@@ -395,20 +398,28 @@ QUESTION_PREFIX = "What is "
 # Asked without it, SmolLM2-135M-Instruct explains and rarely reaches the number in 32 tokens (greedy: two-digit
 # sums 0.03, one-digit products 0.10); with it, 0.17 and 0.47 (30 problems each, 2026-11-24).
 QUESTION_SUFFIX = "? Answer with just the number."
+# RLPR's reward reads the reasoning before the answer; asked for "just the number" the model writes none.
+WORKING_SUFFIX = "? Show your working, then give the final answer as 'Answer: <number>'."
+QUESTION_SUFFIXES = {"question": QUESTION_SUFFIX, "working": WORKING_SUFFIX}
 _SPOKEN = {"+": " + ", "-": " - ", "*": " times "}
 
 
-def question_of(expression: str) -> str:
+def question_of(expression: str, style: str = "question") -> str:
     """`"34+6*2="` -> `"What is 34 + 6 times 2? Answer with just the number."` (a leading minus stays on its
-    number)."""
+    number); `style` "working" asks for the working instead (`WORKING_SUFFIX`)."""
     body = expression.removesuffix("=")
     spoken = body[0] + re.sub(r"[+\-*]", lambda op: _SPOKEN[op.group(0)], body[1:])
-    return f"{QUESTION_PREFIX}{spoken}{QUESTION_SUFFIX}"
+    return f"{QUESTION_PREFIX}{spoken}{QUESTION_SUFFIXES[style]}"
+
+
+def style_of(question: str) -> str:
+    """The style whose suffix ends `question` ("question" for none)."""
+    return next((style for style, suffix in QUESTION_SUFFIXES.items() if question.endswith(suffix)), "question")
 
 
 def expression_of(question: str) -> str:
-    """Inverse of `question_of`."""
-    body = question.removeprefix(QUESTION_PREFIX).removesuffix(QUESTION_SUFFIX)
+    """Inverse of `question_of`, of either style."""
+    body = question.removeprefix(QUESTION_PREFIX).removesuffix(QUESTION_SUFFIXES[style_of(question)])
     return body.replace(" times ", "*").replace(" ", "") + "="
 
 

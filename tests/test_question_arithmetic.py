@@ -58,3 +58,17 @@ def test_question_style_prompts_round_trip_and_name_final_number() -> None:
     assert json.loads(rows[0]["params"])["style"] == "question" and "style" not in json.loads(plain[0]["params"])
     assert source.verifier == "final_number" and ArithmeticSource(ArithmeticSourceConfig()).verifier == "arithmetic"
     assert source.rewrite(question_of("2+3*4="), "14", "simplify") == (question_of("2+12="), "14")
+
+
+def test_working_style_asks_for_the_working_and_keeps_its_style_through_rewrites() -> None:
+    asked = question_of("34+6*2=", "working")
+    assert asked == "What is 34 + 6 times 2? Show your working, then give the final answer as 'Answer: <number>'."
+    assert expression_of(asked) == "34+6*2=" and expression_of(question_of("-3-6=")) == "-3-6="
+    cfg = ArithmeticSourceConfig(style="working", digits=2, ops="+", count=3)
+    source = ArithmeticSource(cfg)
+    rows = list(source.rows(0))
+    asked_plainly = list(ArithmeticSource(ArithmeticSourceConfig(style="question", digits=2, ops="+", count=3)).rows(0))
+    assert [expression_of(r["prompt"]) for r in rows] == [expression_of(p["prompt"]) for p in asked_plainly]
+    assert {r["category"] for r in rows} == {"d2t2+w"} and json.loads(rows[0]["params"])["style"] == "working"
+    assert source.verifier == "final_number"
+    assert source.rewrite(question_of("2+3*4=", "working"), "14", "simplify") == (question_of("2+12=", "working"), "14")
