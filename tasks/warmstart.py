@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlvr.data.tool_transcripts import synthesize_transcripts
+from rlvr.errors import UserError
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import checkpoint_built, load_policy, parameter_count
 from rlvr.trainer.devices import stage_device, usage
@@ -33,10 +34,14 @@ class WarmstartConfig(BaseModel):
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
     split: str = "warmup"
-    data: Literal["answers", "tool_transcripts"] = Field(
+    data: Literal["answers", "solutions", "tool_transcripts"] = Field(
         "answers",
         exclude_if=lambda value: value == "answers",  # left out of dumps (so of ids) at the default: ids stay
-        description="answers: prompt -> answer; tool_transcripts: calculator episodes (data/tool_transcripts.py)",
+        description=(
+            "answers: prompt -> answer; solutions: prompt -> the problem's worked solution (its `solution` column, "
+            "e.g. '74 + 93 = 74 + 90 + 3 = 164 + 3 = 167. The answer is 167.'); tool_transcripts: calculator "
+            "episodes (data/tool_transcripts.py)"
+        ),
     )
     env_options: dict[str, Any] = Field(
         default_factory=dict,
@@ -65,7 +70,13 @@ def build(inputs: Inputs, cfg: WarmstartConfig, ctx: StageContext) -> dict[str, 
         sequences = transcript_sequences(policy, synthesize_transcripts(problems, cfg.env_options, seed=seed))
         losses = sft_steps(policy, optimizer, sequences, steps=cfg.steps, batch_size=cfg.batch_size, seed=seed)
     else:
-        examples = [(p["prompt"], p["answer"]) for p in problems]
+        examples = [(p["prompt"], p["answer"] if cfg.data == "answers" else p.get("solution")) for p in problems]
+        missing = sum(not target for _, target in examples)
+        if missing:
+            raise UserError(
+                f"warmstart.data=solutions: {missing} of the {len(examples)} {cfg.split!r} problems have no worked "
+                "solution (the arithmetic and skills generators write one); use warmstart.data=answers"
+            )
         losses = sft_warmstart(policy, optimizer, examples, steps=cfg.steps, batch_size=cfg.batch_size, seed=seed)
     rows = [
         {

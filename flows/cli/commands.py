@@ -276,13 +276,15 @@ def relabel(
     timeout: float = typer.Option(5.0, "--timeout", help="hard wall-clock limit per answer, seconds"),
 ) -> None:
     """Re-score rewards with the current verifier versions; write new artifacts and a flip report."""
-    from rlvr.flows.prefect_env import configure_prefect
+    from rlvr.flows.prefect_env import configure_prefect, quiet_run_failure_logs
     from rlvr.storage.leases import owning
     from rlvr.verifiers.registry import verifier_class
 
     found = open_existing(store)
     configure_prefect(found)
     from rlvr.flows.relabel import relabel_rewards
+
+    quiet_run_failure_logs()  # a failure is said once, below, as a run says it
     from rlvr.verifiers.cache import VerifierConfig
 
     if found.exists(target):
