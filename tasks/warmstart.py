@@ -70,13 +70,14 @@ def build(inputs: Inputs, cfg: WarmstartConfig, ctx: StageContext) -> dict[str, 
         sequences = transcript_sequences(policy, synthesize_transcripts(problems, cfg.env_options, seed=seed))
         losses = sft_steps(policy, optimizer, sequences, steps=cfg.steps, batch_size=cfg.batch_size, seed=seed)
     else:
-        examples = [(p["prompt"], p["answer"] if cfg.data == "answers" else p.get("solution")) for p in problems]
-        missing = sum(not target for _, target in examples)
-        if missing:
+        target = "answer" if cfg.data == "answers" else "solution"
+        missing = sum(not p.get(target) for p in problems)
+        if missing and target == "solution":
             raise UserError(
-                f"warmstart.data=solutions: {missing} of the {len(examples)} {cfg.split!r} problems have no worked "
+                f"warmstart.data=solutions: {missing} of the {len(problems)} {cfg.split!r} problems have no worked "
                 "solution (the arithmetic and skills generators write one); use warmstart.data=answers"
             )
+        examples = [(p["prompt"], p[target]) for p in problems]
         losses = sft_warmstart(policy, optimizer, examples, steps=cfg.steps, batch_size=cfg.batch_size, seed=seed)
     rows = [
         {

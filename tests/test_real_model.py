@@ -121,6 +121,30 @@ def test_the_example_config_is_the_documented_recipe() -> None:
     assert cfg.rollout.max_new_tokens == cfg.evaluate.max_new_tokens == 32
 
 
+def test_the_rlpr_example_is_the_arithmetic_example_asked_for_its_working_after_a_warm_start_on_solutions() -> None:
+    """docs/rewards.md#rlpr: the same problems and GRPO as the arithmetic example; what differs is the style, the
+    room for the working, the warm start on worked solutions and the reward."""
+    from rlvr.flows.config import load_config
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    plain, rlpr = (
+        load_config(examples / "smollm2-arithmetic.yaml"),
+        load_config(examples / "smollm2-arithmetic-rlpr.yaml"),
+    )
+    assert [s.model_dump() | {"style": "working"} for s in plain.synthesize.sources] == [
+        s.model_dump() for s in rlpr.synthesize.sources
+    ]
+    assert (rlpr.label.reward, plain.label.reward) == ("rlpr", "verifier") and rlpr.train == plain.train
+    assert (rlpr.select, rlpr.allocate, rlpr.seed, rlpr.synthesize.test_fraction) == (
+        plain.select, plain.allocate, plain.seed, plain.synthesize.test_fraction
+    )  # fmt: skip
+    warm = rlpr.warmstart
+    assert (warm.data, warm.steps, warm.batch_size, warm.lr, rlpr.synthesize.warmup_fraction) == (
+        "solutions", 6, 8, 3e-5, 0.1
+    )  # fmt: skip
+    assert rlpr.rollout.max_new_tokens == rlpr.evaluate.max_new_tokens == rlpr.difficulty.max_new_tokens == 48
+
+
 @needs_model
 @pytest.mark.slow
 def test_clpos_policy_rewriter_runs_on_the_real_chat_model() -> None:

@@ -59,7 +59,9 @@ def test_a_warm_start_on_solutions_trains_on_each_problems_worked_solution(tmp_p
 
 def test_a_warm_start_on_solutions_of_problems_without_one_stops_with_one_line(tmp_path, monkeypatch) -> None:
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("\n".join(json.dumps({"prompt": f"What is {i} plus 1?", "answer": str(i + 1)}) for i in range(3)) + "\n")
+    rows.write_text(
+        "\n".join(json.dumps({"prompt": f"What is {i} plus 1?", "answer": str(i + 1)}) for i in range(3)) + "\n"
+    )
     sources = f"[{{type: file, name: plain, path: '{rows}', warmup_fraction: 1.0, test_fraction: 0}}]"
     with pytest.raises(UserError, match=r"^warmstart.data=solutions: 3 of the 3 'warmup' problems have no worked "):
         _warm_start(tmp_path, monkeypatch, sources, "solutions")
