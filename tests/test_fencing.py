@@ -326,7 +326,7 @@ def test_a_run_taken_over_halfway_through_a_step_writes_nothing_after(
     writes = [line.split(" ", 3) for line in audit.read_text().splitlines()]
     assert writes and {int(w[1]) for w in writes} >= {old.pid}
     late = [w for w in writes if float(w[0]) > frozen_at]
-    assert late == [], late[:10]
+    assert late == [], (f"old process {old.pid}, frozen at {frozen_at}", late[:10])  # whose writes: itself or a child
 
     # Every manifest and the run record written since the freeze carry the new owner's lease; the rest the old's.
     s = Store.open(str(store))
