@@ -71,8 +71,7 @@ def build(inputs: Inputs, cfg: WarmstartConfig, ctx: StageContext) -> dict[str, 
         losses = sft_steps(policy, optimizer, sequences, steps=cfg.steps, batch_size=cfg.batch_size, seed=seed)
     else:
         target = "answer" if cfg.data == "answers" else "solution"
-        missing = sum(not p.get(target) for p in problems)
-        if missing and target == "solution":
+        if target == "solution" and (missing := sum(not p.get(target) for p in problems)):
             raise UserError(
                 f"warmstart.data=solutions: {missing} of the {len(problems)} {cfg.split!r} problems have no worked "
                 "solution (the arithmetic and skills generators write one); use warmstart.data=answers"

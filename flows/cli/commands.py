@@ -283,9 +283,9 @@ def relabel(
     found = open_existing(store)
     configure_prefect(found)
     from rlvr.flows.relabel import relabel_rewards
-
-    quiet_run_failure_logs()  # a failure is said once, below, as a run says it
     from rlvr.verifiers.cache import VerifierConfig
+
+    quiet_run_failure_logs()  # after Prefect's import: a failure is said once, below, as a run says it
 
     if found.exists(target):
         targets = [found.manifest(target)]
