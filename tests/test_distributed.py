@@ -255,6 +255,28 @@ def test_the_rank_group_trains_as_one_process_does(sharding):
     assert rank_group.current_group() is None
 
 
+@pytest.mark.slow
+def test_a_rank_dead_before_an_operation_is_named_by_it(monkeypatch):
+    """A rank killed between operations, before the watchdog looks: the next operation's announcement fails in
+    gloo, and the run is told which rank died and how (RankLost, a Stopped), never gloo's own error."""
+    from rlvr.trainer import rank_group
+
+    monkeypatch.setattr(rank_group, "WATCH_S", 3600.0)  # the watchdog sleeps: only the operation can see it
+    group = rank_group.rank_group(2, "replicate", torch.device("cpu"))
+    try:
+        group.adopt(init_policy(PolicyConfig(), seed=0), None, 1e-3, 0.0)
+        (worker,) = group.workers
+        worker.kill()
+        worker.wait(timeout=30)
+        lost = rf"^stopped: data-parallel rank 1 \(pid {worker.pid}\) was killed by SIGKILL$"
+        with pytest.raises(rank_group.RankLost, match=lost):
+            group.held()
+        assert group.lost is not None
+    finally:
+        rank_group.close_group()
+    assert rank_group.current_group() is None
+
+
 def _rank_processes() -> list[int]:
     """Pids of live worker ranks (their command line names the module)."""
     found = []

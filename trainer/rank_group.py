@@ -81,6 +81,7 @@ from rlvr.verifiers.environment import EnvConfig
 
 TIMEOUT = timedelta(minutes=30)  # a collective waits this long for a rank (rank 0 verifying a large step)
 WATCH_S = 0.5  # how often rank 0 looks at the ranks it started
+DEATH_WAIT_S = 10.0  # after a collective failed: how long a dying rank may take to be seen dead (a loaded machine)
 EXIT_GRACE_S = 15.0  # after a rank died: how long the run may take to stop before its process is ended
 
 
@@ -414,18 +415,18 @@ class RankGroup:
         """Announce operation `name` to every rank, then run rank 0's share inside (the policy's forward is
         allowed only here: outside, rank 0 alone would wait forever for the others' weights)."""
         self._check()
-        broadcast_bytes(json.dumps({"op": name, **(header or {})}).encode(), self.device)
-        for blob in blobs:
-            broadcast_bytes(blob, self.device)
-        self._in_op.active = True
-        try:
+        try:  # the announcement too: a rank that died since the last operation fails its broadcast
+            broadcast_bytes(json.dumps({"op": name, **(header or {})}).encode(), self.device)
+            for blob in blobs:
+                broadcast_bytes(blob, self.device)
+            self._in_op.active = True
             yield
         except Stopped:
             self.broken = True  # the ranks may be anywhere in the operation: no further collective can match
             raise
         except Exception:  # a collective fails when a rank died: that death is the error to report
             self.broken = True
-            died = self._dead_rank(wait_s=WATCH_S * 4)
+            died = self._dead_rank(wait_s=DEATH_WAIT_S)
             if died is None:
                 raise
             self._lose(died, signal_run=False)
@@ -628,6 +629,8 @@ class RankGroup:
         try:
             if orderly:
                 broadcast_bytes(json.dumps({"op": "stop"}).encode(), self.device)
+        except Exception:  # a rank died after the run's last operation: its work is committed, nothing to report
+            orderly = False
         finally:
             if not orderly:  # a rank may wait in a collective that will never complete
                 for worker in self.workers:
