@@ -71,7 +71,8 @@ def build(inputs: Inputs, cfg: WarmstartConfig, ctx: StageContext) -> dict[str, 
         losses = sft_steps(policy, optimizer, sequences, steps=cfg.steps, batch_size=cfg.batch_size, seed=seed)
     else:
         target = "answer" if cfg.data == "answers" else "solution"
-        if target == "solution" and (missing := sum(not p.get(target) for p in problems)):
+        missing = sum(not p.get("solution") for p in problems) if target == "solution" else 0
+        if missing:
             raise UserError(
                 f"warmstart.data=solutions: {missing} of the {len(problems)} {cfg.split!r} problems have no worked "
                 "solution (the arithmetic and skills generators write one); use warmstart.data=answers"

@@ -14,6 +14,7 @@ step: through AdamW the parameters agree only to a few 1e-3 x lr, so the rank-gr
 
 import dataclasses
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -275,6 +276,25 @@ def test_a_rank_dead_before_an_operation_is_named_by_it(monkeypatch):
     finally:
         rank_group.close_group()
     assert rank_group.current_group() is None
+
+
+@pytest.mark.slow
+def test_a_rank_dead_after_the_last_operation_lets_the_group_close(monkeypatch):
+    """A rank that died after the run's last operation and is not yet seen dead: closing the group tells the
+    ranks to stop, that broadcast fails in gloo, and the group still closes (the other ranks ended, the process
+    group left) without an error: the run's work is committed."""
+    from rlvr.trainer import rank_group
+
+    monkeypatch.setattr(rank_group, "WATCH_S", 3600.0)
+    group = rank_group.rank_group(2, "replicate", torch.device("cpu"))
+    group.adopt(init_policy(PolicyConfig(), seed=0), None, 1e-3, 0.0)
+    (worker,) = group.workers
+    worker.kill()
+    worker.wait(timeout=30)
+    monkeypatch.setattr(worker, "poll", lambda: None)  # as if its death were not seen yet
+    rank_group.close_group()
+    assert rank_group.current_group() is None and group.lost is None
+    assert worker.returncode == -signal.SIGKILL
 
 
 def _rank_processes() -> list[int]:

@@ -31,6 +31,7 @@ import pytest
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.leases import LeaseLost, claim_run, lease_path, newest_lease_number, owning
 from rlvr.storage.manifest import Manifest
+from rlvr.storage.processes import TMP_RE
 from rlvr.storage.store import Store
 from tests.cli_helpers import REPO, cli_env, committed, wait_for
 
@@ -348,7 +349,7 @@ def test_a_run_taken_over_halfway_through_a_step_writes_nothing_after(
     assert (new_lease["pid"], new_lease["host"]) == (new.pid, OTHER_HOST) and new_lease["released_at"]
     # A temp file left anywhere is the new owner's or older than the freeze.
     for path in store.rglob("*.tmp-*"):
-        assert path.stat().st_mtime <= frozen_at or path.name.split("-")[-2] == str(new.pid), path
+        assert path.stat().st_mtime <= frozen_at or temp_writer(path.name) == new.pid, path
     assert socket.gethostname() != OTHER_HOST
 
 
@@ -361,7 +362,13 @@ def in_flight(write: list[str], early: list[list[str]], pid: int) -> bool:
         return False
     if call == "open" and path.endswith("/_owner.json"):
         return ["os.mkdir", os.path.dirname(path)] in [w[2:] for w in early]
-    return call in ("os.remove", "os.unlink") and Path(path).name.split("-")[-2:-1] == [str(pid)]
+    return call in ("os.remove", "os.unlink") and temp_writer(Path(path).name) == pid
+
+
+def temp_writer(name: str) -> int | None:
+    """The pid in a temp file's name (storage/processes.py's TMP_RE), None for another file."""
+    match = TMP_RE.search(name)
+    return int(match.group(2)) if match else None
 
 
 def committed_since(store: Path, moment: float) -> bool:
