@@ -2,7 +2,8 @@
 (1 - w) * clip(r - r_noreason, 0, 1) + w * format, where r is the sampling policy's mean per-token probability of
 the problem's reference written in place of the response's answer, r_noreason the same with no reasoning, and
 format 1 when the response states an answer where `answer_span` finds one; a response that states none gets 0
-(status unparseable), as RLPR's code gives it.
+(status unparseable), as RLPR's code gives it, and so does one cut off by max_new_tokens unless
+`label.rlpr.score_cut_off` (`stated_answer`).
 
 The r_noreason terms are the `rlpr_debias` rows: those of the `debias` inputs computed with the `debias_policy`
 are reused, the missing ones computed here with it and committed as this stage's own `rlpr_debias` (so each is
@@ -25,7 +26,7 @@ from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.rlpr import ReferenceProbability, debias_rows, reference_probabilities, rlpr_identity
 from rlvr.verifiers.cache import VerifierConfig
-from rlvr.verifiers.rlpr import RLPR_VERSION, AnswerSpan, RLPRConfig, answer_span, rlpr_reward, with_reference
+from rlvr.verifiers.rlpr import RLPR_VERSION, AnswerSpan, RLPRConfig, rlpr_reward, stated_answer, with_reference
 
 
 def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, Built]:
@@ -34,7 +35,7 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
     settings = cfg.rlpr
     loader = sampler_policy if ctx.params.get("beside_trainer") else load_policy
     load = partial(loader, device=stage_device(ctx.params.get("device")))
-    rollouts = inputs.rows("rollouts", ["rollout_id", "problem_id", "prompt", "response"])
+    rollouts = inputs.rows("rollouts", ["rollout_id", "problem_id", "prompt", "response", "finish_reason"])
     problems = {p["problem_id"]: p for p in inputs.rows("problems", ["problem_id", "prompt", "reference"])}
     debias_policy = inputs.require_id("debias_policy")
     known = known_terms(inputs, debias_policy)
@@ -45,7 +46,7 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
         new_terms = debias_rows(model, debias_policy, [problems[p] for p in missing], settings, ctx.run_id, ctx.step)
         ctx.usage.update(usage(model.model))
     debias_of = {**known, **{t["problem_id"]: t["probability"] for t in new_terms}}
-    spans = [answer_span(str(r["response"])) for r in rollouts]
+    spans = [stated_answer(str(r["response"]), str(r["finish_reason"]), settings) for r in rollouts]
     probability = reference_terms(inputs, rollouts, problems, spans, load, settings, ctx)
     policy_id = inputs.require_id("policy")
     rows = [
@@ -115,12 +116,19 @@ def reward_row(
         "score": rlpr_reward(raw, debias, span is not None, settings),
         "status": "ok" if span is not None else "unparseable",
         "extracted": str(rollout["response"])[span.start : span.end] if span is not None else None,
-        "reason": None if span is not None else "the response states no answer (answer_span found none)",
+        "reason": None if span is not None else no_answer_reason(rollout, settings),
         "components": json.dumps(components, sort_keys=True),
         "cache_hit": False,
         "latency_s": None,  # the forward passes' time is the stage run's (the `stage_runs` view)
         "provenance": json.dumps(provenance, sort_keys=True),
     }
+
+
+def no_answer_reason(rollout: dict[str, Any], settings: RLPRConfig) -> str:
+    """Why a rollout got no answer span: cut off by the token limit, or no answer where `answer_span` looks."""
+    if rollout["finish_reason"] == "length" and not settings.score_cut_off:
+        return "the response was cut off by max_new_tokens before it ended (label.rlpr.score_cut_off is false)"
+    return "the response states no answer (answer_span found none)"
 
 
 def known_terms(inputs: Inputs, policy_id: str) -> dict[str, float]:

@@ -19,6 +19,7 @@ from tests.cli_helpers import REPO, cli_env, rlvr, rlvr_command
 pytestmark = pytest.mark.slow
 
 STEPS = 2
+REPEATS = 3  # each repetition races anew on the store; 5 cost the suite two more minutes on 2 cores
 SMALL = [
     f"train.steps={STEPS}",
     "select.batch_size=2",
@@ -57,7 +58,7 @@ def runs_listed(store: Path) -> dict[str, dict]:
 
 def test_four_runs_started_together_all_finish_despite_a_cleanup_hammer(tmp_path: Path, prefect_api: str) -> None:
     env = cli_env(PREFECT_API_URL=prefect_api)
-    for repetition in range(5):
+    for repetition in range(REPEATS):
         store = tmp_path / f"shared-{repetition}"  # a fresh store each time: every start races on an empty one
         Store.open(str(store), create=True)
         ids = [f"r{repetition}-{i}" for i in range(4)]
@@ -83,7 +84,7 @@ def test_two_runs_with_one_id_started_together_one_runs_the_other_gets_one_line(
 ) -> None:
     env = cli_env(PREFECT_API_URL=prefect_api)
     store = tmp_path / "shared"
-    for repetition in range(5):
+    for repetition in range(REPEATS):
         run_id = f"mix-{repetition}"
         procs = [start(store, run_id, env, seed=seed) for seed in (1, 2)]
         outcomes = [(proc.wait(timeout=600), proc.stderr.read()) for proc in procs]

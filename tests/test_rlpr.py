@@ -112,6 +112,7 @@ def test_the_reward_is_the_hand_computation(tiny):
             "problem_id": ["p", "p", "p", "q"],
             "prompt": ["12+7=", "12+7=", "12+7=", "5*1="],
             "response": ["1+18=19", "20", "+*=", "=5"],  # the third states no answer
+            "finish_reason": ["stop"] * 4,
         }
     )
     problems = pa.table({"problem_id": ["p", "q"], "prompt": ["12+7=", "5*1="], "reference": ["19", "5"]})
@@ -132,7 +133,7 @@ def test_the_reward_is_the_hand_computation(tiny):
     for row in rows:
         rid, pid = row["rollout_id"], row["problem_id"]
         provenance = json.loads(row["provenance"])
-        assert (row["verifier"], row["verifier_version"]) == ("rlpr", "1")
+        assert (row["verifier"], row["verifier_version"]) == ("rlpr", "2")
         assert provenance["policy"] == "given-policy" and provenance["debias_policy"] == "given-debias_policy"
         assert provenance["debias"] == pytest.approx(debias[pid], abs=1e-6)
         if rid == "c":  # no answer: RLPR's code gives the reward 0 and no format term
@@ -152,8 +153,42 @@ def test_the_reward_is_the_hand_computation(tiny):
     assert json.loads(rows[0]["provenance"])["tokens"] == 2
 
 
+def test_a_cut_off_response_states_no_answer_unless_score_cut_off(tiny):
+    rollouts = pa.table(
+        {
+            "rollout_id": ["done", "cut"],
+            "problem_id": ["p", "p"],
+            "prompt": ["12+7=", "12+7="],
+            "response": ["1+18=19", "1+18=1+1"],  # the second ran out of tokens in its working
+            "finish_reason": ["stop", "length"],
+        }
+    )
+    problems = pa.table({"problem_id": ["p"], "prompt": ["12+7="], "reference": ["19"]})
+    ctx = StageContext("r", 0, 1, "rlpr", {}, {}, {})
+
+    def rewards(**rlpr) -> dict[str, dict]:
+        inputs = Inputs.given(rollouts=rollouts, problems=problems, policy=tiny, debias_policy=tiny)
+        built = rlpr_build(inputs, VerifierConfig(reward="rlpr", rlpr=RLPRConfig(**rlpr)), ctx)
+        return {r["rollout_id"]: r for r in built["rewards"].table.to_pylist()}
+
+    strict, lenient = rewards(), rewards(score_cut_off=True)
+    assert (strict["cut"]["score"], strict["cut"]["status"], strict["cut"]["extracted"]) == (0.0, "unparseable", None)
+    assert strict["cut"]["reason"] == (
+        "the response was cut off by max_new_tokens before it ended (label.rlpr.score_cut_off is false)"
+    )
+    assert json.loads(strict["cut"]["components"])["format"] == 0.0
+    # read as before: its last number "1" replaced by the reference, "1+18=1+" then "19"
+    debias = by_hand(tiny, "12+7=", " ", "19")
+    raw = by_hand(tiny, "12+7=", "1+18=1+", "19")
+    assert (lenient["cut"]["status"], lenient["cut"]["extracted"]) == ("ok", "1")
+    assert lenient["cut"]["score"] == pytest.approx(0.9 * min(max(raw - debias, 0.0), 1.0) + 0.1, abs=1e-6)
+    assert strict["done"]["score"] == lenient["done"]["score"] and strict["done"]["status"] == "ok"
+
+
 def test_known_terms_are_reused_not_recomputed(tiny):
-    rollouts = pa.table({"rollout_id": ["a"], "problem_id": ["p"], "prompt": ["3+4="], "response": ["7"]})
+    rollouts = pa.table(
+        {"rollout_id": ["a"], "problem_id": ["p"], "prompt": ["3+4="], "response": ["7"], "finish_reason": ["stop"]}
+    )
     problems = pa.table({"problem_id": ["p"], "prompt": ["3+4="], "reference": ["7"]})
     known = pa.table(
         {"problem_id": ["p", "p"], "policy_id": ["other", "given-debias_policy"], "probability": [0.9, 0.0125]}

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-RLPR_VERSION = "1"  # the rewards rows' verifier_version; a change to how a reward is made changes it
+RLPR_VERSION = "2"  # the rewards rows' verifier_version; a change to how a reward is made changes it
 
 
 class RLPRConfig(BaseModel):
@@ -35,6 +35,14 @@ class RLPRConfig(BaseModel):
     )
     debias_prefix: str = Field(" ", description="what stands between the prompt and the reference in r_noreason")
     temperature: float = Field(1.0, gt=0, description="the policy's logits are divided by it")
+    score_cut_off: bool = Field(
+        False,
+        description=(
+            "read an answer in a response cut off by max_new_tokens too (its last number is then a step of unfinished "
+            "working); false: it states none and gets 0, as under RLPR's own format, whose closing </answer> a cut-off "
+            "response lacks"
+        ),
+    )
     micro_batch_tokens: int = Field(16384, ge=1, description="padded tokens per no-grad forward pass")
 
 
@@ -52,6 +60,15 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # A number as `final_number` reads one (verifiers/arithmetic.py): thousands separators inside it, a sign only
 # when it is the number's own.
 _NUMBER = re.compile(r"(?<![\d.])[+-]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?![\d.]*\d)")
+
+
+def stated_answer(response: str, finish_reason: str, cfg: RLPRConfig) -> AnswerSpan | None:
+    """`answer_span` of a response that ended by itself; None for one cut off by the token limit unless
+    `cfg.score_cut_off`. Partial credit for the last number of a cut-off response taught the policy to loop in its
+    working until the limit (docs/rewards.md#rlpr)."""
+    if finish_reason == "length" and not cfg.score_cut_off:
+        return None
+    return answer_span(response)
 
 
 def answer_span(response: str) -> AnswerSpan | None:
