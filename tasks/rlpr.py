@@ -26,7 +26,15 @@ from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.rlpr import ReferenceProbability, debias_rows, reference_probabilities, rlpr_identity
 from rlvr.verifiers.cache import VerifierConfig
-from rlvr.verifiers.rlpr import RLPR_VERSION, AnswerSpan, RLPRConfig, rlpr_reward, stated_answer, with_reference
+from rlvr.verifiers.rlpr import (
+    RLPR_VERSION,
+    AnswerSpan,
+    RLPRConfig,
+    rlpr_reward,
+    stated_answer,
+    unread_cut_off,
+    with_reference,
+)
 
 
 def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, Built]:
@@ -126,7 +134,7 @@ def reward_row(
 
 def no_answer_reason(rollout: dict[str, Any], settings: RLPRConfig) -> str:
     """Why a rollout got no answer span: cut off by the token limit, or no answer where `answer_span` looks."""
-    if rollout["finish_reason"] == "length" and not settings.score_cut_off:
+    if unread_cut_off(str(rollout["finish_reason"]), settings):
         return "the response was cut off by max_new_tokens before it ended (label.rlpr.score_cut_off is false)"
     return "the response states no answer (answer_span found none)"
 

@@ -62,13 +62,16 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _NUMBER = re.compile(r"(?<![\d.])[+-]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?![\d.]*\d)")
 
 
+def unread_cut_off(finish_reason: str, cfg: RLPRConfig) -> bool:
+    """True for a response cut off by the token limit that is not read for an answer (`cfg.score_cut_off` false).
+    Partial credit for the last number of a cut-off response taught the policy to loop in its working until the
+    limit (docs/rewards.md#rlpr)."""
+    return finish_reason == "length" and not cfg.score_cut_off
+
+
 def stated_answer(response: str, finish_reason: str, cfg: RLPRConfig) -> AnswerSpan | None:
-    """`answer_span` of a response that ended by itself; None for one cut off by the token limit unless
-    `cfg.score_cut_off`. Partial credit for the last number of a cut-off response taught the policy to loop in its
-    working until the limit (docs/rewards.md#rlpr)."""
-    if finish_reason == "length" and not cfg.score_cut_off:
-        return None
-    return answer_span(response)
+    """`answer_span` of the response, None for a cut-off one that is not read (`unread_cut_off`)."""
+    return None if unread_cut_off(finish_reason, cfg) else answer_span(response)
 
 
 def answer_span(response: str) -> AnswerSpan | None:
