@@ -242,16 +242,14 @@ class Store:
         Locally: a temp file beside the target, fsync, rename (inside `batch()` the fsync is left to the
         batch's flush). On object stores a single put of the final object is already atomic.
         `batch`: the group this write belongs to (default: the one open now, if any). `run_id`: the run whose
-        lease is checked just before the file appears (a temp file written before a failed check stays).
+        lease is checked just before the file appears.
         """
         batch = batch or self._batch
         self._check_lease([run_id], listing=False)
         if not self.is_local:
             self.fs.pipe_file(path, data)
             return
-        tmp = self._write_temp(path, data, sync=batch is None)
-        self._check_lease([run_id], listing=False)  # again: the process may have been frozen while it wrote
-        os.replace(tmp, path)
+        self._publish_temp(self._write_temp(path, data, sync=batch is None), path, run_id)
         if batch is not None:
             batch.written.append(path)
 
@@ -262,8 +260,16 @@ class Store:
         if not self.is_local:
             self.fs.pipe_file(path, data)
             return
-        tmp = self._write_temp(path, data, sync=True)
-        self._check_lease([run_id], listing=False)
+        self._publish_temp(self._write_temp(path, data, sync=True), path, run_id)
+
+    def _publish_temp(self, tmp: str, path: str, run_id: str | None) -> None:
+        """Rename temp file `tmp` to `path` once run `run_id`'s lease checks again (the process may have been
+        frozen while it wrote); a failed check removes the temp file, which was this process's and never seen."""
+        try:
+            self._check_lease([run_id], listing=False)
+        except BaseException:
+            os.remove(tmp)
+            raise
         os.replace(tmp, path)
 
     @staticmethod

@@ -173,6 +173,39 @@ def test_a_heartbeat_frozen_between_its_listing_and_its_write_writes_nothing(
         assert store.fs.cat_file(listed) == before
 
 
+def test_a_process_frozen_while_it_writes_a_temp_file_removes_it_at_the_failed_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Frozen between opening a temp file and renaming it, taken over, thawed: the check before the rename fails
+    and the temp file goes with it, for a small file (the heartbeat's, the run record's) and an artifact's part
+    (CI caught a thawed heartbeat's temp file left in leases/<run>/)."""
+    store = Store.open(str(tmp_path / "store"), create=True)
+    written = Store._write_temp
+    leases_held: list[Any] = []
+
+    def frozen_while_writing(path: str, data: bytes, sync: bool) -> str:
+        tmp = written(path, data, sync)
+        if leases_held:  # the freeze, once: the run is taken over meanwhile
+            lease = leases_held.pop()
+            take_over(store, lease.run_id, 1)
+            lease.beaten_at -= lease.fresh_s + 1
+        return tmp
+
+    monkeypatch.setattr(Store, "_write_temp", staticmethod(frozen_while_writing))
+    with owning(store, "r") as lease:
+        before = store.fs.cat_file(lease.path)
+        leases_held.append(lease)
+        with pytest.raises(LeaseLost):
+            store.write_small(lease.path, b"{}", run_id="r")
+        assert store.fs.cat_file(lease.path) == before
+    with owning(store, "s") as lease:
+        leases_held.append(lease)
+        with pytest.raises(LeaseLost):
+            write(store, "s-1", run_id="s")
+    assert not leases_held and [p.name for p in tmp_path.rglob("*.tmp-*")] == []
+    assert not list((tmp_path / "store" / "artifacts").rglob("part-*"))
+
+
 def test_a_manifest_written_before_leases_were_recorded_still_reads() -> None:
     manifest = Manifest("a", "k", "r", "s", None, 0, "", [], [], "1", {}, "2026-01-01", 0.0)
     text = json.loads(manifest.to_json())
