@@ -22,9 +22,10 @@ token. `owning` installs the lease on the process's Store (`Store.hold`), and ev
 that the number is still the newest before it publishes anything (`Lease.check`: one listing of
 leases/<run_id>/, once per commit of a batch, so once per RL step); every file write of the run checks the
 lease in memory just before the rename or PUT that publishes it (`Lease.check_fresh`: a listing only when this
-process has sent no heartbeat for half the timeout, which is the case just after a thaw; the heartbeat's own
-write too, so a thread frozen between its listing and its write does not touch its old lease file). A failed check is
-`LeaseLost`, one line naming the run and its new owner; from then on every write of the run fails at once.
+process has sent no heartbeat for half the timeout, which is the case just after a thaw; the heartbeat's and the
+release's own writes too, so a thread frozen between its listing and its write does not touch its old lease file).
+A failed check is `LeaseLost`, one line naming the run and its new owner; from then on every write of the run fails
+at once, and a temp file written before the failed check is removed.
 Manifests and the run record carry the lease number they were written under (`lease`). The heartbeat thread
 that finds the run taken stops the run's main thread (flows/runs.py), which exits with status 2 without
 writing its record or releasing a lease that is no longer its own. What is left: a write already inside its
@@ -138,7 +139,8 @@ class Lease:
             self._lose(newest)
             return
         self.record["released_at"] = utc_now()
-        self.store.write_small(self.path, canonical_json(self.record).encode("utf-8"))
+        # fenced while the store still holds this lease: a freeze between the listing above and the write is caught
+        self.store.write_small(self.path, canonical_json(self.record).encode("utf-8"), run_id=self.run_id)
 
 
 def lease_path(store: Store, run_id: str, number: int) -> str:
@@ -253,11 +255,14 @@ def owning(store: Store, run_id: str, *, new: bool = False, purpose: str = "run"
     try:
         yield lease
     finally:
-        store.let_go(run_id, lease)
         try:
             lease.release()
+        except LeaseLost:
+            pass  # taken over since: the lease is not this process's to end
         except OSError:
             pass  # a full disk or a lost store: the lease ends with the process anyway
+        finally:
+            store.let_go(run_id, lease)
 
 
 def _exists(store: Store, run_id: str) -> RunExists:

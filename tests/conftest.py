@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
 
 _HOME = tempfile.mkdtemp(prefix="rlvr-tests-")
 os.environ["PREFECT_HOME"] = os.path.join(_HOME, "prefect")
@@ -27,6 +28,18 @@ def prefect_api() -> str:
 
     with prefect_test_harness(server_startup_timeout=90):
         yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="module")
+def shared_prefect(prefect_api: str) -> Iterator[str]:
+    """For a module whose `rlvr` subprocesses take the environment as it is (cli_env()): they talk to the session's
+    Prefect server instead of each starting a temporary one (7-14 s a process, environment.md). test_cli.py keeps
+    the default, a temporary server per process, as a user's first run has it."""
+    os.environ["PREFECT_API_URL"] = prefect_api
+    try:
+        yield prefect_api
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
 
 
 # The files that take a minute or more on 2 cores. `make test` hands whole files to two pytest-xdist workers in

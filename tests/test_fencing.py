@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -173,6 +174,31 @@ def test_a_heartbeat_frozen_between_its_listing_and_its_write_writes_nothing(
         assert store.fs.cat_file(listed) == before
 
 
+def test_a_release_frozen_after_its_listing_leaves_the_taken_lease_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The end of `owning` lists the leases, is frozen past the timeout, the run is taken over, and it thaws: the
+    release is fenced like any write, so the lease file stays as it was (never marked released) and the block
+    ends without an error."""
+    from rlvr.storage import leases
+
+    store = Store.open(str(tmp_path / "store"), create=True)
+    with owning(store, "r") as lease:
+        before = store.fs.cat_file(lease.path)
+
+        def frozen_after_listing(*args: Any) -> int | None:
+            newest = newest_lease_number(*args)
+            if newest == 0:  # release's own listing: the owner is still this one, then the freeze
+                take_over(store, "r", 1)
+                lease.beaten_at -= lease.fresh_s + 1
+            return newest
+
+        monkeypatch.setattr(leases, "newest_lease_number", frozen_after_listing)
+    assert store.fs.cat_file(lease.path) == before and json.loads(before)["released_at"] is None
+    assert lease.lost is not None and store.lease_number("r") is None
+    assert [p.name for p in tmp_path.rglob("*.tmp-*")] == []
+
+
 def test_a_process_frozen_while_it_writes_a_temp_file_removes_it_at_the_failed_check(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -230,7 +256,7 @@ def install_write_audit(root: str, log: str) -> None:
         except TypeError:
             return
         if os.path.abspath(text).startswith(root):
-            os.write(fd, f"{time.time():.6f} {os.getpid()} {what} {text}\n".encode())
+            os.write(fd, f"{time.time():.6f} {os.getpid()} {threading.get_ident()} {what} {text}\n".encode())
 
     def logged(what: str, call: Callable[..., Any], *, path_arg: int = 0, when: Callable[..., bool] | None = None):
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -356,15 +382,15 @@ def test_a_run_taken_over_halfway_through_a_step_writes_nothing_after(
     assert len(errors) == 1 and "Traceback" not in old_err.read_text(), old_err.read_text()
     assert errors[0].startswith(f"error: run {RUN_ID!r} was taken over by process {new.pid} on {OTHER_HOST}")
 
-    # The old process: no file created, changed or removed after its freeze, but for the one call a freeze can hold
-    # between a write's lease check and the write itself (see in_flight).
-    writes = [line.split(" ", 3) for line in audit.read_text().splitlines()]
+    # The old process: no file created, changed or removed after its freeze, but for what each of its threads that
+    # writes (the run's, its heartbeat's) had in flight past a lease check when it froze (see in_flight).
+    writes = [line.split(" ", 4) for line in audit.read_text().splitlines()]
     assert writes and {int(w[1]) for w in writes} >= {old.pid}
     late = [w for w in writes if float(w[0]) > frozen_at]
     early = [w for w in writes if float(w[0]) <= frozen_at]
-    assert len(late) <= 1 and all(in_flight(w, early, old.pid) for w in late), (
-        f"old process {old.pid}, frozen at {frozen_at}",
-        late[:10],
+    by_thread = {(w[1], w[2]): [v for v in late if v[1:3] == w[1:3]] for w in late}
+    assert all(in_flight(calls, early, old.pid) for calls in by_thread.values()), (
+        f"old process {old.pid}, frozen at {frozen_at}, wrote after: " + "; ".join(" ".join(w) for w in late[:10])
     )
 
     # Every manifest and the run record written since the freeze carry the new owner's lease; the rest the old's.
@@ -386,16 +412,19 @@ def test_a_run_taken_over_halfway_through_a_step_writes_nothing_after(
     assert socket.gethostname() != OTHER_HOST
 
 
-def in_flight(write: list[str], early: list[list[str]], pid: int) -> bool:
-    """Whether a write of the old process after its freeze is the one a freeze can leave in flight, which touches
-    no committed file: a new artifact folder's `_owner.json` whose folder it made before the freeze (the lease
-    was checked before both), or the removal of its own temp file once the check at the thaw failed."""
-    _, writer, call, path = write
-    if int(writer) != pid:
+def in_flight(calls: list[list[str]], early: list[list[str]], pid: int) -> bool:
+    """Whether one thread's writes after the freeze are what a freeze can leave in flight past the lease check before
+    them, touching no committed file: a new artifact folder's `_owner.json` whose folder it made before the freeze
+    (the lease was checked before both); or its own temp file, opened or not yet, removed once the check at the thaw
+    failed (the check before the rename)."""
+    if {int(c[1]) for c in calls} != {pid}:
         return False
-    if call == "open" and path.endswith("/_owner.json"):
-        return ["os.mkdir", os.path.dirname(path)] in [w[2:] for w in early]
-    return call in ("os.remove", "os.unlink") and temp_writer(Path(path).name) == pid
+    names = [c[3] for c in calls]
+    paths = {c[4] for c in calls}
+    if names == ["open"] and calls[0][4].endswith("/_owner.json"):
+        return ["os.mkdir", os.path.dirname(calls[0][4])] in [w[3:] for w in early]
+    own_temp = len(paths) == 1 and temp_writer(Path(paths.pop()).name) == pid
+    return own_temp and names in (["os.remove"], ["os.unlink"], ["open", "os.remove"], ["open", "os.unlink"])
 
 
 def temp_writer(name: str) -> int | None:
@@ -413,3 +442,18 @@ def committed_since(store: Path, moment: float) -> bool:
         except FileNotFoundError:
             continue
     return False
+
+
+def test_what_a_thawed_thread_may_have_left_in_flight() -> None:
+    """in_flight, the real-process tests' judge of the old process's late writes, on logs of one thread."""
+    tmp = "/s/runs/raced.json.tmp-5bce98f7-7-4359a482"
+    owner = "/s/artifacts/rollouts/a1/_owner.json"
+    late = lambda *calls: [["2.0", "7", "1", call, path] for call, path in calls]  # noqa: E731
+    early = [["1.0", "7", "1", "os.mkdir", "/s/artifacts/rollouts/a1"]]
+    assert in_flight(late(("open", tmp), ("os.remove", tmp)), early, 7)  # opened, then removed at the failed check
+    assert in_flight(late(("os.remove", tmp)), early, 7)
+    assert in_flight(late(("open", owner)), early, 7)
+    assert not in_flight(late(("open", tmp)), early, 7)  # left behind
+    assert not in_flight(late(("open", tmp), ("os.replace", "/s/runs/raced.json")), early, 7)  # published
+    assert not in_flight(late(("open", owner)), [], 7)  # its folder was not made before the freeze
+    assert not in_flight(late(("os.remove", tmp)), early, 8)  # another process's temp file

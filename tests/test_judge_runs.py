@@ -23,7 +23,7 @@ from rlvr.storage.views import query
 from rlvr.trainer.reward_server import serving_in_thread
 from tests.cli_helpers import SMALL_RUN, cli_env, rlvr
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_prefect")]
 
 SMALL = [*SMALL_RUN, "synthesize.source.verifier=judge"]
 

@@ -47,6 +47,7 @@ checkpoint: {every: 2}
 
 @needs_model
 @pytest.mark.slow
+@pytest.mark.usefixtures("shared_prefect")
 def test_smollm2_trains_two_steps_and_its_checkpoint_loads_with_plain_from_pretrained(tmp_path: Path) -> None:
     config = tmp_path / "smoke.yaml"
     config.write_text(SMOKE)
