@@ -257,10 +257,8 @@ def owning(store: Store, run_id: str, *, new: bool = False, purpose: str = "run"
     finally:
         try:
             lease.release()
-        except LeaseLost:
-            pass  # taken over since: the lease is not this process's to end
-        except OSError:
-            pass  # a full disk or a lost store: the lease ends with the process anyway
+        except (LeaseLost, OSError):
+            pass  # taken over since (not this process's to end), or a full disk or lost store: it ends with the process
         finally:
             store.let_go(run_id, lease)
 

@@ -388,7 +388,9 @@ def test_a_run_taken_over_halfway_through_a_step_writes_nothing_after(
     assert writes and {int(w[1]) for w in writes} >= {old.pid}
     late = [w for w in writes if float(w[0]) > frozen_at]
     early = [w for w in writes if float(w[0]) <= frozen_at]
-    by_thread = {(w[1], w[2]): [v for v in late if v[1:3] == w[1:3]] for w in late}
+    by_thread: dict[tuple[str, str], list[list[str]]] = {}
+    for w in late:
+        by_thread.setdefault((w[1], w[2]), []).append(w)
     assert all(in_flight(calls, early, old.pid) for calls in by_thread.values()), (
         f"old process {old.pid}, frozen at {frozen_at}, wrote after: " + "; ".join(" ".join(w) for w in late[:10])
     )
