@@ -90,10 +90,13 @@ def reference_terms(
             str(rollouts[i]["response"]),
             span,
             str(problems[rollouts[i]["problem_id"]]["reference"]),
+            stopped=str(rollouts[i]["finish_reason"]) != "length",
         )
         for i, span in stated
     ]
-    found = reference_probabilities(policy, texts, settings.temperature, settings.micro_batch_tokens)
+    found = reference_probabilities(
+        policy, texts, settings.temperature, settings.micro_batch_tokens, settings.end_cap()
+    )
     ctx.usage.update(usage(policy.model))
     return {i: term for (i, _), term in zip(stated, found, strict=True)}
 
@@ -114,6 +117,8 @@ def reward_row(
     provenance: dict[str, Any] = {"policy": policies[0], "debias_policy": policies[1], "raw": raw, "debias": debias}
     if term is not None:
         provenance |= {"tokens": term.tokens, "lowest": term.lowest}
+        if term.end is not None:
+            provenance["end"] = term.end
     return {
         "rollout_id": rollout["rollout_id"],
         "run_id": ctx.run_id,

@@ -144,6 +144,7 @@ def test_the_rlpr_example_is_the_arithmetic_example_asked_for_its_working_after_
         "solutions", 6, 8, 3e-5, 0.1
     )  # fmt: skip
     assert rlpr.rollout.max_new_tokens == rlpr.evaluate.max_new_tokens == rlpr.difficulty.max_new_tokens == 48
+    assert (rlpr.label.rlpr.end_token, rlpr.label.rlpr.end_token_cap) == (True, 0.5)  # RLPR's adjusted end token
 
 
 @needs_model

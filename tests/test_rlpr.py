@@ -218,6 +218,86 @@ def test_batched_equals_one_at_a_time(tiny):
     assert reference_probabilities(tiny, texts) == batched  # the same inputs, the same numbers
 
 
+def by_hand_after(policy: Policy, text: ReferenceText) -> list[float]:
+    """The probabilities of the reference's characters and of the one token after them (`after`'s first character,
+    or the eos), from one plain forward in float64 (the tiny model's tokens are characters, whitespace dropped)."""
+    tokenizer = policy.tokenizer
+    prompt_ids = tokenizer(text.prompt)["input_ids"]
+    head, tail, after = (
+        tokenizer(t, add_special_tokens=False)["input_ids"] for t in (text.before, text.reference, text.after)
+    )
+    ids = prompt_ids + head + tail + after + [tokenizer.eos_token_id]
+    with torch.no_grad():
+        logits = policy.model(torch.tensor([ids])).logits[0].double()
+    first = len(prompt_ids) + len(head)
+    positions = range(first, first + len(tail) + 1)
+    return [torch.softmax(logits[k - 1], dim=-1)[ids[k]].item() for k in positions]
+
+
+def test_the_end_token_joins_the_mean_capped(tiny):
+    texts = [
+        ReferenceText("12+7=", "1+18=", "19", "+5", True),  # the end token is "+"
+        ReferenceText("5*1=", "=", "5", "", True),  # it ended after its answer: the eos
+        ReferenceText("8*10=", "8*1=", "80", "", False),  # cut off right after it: no end token
+    ]
+    plain = reference_probabilities(tiny, texts)
+    ended = reference_probabilities(tiny, texts, end_cap=1.0)
+    capped = reference_probabilities(tiny, texts, end_cap=0.001)
+    for k in (0, 1):
+        hand = by_hand_after(tiny, texts[k])
+        assert plain[k].mean == pytest.approx(sum(hand[:-1]) / len(hand[:-1]), abs=1e-6)
+        assert ended[k].end == pytest.approx(hand[-1], abs=1e-6) and ended[k].tokens == len(hand) - 1
+        assert ended[k].mean == pytest.approx(sum(hand) / len(hand), abs=1e-6)
+        assert hand[-1] > 0.001  # so the cap bites
+        assert capped[k].mean == pytest.approx((sum(hand[:-1]) + 0.001) / len(hand), abs=1e-6)
+    assert plain[0].end is None and ended[2] == capped[2] == plain[2]  # nothing followed the cut-off answer
+    # batched with the end token equals one row at a time
+    assert [reference_probabilities(tiny, [t], end_cap=1.0)[0].mean for t in texts] == pytest.approx(
+        [e.mean for e in ended], abs=1e-6
+    )
+
+
+def test_the_end_token_changes_no_id_at_its_defaults():
+    from rlvr.trainer.rlpr import rlpr_identity
+
+    default = rlpr_identity(VerifierConfig(reward="rlpr"), {})
+    assert "end_token" not in default["rlpr"] and "end_token_cap" not in default["rlpr"]
+    assert rlpr_identity(VerifierConfig(reward="rlpr", rlpr=RLPRConfig(end_token=True)), {})["rlpr"]["end_token"]
+    assert RLPRConfig(end_token=True, end_token_cap=0.5).end_cap() == 0.5 and RLPRConfig().end_cap() is None
+
+
+def test_an_answer_that_begins_with_the_reference_pays_at_its_end(tiny):
+    """The stage reads what followed the answer: with the end token a rollout's row records its probability, and
+    the reward is the mean over the reference and that token (the eos for a response that ended there)."""
+    rollouts = pa.table(
+        {
+            "rollout_id": ["dot", "eos"],
+            "problem_id": ["p", "p"],
+            "prompt": ["3+4=", "3+4="],
+            "response": ["1+6=70.", "3+4=8"],
+            "finish_reason": ["stop", "stop"],
+        }
+    )
+    problems = pa.table({"problem_id": ["p"], "prompt": ["3+4="], "reference": ["7"]})
+    ctx = StageContext("r", 0, 1, "rlpr", {}, {}, {})
+    inputs = Inputs.given(rollouts=rollouts, problems=problems, policy=tiny, debias_policy=tiny)
+    cfg = VerifierConfig(reward="rlpr", rlpr=RLPRConfig(end_token=True))
+    built = rlpr_build(inputs, cfg, ctx)
+    rows = {r["rollout_id"]: r for r in built["rewards"].table.to_pylist()}
+    debias = by_hand_after(tiny, ReferenceText("3+4=", " ", "7", "", True))
+    assert built["rlpr_debias"].table.column("probability")[0].as_py() == pytest.approx(sum(debias) / 2, abs=1e-6)
+    for rid, text in (
+        ("dot", ReferenceText("3+4=", "1+6=", "7", ".", True)),
+        ("eos", ReferenceText("3+4=", "3+4=", "7", "", True)),
+    ):
+        hand = by_hand_after(tiny, text)
+        provenance = json.loads(rows[rid]["provenance"])
+        assert provenance["end"] == pytest.approx(hand[-1], abs=1e-6) and provenance["tokens"] == 1
+        assert provenance["raw"] == pytest.approx(sum(hand) / 2, abs=1e-6)
+        expected = 0.9 * min(max(sum(hand) / 2 - sum(debias) / 2, 0.0), 1.0) + 0.1
+        assert rows[rid]["score"] == pytest.approx(expected, abs=1e-6)
+
+
 def test_smollm2_reads_the_reference_through_its_chat_template(smollm2_tokenizer):
     """A BPE model with a chat template: the reference's tokens are the last ones of the rewritten response (digits
     are tokens of their own in SmolLM2's vocabulary), read after the templated prompt; the numbers are a forward by
@@ -228,7 +308,7 @@ def test_smollm2_reads_the_reference_through_its_chat_template(smollm2_tokenizer
     policy = init_policy(PolicyConfig(model="smollm2-135m-instruct"), seed=0)
     prompt, reference = "What is 34 + 6?", "40"
     right, wrong = "34 + 6 = 40. The answer is 40.", "34 + 6 = 41. The answer is 41."
-    texts = [with_reference(prompt, r, answer_span(r), reference) for r in (right, wrong)]  # type: ignore[arg-type]
+    texts = [with_reference(prompt, r, answer_span(r), reference, True) for r in (right, wrong)]  # type: ignore[arg-type]
     texts.append(without_reasoning(prompt, reference, RLPRConfig()))
     found = reference_probabilities(policy, texts)
     assert [f.tokens for f in found] == [2, 2, 2]
@@ -243,6 +323,26 @@ def test_smollm2_reads_the_reference_through_its_chat_template(smollm2_tokenizer
         hand = [torch.softmax(logits[k - 1], dim=-1)[ids[k]].item() for k in (len(ids) - 2, len(ids) - 1)]
         assert term.mean == pytest.approx(sum(hand) / 2, abs=1e-5)
     assert found[0].mean > found[1].mean > found[2].mean
+
+
+def test_smollm2_reads_an_answer_that_begins_with_the_reference_as_the_reference_unless_the_end_token_is_read(
+    smollm2_tokenizer,
+):
+    """The flaw seen in SmolLM2's RLPR runs (docs/rewards.md#rlpr): "70" for 7 is read as "The answer is 7", whose
+    "7" is as likely as the right answer's; its end token (".", where the policy meant "0") is not."""
+    from rlvr.verifiers.rlpr import with_reference
+
+    policy = init_policy(PolicyConfig(model="smollm2-135m-instruct"), seed=0)
+    prompt = "What is 1 * 7? Show your working, then give the final answer as 'Answer: <number>'."
+    responses = ["1 * 7 = 7. The answer is 7.", "1 * 7 = 7 * 10 = 70. The answer is 70.", "1 * 7 = 8. The answer is 8."]
+    texts = [with_reference(prompt, r, answer_span(r), "7", True) for r in responses]  # type: ignore[arg-type]
+    right, prefix, wrong = reference_probabilities(policy, texts)
+    assert abs(right.mean - prefix.mean) < 0.05 and prefix.mean > 0.9 > 0.1 > wrong.mean  # the flaw
+    ended = reference_probabilities(policy, texts, end_cap=0.5)
+    assert ended[1].end is not None and ended[1].end < 0.05  # "." after "... is 7" where the policy meant 70
+    for plain, end in zip((right, prefix, wrong), ended):
+        assert end.end is not None and end.mean == pytest.approx((plain.mean + min(end.end, 0.5)) / 2, abs=1e-6)
+    assert ended[0].mean > ended[1].mean + 0.2 and ended[1].mean > ended[2].mean
 
 
 # ----- the standard-deviation filter ----------------------------------------------------------------------------

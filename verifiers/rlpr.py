@@ -43,7 +43,22 @@ class RLPRConfig(BaseModel):
             "response lacks"
         ),
     )
+    end_token: bool = Field(
+        False,
+        description=(
+            "average in the token after the reference too: the first token of what followed the answer, or the eos "
+            "where the response ended right after it (RLPR's gt_tokens_one_more); an answer that only begins with "
+            "the reference ('70' for 7) then pays for the reference ending where the policy would go on"
+        ),
+    )
+    end_token_cap: float = Field(
+        1.0, gt=0.0, le=1.0, description="that token's probability counts at most this (RLPR's adjusted variant: 0.5)"
+    )
     micro_batch_tokens: int = Field(16384, ge=1, description="padded tokens per no-grad forward pass")
+
+    def end_cap(self) -> float | None:
+        """The end token's cap when it is scored (`end_token`), None when it is not."""
+        return self.end_token_cap if self.end_token else None
 
 
 @dataclass(frozen=True)
@@ -112,22 +127,25 @@ def _last_boxed(text: str) -> tuple[int, int] | None:
 @dataclass(frozen=True)
 class ReferenceText:
     """What the policy reads after the prompt: `before` (the sampled reasoning, or `debias_prefix`) and then the
-    reference, whose tokens' probabilities are averaged."""
+    reference, whose tokens' probabilities are averaged; then `after` and, when `stopped`, the end of the response.
+    `after` and `stopped` are read only for the end token (`RLPRConfig.end_token`)."""
 
     prompt: str
     before: str
     reference: str
+    after: str = ""
+    stopped: bool = False
 
 
-def with_reference(prompt: str, response: str, span: AnswerSpan, reference: str) -> ReferenceText:
-    """The response up to its answer, the answer replaced by the reference. What followed the answer is not read:
-    the reference's probabilities do not depend on it, and cut there no later character can join its last token."""
-    return ReferenceText(prompt, response[: span.start], reference)
+def with_reference(prompt: str, response: str, span: AnswerSpan, reference: str, stopped: bool) -> ReferenceText:
+    """The response with its answer replaced by the reference; `stopped`: the response ended (with the eos) rather
+    than being cut off by the token limit."""
+    return ReferenceText(prompt, response[: span.start], reference, response[span.end :], stopped)
 
 
 def without_reasoning(prompt: str, reference: str, cfg: RLPRConfig) -> ReferenceText:
-    """The prompt, then directly the reference (after `debias_prefix`, RLPR's single space)."""
-    return ReferenceText(prompt, cfg.debias_prefix, reference)
+    """The prompt, then directly the reference (after `debias_prefix`, RLPR's single space), then the end."""
+    return ReferenceText(prompt, cfg.debias_prefix, reference, "", True)
 
 
 def rlpr_reward(probability: float, debias: float, formatted: bool, cfg: RLPRConfig) -> float:
