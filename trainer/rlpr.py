@@ -99,14 +99,11 @@ def _rows(policy: Policy, texts: Sequence[ReferenceText], end_token: bool) -> li
         start, end = len(text.before), len(text.before) + len(text.reference)
         positions = [k for k, (first, last) in enumerate(offsets) if first < end and last > start]
         ids, end_position = list(completion), None
-        if positions and eos is not None:
-            end_position = positions[-1] + 1
-            if end_position == len(ids) and text.stopped:
-                ids.append(eos)
-            elif end_position == len(ids):
-                end_position = None  # cut off right after its answer: nothing followed it
-        last = end_position if end_position is not None else (positions[-1] if positions else len(ids) - 1)
-        rows.append(_Row(list(prompt), ids[: last + 1], positions, end_position))
+        if positions and eos is not None and (positions[-1] + 1 < len(ids) or text.stopped):
+            end_position = positions[-1] + 1  # a response cut off right after its answer has none
+            ids = [*ids, eos] if end_position == len(ids) else ids
+        scored = [*positions, end_position] if end_position is not None else positions
+        rows.append(_Row(list(prompt), ids[: max(scored, default=len(ids) - 1) + 1], positions, end_position))
     return rows
 
 
