@@ -124,7 +124,7 @@ def test_the_example_config_is_the_documented_recipe() -> None:
 
 def test_the_rlpr_example_is_the_arithmetic_example_asked_for_its_working_after_a_warm_start_on_solutions() -> None:
     """docs/rewards.md#rlpr: the same problems and GRPO as the arithmetic example; what differs is the style, the
-    room for the working, the warm start on worked solutions and the reward."""
+    room for the working, the warm start on worked solutions, the group size (RLPR's 8) and the reward."""
     from rlvr.flows.config import load_config
 
     examples = Path(__file__).resolve().parent.parent / "examples"
@@ -135,9 +135,12 @@ def test_the_rlpr_example_is_the_arithmetic_example_asked_for_its_working_after_
     assert [s.model_dump() | {"style": "working"} for s in plain.synthesize.sources] == [
         s.model_dump() for s in rlpr.synthesize.sources
     ]
-    assert (rlpr.label.reward, plain.label.reward) == ("rlpr", "verifier") and rlpr.train == plain.train
-    assert (rlpr.select, rlpr.allocate, rlpr.seed, rlpr.synthesize.test_fraction) == (
-        plain.select, plain.allocate, plain.seed, plain.synthesize.test_fraction
+    assert (rlpr.label.reward, plain.label.reward) == ("rlpr", "verifier")
+    grpo = rlpr.train.grpo  # gradient accumulation over two halves: the same update up to summation order
+    assert (grpo.micro_batch_tokens, rlpr.train.model_copy(update={"grpo": plain.train.grpo})) == (4096, plain.train)
+    assert (rlpr.allocate.n, plain.allocate.n) == (8, 4)  # RLPR's rollout.n
+    assert (rlpr.select, rlpr.seed, rlpr.synthesize.test_fraction) == (
+        plain.select, plain.seed, plain.synthesize.test_fraction
     )  # fmt: skip
     warm = rlpr.warmstart
     assert (warm.data, warm.steps, warm.batch_size, warm.lr, rlpr.synthesize.warmup_fraction) == (
