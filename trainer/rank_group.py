@@ -91,11 +91,13 @@ MMAP_THRESHOLD = 4 << 20  # bytes: glibc maps allocations this large on their ow
 
 
 def return_freed_memory() -> None:
-    """On a CPU rank (Linux, glibc): tensors of MMAP_THRESHOLD bytes and more get pages of their own, given back
-    to the system when freed. By default glibc raises that threshold after each large free, up to 32 MiB, and
-    serves later large tensors from its heap, which it rarely returns: a rank's resident memory then keeps the
-    high-water mark of every step's transient buffers (about 1 GB more per rank at SmolLM2-135M:
-    docs/benchmarks.md), the memory sharding is meant to save. Elsewhere (no glibc) nothing changes."""
+    """On a CPU rank or a run's process (Linux, glibc): tensors of MMAP_THRESHOLD bytes and more get pages of their
+    own, given back to the system when freed. By default glibc raises that threshold after each large free, up to
+    32 MiB, and serves later large tensors from its heap, which it rarely returns: a rank's resident memory then
+    keeps the high-water mark of every step's transient buffers (about 1 GB more per rank at SmolLM2-135M:
+    docs/benchmarks.md), the memory sharding is meant to save, and a single-process SmolLM2 RLPR run grew to
+    12.8 GB (3-8 GB with the threshold fixed lower, at 128 KiB: docs/rewards.md). Elsewhere (no glibc) nothing
+    changes."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
