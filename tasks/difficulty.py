@@ -1,10 +1,11 @@
 """difficulty: k sampled rollouts of the current policy per problem, verified; pass rate and Beta posterior.
 
 The only stage that is large even on the tiny default (k rollouts for the whole pool), so it writes
-in shards: a crash loses at most the shards in flight, and resume skips committed shards. Each shard
-is a unit of the run's fan-out (`params["fan_out"]`, flows/executors.py): on another backend the
-shards are sampled and verified on the workers, which load the policy from the store by its id onto the
-run's `policy.device` as they resolve it (`params["device"]`: `auto` takes a worker's own GPU).
+in shards: a crash loses at most the shards in flight, and resume skips committed shards. The verdicts
+behind the pass rates go in the store's reward cache (a `reward_cache` artifact beside `difficulty`), as a
+label stage's do. Each shard is a unit of the run's fan-out (`params["fan_out"]`, flows/executors.py): on
+another backend the shards are sampled and verified on the workers, which load the policy from the store by
+its id onto the run's `policy.device` as they resolve it (`params["device"]`: `auto` takes a worker's own GPU).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from rlvr.trainer.engines import EngineConfig, engine_for
 from rlvr.trainer.generation import Sample, sample
 from rlvr.trainer.policy import Policy
 from rlvr.verifiers.cache import (
+    CacheKey,
     VerifierConfig,
     cache_entries,
+    entry_key,
     reward_cache,
     score_cached,
     verdict_keys,
@@ -144,10 +147,11 @@ def shard_policy(store_root: str, policy_id: str, device: torch.device) -> Polic
     return load_policy(open_store(store_root), policy_id, device=device)
 
 
-def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
+def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> dict[str, Sharded]:
     """params: `verifier` (the label section), `fan_out` (where shards run; in place without one), `device`
     (the run's policy.device) and, when the run samples through another engine than transformers, `rollout`
-    (that engine's config). Problems are taken in id order, `shard_size` per shard."""
+    (that engine's config). Problems are taken in id order, `shard_size` per shard. Besides the `difficulty` rows,
+    a `reward_cache` artifact of the verdicts behind them (one shard, made after the last difficulty shard)."""
     verifier: VerifierConfig = ctx.params["verifier"]
     fan_out: Callable[..., Iterator[Any]] = ctx.params.get("fan_out", map)
     problems = [
@@ -177,6 +181,7 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
         for index in range(count)
     ]
     results: Iterator[ShardEstimate] | None = None
+    verdicts: dict[CacheKey, dict[str, Any]] = {}  # the cache entries of the shards made in this process
 
     def make(index: int) -> pa.Table:
         # The runner asks for the shards not yet committed, in order (after a crash: all from the first
@@ -190,8 +195,9 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
             raise RuntimeError(f"difficulty shard {index} was asked for, but the fan-out returned {found}")
         if index == count - 1:
             shard_policy.cache_clear()  # the stage's last shard: keep no copy of the policy past it
+        verdicts.update((entry_key(entry), entry) for entry in estimate.entries)
         if ctx.store is not None:
-            reward_cache(ctx.store).add_entries(estimate.entries)
+            reward_cache(ctx.store).add_entries(estimate.entries)  # later stages of this process hit them at once
         peaks = [peak for peak in (ctx.usage.get("peak_memory_bytes"), estimate.peak_memory_bytes) if peak is not None]
         ctx.usage.update(device=estimate.device, peak_memory_bytes=max(peaks, default=None))
         rows = [
@@ -201,7 +207,12 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> Sharded:
         report("shard", stage="difficulty", done=index + 1, total=count)
         return rows_to_table("difficulty", rows)
 
-    return Sharded(count=count, make=make)
+    def make_cache(_: int) -> pa.Table:
+        # Made after the last difficulty shard. A shard committed before a crash is not made again, so its
+        # verdicts are not here: a cache is a hint, and asking a judge again only for them would cost more.
+        return rows_to_table("reward_cache", list(verdicts.values()))
+
+    return {"difficulty": Sharded(count=count, make=make), "reward_cache": Sharded(count=1, make=make_cache)}
 
 
 def _label_key(label: str) -> tuple[float, str]:
@@ -253,7 +264,9 @@ DIFFICULTY: Stage[DifficultyConfig] = Stage(
     section="difficulty",
     config=DifficultyConfig,
     inputs=("problems", "policy"),
-    outputs={"difficulty": Output("difficulty", sharded=True)},
+    # difficulty first: it is the stage's id (`StageRun.id`). The verdicts behind its successes go in the store's
+    # reward cache, so a resumed run's later stages find them as the uninterrupted run's did (in its memory).
+    outputs={"difficulty": Output("difficulty", sharded=True), "reward_cache": Output("reward_cache", sharded=True)},
     build=build,
     identity=identity,
 )

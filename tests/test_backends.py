@@ -257,6 +257,8 @@ def test_difficulty_shards_must_come_back_in_order():
     ctx = StageContext(
         "r", 0, None, "difficulty", {}, {}, params={"verifier": VerifierConfig(), "fan_out": reversed_fan_out}
     )
-    sharded = difficulty_build(Inputs.given(problems=problems, policy=None), DifficultyConfig(shard_size=1), ctx)
+    sharded = difficulty_build(Inputs.given(problems=problems, policy=None), DifficultyConfig(shard_size=1), ctx)[
+        "difficulty"
+    ]
     with pytest.raises(RuntimeError, match="shard 0 was asked for, but the fan-out returned shard 1"):
         sharded.make(0)

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.trainer.reward_server import serving_in_thread
+from rlvr.verifiers.cache import RewardCache, entry_key
 from tests.cli_helpers import SMALL_RUN, cli_env, rlvr
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_prefect")]
@@ -197,6 +198,29 @@ def test_difficulty_and_evaluation_ask_the_judge_too(judged_store) -> None:
     assert difficulty["n"] > 0 and difficulty["successes"] > 0
     evals = rows(store, "SELECT phase, accuracy FROM evals WHERE run_id = 'first' ORDER BY step, phase")
     assert [e["phase"] for e in evals] == ["init", "warmstart", "rl"] and max(e["accuracy"] for e in evals) > 0
+
+
+def test_the_difficulty_stages_verdicts_are_in_the_stores_cache_for_a_resumed_run(judged_store) -> None:
+    """The difficulty stage commits the judge's verdicts behind its pass rates as a `reward_cache` artifact: a fresh
+    process (a resumed run, `rlvr relabel`) finds them without asking the judge, and the label stages that hit them
+    do not commit them again."""
+    store, _ = judged_store
+    s = Store.open(store)
+    (difficulty,) = s.manifests(kind="difficulty", run_id="first")
+    caches = s.manifests(kind="reward_cache", run_id="first")
+    (own,) = [m for m in caches if m.stage == "difficulty"]
+    assert sorted(own.parents) == sorted(difficulty.parents)  # lineage: the problems and the policy it sampled
+    entries = s.read_table(own.artifact_id).to_pylist()
+    successes = sum(s.read_table(difficulty.artifact_id).column("successes").to_pylist())
+    assert {e["verifier"] for e in entries} == {"judge"} and {e["status"] for e in entries} == {"ok", "wrong"}
+    assert 0 < sum(e["status"] == "ok" for e in entries) <= successes  # distinct answers behind the successes
+    keys = [entry_key(e) for e in entries]
+    assert len(set(keys)) == len(keys)
+    assert all(score is not None for score in RewardCache(s).lookup(keys))  # a fresh process's cache has them
+    labelled = {
+        entry_key(e) for m in caches if m.stage != "difficulty" for e in s.read_table(m.artifact_id).to_pylist()
+    }
+    assert labelled and labelled.isdisjoint(keys)
 
 
 def test_a_judge_scores_pairs_with_their_questions_through_the_cache(judge) -> None:

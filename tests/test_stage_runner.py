@@ -193,6 +193,50 @@ def test_sharded_output_resumes_from_committed_shards(store):
     assert store.read_table(done.id).column("n").to_pylist() == [0, 1, 4, 9]
 
 
+def squares_and_total(inputs: Inputs, cfg: SplitConfig, ctx: StageContext) -> dict[str, Sharded]:
+    """Two sharded outputs, the second made from what the first's shards made in this process (as the difficulty
+    stage's reward cache is)."""
+    seen: list[int] = []
+
+    def total(index: int) -> pa.Table:
+        made.append(-1)
+        if -1 in crash_at:
+            raise KeyboardInterrupt("killed in the total")
+        return pa.table({"n": [sum(seen)]})
+
+    square = squares(inputs, cfg, ctx)
+    return {
+        "squares": Sharded(count=4, make=lambda index: seen.append(index * index) or square.make(index)),
+        "total": Sharded(count=1, make=total),
+    }
+
+
+SQUARES_AND_TOTAL: Stage[SplitConfig] = Stage(
+    name="squares_and_total",
+    code_version="1",
+    section=None,
+    config=SplitConfig,
+    inputs=(),
+    outputs={"squares": Output("test_squares", sharded=True), "total": Output("test_total", sharded=True)},
+    build=squares_and_total,
+)
+
+
+def test_a_sharded_output_committed_before_a_crash_is_not_made_again(store):
+    made.clear()
+    crash_at[:] = [-1]  # killed after the squares' manifest, in the second output
+    with pytest.raises(KeyboardInterrupt):
+        run_stage(store, SQUARES_AND_TOTAL, SplitConfig(), run_id="r")
+    assert made == [0, 1, 2, 3, -1] and len(store.manifests(kind="test_squares")) == 1
+    made.clear()
+    crash_at.clear()
+    done = run_stage(store, SQUARES_AND_TOTAL, SplitConfig(), run_id="r")
+    assert made == [-1]  # the squares stand as committed; the total is made from what this attempt made: nothing
+    assert store.read_table(done["squares"]).column("n").to_pylist() == [0, 1, 4, 9]
+    assert store.read_table(done["total"]).column("n").to_pylist() == [0]
+    assert run_stage(store, SQUARES_AND_TOTAL, SplitConfig(), run_id="r").skipped
+
+
 def keep_latest(inputs: Inputs, cfg: SplitConfig, ctx: StageContext) -> dict[str, Built]:
     return {"state": Built(pa.table({"step": [ctx.step]})), "log": Built(pa.table({"step": [ctx.step]}))}
 

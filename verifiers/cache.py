@@ -61,6 +61,11 @@ def score_to_entry(key: CacheKey, score: Score) -> dict[str, Any]:
     }
 
 
+def entry_key(entry: Mapping[str, Any]) -> CacheKey:
+    """The key of a cache entry (a row of a `reward_cache` artifact)."""
+    return (entry["verifier"], entry["verifier_version"], entry["response_hash"], entry["reference_hash"])
+
+
 def entry_to_score(entry: dict[str, Any]) -> Score:
     return Score(
         entry["score"], entry["status"], json.loads(entry["components"] or "{}"), entry["extracted"], entry["reason"]
@@ -111,14 +116,15 @@ class RewardCache:
         """Index cache entries (rows of a `reward_cache` artifact, committed or not yet); their keys."""
         keys = []
         for entry in entries:
-            key = (entry["verifier"], entry["verifier_version"], entry["response_hash"], entry["reference_hash"])
+            key = entry_key(entry)
             self._index[key] = entry_to_score(entry)
             keys.append(key)
         return keys
 
     def unstored(self, key: CacheKey) -> bool:
-        """Whether the verdict of `key` is known to this process only: a difficulty shard's (that stage writes no
-        cache artifact), or one in a stage's artifact not committed yet."""
+        """Whether the verdict of `key` is known to this process only: one a stage of this process found and has not
+        committed yet (a difficulty shard's before that stage's `reward_cache` artifact, which follows its last
+        shard)."""
         return key in self._index and key not in self._stored
 
     def lookup(self, keys: Sequence[CacheKey]) -> list[Score | None]:
@@ -170,8 +176,8 @@ def stage_entries(
     cache: RewardCache, keys: Sequence[CacheKey], scores: Sequence[Score], hits: Sequence[bool]
 ) -> list[dict[str, Any]]:
     """The cache entries a stage commits: its fresh verdicts, and its hits on verdicts the store does not hold yet
-    (a difficulty shard's), so that every verdict of a rewards row is in the store for `rlvr relabel` and any
-    later process to find."""
+    (ones a stage of this process has not committed), so that every verdict of a rewards row is in the store for
+    `rlvr relabel` and any later process to find."""
     chosen = [i for i, hit in enumerate(hits) if not hit or cache.unstored(keys[i])]
     return cache_entries([keys[i] for i in chosen], [scores[i] for i in chosen])
 
