@@ -30,10 +30,8 @@ from rlvr.trainer.engines import EngineConfig, engine_for
 from rlvr.trainer.generation import Sample, sample
 from rlvr.trainer.policy import Policy
 from rlvr.verifiers.cache import (
-    CacheKey,
     VerifierConfig,
     cache_entries,
-    entry_key,
     reward_cache,
     score_cached,
     verdict_keys,
@@ -151,7 +149,7 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> dict[str,
     """params: `verifier` (the label section), `fan_out` (where shards run; in place without one), `device`
     (the run's policy.device) and, when the run samples through another engine than transformers, `rollout`
     (that engine's config). Problems are taken in id order, `shard_size` per shard. Besides the `difficulty` rows,
-    a `reward_cache` artifact of the verdicts behind them (one shard, made after the last difficulty shard)."""
+    a `reward_cache` artifact of the verdicts behind them (a shard per difficulty shard, made after the last)."""
     verifier: VerifierConfig = ctx.params["verifier"]
     fan_out: Callable[..., Iterator[Any]] = ctx.params.get("fan_out", map)
     problems = [
@@ -181,7 +179,7 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> dict[str,
         for index in range(count)
     ]
     results: Iterator[ShardEstimate] | None = None
-    verdicts: dict[CacheKey, dict[str, Any]] = {}  # the cache entries of the shards made in this process
+    verdicts: dict[int, list[dict[str, Any]]] = {}  # each shard's cache entries, of the shards made in this process
 
     def make(index: int) -> pa.Table:
         # The runner asks for the shards not yet committed, in order (after a crash: all from the first
@@ -195,7 +193,7 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> dict[str,
             raise RuntimeError(f"difficulty shard {index} was asked for, but the fan-out returned {found}")
         if index == count - 1:
             shard_policy.cache_clear()  # the stage's last shard: keep no copy of the policy past it
-        verdicts.update((entry_key(entry), entry) for entry in estimate.entries)
+        verdicts[index] = estimate.entries
         if ctx.store is not None:
             reward_cache(ctx.store).add_entries(estimate.entries)  # later stages of this process hit them at once
         peaks = [peak for peak in (ctx.usage.get("peak_memory_bytes"), estimate.peak_memory_bytes) if peak is not None]
@@ -207,12 +205,16 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> dict[str,
         report("shard", stage="difficulty", done=index + 1, total=count)
         return rows_to_table("difficulty", rows)
 
-    def make_cache(_: int) -> pa.Table:
-        # Made after the last difficulty shard. A shard committed before a crash is not made again, so its
-        # verdicts are not here: a cache is a hint, and asking a judge again only for them would cost more.
-        return rows_to_table("reward_cache", list(verdicts.values()))
+    def make_cache(index: int) -> pa.Table:
+        # Made after the last difficulty shard, from the verdicts each shard found. A shard committed by an attempt
+        # that crashed is sampled and verified again here, so the artifact is the same whatever crashed before it.
+        if index not in verdicts:
+            for estimate in fan_out(estimate_shard, [job for job in jobs[index:] if job.index not in verdicts]):
+                verdicts[estimate.index] = estimate.entries
+            shard_policy.cache_clear()
+        return rows_to_table("reward_cache", verdicts.pop(index))
 
-    return {"difficulty": Sharded(count=count, make=make), "reward_cache": Sharded(count=1, make=make_cache)}
+    return {"difficulty": Sharded(count=count, make=make), "reward_cache": Sharded(count=count, make=make_cache)}
 
 
 def _label_key(label: str) -> tuple[float, str]:

@@ -393,3 +393,40 @@ def test_planted_easy_problems_get_higher_pass_rates_than_hard_ones(tmp_path):
     assert [(r["source"], r["n"]) for r in rates] == [("easy", 100), ("hard", 100)]
     easy_rate, hard_rate = rates[0]["rate"], rates[1]["rate"]
     assert easy_rate > 0.3 and hard_rate < 0.05, rates
+
+
+def test_the_difficulty_stages_verdicts_are_the_same_after_a_crash_inside_it(tmp_path):
+    """The stage commits the verdicts behind its pass rates as a `reward_cache` artifact, after its last shard. Killed
+    after two of its four shards, it is made again with the same rows: the shards committed before the kill are
+    sampled and verified again for their verdicts, not taken as they were."""
+    from rlvr.tasks.difficulty import DIFFICULTY
+    from rlvr.tasks.initialize import INITIALIZE
+
+    cfg = load_config(None, ["difficulty.k=2", "difficulty.shard_size=20", "synthesize.source.per_category=10"])
+    scoring = cfg.label.model_copy(update={"workers": 0})
+
+    def killed_after_two(fn, jobs):
+        for done, estimate in enumerate(map(fn, jobs)):
+            if done == 2:
+                raise KeyboardInterrupt("killed in the third shard")
+            yield estimate
+
+    def verdicts(root: Path, fan_out=map) -> tuple[list[dict], list[dict]]:
+        store = Store.open(str(root), create=True)
+        at = {"run_id": "crash", "seed": 0}
+        problems = run_stage(store, SYNTHESIZE, cfg.synthesize, **at).ids["problems"]
+        policy = run_stage(store, INITIALIZE, cfg.policy, params={"seed": 0}, step=0, **at).id
+        inputs = {"problems": problems, "policy": policy}
+        params = {"verifier": scoring, "fan_out": fan_out}
+        if fan_out is not map:
+            with pytest.raises(KeyboardInterrupt):
+                run_stage(store, DIFFICULTY, cfg.difficulty, inputs=inputs, params=params, **at)
+            assert not store.manifests(kind="difficulty") and not store.manifests(kind="reward_cache")
+            params["fan_out"] = map
+        done = run_stage(store, DIFFICULTY, cfg.difficulty, inputs=inputs, params=params, **at)
+        return store.read_table(done["difficulty"]).to_pylist(), store.read_table(done["reward_cache"]).to_pylist()
+
+    rows, entries = verdicts(tmp_path / "whole")
+    assert len(rows) > 2 * 20 and len(entries) > 20 and {e["status"] for e in entries} <= {"ok", "wrong", "unparseable"}
+    assert sum(e["status"] == "ok" for e in entries) <= sum(r["successes"] for r in rows)
+    assert verdicts(tmp_path / "killed", killed_after_two) == (rows, entries)

@@ -194,8 +194,7 @@ def test_sharded_output_resumes_from_committed_shards(store):
 
 
 def squares_and_total(inputs: Inputs, cfg: SplitConfig, ctx: StageContext) -> dict[str, Sharded]:
-    """Two sharded outputs, the second made from what the first's shards made in this process (as the difficulty
-    stage's reward cache is)."""
+    """Two sharded outputs, the second made from what the first's shards made in this process."""
     seen: list[int] = []
 
     def total(index: int) -> pa.Table:
@@ -231,7 +230,7 @@ def test_a_sharded_output_committed_before_a_crash_is_not_made_again(store):
     made.clear()
     crash_at.clear()
     done = run_stage(store, SQUARES_AND_TOTAL, SplitConfig(), run_id="r")
-    assert made == [-1]  # the squares stand as committed; the total is made from what this attempt made: nothing
+    assert made == [-1]  # the squares stand as committed: a stage whose second output needs them makes them again
     assert store.read_table(done["squares"]).column("n").to_pylist() == [0, 1, 4, 9]
     assert store.read_table(done["total"]).column("n").to_pylist() == [0]
     assert run_stage(store, SQUARES_AND_TOTAL, SplitConfig(), run_id="r").skipped
