@@ -1,5 +1,6 @@
 """The data stages: malformed input quarantined with reasons (the invariant holds), planted duplicates,
-`rlvr data` / `rlvr difficulty` / `rlvr export` from the command line, and difficulty on planted problems."""
+`rlvr data` / `rlvr difficulty` / `rlvr export` from the command line, difficulty on planted problems, and the
+difficulty stage's verdicts (its reward_cache artifact) the same after a crash inside it."""
 
 from __future__ import annotations
 
