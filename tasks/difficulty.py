@@ -145,39 +145,43 @@ def shard_policy(store_root: str, policy_id: str, device: torch.device) -> Polic
     return load_policy(open_store(store_root), policy_id, device=device)
 
 
-def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> dict[str, Sharded]:
-    """params: `verifier` (the label section), `fan_out` (where shards run; in place without one), `device`
-    (the run's policy.device) and, when the run samples through another engine than transformers, `rollout`
-    (that engine's config). Problems are taken in id order, `shard_size` per shard. Besides the `difficulty` rows,
-    a `reward_cache` artifact of the verdicts behind them (a shard per difficulty shard, made after the last)."""
-    verifier: VerifierConfig = ctx.params["verifier"]
-    fan_out: Callable[..., Iterator[Any]] = ctx.params.get("fan_out", map)
+def _shard_jobs(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> list[ShardJob]:
+    """The problems of `cfg.splits`, in id order, `shard_size` a shard, each shard with its seed and where to find
+    the policy (the store, or without one the policy given as an input)."""
     problems = [
         p
         for p in inputs.rows("problems", ["problem_id", "split", "prompt", "reference", "verifier"])
         if p["split"] in cfg.splits
     ]
     problems.sort(key=lambda p: p["problem_id"])
-    policy_ref = inputs.require_id("policy")
     device = ctx.params.get("device")
     given = None if ctx.store is not None else inputs.load("policy", partial(load_policy, device=stage_device(device)))
     root = ctx.store.root if ctx.store is not None else None
-    count = -(-len(problems) // cfg.shard_size)
-    jobs = [
+    return [
         ShardJob(
             index,
-            problems[index * cfg.shard_size : (index + 1) * cfg.shard_size],
+            problems[start : start + cfg.shard_size],
             cfg,
-            verifier,
+            ctx.params["verifier"],
             ctx.derive_seed("difficulty", index),
             root,
-            policy_ref,
+            inputs.require_id("policy"),
             given,
             device,
             ctx.params.get("rollout"),
         )
-        for index in range(count)
+        for index, start in enumerate(range(0, len(problems), cfg.shard_size))
     ]
+
+
+def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> dict[str, Sharded]:
+    """params: `verifier` (the label section), `fan_out` (where shards run; in place without one), `device`
+    (the run's policy.device) and, when the run samples through another engine than transformers, `rollout`
+    (that engine's config). Problems are taken in id order, `shard_size` per shard. Besides the `difficulty` rows,
+    a `reward_cache` artifact of the verdicts behind them (a shard per difficulty shard, made after the last)."""
+    fan_out: Callable[..., Iterator[Any]] = ctx.params.get("fan_out", map)
+    jobs = _shard_jobs(inputs, cfg, ctx)
+    policy_ref, count = inputs.require_id("policy"), len(jobs)
     results: Iterator[ShardEstimate] | None = None
     verdicts: dict[int, list[dict[str, Any]]] = {}  # each shard's cache entries, of the shards made in this process
 

@@ -5,6 +5,7 @@ difficulty stage's verdicts (its reward_cache artifact) the same after a crash i
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -412,22 +413,22 @@ def test_the_difficulty_stages_verdicts_are_the_same_after_a_crash_inside_it(tmp
                 raise KeyboardInterrupt("killed in the third shard")
             yield estimate
 
-    def verdicts(root: Path, fan_out=map) -> tuple[list[dict], list[dict]]:
+    def verdicts(root: Path, killed: bool) -> tuple[list[dict], list[dict]]:
         store = Store.open(str(root), create=True)
         at = {"run_id": "crash", "seed": 0}
         problems = run_stage(store, SYNTHESIZE, cfg.synthesize, **at).ids["problems"]
         policy = run_stage(store, INITIALIZE, cfg.policy, params={"seed": 0}, step=0, **at).id
-        inputs = {"problems": problems, "policy": policy}
-        params = {"verifier": scoring, "fan_out": fan_out}
-        if fan_out is not map:
+        estimate = partial(
+            run_stage, store, DIFFICULTY, cfg.difficulty, inputs={"problems": problems, "policy": policy}
+        )
+        if killed:
             with pytest.raises(KeyboardInterrupt):
-                run_stage(store, DIFFICULTY, cfg.difficulty, inputs=inputs, params=params, **at)
+                estimate(params={"verifier": scoring, "fan_out": killed_after_two}, **at)
             assert not store.manifests(kind="difficulty") and not store.manifests(kind="reward_cache")
-            params["fan_out"] = map
-        done = run_stage(store, DIFFICULTY, cfg.difficulty, inputs=inputs, params=params, **at)
+        done = estimate(params={"verifier": scoring}, **at)
         return store.read_table(done["difficulty"]).to_pylist(), store.read_table(done["reward_cache"]).to_pylist()
 
-    rows, entries = verdicts(tmp_path / "whole")
+    rows, entries = verdicts(tmp_path / "whole", killed=False)
     assert len(rows) > 2 * 20 and len(entries) > 20 and {e["status"] for e in entries} <= {"ok", "wrong", "unparseable"}
     assert sum(e["status"] == "ok" for e in entries) <= sum(r["successes"] for r in rows)
-    assert verdicts(tmp_path / "killed", killed_after_two) == (rows, entries)
+    assert verdicts(tmp_path / "killed", killed=True) == (rows, entries)

@@ -204,10 +204,12 @@ def squares_and_total(inputs: Inputs, cfg: SplitConfig, ctx: StageContext) -> di
         return pa.table({"n": [sum(seen)]})
 
     square = squares(inputs, cfg, ctx)
-    return {
-        "squares": Sharded(count=4, make=lambda index: seen.append(index * index) or square.make(index)),
-        "total": Sharded(count=1, make=total),
-    }
+
+    def seen_square(index: int) -> pa.Table:
+        seen.append(index * index)
+        return square.make(index)
+
+    return {"squares": Sharded(count=4, make=seen_square), "total": Sharded(count=1, make=total)}
 
 
 SQUARES_AND_TOTAL: Stage[SplitConfig] = Stage(

@@ -95,9 +95,9 @@ def return_freed_memory() -> None:
     own, given back to the system when freed. By default glibc raises that threshold after each large free, up to
     32 MiB, and serves later large tensors from its heap, which it rarely returns: a rank's resident memory then
     keeps the high-water mark of every step's transient buffers (about 1 GB more per rank at SmolLM2-135M:
-    docs/benchmarks.md), the memory sharding is meant to save, and a single-process SmolLM2 RLPR run grew to
-    12.8 GB (3-8 GB with the threshold fixed lower, at 128 KiB: docs/rewards.md). Elsewhere (no glibc) nothing
-    changes."""
+    docs/benchmarks.md), the memory sharding is meant to save, and a single-process SmolLM2 RLPR run held 12.8 GB
+    (with this threshold: peaks of 9.8-10.3 GB, under 5.5 GB half the time; docs/rewards.md). Elsewhere (no glibc)
+    nothing changes."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
