@@ -124,7 +124,8 @@ def test_the_example_config_is_the_documented_recipe() -> None:
 
 def test_the_rlpr_example_is_the_arithmetic_example_asked_for_its_working_after_a_warm_start_on_solutions() -> None:
     """docs/rewards.md#rlpr: the same problems and GRPO as the arithmetic example; what differs is the style, the
-    room for the working, the warm start on worked solutions, the group size (RLPR's 8) and the reward."""
+    room for the working, the warm start on worked solutions, the group size (RLPR's 8), the advantages' scale and the
+    reward."""
     from rlvr.flows.config import load_config
 
     examples = Path(__file__).resolve().parent.parent / "examples"
@@ -138,6 +139,8 @@ def test_the_rlpr_example_is_the_arithmetic_example_asked_for_its_working_after_
     assert (rlpr.label.reward, plain.label.reward) == ("rlpr", "verifier")
     grpo = rlpr.train.grpo  # gradient accumulation over two halves: the same update up to summation order
     assert (grpo.micro_batch_tokens, rlpr.train.model_copy(update={"grpo": plain.train.grpo})) == (4096, plain.train)
+    assert (grpo.advantage_scale, plain.train.grpo.advantage_scale) == ("batch", "std")  # a group counts by its spread
+    assert grpo.model_copy(update={"micro_batch_tokens": None, "advantage_scale": "std"}) == plain.train.grpo
     assert (rlpr.allocate.n, plain.allocate.n) == (8, 4)  # RLPR's rollout.n
     assert (rlpr.select, rlpr.seed, rlpr.synthesize.test_fraction) == (
         plain.select, plain.seed, plain.synthesize.test_fraction
