@@ -157,6 +157,7 @@ def _shard_jobs(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> lis
     device = ctx.params.get("device")
     given = None if ctx.store is not None else inputs.load("policy", partial(load_policy, device=stage_device(device)))
     root = ctx.store.root if ctx.store is not None else None
+    policy_ref = inputs.require_id("policy")
     return [
         ShardJob(
             index,
@@ -165,7 +166,7 @@ def _shard_jobs(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> lis
             ctx.params["verifier"],
             ctx.derive_seed("difficulty", index),
             root,
-            inputs.require_id("policy"),
+            policy_ref,
             given,
             device,
             ctx.params.get("rollout"),
