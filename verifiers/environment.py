@@ -22,6 +22,7 @@ and appends their token ids to the trajectory at loss mask 0, and never decodes 
 from __future__ import annotations
 
 import inspect
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlvr.errors import UserError
-from rlvr.verifiers.base import Score, Verifier
+from rlvr.verifiers.base import Score, Status, Verifier
 
 __all__ = [
     "STOP_REASONS",
@@ -44,11 +45,12 @@ __all__ = [
     "ToolUse",
     "episode_reward",
     "read_options",
+    "reward_verdict",
 ]
 
 Message = dict[str, str]  # {"role": ..., "content": ...}; role one of system, user, assistant, tool
-StopReason = Literal["done", "max_turns", "token_budget", "tool_timeout", "error"]
-STOP_REASONS: tuple[str, ...] = ("done", "max_turns", "token_budget", "tool_timeout", "error")
+StopReason = Literal["done", "max_turns", "token_budget", "tool_timeout", "env_timeout", "error"]
+STOP_REASONS: tuple[str, ...] = ("done", "max_turns", "token_budget", "tool_timeout", "env_timeout", "error")
 ToolStatus = Literal["ok", "error", "timeout", "malformed"]
 TOOL_OUTPUT_BYTES_PER_TOKEN = 16  # the byte cap on a tool's output where it runs, per token of the later token cut
 Options = TypeVar("Options", bound=BaseModel)
@@ -68,7 +70,20 @@ class EnvConfig(BaseModel):
     tool_timeout_s: float = Field(5.0, gt=0, le=600, description="wall-clock seconds per tool call")
     tool_memory_mb: int = Field(512, ge=16, description="memory per tool call (the python tool's address space)")
     parallel_tools: int = Field(2, ge=1, description="tool calls running at once, across the episodes")
-    verifier: str | None = Field(None, description="scores the final answer (one_turn, calculator)")
+    max_tool_calls: int = Field(8, ge=1, description="tool calls run per assistant turn; those past it get an error")
+    parallel_steps: int = Field(8, ge=1, description="environment resets and steps running at once, across episodes")
+    step_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="wall-clock seconds of a reset or step; past it: stop reason env_timeout"
+    )
+    isolation: Literal["thread", "process"] = Field(
+        "thread", description="where a wrapped environment runs: a thread of the run's, or a process of its own"
+    )
+    solved_at: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        description="an episode rewarded without a verdict is solved at this reward or more (unset: the type's own)",
+    )
+    verifier: str | None = Field(None, description="scores the final answer (calculator, retry)")
     options: dict[str, Any] = Field(default_factory=dict, description="the environment type's own settings")
 
     @property
@@ -209,6 +224,16 @@ class OneTurn(Environment):
             return Reply(done=True, stop_reason="done")
         score = self.verifier.score(response, self._reference)
         return Reply(reward=score.value, done=True, stop_reason="done", verdict=score)
+
+
+def reward_verdict(reward: float, solved_at: float) -> Score:
+    """The verdict of an episode whose environment gave `reward` and no verdict of its own: solved (status `ok`) at
+    `solved_at` or more, else `wrong`; a reward that is not a finite number is no reward (`error`), never trained on."""
+    if not math.isfinite(reward):
+        return Score(0.0, "error", reason=f"the environment gave a reward of {reward!r}, not a finite number")
+    status: Status = "ok" if reward >= solved_at else "wrong"
+    relation = ">=" if status == "ok" else "<"
+    return Score(reward, status, reason=f"reward {reward:g} {relation} env.solved_at {solved_at:g}")
 
 
 def episode_reward(replies: Sequence[Reply]) -> float | None:
