@@ -156,3 +156,21 @@ def test_tracker_writes_progress_and_heartbeats(tmp_path):
     after = store.read_run("r")["updated_at"]  # the beats stop with the tracker
     time.sleep(0.2)
     assert store.read_run("r")["updated_at"] == after
+
+
+def test_run_ids_are_never_cut_in_a_narrow_table(tmp_path):
+    """An id is what a user copies from `rlvr runs`: at 80 columns a run id of the longest length the config allows
+    (64) is printed whole on one line; the other columns shrink (here the start time wraps at its space)."""
+    store = Store.open(str(tmp_path / "store"), create=True)
+    longest = "nightly-" + "x" * 40 + "-20261202-101112"
+    assert len(longest) == 64
+    started = {"status": "completed", "kind": "rl", "steps": 200, "created_at": "2026-12-02T10:11:12+00:00"}
+    store.write_run({**started, "run_id": longest, "step": 200, "accuracy": 0.5})
+    store.write_run({**started, "run_id": "short", "step": 20})
+
+    shown = rlvr("runs", "--store", store.root, env=cli_env(COLUMNS="80"))
+    assert shown.returncode == 0, shown.stderr
+    row = next(line for line in shown.stdout.splitlines() if "nightly-" in line)
+    cells = [cell.strip() for cell in row.strip("│ ").split("│")]
+    assert [*cells[:4], cells[-1]] == [longest, "completed", "200/200", "0.50", "12-02"]  # cells[4]: the heartbeat
+    assert "12-02 10:11" not in shown.stdout and "│ 10:11" in shown.stdout  # the time wrapped, not the id

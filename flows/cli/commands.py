@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
+from rich.cells import cell_len
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
@@ -185,7 +186,8 @@ def runs(
         }
         for r in rows
     ]
-    _print_rows(shown, ["run_id", "status", "progress", "accuracy", "heartbeat", "started"], "table")
+    columns = ["run_id", "status", "progress", "accuracy", "heartbeat", "started"]
+    _print_rows(shown, columns, "table", whole=["run_id"])  # an id is copied from here: never cut
     for r in rows:
         if r["status"] == "failed":
             out.print(f"{r['run_id']} failed in {r['failed_stage']}: {r['reason']}", markup=False, highlight=False)
@@ -515,7 +517,8 @@ def _print_chunks(chunks: Iterable[list[tuple[Any, ...]]], columns: list[str], f
         _print_table([], columns)
 
 
-def _print_rows(rows: list[dict[str, Any]], columns: list[str], format: str) -> None:
+def _print_rows(rows: list[dict[str, Any]], columns: list[str], format: str, whole: Iterable[str] = ()) -> None:
+    """Rows as json, csv or a table; in a table the `whole` columns (ids to copy) are never cut or wrapped."""
     if format == "json":
         for row in rows:
             print(json.dumps(row, default=str))
@@ -525,15 +528,23 @@ def _print_rows(rows: list[dict[str, Any]], columns: list[str], format: str) -> 
         writer.writeheader()
         writer.writerows(rows)
         return
-    _print_table([["" if row.get(c) is None else str(row.get(c)) for c in columns] for row in rows], columns)
+    cells = [["" if row.get(c) is None else str(row.get(c)) for c in columns] for row in rows]
+    _print_table(cells, columns, whole=whole)
 
 
-def _print_table(cells: list[list[str]], columns: list[str]) -> None:
+def _print_table(cells: list[list[str]], columns: list[str], whole: Iterable[str] = ()) -> None:
     table = Table(*columns)
+    for index, column in enumerate(table.columns):
+        texts = [str(column.header), *(row[index] for row in cells)]
+        if column.header in whole:  # fixed: rich shrinks the other columns first, and never this one below its width
+            column.width, column.no_wrap = max(cell_len(text) for text in texts), True
+        else:  # rich's shrinking ignores the longest word; this keeps it
+            column.min_width = max((cell_len(word) for text in texts for word in text.split()), default=1)
     for row in cells:
         table.add_row(*row)
     # Wider than the terminal: long cells wrap at spaces, but never below the longest word of each column, where
-    # rich would drop whole columns instead (the table then runs past the terminal's edge).
+    # rich would drop whole columns instead (the table then runs past the terminal's edge); the `whole` columns
+    # keep their full width.
     measured = Measurement.get(out, out.options.update_width(100_000), table)
     if measured.maximum > out.width:
         table.width = max(out.width, measured.minimum)
