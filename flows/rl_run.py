@@ -280,7 +280,8 @@ def _label(
     debias_with=start for the whole pool with the policy RL started from (rlpr_debias, committed at the first step
     and found after), else with `policy`, the step's later rounds reading the earlier rounds' terms."""
     if cfg.label.reward != "rlpr":
-        fanned = {"fan_out": current_fan_out(), **cfg.reward.label_params()}  # fan_out carries verify_chunk
+        # fan_out carries verify_chunk; the error threshold holds for every reward source, not only models'
+        fanned = {"fan_out": current_fan_out(), "max_error_rate": cfg.reward.max_error_rate}
         labelled = run(LABEL, cfg.label, at, inputs={"rollouts": rollouts, "problems": refs.problems}, params=fanned)
         return labelled["rewards"]
     params: dict[str, Any] = {"device": cfg.policy.device, **({"beside_trainer": True} if beside_trainer else {})}
@@ -369,6 +370,7 @@ def evaluate(store: str, cfg: RunConfigBase, step: int, phase: str, refs: StepRe
         "phase": phase,
         "verifier": cfg.label,
         "device": cfg.policy.device,
+        "max_error_rate": cfg.reward.max_error_rate,
         **engine_param(cfg),
         **env_params(cfg),
     }

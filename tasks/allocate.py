@@ -2,7 +2,8 @@
 prompts x `allocate.n`; ragged groups allowed. Each row says why: the estimate used and where it came
 from, its case, the allocator's value for the count, and whether a fallback placed it.
 
-Estimates: a problem's outcome buffer (its last 16 rewards in this run, valid from 8) when valid, else
+Estimates: a problem's outcome buffer (its last 16 outcomes in this run, valid from 8: solved or not, RLPR's
+reward as it is, nothing for a row whose verdict failed; verifiers/outcomes.py) when valid, else
 the difficulty stage's pass rate (unless Knapsack's `unknown` is "uniform": then none, as in the paper).
 Buffers are kept in memory from step to step; a process that has not built them (a resumed run) rebuilds
 them with one query over the run's rewards, so resume never depends on what a process remembered.
@@ -20,6 +21,7 @@ from rlvr.curricula.registry import ALLOCATORS, make_allocator
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.storage.store import Store
 from rlvr.storage.views import data_paths, duckdb_connection, parquet_scan
+from rlvr.verifiers.outcomes import OUTCOME_SQL, outcome
 
 
 def build(inputs: Inputs, cfg: AllocateConfig, ctx: StageContext) -> Built:
@@ -27,7 +29,8 @@ def build(inputs: Inputs, cfg: AllocateConfig, ctx: StageContext) -> Built:
     (every round of it; none at step 1)."""
     slots = inputs.rows("selections", ["slot", "problem_id", "arm", "probability"])
     stats = {r["problem_id"]: r for r in inputs.rows("difficulty", ["problem_id", "pass_rate", "k"])}
-    previous = inputs.table("rewards", ["problem_id", "step", "rollout_id", "score"]) if inputs.ids["rewards"] else None
+    columns = ["problem_id", "step", "rollout_id", "verifier", "status", "score"]
+    previous = inputs.table("rewards", columns) if inputs.ids["rewards"] else None
     buffers = buffers_before(ctx.store, ctx.run_id, ctx.step or 1, previous)
     picks = [Pick(s["problem_id"], s["arm"], s["probability"]) for s in slots]
     prior = cfg.prior_for_unknown
@@ -60,7 +63,7 @@ def build(inputs: Inputs, cfg: AllocateConfig, ctx: StageContext) -> Built:
 
 def difficulty_estimate(stat: dict[str, Any] | None) -> Estimate:
     """The difficulty stage's pass rate (k rollouts of the reference policy), when it estimated the problem."""
-    if stat is None:
+    if stat is None or stat["pass_rate"] is None:  # not estimated, or no sample of it got a verdict
         return Estimate(None)
     return Estimate(stat["pass_rate"], count=stat["k"], source="difficulty")
 
@@ -90,7 +93,9 @@ def buffers_before(store: Store | None, run_id: str, step: int, previous: pa.Tab
 def _with_outcomes(buffers: OutcomeBuffers, rewards: pa.Table) -> OutcomeBuffers:
     rows = sorted(rewards.to_pylist(), key=lambda r: (r["step"], r["rollout_id"]))
     for row in rows:
-        buffers.add(row["problem_id"], [row["score"]])
+        found = outcome(row["verifier"], row["status"], row["score"])
+        if found is not None:  # an error row has no outcome (verifiers/outcomes.py)
+            buffers.add(row["problem_id"], [found])
     return buffers
 
 
@@ -110,9 +115,9 @@ def rebuild_buffers(store: Store, run_id: str, step: int, length: int = BUFFER_L
     try:
         rows = con.execute(
             f"""SELECT problem_id, list(score ORDER BY step, rollout_id) AS outcomes FROM (
-                    SELECT problem_id, score, step, rollout_id, row_number() OVER (
+                    SELECT problem_id, {OUTCOME_SQL} AS score, step, rollout_id, row_number() OVER (
                         PARTITION BY problem_id ORDER BY step DESC, rollout_id DESC) AS recency
-                    FROM {parquet_scan(paths)} WHERE run_id = ?)
+                    FROM {parquet_scan(paths)} WHERE run_id = ? AND status <> 'error')
                 WHERE recency <= ? GROUP BY problem_id ORDER BY problem_id""",
             [run_id, length],
         ).fetchall()
@@ -125,7 +130,7 @@ def rebuild_buffers(store: Store, run_id: str, step: int, length: int = BUFFER_L
 
 ALLOCATE: Stage[AllocateConfig] = Stage(
     name="allocate",
-    code_version="3",
+    code_version="4",  # 4: buffers hold outcomes (solved or not; RLPR's reward), error rows none
     section="allocate",
     config=ALLOCATORS.config_type,
     default=ALLOCATORS.default_config,

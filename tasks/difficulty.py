@@ -37,6 +37,7 @@ from rlvr.verifiers.cache import (
     verdict_keys,
     verifier_identity,
 )
+from rlvr.verifiers.outcomes import solved
 
 
 class DifficultyConfig(BaseModel):
@@ -51,7 +52,9 @@ class DifficultyConfig(BaseModel):
 
 
 def difficulty_row(run_id: str, problem_id: str, policy_id: str, k: int, successes: int, bins: int) -> dict:
-    """Pass rate and its Beta(1+s, 1+k-s) posterior (uniform prior) for one problem."""
+    """Pass rate and its Beta(1+s, 1+k-s) posterior (uniform prior) for one problem; `k` counts the verdicts given
+    (a sample whose verdict failed, status error, is neither a success nor a failure: verifiers/outcomes.py), so
+    with none the pass rate is unknown (None) and the posterior the prior's."""
     alpha, beta = 1.0 + successes, 1.0 + k - successes
     mean = alpha / (alpha + beta)
     return {
@@ -60,7 +63,7 @@ def difficulty_row(run_id: str, problem_id: str, policy_id: str, k: int, success
         "policy_id": policy_id,
         "k": k,
         "successes": successes,
-        "pass_rate": successes / k,
+        "pass_rate": successes / k if k else None,
         "beta_alpha": alpha,
         "beta_beta": beta,
         "posterior_mean": mean,
@@ -95,6 +98,7 @@ class ShardEstimate:
 
     index: int
     successes: list[int]
+    verdicts: list[int]  # per problem: the samples with a verdict (not status error)
     entries: list[dict[str, Any]]
     device: str | None = None
     peak_memory_bytes: int | None = None
@@ -111,11 +115,13 @@ def estimate_shard(job: ShardJob) -> ShardEstimate:
     store = open_store(job.store) if job.store is not None else None
     questions = [problems[s.prompt_index]["prompt"] for s in samples]  # what a judge is asked with the answer
     scores, _, _ = score_cached(store, job.verifier, pairs, names, questions=questions)
-    successes = [0] * len(problems)
-    for s, score in zip(samples, scores, strict=True):
-        successes[s.prompt_index] += score.status == "ok"
+    successes, verdicts = [0] * len(problems), [0] * len(problems)
+    for s, name, score in zip(samples, names, scores, strict=True):
+        found = solved(name, score.status)
+        successes[s.prompt_index] += found is True
+        verdicts[s.prompt_index] += found is not None
     entries = cache_entries(verdict_keys(names, pairs, job.verifier, questions), scores)
-    return ShardEstimate(job.index, successes, entries, **usage(policy.model))
+    return ShardEstimate(job.index, successes, verdicts, entries, **usage(policy.model))
 
 
 def _sampled(policy: Policy, job: ShardJob, prompts: list[str]) -> list[Sample]:
@@ -204,8 +210,8 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> dict[str,
         peaks = [peak for peak in (ctx.usage.get("peak_memory_bytes"), estimate.peak_memory_bytes) if peak is not None]
         ctx.usage.update(device=estimate.device, peak_memory_bytes=max(peaks, default=None))
         rows = [
-            difficulty_row(ctx.run_id, p["problem_id"], policy_ref, cfg.k, n, cfg.bins)
-            for p, n in zip(jobs[index].problems, estimate.successes, strict=True)
+            difficulty_row(ctx.run_id, p["problem_id"], policy_ref, k, n, cfg.bins)
+            for p, n, k in zip(jobs[index].problems, estimate.successes, estimate.verdicts, strict=True)
         ]
         report("shard", stage="difficulty", done=index + 1, total=count)
         return rows_to_table("difficulty", rows)
@@ -267,7 +273,7 @@ def identity(cfg: DifficultyConfig, params: Mapping[str, Any]) -> dict[str, Any]
 
 DIFFICULTY: Stage[DifficultyConfig] = Stage(
     name="difficulty",
-    code_version="2",
+    code_version="3",  # 3: a failed verdict (status error) is neither a success nor a failure
     section="difficulty",
     config=DifficultyConfig,
     inputs=("problems", "policy"),

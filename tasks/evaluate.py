@@ -1,5 +1,8 @@
 """evaluate: greedy accuracy of a policy on a held-out split, verified like the training rewards; with an
-environment (`env`), of one greedy episode per problem, scored by the environment's verdict where it gives one."""
+environment (`env`), of one greedy episode per problem, scored by the verdict the rollout loop gave it (the
+environment's own, its reward against `env.solved_at`, or an error), and by the problem's verifier only where the
+environment leaves its final answer to one (trainer/multi_turn.py). An answer whose verdict failed (status error)
+is not correct; past `reward.max_error_rate` of them the run stops (verifiers/outcomes.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from rlvr.trainer.policy import Policy
 from rlvr.verifiers.base import Score
 from rlvr.verifiers.cache import VerifierConfig, score_cached, verifier_identity
 from rlvr.verifiers.env_registry import EnvConfig
+from rlvr.verifiers.outcomes import DEFAULT_MAX_ERROR_RATE, check_error_share, solved
 
 
 class EvaluateConfig(BaseModel):
@@ -51,9 +55,13 @@ def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
     pairs = [(answers[i], problems[i]["reference"]) for i in missing]
     names, questions = [problems[i]["verifier"] for i in missing], [problems[i]["prompt"] for i in missing]
     scores, _, _ = score_cached(ctx.store, verifier, pairs, names, questions=questions)
+    scorer = [str(ctx.params.get("environment"))] * len(problems)  # what gave each verdict
     for i, score in zip(missing, scores):
-        given[i] = score
-    correct = sum(verdict is not None and verdict.status == "ok" for verdict in given)
+        given[i], scorer[i] = score, verifier.verifier_of(problems[i]["verifier"])
+    verdicts = [{"status": v.status, "reason": v.reason, "verifier": who} for v, who in zip(given, scorer) if v]
+    max_error_rate = float(ctx.params.get("max_error_rate", DEFAULT_MAX_ERROR_RATE))
+    check_error_share(verdicts, f"answers of the {ctx.params['phase']} evaluation", max_error_rate)
+    correct = sum(solved(v["verifier"], v["status"]) is True for v in verdicts)
     row = {
         "run_id": ctx.run_id,
         "step": ctx.step,
@@ -121,7 +129,7 @@ def identity(cfg: EvaluateConfig, params: Mapping[str, Any]) -> dict[str, Any]:
 
 EVALUATE: Stage[EvaluateConfig] = Stage(
     name="evaluate",
-    code_version="2",
+    code_version="3",  # 3: solved read through verifiers/outcomes.py; error verdicts counted and bounded
     section="evaluate",
     config=EvaluateConfig,
     inputs=("policy", "problems"),

@@ -21,28 +21,26 @@ from typing import Any
 
 from rlvr.curricula.filtering import DynamicSamplingConfig, filter_groups, group_std, std_filter_state, step_std_ema
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
+from rlvr.verifiers.outcomes import is_error, outcome
 
 
 def build(inputs: Inputs, cfg: DynamicSamplingConfig, ctx: StageContext) -> Built:
     """Inputs: the step's rollouts and rewards, every round so far; with `filter.std`, the `state` the step before
     left. params: batch_size, refills_done and first_slot (where this round's slots start)."""
-    # Correctness, not the reward: a shaped reward (partial credit, a format bonus) can vary in a group
-    # that is all wrong, and such a group must still count as one without signal. RLPR's rewards have no
-    # correctness: their own variance counts.
-    table = inputs.table("rewards")
-    labelled = table.select([c for c in ("rollout_id", "status", "score", "verifier") if c in table.column_names])
-    rows_in = labelled.to_pylist()
-    signal_of = {
-        r["rollout_id"]: r["score"] if r.get("verifier") == "rlpr" else float(r["status"] == "ok") for r in rows_in
-    }
-    score_of = {r["rollout_id"]: r["score"] for r in rows_in}
+    # Outcomes, not the reward (verifiers/outcomes.py): a shaped reward (partial credit, a format bonus, a game's
+    # penalty) can vary in a group that is all wrong, and such a group must still count as one without signal.
+    # RLPR's rewards have no correctness: their own variance counts. A row whose verdict failed has no outcome
+    # and is left out of its group.
+    rows_in = inputs.table("rewards", ["rollout_id", "status", "score", "verifier"]).to_pylist()
+    signal_of = {r["rollout_id"]: outcome(r["verifier"], r["status"], r["score"]) for r in rows_in}
+    score_of = {r["rollout_id"]: r["score"] for r in rows_in if not is_error(r["status"])}
     by_slot: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in inputs.rows("rollouts", ["rollout_id", "slot", "sample_index", "problem_id"]):
         by_slot[r["slot"]].append(r)
     slots = sorted(by_slot)
     ordered = [sorted(by_slot[s], key=lambda r: r["sample_index"]) for s in slots]
-    groups = [[signal_of[r["rollout_id"]] for r in group] for group in ordered]
-    scores = [[score_of[r["rollout_id"]] for r in group] for group in ordered]
+    groups = [[s for r in group if (s := signal_of[r["rollout_id"]]) is not None] for group in ordered]
+    scores = [[score_of[r["rollout_id"]] for r in group if r["rollout_id"] in score_of] for group in ordered]
     ema, state, floor = None, None, None
     if cfg.std is not None:
         step = ctx.step or 0
@@ -85,7 +83,7 @@ def build(inputs: Inputs, cfg: DynamicSamplingConfig, ctx: StageContext) -> Buil
 
 FILTER: Stage[DynamicSamplingConfig] = Stage(
     name="filter",
-    code_version="1",
+    code_version="2",  # 2: outcomes through verifiers/outcomes.py; error rows have none
     section="filter",
     config=DynamicSamplingConfig,
     inputs=("rollouts", "rewards", "state"),  # state: only with filter.std, so other runs keep their ids

@@ -30,6 +30,7 @@ from rlvr.verifiers.cache import (
     verifier_identity,
 )
 from rlvr.verifiers.model_rewards import model_verdicts, split_by_model
+from rlvr.verifiers.outcomes import DEFAULT_MAX_ERROR_RATE, check_error_share, is_error
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
     columns = table.select(["rollout_id", "problem_id", "prompt", "response"]).to_pylist()
     unscored = [r for r in columns if r["rollout_id"] not in given]
     judged, rollouts = split_by_model(cfg, unscored, references)
-    max_error_rate = float(ctx.params.get("max_error_rate", 0.0))
+    max_error_rate = float(ctx.params.get("max_error_rate", DEFAULT_MAX_ERROR_RATE))
     model_of, model_entries = model_verdicts(ctx.store, cfg, judged, references, max_error_rate)
     fan_out = ctx.params.get("fan_out")
     chunk = getattr(fan_out, "verify_chunk", None)  # a FanOut has it (flow.executor.verify_chunk); `map` has not
@@ -85,6 +86,7 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
         }
         for r in table.select(["rollout_id", "problem_id"]).to_pylist()
     ]
+    check_error_share(rows, f"rewards of step {ctx.step}", max_error_rate)
     return {
         "reward_cache": Built(rows_to_table("reward_cache", [*entries, *model_entries])),
         "rewards": Built(rows_to_table("rewards", rows)),
@@ -92,28 +94,36 @@ def build(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> dict[str, B
 
 
 def environment_verdicts(rollouts: pa.Table) -> dict[str, dict[str, Any]]:
-    """rollout_id -> its rewards columns, for the episodes whose environment gave the reward (`env_reward`): the
-    environment ("name@version") stands as the verifier, its verdict's status and parts as given (status "ok"
-    when it gave a reward and no verdict)."""
+    """rollout_id -> its rewards columns, for the episodes their environment decided: the rollout loop gave each
+    such episode its verdict (`env_verdict`: the environment's own, its reward against `env.solved_at`, or an
+    error for an episode that failed), and the environment ("name@version") stands as the verifier. An episode
+    with neither a verdict nor a reward is left to the verifier (one that the environment names to score its
+    final answer). A reward with no verdict (rollouts sampled before verdicts were recorded) is an error, never
+    read as solved."""
     if "env_reward" not in rollouts.column_names:  # rollouts written before environments
         return {}
     found = {}
     for r in rollouts.select(["rollout_id", "env", "env_reward", "env_verdict"]).to_pylist():
-        if r["env_reward"] is None:
+        if r["env_verdict"] is None and r["env_reward"] is None:
             continue
-        verdict = json.loads(r["env_verdict"]) if r["env_verdict"] else {"status": "ok"}
+        verdict = json.loads(r["env_verdict"]) if r["env_verdict"] else UNDECIDED
+        status = verdict.get("status", "error")
+        score = 0.0 if is_error(status) or r["env_reward"] is None else float(r["env_reward"])
         name, _, version = str(r["env"]).partition("@")
         found[r["rollout_id"]] = {
             "verifier": f"env:{name}",
             "verifier_version": version,
-            "score": float(r["env_reward"]),
-            "status": verdict.get("status", "ok"),
+            "score": score,
+            "status": status,
             "extracted": verdict.get("extracted"),
             "reason": verdict.get("reason"),
             "components": json.dumps(verdict.get("components") or {}, sort_keys=True),
             "cache_hit": False,
         }
     return found
+
+
+UNDECIDED = {"status": "error", "reason": "the environment's reward came without a verdict (sampled before v5)"}
 
 
 LABEL: Stage[VerifierConfig] = Stage(

@@ -42,6 +42,7 @@ from rlvr.trainer.engines import EngineConfig, engine_for
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.rewriting import PolicyRewriter
 from rlvr.verifiers.cache import VerifierConfig, score_rollouts
+from rlvr.verifiers.outcomes import solved
 from rlvr.verifiers.registry import verifier_class
 
 PROBLEM_COLUMNS = [
@@ -60,15 +61,19 @@ PROBLEM_COLUMNS = [
 
 
 def group_accuracy(inputs: Inputs) -> list[tuple[int, str, float]]:
-    """(slot, problem_id, share of its rollouts verified ok) for every group of the step, by slot."""
-    status_of = dict(zip(*inputs.table("rewards", ["rollout_id", "status"]).to_pydict().values()))
+    """(slot, problem_id, share of its rollouts that solved it) for every group of the step, by slot; a rollout
+    whose verdict failed (status error) counts neither way (verifiers/outcomes.py), and a group with no verdict
+    at all is left out."""
+    solved_of = {r["rollout_id"]: solved(r["verifier"], r["status"]) for r in inputs.rows("rewards")}
     groups: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in inputs.rows("rollouts", ["rollout_id", "slot", "problem_id"]):
         groups[r["slot"]].append(r)
-    return [
-        (slot, rows[0]["problem_id"], sum(status_of[r["rollout_id"]] == "ok" for r in rows) / len(rows))
-        for slot, rows in sorted(groups.items())
-    ]
+    found = []
+    for slot, rows in sorted(groups.items()):
+        verdicts = [v for r in rows if (v := solved_of[r["rollout_id"]]) is not None]
+        if verdicts:
+            found.append((slot, rows[0]["problem_id"], sum(verdicts) / len(verdicts)))
+    return found
 
 
 def build(inputs: Inputs, cfg: RestructureConfig, ctx: StageContext) -> dict[str, Built]:
@@ -206,7 +211,10 @@ def _judge(
         if reason is not None:
             judged.verdicts.append((None, reason))
             continue
-        correct = [r["status"] == "ok" for r in judged.rewards[i]]
+        correct = [v for r in judged.rewards[i] if (v := solved(r["verifier"], r["status"])) is not None]
+        if not correct:
+            judged.verdicts.append((None, "no verdict on the rewrite's samples (status error)"))
+            continue
         accuracy = sum(correct) / len(correct)
         judged.verdicts.append(
             (accuracy, "kept" if keeps_rewrite(accuracy) else "accuracy not strictly between 0 and 1")
@@ -336,7 +344,7 @@ def _audit_row(
 
 RESTRUCTURE: Stage[RestructureConfig] = Stage(
     name="restructure",
-    code_version="2",
+    code_version="3",  # 3: accuracies over solved verdicts (verifiers/outcomes.py), error rows out
     section="restructure",
     config=RestructureConfig,
     inputs=("problems", "rollouts", "rewards", "policy"),

@@ -146,7 +146,9 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
     return {
         "train_state": state_built(inputs, cfg, ctx, state, state_row),
         "train_steps": Built(
-            rows_to_table("train_steps", [row]), extra={"n_params": n_params, **replay}, resident=state
+            rows_to_table("train_steps", [row]),
+            extra={"n_params": n_params, **replay, "trained_rollouts": batch.rollout_ids or []},
+            resident=state,
         ),
     }
 

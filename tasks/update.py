@@ -18,6 +18,7 @@ from rlvr.curricula.pool import build_pool
 from rlvr.curricula.registry import STRATEGIES, make_strategy
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.grpo import group_advantages
+from rlvr.verifiers.outcomes import solved
 
 
 def step_outcomes(
@@ -86,11 +87,11 @@ def build(inputs: Inputs, cfg: SelectConfig, ctx: StageContext) -> Built:
 
 
 def hint_outcomes(inputs: Inputs) -> list[GroupOutcome]:
-    """Each group of the step (every round) and whether any sample was correct: raw correctness (status "ok"),
-    since a shaped reward can vary in a group that is all wrong."""
+    """Each group of the step (every round) and whether any sample was correct: solved (verifiers/outcomes.py),
+    not the reward, since a shaped reward can vary in a group that is all wrong."""
     correct = {
-        rid: status == "ok"
-        for rid, status in zip(*inputs.table("rewards", ["rollout_id", "status"]).to_pydict().values())
+        r["rollout_id"]: solved(r["verifier"], r["status"]) is True
+        for r in inputs.rows("rewards", ["rollout_id", "verifier", "status"])
     }
     groups: dict[int, GroupOutcome] = {}
     for r in inputs.rows("rollouts", ["rollout_id", "slot", "problem_id"]):
@@ -107,7 +108,9 @@ def hintable(inputs: Inputs) -> set[str]:
 
 UPDATE: Stage[SelectConfig] = Stage(
     name="update",
-    code_version="2",  # 2: a problem whose solution cannot be hinted without its answer never moves level
+    # 3: solved as verifiers/outcomes.py reads it (an environment's reward at env.solved_at, not status "ok" alone);
+    # 2: a problem whose solution cannot be hinted without its answer never moves level
+    code_version="3",
     section="select",
     config=STRATEGIES.config_type,
     default=STRATEGIES.default_config,

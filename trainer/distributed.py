@@ -262,7 +262,7 @@ def distributed_grpo_step(
         shard = _shard(policy, rows, torch.cat([owned[rank] for owned in plan]), cfg, reference)
         counts = _global_counts(shard, plan, rank, next(policy.model.parameters()).device)
         for m, owned in enumerate(plan):
-            update = _minibatch_update(policy, optimizer, shard, owned[rank], counts[m], cfg, batch.max_new_tokens)
+            update = _minibatch_update(policy, optimizer, shard, owned[rank], counts[m], cfg, batch.token_sum_length)
             for name, value in update.items():
                 totals[name] += value
     optimizer.zero_grad(set_to_none=True)

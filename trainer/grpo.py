@@ -359,7 +359,9 @@ class GRPOConfig(BaseModel):
 class RolloutBatch:
     """The rollouts of one RL step: `samples[k].prompt_index` indexes `prompts` (= the group), and
     `rewards[k]` is the reward of `samples[k]`; `components[k]` its reward components (GDPO) and
-    `max_new_tokens` the sampling limit (token-sum's constant and the overlong penalty's L_max)."""
+    `max_new_tokens` the sampling limit of one completion (one turn of an episode: the overlong penalty's L_max);
+    `max_sampled_tokens`, for an environment's episodes, how many tokens one episode may sample in all (token-sum's
+    constant; one-turn rollouts: `max_new_tokens`)."""
 
     prompts: list[str]
     samples: list[Sample]
@@ -377,7 +379,14 @@ class RolloutBatch:
     # (None: none given); `turn_credit="return_to_go"` reads them. None: one turn from token 0, without a reward.
     turn_starts: list[list[int] | None] | None = None
     turn_rewards: list[list[float | None] | None] | None = None
-    reward_errors: int = 0  # the step's rollouts left out because a model's verdict on them failed (the judge's)
+    reward_errors: int = 0  # the step's rollouts left out because their verdict failed (status error)
+    max_sampled_tokens: int | None = None
+    rollout_ids: list[str] | None = None  # per sample: the rollout it is (what the train stage records as trained)
+
+    @property
+    def token_sum_length(self) -> int | None:
+        """Token-sum's per-sample constant: the most tokens one rollout may sample (environment tokens aside)."""
+        return self.max_sampled_tokens or self.max_new_tokens
 
 
 def _padded(rows: list[list[int]], pad_id: int, side: Literal["left", "right"]) -> Tensor:
@@ -440,8 +449,7 @@ def step_advantages(batch: RolloutBatch, rewards: Tensor, group_index: Tensor, c
     penalty = None
     if cfg.overlong == "penalty":
         assert batch.max_new_tokens is not None and cfg.overlong_buffer is not None  # checked by grpo_step
-        n_tokens = torch.tensor([s.n_tokens for s in batch.samples])
-        penalty = overlong_penalty(n_tokens, batch.max_new_tokens, cfg.overlong_buffer)
+        penalty = overlong_penalty(overlong_lengths(batch), batch.max_new_tokens, cfg.overlong_buffer)
     if cfg.advantage_components is not None:
         if batch.components is None or len(batch.components) != len(batch.samples):
             raise ValueError("advantage_components needs the reward components of every sample")
@@ -465,6 +473,22 @@ def step_advantages(batch: RolloutBatch, rewards: Tensor, group_index: Tensor, c
     if cfg.advantage_clip is not None:
         advantages = advantages.clamp(-cfg.advantage_clip, cfg.advantage_clip)
     return advantages
+
+
+def overlong_lengths(batch: RolloutBatch) -> Tensor:
+    """[N] the length each sample's overlong penalty reads: a one-turn rollout's completion; an environment's
+    episode's longest assistant turn in sampled tokens (each turn samples at most max_new_tokens; the environment's
+    tokens between turns are not the model's and never count)."""
+    masks = batch.loss_masks or [None] * len(batch.samples)
+    starts = batch.turn_starts or [None] * len(batch.samples)
+    lengths = []
+    for sample, mask, turn_starts in zip(batch.samples, masks, starts):
+        if mask is None:
+            lengths.append(sample.n_tokens)
+            continue
+        bounds = [*(turn_starts or [0]), len(mask)]
+        lengths.append(max(sum(mask[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return torch.tensor(lengths)
 
 
 def episode_turn_advantages(batch: RolloutBatch, scores: Tensor, group_index: Tensor, scale: AdvantageScale) -> Tensor:
@@ -625,7 +649,7 @@ def grpo_step(
     budget = micro_batch_budget(policy.model, cfg, optimizer)  # once: every pass of the step splits alike
     cfg = cfg.model_copy(update={"micro_batch_tokens": budget})
     with training_precision(policy, cfg):
-        stats.update(_clipped_updates(policy, optimizer, rows, cfg, reference, batch.max_new_tokens))
+        stats.update(_clipped_updates(policy, optimizer, rows, cfg, reference, batch.token_sum_length))
     return stats
 
 

@@ -15,7 +15,7 @@ from rlvr.storage.stage import Inputs
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
 from rlvr.trainer.policy import Policy
-from rlvr.verifiers.model_rewards import model_given
+from rlvr.verifiers.outcomes import is_error
 
 
 def rollout_batch(
@@ -47,6 +47,7 @@ def rollout_batch(
         rewards.append(score_of[r["rollout_id"]])
     components = None if components_of is None else [components_of[r["rollout_id"]] for r in ordered]
     batch = RolloutBatch(prompts=prompts, samples=samples, rewards=rewards, components=components)
+    batch.rollout_ids = [r["rollout_id"] for r in ordered]
     if any(r.get("loss_mask") is not None for r in ordered):  # an environment's episodes
         batch.loss_masks = [None if r.get("loss_mask") is None else list(r["loss_mask"]) for r in ordered]
         batch.prompt_token_ids = [None if r.get("prompt_ids") is None else list(r["prompt_ids"]) for r in ordered]
@@ -77,6 +78,20 @@ def rollout_max_new_tokens(inputs: Inputs) -> int:
     return max(limits)
 
 
+def episode_sampled_tokens(inputs: Inputs) -> int | None:
+    """For an environment's episodes, the most tokens one may sample in all (token-sum's constant): env.max_tokens,
+    or max_turns x max_new_tokens when that is less, from the rollout stage's config in each rollouts manifest (the
+    largest over refill rounds); None for one-turn rollouts."""
+    assert inputs.store is not None  # rollout_max_new_tokens has checked it
+    caps = []
+    for aid in inputs.ids.get("rollouts", ()):
+        config = inputs.store.manifest(aid).config
+        env = config.get("env")
+        if isinstance(env, dict) and env.get("type", "one_turn") != "one_turn":
+            caps.append(min(int(env["max_tokens"]), int(env["max_turns"]) * int(config["max_new_tokens"])))
+    return max(caps) if caps else None
+
+
 def update_policy(
     policy: Policy,
     optimizer: torch.optim.Optimizer,
@@ -97,8 +112,9 @@ def step_batch(inputs: Inputs, grpo: GRPOConfig) -> RolloutBatch:
     verifier's extracted answers (SEED-GRPO)."""
     verdicts = inputs.table("rewards", ["rollout_id", "score", "status", "verifier"]).to_pylist()
     score_of = {v["rollout_id"]: v["score"] for v in verdicts}
-    # a model's failed verdict (the judge's) is no reward at all: never trained on as the 0 it carries
-    failed = {v["rollout_id"] for v in verdicts if v["status"] == "error" and model_given(v["verifier"])}
+    # a failed verdict (a judge's call, an environment that crashed or hung) is no reward at all: never trained on
+    # as the 0 it carries (verifiers/outcomes.py)
+    failed = {v["rollout_id"] for v in verdicts if is_error(v["status"])}
     rollouts = [r for r in inputs.rows("rollouts") if r["rollout_id"] not in failed]
     if inputs.ids.get("groups"):  # groups the filter judged train only if kept (CLPO's same-step rewrites it never saw)
         judged = {r["slot"]: r["kept"] for r in inputs.rows("groups", ["slot", "kept"])}
@@ -108,6 +124,7 @@ def step_batch(inputs: Inputs, grpo: GRPOConfig) -> RolloutBatch:
     batch.reward_errors = len(failed)
     if grpo.needs_max_length:
         batch.max_new_tokens = rollout_max_new_tokens(inputs)
+        batch.max_sampled_tokens = episode_sampled_tokens(inputs)
     if inputs.ids.get("restructured"):
         weight_of = dict(zip(*inputs.table("restructured", ["slot", "kl_weight"]).to_pydict().values()))
         batch.kl_weights = [weight_of.get(slot, 1.0) for slot in sorted({r["slot"] for r in rollouts})]

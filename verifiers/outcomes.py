@@ -16,8 +16,22 @@ evaluation. The rules, for every reward source:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-__all__ = ["GRADED_VERIFIERS", "OUTCOME_SQL", "is_error", "outcome", "solved"]
+from rlvr.errors import UserError
+
+__all__ = [
+    "DEFAULT_MAX_ERROR_RATE",
+    "GRADED_VERIFIERS",
+    "OUTCOME_SQL",
+    "check_error_share",
+    "is_error",
+    "outcome",
+    "solved",
+]
+
+DEFAULT_MAX_ERROR_RATE = 0.1  # reward.max_error_rate's default (verifiers/model_rewards.py RewardConfig)
 
 GRADED_VERIFIERS = frozenset({"rlpr"})
 
@@ -51,3 +65,17 @@ def outcome(verifier: str, status: str, score: float) -> float | None:
     if verifier in GRADED_VERIFIERS:
         return score if math.isfinite(score) else None
     return 1.0 if status == "ok" else 0.0
+
+
+def check_error_share(rows: Sequence[Mapping[str, Any]], what: str, max_error_rate: float) -> None:
+    """Stop the run in one line when the share of `rows` (rewards columns: status, verifier, reason) with no verdict
+    passes `reward.max_error_rate`: such rows are left out of the update and of every count, and past the threshold
+    too little is left to learn or measure from. `what` names the rows ("rewards of step 3")."""
+    failed = [r for r in rows if is_error(r["status"])]
+    if not rows or len(failed) / len(rows) <= max_error_rate:
+        return
+    first = failed[0]
+    raise UserError(
+        f"{len(failed)} of {len(rows)} {what} have no verdict (status error; more than reward.max_error_rate "
+        f"{max_error_rate:g}); first, from {first['verifier']}: {first['reason']}"
+    )
