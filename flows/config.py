@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 import rlvr.tasks
 from rlvr import plugins
 from rlvr.errors import ConfigError, UserError
+from rlvr.flows.compatibility import refuse_incompatible
 from rlvr.flows.executors import ExecutorConfig
 from rlvr.flows.openlineage_events import OpenLineageConfig
 from rlvr.storage.ids import canonical_json
@@ -108,18 +109,6 @@ class RunConfigBase(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _environments_where_supported(self) -> RunConfigBase:
-        """An environment's episodes keep every conversation as token ids: an `openai` engine must send them as
-        ids (a text prompt would be tokenized again by the server, earlier turns included)."""
-        rollout = getattr(self, "rollout", None)
-        if self.env.multi_turn and getattr(rollout, "prompt_as", "token_ids") == "text":
-            raise ValueError(
-                f"env.type={self.env.type} sends each conversation as token ids; rollout.prompt_as=text would "
-                "tokenize earlier turns again: set rollout.prompt_as=token_ids"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _judge_where_answers_are_scored(self) -> RunConfigBase:
         """reward.judge and reward.model are given to the label section, which every stage that scores answers
         reads (label, difficulty, evaluation, CLPO); they are left out of that section's dump, so ids change only
@@ -147,21 +136,13 @@ class RunConfigBase(BaseModel):
     @model_validator(mode="after")
     def _ranks_sample_row_seeded(self) -> RunConfigBase:
         """Data-parallel ranks each sample their share of a step's prompts, so with train.data_parallel > 1 every
-        sample draws from its own seed: `rollout.seeding` is `row` unless set, and `batch` is refused."""
+        sample draws from its own seed: `rollout.seeding` is `row` unless set (`batch` set is refused by
+        flows/compatibility.py)."""
         train, rollout = getattr(self, "train", None), getattr(self, "rollout", None)
-        if train is not None and train.data_parallel > 1 and getattr(rollout, "type", "") == "vllm":
-            raise ValueError(
-                "rollout.type=vllm is not split over train.data_parallel ranks yet (each rank would need an engine "
-                "of its own); use the transformers engine, which samples on every rank"
-            )
         if train is None or train.data_parallel == 1 or getattr(rollout, "seeding", "row") == "row":
             return self
-        if "seeding" in rollout.model_fields_set:  # type: ignore[union-attr]
-            raise ValueError(
-                "rollout.seeding=batch cannot be split over train.data_parallel ranks (a row's tokens would depend on "
-                "the rows beside it); leave rollout.seeding unset or set it to row"
-            )
-        self.rollout = rollout.model_copy(update={"seeding": "row"})  # type: ignore[union-attr]
+        if "seeding" not in rollout.model_fields_set:  # type: ignore[union-attr]  # set: refused (compatibility.py)
+            self.rollout = rollout.model_copy(update={"seeding": "row"})  # type: ignore[union-attr]
         return self
 
     if TYPE_CHECKING:
@@ -300,9 +281,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _set_path(tree, key, value)
     _one_source_as_list(tree)
     try:
-        return run_config_type().model_validate(tree)
+        cfg = run_config_type().model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, tree)) from None
+    refuse_incompatible(cfg)
+    return cfg
 
 
 # Keys that say where a run's work happens, not what it computes: no artifact id depends on them, so a resume may
@@ -332,9 +315,11 @@ def with_placement(cfg: Any, overrides: list[str]) -> Any:
             )
         _set_path(tree, key, value)
     try:
-        return run_config_type().model_validate(tree)
+        moved = run_config_type().model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, tree)) from None
+    refuse_incompatible(moved)
+    return moved
 
 
 def _one_source_as_list(tree: dict[str, Any]) -> None:

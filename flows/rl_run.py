@@ -29,6 +29,7 @@ from prefect.cache_policies import NONE
 from rlvr.curricula.filtering import prompts_to_draw
 from rlvr.curricula.hints import solutions_of
 from rlvr.errors import UserError
+from rlvr.flows.compatibility import refuse_incompatible
 from rlvr.flows.config import (
     RunConfigBase,
     commit_config,
@@ -619,9 +620,9 @@ def rl_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
 
 def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     assert cfg.run_id is not None
+    refuse_incompatible(cfg)  # a config made in Python, not loaded: its combinations too, before any work
     check_async(cfg, store)
     check_clpo(cfg)
-    check_rlpr(cfg)
     config_id = commit_config(open_store(store), cfg)
     problems = problems_of_run(store, cfg, config_id)
     _warn_without_solutions(store, cfg, problems)
@@ -698,32 +699,11 @@ def check_clpo(cfg: RunConfigBase) -> None:
         )
 
 
-def check_rlpr(cfg: RunConfigBase) -> None:
-    """label.reward=rlpr's limits, as one-line errors before any work."""
-    if cfg.label.reward != "rlpr":
-        return
-    refused = [
-        (cfg.env.multi_turn, f"env.type={cfg.env.type} plays episodes; RLPR rewards one response"),
-        (cfg.restructure.enabled, "restructure.enabled (CLPO) reads each group's accuracy, which RLPR does not give"),
-        (cfg.select.hints.enabled, "select.hints (GHPO) changes prompts, whose debiasing terms RLPR keeps per problem"),
-        (cfg.train.data_parallel > 1, "train.data_parallel > 1: the rlpr stage reads the policy whole in one process"),
-    ]
-    for on, why in refused:
-        if on:
-            raise UserError(f"label.reward=rlpr does not combine with {why}; set one of them off")
-
-
 def check_async(cfg: RunConfigBase, store: str = "") -> None:
-    """flow.async_level's limits, as one-line errors before any work."""
+    """flow.async_level's limit that depends on the store, as a one-line error before any work (what it does not
+    combine with in the config is refused when the config is loaded: flows/compatibility.py)."""
     if not cfg.flow.async_level:
         return
-    if cfg.restructure.enabled:
-        raise UserError(
-            "flow.async_level > 0 does not combine with restructure.enabled (CLPO adds the problems the next "
-            "step samples from, so sampling cannot run ahead of it); set one of them off"
-        )
-    if cfg.train.data_parallel > 1:
-        raise UserError("flow.async_level > 0 needs train.data_parallel = 1 (the ranks recompute π_old)")
     if cfg.flow.sampler == "process" and store.startswith("memory://"):
         raise UserError(
             f"flow.sampler=process needs a store another process can open; {store} lives in this process's "

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlvr.storage.policy_chain import sampler_needs, weights_needed
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
@@ -72,15 +72,6 @@ class TrainConfig(BaseModel):
             "parameters a stored state is ~6 GB (float32 weights + Adam moments), more than a GPU step's compute"
         ),
     )
-
-    @model_validator(mode="after")
-    def _sharded_combinations(self) -> TrainConfig:
-        if self.data_parallel > 1 and self.grpo.fused_head:
-            raise ValueError(
-                "train.grpo.fused_head is not supported with train.data_parallel > 1 (FSDP2 gathers the LM head "
-                "only inside the model's own forward); leave it unset"
-            )
-        return self
 
     @field_validator("grpo", mode="before")
     @classmethod

@@ -43,9 +43,8 @@ def test_level_0_leaves_the_config_dump_as_it_was():
     ],
 )
 def test_what_async_cannot_combine_with_is_one_line(extra, message):
-    cfg = load_config(None, ["run_id=a", "flow.async_level=1", extra])
-    with pytest.raises(UserError, match=message):
-        check_async(cfg)
+    with pytest.raises(UserError, match=message):  # when the config is loaded (flows/compatibility.py)
+        load_config(None, ["run_id=a", "flow.async_level=1", extra])
     check_async(load_config(None, ["run_id=a", extra]))  # without async: no complaint
 
 

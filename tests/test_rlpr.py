@@ -430,19 +430,17 @@ def test_defaults_stay_out_of_dumps():
 @pytest.mark.parametrize(
     ("override", "words"),
     [
-        ("env.type=retry", "plays episodes"),
+        ("env.type=retry", "scores its episodes itself"),
         ("restructure.enabled=true", "CLPO"),
         ("select.hints.enabled=true", "GHPO"),
         ("train.data_parallel=2", "data_parallel"),
     ],
 )
 def test_what_rlpr_refuses(tiny_config, override, words):
-    from rlvr.flows.rl_run import check_rlpr
-
-    with pytest.raises(UserError, match=words) as refused:
-        check_rlpr(tiny_config("x", "label.reward=rlpr", override))
+    with pytest.raises(UserError, match=words) as refused:  # when the config is loaded (flows/compatibility.py)
+        tiny_config("x", "label.reward=rlpr", override)
     assert "\n" not in str(refused.value)
-    check_rlpr(tiny_config("x", override))  # without RLPR: nothing to refuse here
+    tiny_config("x", override)  # without RLPR: nothing to refuse here
 
 
 # ----- whole runs -----------------------------------------------------------------------------------------------
