@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
+import re
+import subprocess
+import time
 
 import pytest
 
 from rlvr.storage.store import Store
-from tests.cli_helpers import rlvr
+from tests.cli_helpers import REPO, SMALL_RUN, cli_env, rlvr, rlvr_command
 
 
 def assert_one_line_error(result, fragment: str) -> None:
@@ -61,3 +65,77 @@ def test_query_formats_on_empty_views(empty_store):
     assert json.loads(result.stdout.strip()) == {"n": 0}
     result = rlvr("query", "SELECT 1 AS a, 'x' AS b", "--store", empty_store, "--format", "csv")
     assert result.stdout.splitlines() == ["a,b", "1,x"]
+
+
+def test_progress_lines_are_plain_and_at_most_one_every_few_seconds():
+    """Output that is not a terminal gets lines, not a bar: stage starts and ends at once, other events at most one
+    every 5 s, the newest held-back one written before the stage ends (a step's line carrying its evaluation)."""
+    from rlvr.flows.cli.common import ProgressLines
+
+    now = [100.0]
+    written = io.StringIO()
+    lines = ProgressLines(written, steps=20, every=5.0, clock=lambda: now[0])
+    events = [
+        (0.0, "stage", {"name": "warmstart"}),
+        (1.0, "eval", {"step": 0, "phase": "warmstart", "accuracy": 0.25}),
+        (2.0, "shard", {"stage": "difficulty", "done": 1, "total": 3}),
+        (3.0, "shard", {"stage": "difficulty", "done": 2, "total": 3}),
+        (4.0, "shard", {"stage": "difficulty", "done": 3, "total": 3}),
+        (7.0, "stage", {"name": "rl"}),
+        (8.0, "step", {"step": 1, "reward": 0.5}),
+        (9.0, "step", {"step": 2, "reward": 0.625}),
+        (10.0, "warning", {"message": "slow"}),
+        (12.0, "step", {"step": 3, "reward": 0.75}),
+        (12.5, "eval", {"step": 3, "accuracy": 0.5}),
+        (14.0, "step", {"step": 4, "reward": 1.0}),
+        (15.0, "step", {"step": 5, "reward": 0.875}),
+        (15.5, "eval", {"step": 5, "accuracy": 0.75}),
+    ]
+    for at, event, fields in events:
+        now[0] = 100.0 + at
+        lines.hear(event, fields)
+    now[0] = 116.0
+    lines.finish()
+    assert written.getvalue().splitlines() == [
+        "[0:00:00] warmstart",
+        "[0:00:01] held-out accuracy 0.25 (warmstart)",
+        "[0:00:02] warmstart done in 2 s",
+        "[0:00:02] difficulty",
+        "[0:00:07] difficulty: shard 3/3",  # shards 1 and 2 came within 5 s of the evaluation's line
+        "[0:00:07] difficulty done in 5 s",
+        "[0:00:07] rl",
+        "[0:00:08] rl step 1/20: reward 0.50, held-out accuracy 0.25",
+        "[0:00:10] warning: slow",
+        "[0:00:14] rl step 4/20: reward 1.00, held-out accuracy 0.50",  # 6 s after step 1; steps 2 and 3 dropped
+        "[0:00:16] rl step 5/20: reward 0.88, held-out accuracy 0.75",  # held back, and then evaluated
+        "[0:00:16] rl done in 9 s",
+    ]
+
+
+@pytest.mark.slow
+def test_a_run_piped_to_a_file_prints_plain_progress_lines_as_it_goes(tmp_path):
+    """`rlvr run > log 2>&1` (a batch job, `| tee`): progress arrives while the run works, as plain lines with no
+    control codes (a bar there would print nothing until the run ended)."""
+    args = ["run", "--store", str(tmp_path / "store"), "--run-id", "piped"]
+    for override in SMALL_RUN:
+        args += ["--set", override]
+    env = cli_env()
+    for forced in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):  # rich would draw its bar anyway
+        env.pop(forced, None)
+    arrived: list[tuple[float, bytes]] = []
+    proc = subprocess.Popen(rlvr_command(*args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    for line in iter(proc.stdout.readline, b""):  # bytes: a carriage return would show
+        arrived.append((time.monotonic(), line))
+    assert proc.wait(timeout=60) == 0, b"".join(line for _, line in arrived).decode()[-3000:]
+    ended = time.monotonic()
+    text = [line.decode() for _, line in arrived]
+    assert not [line for line in text if "\x1b" in line or "\r" in line], text
+    progress = [(at, line.decode().rstrip("\n").split("] ", 1)[1]) for at, line in arrived if line[:3] == b"[0:"]
+    stages = [line for _, line in progress if " " not in line]
+    assert stages == ["starting", "synthesize", "warmstart", "difficulty", "rl"], text
+    assert any(re.fullmatch(r"rl step 2/2: reward \d\.\d\d, held-out accuracy \d\.\d\d", line) for _, line in progress)
+    assert re.fullmatch(r"rl done in \d+ s", progress[-1][1]), text
+    first = progress[0][0]
+    assert ended - first > 3, f"the first progress line came {ended - first:.1f} s before the run ended"
+    assert "run piped completed" in text[len(progress) + 1], text  # after a blank line: the summary

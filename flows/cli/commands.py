@@ -132,7 +132,7 @@ def _run_with_progress(start: Callable[[], dict[str, Any]], cfg: Any) -> None:
         elif event == "eval":
             bar.update(task_id, accuracy=fields["accuracy"])
 
-    summary = with_progress(start, bar, update)
+    summary = with_progress(start, bar, update, steps=steps)
     _print_summary(summary)
 
 
