@@ -37,6 +37,7 @@ from rlvr.verifiers.cache import (
     verdict_keys,
     verifier_identity,
 )
+from rlvr.verifiers.model_rewards import announce_calls
 from rlvr.verifiers.outcomes import solved
 
 
@@ -188,6 +189,7 @@ def build(inputs: Inputs, cfg: DifficultyConfig, ctx: StageContext) -> dict[str,
     a `reward_cache` artifact of the verdicts behind them (a shard per difficulty shard, made after the last)."""
     fan_out: Callable[..., Iterator[Any]] = ctx.params.get("fan_out", map)
     jobs = _shard_jobs(inputs, cfg, ctx)
+    announce_calls("difficulty", ctx.params["verifier"], [p["verifier"] for job in jobs for p in job.problems], cfg.k)
     policy_ref, count = inputs.require_id("policy"), len(jobs)
     results: Iterator[ShardEstimate] | None = None
     verdicts: dict[int, list[dict[str, Any]]] = {}  # each shard's cache entries, of the shards made in this process

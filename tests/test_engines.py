@@ -48,6 +48,7 @@ class ServerState:
 
     policy: Policy
     fail_first: int = 0
+    fail_status: int = 503
     delay_s: float = 0.0
     token_ids: bool = True
     api_key: str | None = None
@@ -130,7 +131,7 @@ class Handler(BaseHTTPRequestHandler):
             state.requests.append(body)
             if state.failed < state.fail_first:
                 state.failed += 1
-                return self.reply(503, {"error": "warming up"})
+                return self.reply(state.fail_status, {"error": "warming up"})
             state.in_flight += 1
             state.max_in_flight = max(state.max_in_flight, state.in_flight)
         try:
@@ -254,6 +255,14 @@ def test_503s_are_retried_then_answered(server, policy) -> None:
     assert len(samples) == 2 and len(state.requests) == 3
 
 
+def test_408_and_429_are_retried_as_the_judge_and_the_reward_client_retry_them(server, policy) -> None:
+    url, state = server
+    for status in (408, 429):
+        state.fail_first, state.failed, state.fail_status, state.requests = 1, 0, status, []
+        samples = engine_at(url, policy, concurrency=1, max_retries=1).generate(PROMPTS[:1], [2], SAMPLING)
+        assert len(samples) == 2 and len(state.requests) == 2
+
+
 def test_a_server_that_keeps_failing_is_one_user_error(server, policy) -> None:
     url, state = server
     state.fail_first = 100
@@ -266,7 +275,7 @@ def test_a_slow_server_times_out(server, policy) -> None:
     url, state = server
     state.delay_s = 2.0
     start = time.perf_counter()
-    with pytest.raises(UserError, match=r"failed after 2 tries \(timed out after 0.2s\)"):
+    with pytest.raises(UserError, match=r"failed after 2 tries \(timed out after 0.2 s\)"):
         engine_at(url, policy, model="tiny", timeout_s=0.2, max_retries=1).generate(PROMPTS[:1], [1], SAMPLING)
     assert time.perf_counter() - start < 1.5
 

@@ -52,7 +52,9 @@ class FaultyHandler(BaseHTTPRequestHandler):
         self.server.requests.append(body)
         rows = len(body.get("query") or body.get("input") or [])
         mode = self.server.mode
-        if mode == "ok":
+        if mode == "keyed" and self.headers.get("Authorization") != "Bearer s3cret":
+            self.reply(401, b'{"error": {"message": "invalid API key"}}')
+        elif mode in ("ok", "keyed"):
             self.reply(200, json.dumps({"rewards": [float(len(q)) for q in body["query"]]}).encode())
         elif mode == "500":
             self.reply(500, b'{"error": {"message": "CUDA out of memory\\nsecond line", "code": 500}}')
@@ -70,6 +72,15 @@ class FaultyHandler(BaseHTTPRequestHandler):
                 self.wfile.write(bytes([byte]))
                 self.wfile.flush()
                 time.sleep(0.1)
+        elif mode == "huge":  # over the 64 MiB cap
+            self.send_response(200)
+            self.send_header("Content-Length", str(65 << 20))
+            self.end_headers()
+            try:
+                for _ in range(65):
+                    self.wfile.write(b" " * (1 << 20))
+            except OSError:
+                pass  # the client hung up at the cap
         elif mode == "garbage":
             self.reply(200, b"<html>502 Bad Gateway</html>")
         elif mode == "wrong_count":
@@ -112,7 +123,7 @@ def client(*urls: str, **settings: Any) -> RewardModelClient:
     [
         ("500", "failed 3 times; the last time: HTTP 500: CUDA out of memory second line"),
         ("sleep", "failed 3 times; the last time: timed out after 0.5 s"),
-        ("trickle", "failed 3 times; the last time: timed out after 0.5 s"),
+        ("trickle", "failed 3 times; the last time: no whole answer within 0.5 s"),
         ("garbage", "failed 3 times; the last time: answer is not JSON: '<html>502 Bad Gateway</html>'"),
         ("wrong_count", "failed 3 times; the last time: answered 3 rewards for 2 queries"),
         ("nan", "failed 3 times; the last time: reward 0 is nan, not a finite number"),
@@ -141,6 +152,28 @@ def test_a_refused_request_is_not_retried(faulty) -> None:
         f"reward server {server.url}/get_reward: refused the request: HTTP 422: query: field required"
     )
     assert len(server.requests) == 1
+
+
+def test_an_answer_over_the_size_cap_fails_and_is_not_asked_again(faulty) -> None:
+    server = faulty("huge")
+    with client(server.url, timeout_s=30) as reward_client, pytest.raises(RewardServerError) as raised:
+        reward_client.get_reward(["1"])
+    assert str(raised.value) == f"reward server {server.url}/get_reward: answer over {64 << 20} bytes"
+    assert len(server.requests) == 1
+
+
+def test_the_api_key_goes_as_a_bearer_token_from_the_named_environment_variable(faulty, monkeypatch) -> None:
+    server = faulty("keyed")
+    monkeypatch.setenv("RLVR_TEST_RM_KEY", "s3cret")
+    with client(server.url, api_key_env="RLVR_TEST_RM_KEY") as reward_client:
+        assert reward_client.get_reward(["1+1=2"]) == [5.0]
+    with client(server.url) as reward_client, pytest.raises(RewardServerError) as raised:
+        reward_client.get_reward(["1+1=2"])
+    assert str(raised.value) == f"reward server {server.url}/get_reward: refused the request: HTTP 401: invalid API key"
+    assert len(server.requests) == 2  # the 401 is not asked again
+    monkeypatch.delenv("RLVR_TEST_RM_KEY")
+    with pytest.raises(ValidationError, match="the environment variable RLVR_TEST_RM_KEY is not set: export it"):
+        RewardClientConfig(urls=[server.url], api_key_env="RLVR_TEST_RM_KEY")
 
 
 def test_no_server_listening_is_retried_then_one_line() -> None:

@@ -7,9 +7,11 @@ time after a chat template's own. `prompt_as=text` is for servers that take only
 
 One request per prompt asks for all of its samples (`n`), several requests in flight at once
 (`concurrency`). A turn of the multi-turn loop (`continue_rows`) sends one request per running conversation, its
-token ids as the prompt (n=1, its own seed), so earlier turns are never decoded and tokenized again. Connection
-errors, timeouts, 429 and 5xx answers are retried with exponential backoff, and a server that still fails becomes
-one `UserError` line. Token ids come from the server when it
+token ids as the prompt (n=1, its own seed), so earlier turns are never decoded and tokenized again. Requests follow
+the one retry policy of rlvr/endpoints.py (connection errors, timeouts, 408, 429, 5xx and answers that are not a
+JSON object retried with exponential backoff; `timeout_s` for the whole answer; a cap on its size; the key of
+`api_key_env` as a bearer token), and a server that still fails becomes one `UserError` line. Token ids come from
+the server when it
 returns them (vLLM's `return_token_ids`, or logprob tokens written `token_id:N` by a vLLM server started
 with `--return-tokens-as-token-ids`); otherwise the text is re-tokenized with the policy's tokenizer,
 which is exact only for tokenizers that round-trip (a warning says so once).
@@ -28,22 +30,19 @@ an engine for them, or for another server's protocol, subclasses this one and ov
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
 import shutil
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import httpx
 from pydantic import Field, model_validator
 
+from rlvr.endpoints import CallFailed, EndpointClient, RetryPolicy, Unreadable, bearer_header, json_answer
 from rlvr.errors import UserError
 from rlvr.trainer.engine_base import (
     Continuation,
@@ -60,7 +59,6 @@ from rlvr.trainer.prompts import prompt_ids, prompt_text
 
 log = logging.getLogger(__name__)
 
-RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
 _TOKEN_ID = re.compile(r"token_id:(\d+)")
 
 DEFAULT_SYNC_PAYLOAD: dict[str, Any] = {"method": "reload_directory", "args": ["{path}"]}
@@ -79,9 +77,9 @@ class OpenAIEngineConfig(EngineConfig):
     model: str = Field("", description="served model name; empty: the first one the server lists")
     api_key_env: str | None = Field(None, description="environment variable with the API key, if any")
     concurrency: int = Field(8, ge=1, description="requests in flight at once")
-    max_retries: int = Field(3, ge=0, description="retries of a request after a connection error, timeout or 5xx")
+    max_retries: int = Field(3, ge=0, description="retries of a request after a connection error, timeout, 408/429/5xx")
     backoff_s: float = Field(0.5, ge=0, description="wait before the first retry; doubles each retry")
-    timeout_s: float = Field(120.0, gt=0, description="per-request timeout")
+    timeout_s: float = Field(120.0, gt=0, description="deadline of one request, the whole answer included")
     request_token_ids: bool = Field(True, description="ask for vLLM's `return_token_ids` extension")
     policy_sampling: bool = Field(
         True,
@@ -117,10 +115,6 @@ def token_ids_from_logprobs(logprobs: Any) -> list[int] | None:
     return [int(match.group(1)) for match in matches if match]
 
 
-def _one_line(text: str, limit: int = 200) -> str:
-    return " ".join(text.split())[:limit]
-
-
 def _fill_path(payload: Any, path: str) -> Any:
     """`payload` with every "{path}" inside its strings replaced by `path`."""
     if isinstance(payload, str):
@@ -140,10 +134,10 @@ class OpenAIEngine(RolloutEngine):
 
     def __init__(self, cfg: OpenAIEngineConfig) -> None:
         super().__init__(cfg)
-        self._client = httpx.Client(
-            timeout=cfg.timeout_s,
-            headers=self._headers(cfg),
-            limits=httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency),
+        self._client = EndpointClient(
+            RetryPolicy(cfg.timeout_s, cfg.max_retries, cfg.backoff_s),
+            bearer_header(cfg.api_key_env, "rollout.api_key_env"),
+            cfg.concurrency,
         )
         self._policy: Policy | None = None
         self._policy_ref: str | None = None
@@ -151,15 +145,6 @@ class OpenAIEngine(RolloutEngine):
         self._model_lock = threading.Lock()
         self._warned_retokenize = False
         self._served_dir: Path | None = None
-
-    @staticmethod
-    def _headers(cfg: OpenAIEngineConfig) -> dict[str, str]:
-        if cfg.api_key_env is None:
-            return {}
-        key = os.environ.get(cfg.api_key_env)
-        if not key:
-            raise UserError(f"rollout.api_key_env names {cfg.api_key_env!r}, but that environment variable is not set")
-        return {"Authorization": f"Bearer {key}"}
 
     # --- weights -------------------------------------------------------------------------------
 
@@ -315,44 +300,26 @@ class OpenAIEngine(RolloutEngine):
 
     def _request(self, method: str, url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """The JSON answer, after up to `max_retries` retries of transient failures; a UserError otherwise."""
-        problem = ""
-        for attempt in range(self.cfg.max_retries + 1):
-            if attempt:
-                time.sleep(self.cfg.backoff_s * 2 ** (attempt - 1))
-            try:
-                response = self._client.request(method, url, json=body)
-            except httpx.TimeoutException:
-                problem = f"timed out after {self.cfg.timeout_s:g}s"
-                continue
-            except httpx.TransportError as exc:
-                problem = _one_line(f"{type(exc).__name__}: {exc}")
-                continue
-            if response.status_code in RETRIED_STATUSES:
-                problem = f"HTTP {response.status_code}: {_one_line(response.text)}"
-                continue
-            if response.is_error:
-                raise UserError(
-                    f"rollout server rejected {method} {url}: HTTP {response.status_code}: {_one_line(response.text)}"
-                )
-            return _json(response, url)
-        raise UserError(
-            f"rollout server at {url} failed after {self.cfg.max_retries + 1} tries ({problem}); "
-            "check that it is running and that rollout.base_url points at it"
-        )
+        try:
+            return self._client.call(method, url, body, _json)
+        except CallFailed as failure:
+            if failure.refused:
+                raise UserError(f"rollout server rejected {method} {url}: {failure.problem}") from None
+            raise UserError(
+                f"rollout server at {url} failed after {failure.tries} tries ({failure.problem}); "
+                "check that it is running and that rollout.base_url points at it"
+            ) from None
 
     def close(self) -> None:
         self._client.close()
         self._policy = None
 
 
-def _json(response: httpx.Response, url: str) -> dict[str, Any]:
+def _json(content: bytes) -> dict[str, Any]:
     """The answer as a JSON object; an empty body (vLLM's collective_rpc with nothing to return) is {}."""
-    if not response.content:
+    if not content:
         return {}
-    try:
-        answer = response.json()
-    except json.JSONDecodeError:
-        raise UserError(f"rollout server at {url} answered with something that is not JSON") from None
+    answer = json_answer(content)
     if not isinstance(answer, dict):
-        raise UserError(f"rollout server at {url} answered with JSON that is not an object")
+        raise Unreadable("answer is JSON but not an object")
     return answer

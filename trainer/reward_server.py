@@ -20,12 +20,15 @@ Shapes, as read from their sources (2026-11-29):
 - `GET /health`: the model, its kind, and how many rows each endpoint has served.
 
 A request body over `max_body_bytes` is a 413; bad JSON or a wrong shape a 400, and a request naming another model
-a 404, each with OpenAI's error body `{"error": {"message", "type", "code"}}` holding one line. Requests run one at
-a time on the model; each is scored in padded batches.
+a 404, each with OpenAI's error body `{"error": {"message", "type", "code"}}` holding one line. With an API key
+(`rlvr serve-rm --api-key-env NAME`), every request without `Authorization: Bearer KEY` is a 401, /health included.
+Requests run one at a time on the model; each is scored in padded batches.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import socket
 import threading
 import time
@@ -110,7 +113,12 @@ class UnknownModel(Exception):
 
 
 def error_body(status: int, message: str) -> JSONResponse:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError"}.get(status, "ServerError")
+    kind = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        413: "RequestTooLargeError",
+    }.get(status, "ServerError")
     line = " ".join(message.split())
     return JSONResponse({"error": {"message": line, "type": kind, "code": status}}, status_code=status)
 
@@ -153,9 +161,37 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-def reward_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app serving `served` (routes: the module docstring). Its handlers are plain functions, which
-    FastAPI runs in worker threads, so /health answers while a batch is being scored."""
+class BearerKey:
+    """ASGI middleware: a request whose `Authorization` header is not `Bearer KEY` is answered 401 before anything
+    reads its body (the key compared in constant time)."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_body(401, "missing or wrong API key: send the header Authorization: Bearer KEY")
+                response.headers["WWW-Authenticate"] = "Bearer"
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (localhost, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def reward_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving `served` (routes: the module docstring), behind `api_key` when one is given. Its
+    handlers are plain functions, which FastAPI runs in worker threads, so /health answers while a batch is being
+    scored."""
     app = FastAPI(title=f"rlvr reward server: {served.name}", docs_url=None, redoc_url=None, openapi_url=None)
     counts: Counter[str] = Counter()
     counts_lock = threading.Lock()
@@ -203,6 +239,8 @@ def reward_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
         return answer
 
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(BearerKey, key=api_key)  # added last, so it runs first: no body is read without the key
     return app
 
 

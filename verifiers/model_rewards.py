@@ -1,5 +1,8 @@
 """Rewards given by models, in the label stage: the `reward` section (one place for the endpoints), the judge's
-verdicts through the reward cache with their provenance, and the stop when too many of a step's calls fail.
+verdicts through the reward cache with their provenance, and the stops when too many calls fail: a step's share
+(`check_error_rate`, in the label stage) and, in every stage that asks, the endpoints' circuit breakers over their
+last calls (rlvr/endpoints.py), which `reward.max_error_rate` sets. A stage about to ask a model many times says how
+many, and after its first calls how long the rest will take (`announce_calls`).
 """
 
 from __future__ import annotations
@@ -8,9 +11,11 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlvr.endpoints import rate_of
 from rlvr.errors import UserError
+from rlvr.progress import report
 from rlvr.storage.store import Store
 from rlvr.verifiers.cache import MODEL_VERIFIERS, VerifierConfig, cache_for, cache_key, stage_entries
 from rlvr.verifiers.judge import (
@@ -35,8 +40,20 @@ class RewardConfig(BaseModel):
         None, description="the reward-model servers (/get_reward) that problems naming verifier 'reward_model' get"
     )
     max_error_rate: float = Field(
-        0.1, ge=0.0, le=1.0, description="a step whose share of failed model verdicts passes it stops the run"
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="a step whose share of failed model verdicts passes it stops the run, and so does an endpoint "
+        "whose failures among its last 200 calls pass it, in any stage",
     )
+
+    @model_validator(mode="after")
+    def _breakers_hold_the_threshold(self) -> RewardConfig:
+        """The endpoints' circuit breakers trip past max_error_rate, wherever their config is handed on to."""
+        for endpoint in (self.judge, self.model):
+            if endpoint is not None:
+                endpoint.hold_error_rate(self.max_error_rate)
+        return self
 
     @property
     def given(self) -> bool:
@@ -113,9 +130,41 @@ def endpoint_of(cfg: VerifierConfig, name: str) -> str:
     """The endpoint a stop names."""
     if name == JudgeVerifier.name:
         assert cfg.judge is not None
-        return f"the judge at {cfg.judge.base_url}"
+        return cfg.judge.endpoint_name()
     assert cfg.reward_model is not None
-    return f"the reward model at {', '.join(cfg.reward_model.urls)}"
+    return cfg.reward_model.endpoint_name()
+
+
+MANY_CALLS = 100  # a stage planning at least this many calls of a model says so before it asks
+
+
+def announce_calls(stage: str, cfg: VerifierConfig, verifiers: Sequence[str | None], per_problem: int) -> None:
+    """Before `stage` asks: for each model that scores some of the problems (whose own verifiers are `verifiers`),
+    `per_problem` times each, a warning with the number of calls when they are many, and a plan for the model's
+    measured rate, which gives the estimate of the rest once the first calls are answered (2 rounds of the judge's
+    `concurrency`, or a reward model's first batch)."""
+    names = [cfg.verifier_of(name) for name in verifiers]
+    for name in sorted(MODEL_VERIFIERS.intersection(names)):
+        if cfg.endpoint_version(name) in (None, verifier_class_version(name)):
+            continue  # no endpoint set: the stage's verdicts say so
+        problems = names.count(name)
+        calls = problems * per_problem
+        if calls < MANY_CALLS:
+            continue
+        endpoint = endpoint_of(cfg, name)
+        sample = 2 * cfg.judge.concurrency if name == JudgeVerifier.name and cfg.judge is not None else 1
+        rate_of(endpoint).plan(stage, calls, sample)
+        report(
+            "warning",
+            message=f"{stage} will ask {endpoint} for up to {calls:,} verdicts ({problems:,} problems x "
+            f"{per_problem}; the reward cache answers the ones it holds)",
+        )
+
+
+def verifier_class_version(name: str) -> str:
+    from rlvr.verifiers.registry import verifier_class
+
+    return verifier_class(name).version
 
 
 def _row(name: str, version: str, verdict: JudgeVerdict, hit: bool, provenance: str) -> dict[str, Any]:

@@ -6,32 +6,30 @@ equal servers get equal shares (a batch smaller than k leaves the last servers i
 of at most `rows_per_request` rows (servers bound their request size), and all requests run at once, up to
 `max_concurrency`; the results come back in input order.
 
-Every request has a finite wall-clock budget, `timeout_s` (connecting, sending, and reading the whole answer,
-each within it), and is retried after a connection error, a timeout, a server dying mid-answer, a 408, 429 or
-5xx, or an answer that is not what was asked for (not JSON, the wrong number of rows, a value that is not a
-finite number), waiting `backoff_s`, then twice that, and so on. A 4xx is the request's fault and is not
-retried. A request that still fails raises `RewardServerError`, one line naming the server and what went
-wrong: a caller (a verifier) turns it into `error` rows, never into a reward of 0.
+Requests follow the one retry policy of rlvr/endpoints.py: a finite wall-clock budget, `timeout_s`, for the whole
+answer; retried after a connection error, a timeout, a server dying mid-answer, a 408, 429 or 5xx, or an answer
+that is not what was asked for (not JSON, the wrong number of rows, a value that is not a finite number), waiting
+`backoff_s`, then twice that, and so on; an answer over 64 MiB fails. A 4xx is the request's fault and is not
+retried. With `api_key_env`, the key in that environment variable goes as a bearer token. A request that still
+fails raises `RewardServerError`, one line naming the server and what went wrong: a caller (a verifier) turns it
+into `error` rows, never into a reward of 0.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
+from rlvr.endpoints import CallFailed, EndpointClient, RetryPolicy, Unreadable, bearer_header, json_answer, missing_key
 from rlvr.errors import UserError
 
 T = TypeVar("T")
-RETRIED_STATUSES = frozenset({408, 429})  # and every 5xx
-MAX_ANSWER_BYTES = 64 << 20
 
 
 class RewardServerError(UserError):
@@ -57,6 +55,18 @@ class RewardClientConfig(BaseModel):
     max_concurrency: int = Field(8, ge=1, description="requests in flight at once, over all servers")
     rows_per_request: int = Field(256, ge=1, description="rows in one request at most")
     model: str | None = None
+    api_key_env: str | None = Field(
+        None, description="environment variable with the API key, sent as a bearer token (the key is never stored)"
+    )
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_is_set(cls, name: str | None) -> str | None:
+        if missing_key(name):
+            raise PydanticCustomError(
+                "key_not_set", f"the environment variable {name} is not set: export it with the API key"
+            )
+        return name
 
     @field_validator("urls")
     @classmethod
@@ -81,9 +91,10 @@ class RewardModelClient:
 
     def __init__(self, cfg: RewardClientConfig) -> None:
         self.cfg = cfg
-        self._client = httpx.Client(
-            timeout=httpx.Timeout(cfg.timeout_s),
-            limits=httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency),
+        self._client = EndpointClient(
+            RetryPolicy(cfg.timeout_s, cfg.max_retries, cfg.backoff_s),
+            bearer_header(cfg.api_key_env, "reward.model.api_key_env"),
+            cfg.max_concurrency,
         )
 
     def __enter__(self) -> RewardModelClient:
@@ -163,65 +174,23 @@ class RewardModelClient:
 
     def _post(self, url: str, body: dict[str, Any], parse: Callable[[Any], list[T]]) -> list[T]:
         """The parsed answer of `url`, after up to `max_retries` retries; a RewardServerError otherwise."""
-        problem = ""
-        tries = self.cfg.max_retries + 1
-        for attempt in range(tries):
-            if attempt:
-                time.sleep(self.cfg.backoff_s * 2 ** (attempt - 1))
+
+        def read(content: bytes) -> list[T]:
             try:
-                status, content = self._answer(url, body)
-            except httpx.TimeoutException:
-                problem = f"timed out after {self.cfg.timeout_s:g} s"
-                continue
-            except httpx.TransportError as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-                continue
-            except _AnswerTooLarge as exc:
-                problem = str(exc)
-                continue
-            text = content[:200].decode("utf-8", "replace")
-            if 400 <= status < 500 and status not in RETRIED_STATUSES:
-                raise RewardServerError(url, f"refused the request: HTTP {status}: {_error_message(content) or text}")
-            if status >= 400:
-                problem = f"HTTP {status}: {_error_message(content) or text}"
-                continue
-            try:
-                return parse(json.loads(content))
-            except ValueError as exc:  # json.JSONDecodeError is one
-                problem = str(exc) if not isinstance(exc, json.JSONDecodeError) else f"answer is not JSON: {text!r}"
-        raise RewardServerError(url, problem if tries == 1 else f"failed {tries} times; the last time: {problem}")
+                return parse(json_answer(content))
+            except Unreadable:
+                raise
+            except ValueError as exc:  # the wrong shape: asked again, as an answer that is not JSON is
+                raise Unreadable(str(exc)) from None
 
-    def _answer(self, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
-        """Status and body of one POST, read whole within `timeout_s` of its start (httpx bounds each read; this
-        bounds a server that trickles its answer)."""
-        deadline = time.monotonic() + self.cfg.timeout_s
-        with self._client.stream("POST", url, json=body) as response:
-            chunks, size = [], 0
-            for chunk in response.iter_bytes():
-                chunks.append(chunk)
-                size += len(chunk)
-                if time.monotonic() > deadline:
-                    raise httpx.ReadTimeout(f"answer not read within {self.cfg.timeout_s:g} s")
-                if size > MAX_ANSWER_BYTES:
-                    raise _AnswerTooLarge(f"answer over {MAX_ANSWER_BYTES} bytes")
-            return response.status_code, b"".join(chunks)
-
-
-class _AnswerTooLarge(Exception):
-    pass
-
-
-def _error_message(content: bytes) -> str | None:
-    """The message of an OpenAI-style error body ({"error": {"message": ...}}) or FastAPI's {"detail": ...}."""
-    try:
-        answer = json.loads(content)
-    except ValueError:
-        return None
-    if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
-        return str(answer["error"].get("message"))
-    if isinstance(answer, dict) and "detail" in answer:
-        return str(answer["detail"])
-    return None
+        try:
+            return self._client.call("POST", url, body, read)
+        except CallFailed as failure:
+            if failure.refused:
+                raise RewardServerError(url, f"refused the request: {failure.problem}") from None
+            if failure.tries == 1:
+                raise RewardServerError(url, failure.problem) from None
+            raise RewardServerError(url, f"failed {failure.tries} times; the last time: {failure.problem}") from None
 
 
 def _number(value: Any, what: str) -> float:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 from rich.console import Console
 
+from rlvr.errors import UserError
+
 out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def serve_rm(
@@ -21,22 +26,38 @@ def serve_rm(
     threads: int = typer.Option(1, "--threads", min=1, help="torch CPU threads (fixed: rewards stay bit-identical)"),
     batch_size: int = typer.Option(16, "--batch-size", min=1, help="rows in one forward pass"),
     seed: int = typer.Option(0, "--seed", help="draws the weights of 'tiny' (other models load theirs)"),
+    api_key_env: str | None = typer.Option(
+        None,
+        "--api-key-env",
+        help="environment variable holding an API key: every request without 'Authorization: Bearer KEY' gets 401",
+    ),
 ) -> None:
     """Serve a local model for rewards: OpenRLHF's /get_reward, vLLM's /classify, OpenAI's /v1/chat/completions.
 
     Runs until Ctrl-C. A sequence-classification model's reward is its logit; a causal LM's is its P(Yes) as a judge.
     """
     from rlvr.trainer.reward_models import load_served_model
-    from rlvr.trainer.reward_server import listening_socket, reward_app, serve, url_of
+    from rlvr.trainer.reward_server import listening_socket, loopback, reward_app, serve, url_of
 
+    key = os.environ.get(api_key_env) if api_key_env is not None else None
+    if api_key_env is not None and not key:
+        raise UserError(f"--api-key-env names {api_key_env!r}, but that environment variable is not set")
     served = load_served_model(model, device=device, threads=threads, seed=seed, batch_size=batch_size)
     sock = listening_socket(host, port)  # listening before the URL is printed: a client may connect at once
     url = url_of(sock)
+    if key is None and not loopback(host):
+        err.print(
+            f"warning: serving on {host} without --api-key-env: anyone who can reach {url} can use the model",
+            markup=False,
+            highlight=False,
+        )
     say(f"serving {served.name} ({served.kind}) on {url}")
     say(f"  POST {url}/get_reward  {url}/classify  {url}/v1/chat/completions   GET {url}/health")
+    if key:
+        say(f"  every request needs the header Authorization: Bearer KEY, with the key in ${api_key_env}")
     say("press Ctrl-C to stop it")
     try:
-        serve(reward_app(served), sock)
+        serve(reward_app(served, api_key=key), sock)
     except KeyboardInterrupt:
         pass
     say("stopped")
