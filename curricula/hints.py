@@ -33,7 +33,7 @@ from functools import cached_property
 from typing import Any
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "GroupOutcome",
@@ -79,6 +79,14 @@ class HintConfig(BaseModel):
             "hinted, so hints act in runs too short to draw a problem twice"
         ),
     )
+
+    @model_validator(mode="after")
+    def _settings_only_when_enabled(self) -> HintConfig:
+        """The schedule's settings with hints off would be dropped from the run (its dump leaves them out): refused."""
+        unused = sorted(self.model_fields_set - {"enabled"})
+        if unused and not self.enabled:
+            raise ValueError(f"select.hints.{unused[0]} is set but select.hints.enabled is false: set enabled=true too")
+        return self
 
     @field_validator("ratios")
     @classmethod

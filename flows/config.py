@@ -30,6 +30,7 @@ from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_
 from rlvr.storage.store import Store
 from rlvr.verifiers.env_registry import EnvConfig
 from rlvr.verifiers.model_rewards import RewardConfig
+from rlvr.verifiers.outcomes import DEFAULT_MAX_ERROR_RATE
 
 if TYPE_CHECKING:
     from rlvr.curricula.base import AllocateConfig, SelectConfig
@@ -104,7 +105,8 @@ class RunConfigBase(BaseModel):
     )
     reward: RewardConfig = Field(
         default_factory=RewardConfig,
-        exclude_if=lambda value: not value.given,  # without a model-given reward: left out of dumps, ids stay
+        # without a model-given reward and at the default threshold: left out of dumps, so ids stay
+        exclude_if=lambda value: not value.given and value.max_error_rate == DEFAULT_MAX_ERROR_RATE,
         description="model-given rewards: the judge's endpoint, the failed share a step bears (docs/rewards.md)",
     )
 
