@@ -164,7 +164,9 @@ def episode_logprobs(
 
 
 def episode_columns(t: Trajectory, env: dict[str, Any] | None, label: str | None) -> dict[str, Any]:
-    """The rollouts columns of an environment's episode (none for the one-turn case)."""
+    """The rollouts columns of an environment's episode (none for the one-turn case). `env_verdict` is the verdict
+    the rollout loop gave the episode (trainer/multi_turn.py `_Episode.verdict`): null only where the label stage is
+    to score the last answer with the problem's verifier."""
     if env is None:
         return {}
     verdict = None
@@ -244,7 +246,8 @@ def slot_prompts(
 
 ROLLOUT: Stage[EngineConfig] = Stage(
     name="rollout",
-    code_version="4",  # 4: GHPO hints stop before the step that states the answer; 3: pad-id tokens in prompts
+    code_version="5",  # 5: every episode's env_verdict is the loop's (solved_at, faults, env_timeout); 4: GHPO hints
+    # stop before the step that states the answer; 3: pad-id tokens in prompts
     section="rollout",
     config=ENGINES.config_type,
     default=ENGINES.default_config,

@@ -21,13 +21,21 @@ asks). A script is the turns it writes, its last repeated:
 - `model`: nothing replaced; the model's own text is the turn (a final answer, scored by the verifier).
 
 Run it with `env.type=tests.env_fixtures:ScriptedToolEnvironment`; tests/test_env_hostile.py does.
+
+Below it, for the rollout loop's own limits (tests/test_multi_turn.py): `HangingGym`, a gym-style game whose step
+loops forever or sleeps (`env.step_timeout_s`, `env.isolation`), and `ConcurrencyProbe`, an environment that counts
+how many of its calls run at once (`env.parallel_steps`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import threading
+import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,7 +43,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlvr.verifiers.calculator_env import CalculatorEnvironment
 from rlvr.verifiers.environment import EnvConfig, Environment, Opening, Reply, read_options
 
-__all__ = ["FLOOD_BYTES", "SCRIPTS", "Script", "ScriptedOptions", "ScriptedToolEnvironment", "script_of"]
+__all__ = [
+    "FLOOD_BYTES",
+    "SCRIPTS",
+    "ConcurrencyProbe",
+    "HangingGym",
+    "Script",
+    "ScriptedOptions",
+    "ScriptedToolEnvironment",
+    "script_of",
+]
 
 Script = Literal["faults", "hang", "never_stops", "model"]
 FLOOD_BYTES = 10_000_000  # what the flooding program would print: far past any output cap of a test
@@ -108,3 +125,57 @@ class ScriptedToolEnvironment(CalculatorEnvironment):
         turn, self._turn = self._turn, self._turn + 1
         scripted = SCRIPTS[self.script]
         return super().step(scripted[min(turn, len(scripted) - 1)] if scripted else response)
+
+
+# ---------------------------------------------------------------------------------------------
+# Environments that hang or count, for the rollout loop's limits (tests/test_multi_turn.py)
+
+
+class HangingGym:
+    """A gym-style game (`env.type=gym`, `make: tests.env_fixtures:HangingGym`) whose step hangs as asked: `hang`
+    "loop" (Python bytecode, `while True: pass`), "sleep" (blocked outside the interpreter, in `time.sleep`), or
+    "none" (the game is won at once: reward 1, done). `pid_dir`: each reset leaves a file there named by the id of
+    the process it runs in."""
+
+    def __init__(self, hang: str = "none", pid_dir: str | None = None, sleep_s: float = 30.0) -> None:
+        self.hang, self.pid_dir, self.sleep_s = hang, pid_dir, sleep_s
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        if self.pid_dir is not None:
+            (Path(self.pid_dir) / str(os.getpid())).touch()
+        return "1+1=", {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self.hang == "loop":
+            while True:
+                pass
+        if self.hang == "sleep":
+            time.sleep(self.sleep_s)
+        return "", 1.0, True, False, {}
+
+
+class ConcurrencyProbe(Environment):
+    """An environment (`env.type=tests.env_fixtures:ConcurrencyProbe`) whose reset and step each take 0.3 s and
+    record how many of its calls ran at once (`most`, over the process): what caps environment calls."""
+
+    name, version = "concurrency_probe", "1"
+    lock = threading.Lock()
+    running = 0
+    most = 0
+
+    def reset(self, task: Mapping[str, Any], seed: int) -> Opening:
+        self._call()
+        return Opening(messages=[{"role": "user", "content": str(task["prompt"])}])
+
+    def step(self, response: str) -> Reply:
+        self._call()
+        return Reply(reward=1.0, done=True, stop_reason="done")
+
+    @classmethod
+    def _call(cls) -> None:
+        with cls.lock:
+            cls.running += 1
+            cls.most = max(cls.most, cls.running)
+        time.sleep(0.3)
+        with cls.lock:
+            cls.running -= 1

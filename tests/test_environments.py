@@ -18,12 +18,13 @@ from rlvr.verifiers.calculator_env import CalculatorEnvironment
 from rlvr.verifiers.env_registry import (
     BUILTIN,
     EnvConfig,
+    check_environment,
     environment_class,
     environment_factory,
     plugin_errors,
     registered,
 )
-from rlvr.verifiers.environment import OneTurn, Reply, episode_reward
+from rlvr.verifiers.environment import OneTurn, Reply, episode_reward, reward_verdict
 from rlvr.verifiers.gym_adapter import GlobalRandom
 from rlvr.verifiers.tool_use import (
     CALCULATOR,
@@ -425,7 +426,9 @@ class Exploding(CountdownGym):
 
 
 def gym(make, **options):
-    return environment_factory({"type": "gym", "max_turns": 5, "options": {"make": make, **options}})()
+    return environment_factory(
+        {"type": "gym", "max_turns": 5, "solved_at": 1.0, "options": {"make": make, **options}}
+    )()
 
 
 def test_gym_adapter_plays_a_gym_style_class():
@@ -621,3 +624,129 @@ def test_retry_scores_with_the_configured_verifier_over_the_problems_own():
     assert env.step("the answer is 4").reward == 1.0
     with pytest.raises(UserError):
         environment_factory({"type": "retry", "options": {"turn_discount": 0}})
+
+
+def test_retry_ends_on_a_verifier_error_with_that_verdict_and_never_says_wrong():
+    """The problem's verifier is the judge, asked in this process (no endpoint): its `error` verdict ends the
+    episode; the model is not told that an answer no one scored is wrong."""
+    env = environment_factory({"type": "retry", "max_turns": 3})()
+    env.reset({"prompt": "2+2=", "reference": "4", "verifier": "judge"}, seed=0)
+    reply = env.step("4")
+    assert (reply.done, reply.stop_reason, reply.messages, reply.reward) == (True, "error", [], None)
+    assert reply.verdict.status == "error" and reply.verdict.reason.startswith("the judge scores in a run")
+
+
+# ----------------------------------------------------------------------------------------------
+# Keys that do nothing, verifiers that ask a model, and which reward counts as solved (issue 51)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"verifier": "final_number"},
+            "env.verifier does nothing with env.type=one_turn (the default): the label stage scores one-turn "
+            "rollouts, so set label.verifier, or an env.type that plays episodes (calculator, retry)",
+        ),
+        (
+            {"type": "one_turn", "max_turns": 3},
+            "env.max_turns does nothing with env.type=one_turn (the default: one completion a prompt, scored by the "
+            "label stage); leave it out, or set an env.type that plays episodes (calculator, retry, gym, textarena)",
+        ),
+        ({"max_tokens": 64}, "env.max_tokens does nothing with env.type=one_turn (the default: "),
+        (
+            {"type": "retry", "tool_timeout_s": 3},
+            "env.tool_timeout_s does nothing with env.type=retry: it runs no tools; leave it out",
+        ),
+        (
+            {"type": "retry", "parallel_tools": 4},
+            "env.parallel_tools does nothing with env.type=retry: it runs no tools",
+        ),
+        ({"type": "retry", "max_tool_calls": 4}, "env.max_tool_calls does nothing with env.type=retry: it runs no "),
+        (
+            {"type": "gym", "tool_memory_mb": 64, "options": {"id": "game:GuessTheNumber-v0-easy"}},
+            "env.tool_memory_mb does nothing with env.type=gym: it runs no tools; leave it out",
+        ),
+        (
+            {"type": "textarena", "verifier": "final_number", "options": {"id": "GuessTheNumber-v0-raw"}},
+            "env.verifier does nothing with env.type=textarena: it scores its own episodes; leave it out",
+        ),
+        (
+            {"type": "calculator", "step_timeout_s": 5},
+            "env.step_timeout_s does nothing with env.type=calculator: only wrapped environments (gym, textarena) "
+            "run their steps under a limit; leave it out",
+        ),
+        ({"type": "retry", "isolation": "process"}, "env.isolation does nothing with env.type=retry: only wrapped "),
+        (
+            {"type": "calculator", "solved_at": 1},
+            "env.solved_at does nothing with env.type=calculator: every reward it gives comes with its verifier's "
+            "verdict; leave it out",
+        ),
+        (
+            {"type": "calculator", "verifier": "judge"},
+            "env.verifier=judge asks a model, which an environment cannot (it scores in its own process); the label "
+            "stage asks models for one-turn rollouts: env.type=one_turn with label.verifier=judge",
+        ),
+        (
+            {"type": "retry", "verifier": "reward_model"},
+            "env.verifier=reward_model asks a model, which an environment ",
+        ),
+        (
+            {"type": "gym", "options": {"make": "tests.test_environments:CountdownGym"}},
+            "env.type=gym with env.options.make=tests.test_environments:CountdownGym gives rewards and no verdict, so "
+            "env.solved_at must say which episode reward counts as solved (status ok), e.g. --set env.solved_at=1",
+        ),
+    ],
+)
+def test_keys_an_environment_would_ignore_are_refused_in_one_line_naming_the_key(config, message):
+    with pytest.raises(UserError) as raised:
+        check_environment(EnvConfig.model_validate(config))
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
+
+
+def test_keys_an_environment_takes_pass_the_check():
+    for config in [
+        {},
+        {"type": "one_turn"},
+        {"type": "calculator", "max_turns": 4, "verifier": "arithmetic", "max_tool_calls": 2, "parallel_steps": 2},
+        {"type": "retry", "max_turns": 3, "verifier": "final_number", "max_tool_output_tokens": 32},
+        {"type": "gym", "solved_at": 0.5, "step_timeout_s": 5, "isolation": "process",
+         "options": {"make": "tests.test_environments:CountdownGym"}},
+    ]:  # fmt: skip
+        check_environment(EnvConfig.model_validate(config))
+    # a stored run's dump sets every key, at its default where the user set none: that passes (a resume)
+    dumped = EnvConfig(type="gym", solved_at=1.0, options={"make": "tests.test_environments:CountdownGym"})
+    check_environment(EnvConfig.model_validate(dumped.model_dump(mode="json")))
+
+
+def test_the_success_reward_of_gem_and_textarena_is_their_own_and_a_sum_of_fractions_reaches_it():
+    pytest.importorskip("gem", reason="the gem extra is not installed (make envs)")
+    from gem.utils.constants import LanguageGameReward
+
+    from rlvr.verifiers.gym_adapter import GEM_SOLVED_AT
+
+    assert GEM_SOLVED_AT == LanguageGameReward.success_reward == 1.0
+    assert environment_factory({"type": "gym", "options": {"id": "game:GuessTheNumber-v0-easy"}})().solved_at == 1.0
+    assert environment_factory({"type": "textarena", "options": {"id": "GuessTheNumber-v0-raw"}})().solved_at == 1.0
+    # ten progress rewards of a tenth: a plain sum stops one ulp short of 1.0 (0.9999999999999999)
+    replies = [Reply(reward=0.1)] * 9 + [Reply(reward=0.1, done=True)]
+    assert sum(r.reward for r in replies) < 1.0 and episode_reward(replies) == 1.0
+    assert reward_verdict(episode_reward(replies), GEM_SOLVED_AT).status == "ok"
+    assert reward_verdict(-0.1, GEM_SOLVED_AT).status == "wrong"  # GEM's unreadable guess
+
+
+@pytest.mark.serial  # held to a wall-clock limit
+def test_calls_past_env_max_tool_calls_are_not_run_and_get_an_error_saying_the_cap():
+    env = environment_factory(
+        {"type": "calculator", "max_tool_calls": 3, "parallel_tools": 4, "options": {"python": True}}
+    )()
+    env.reset(TASK, seed=0)
+    started = time.monotonic()
+    reply = env.step(call("python", "code", "import time; time.sleep(0.5); print(7)") * 40)
+    took = time.monotonic() - started
+    assert [(u.status, u.output) for u in reply.tool_uses[:3]] == [("ok", "7\n")] * 3  # three programs ran
+    assert [(u.name, u.status, u.output, u.seconds) for u in reply.tool_uses[3:]] == [
+        ("python", "error", "error: not run: at most 3 tool calls are run a turn (env.max_tool_calls)", 0.0)
+    ] * 37
+    assert len(reply.messages) == 40 and not reply.done  # every call is answered; the episode goes on
+    assert took < 0.5 * 40 / 4, took  # forty half-second programs four at a time would take 5 s

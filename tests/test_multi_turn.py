@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 import threading
 import time
@@ -418,9 +419,9 @@ def test_smollm2_chatml_renders_openings_tools_and_replies(smollm2_tokenizer):
     expected = system + "<|im_start|>user\nWhat is 123 * 45?<|im_end|>\n<|im_start|>assistant\n"
     assert with_tools == tokenizer(expected, add_special_tokens=False)["input_ids"]
     assert "<tool_call>" in tools_system_message(tools) and '"calculator"' in tools_system_message(tools)
-    # an environment whose own system message already describes the tool: nothing added
+    # an environment whose own system message teaches the tool (and says so): nothing added
     described = [{"role": "system", "content": "Call calculator in <tool_call> tags."}, *messages]
-    assert rendering.opening(Opening(described, tools)) == rendering.opening(Opening(described))
+    assert rendering.opening(Opening(described, tools, tools_described=True)) == rendering.opening(Opening(described))
     # a reply: what follows the assistant's <|im_end|>, the tool turn, and the next assistant turn opened
     reply = rendering.reply([{"role": "tool", "content": "5535"}])
     text = "\n<|im_start|>tool\n5535<|im_end|>\n<|im_start|>assistant\n"
@@ -442,3 +443,206 @@ def test_the_calculator_environments_own_tool_prompt_is_not_doubled(smollm2_toke
     assert opening.tools and opening.messages[0]["role"] == "system"
     rendering = ChatRendering(smollm2_tokenizer, {smollm2_tokenizer.eos_token_id})
     assert rendering.opening(opening) == prompt_ids(smollm2_tokenizer, [json.dumps(opening.messages)])[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Verdicts, faults and limits (issue 51): every episode's verdict is the loop's, a bad episode ends alone
+
+
+class Judged(Echo):
+    """Echo whose last reply carries the task's `verdict` status, or none (`verdict` absent); `reward` overrides the
+    last reply's reward (None: no reward at all, on any turn)."""
+
+    solved_at = 1.5  # the type's own threshold
+
+    def step(self, response: str) -> Reply:
+        reply = super().step(response)
+        if not reply.done:
+            return dataclasses.replace(reply, reward=None) if "reward" in self.task else reply
+        reward = self.task.get("reward", reply.reward)
+        status = self.task.get("verdict")
+        verdict = None if status is None else Score(0.0, status, reason="the environment's own")
+        return dataclasses.replace(reply, reward=reward, verdict=verdict)
+
+
+class Unscored(Judged):
+    scores_unrewarded = True  # the label stage scores its last answer
+
+
+class NoThreshold(Judged):
+    solved_at = None
+
+
+def verdicts(policy: Policy, factory: Any, tasks: list[dict[str, Any]], **kw: Any) -> list[Score | None]:
+    settings: dict[str, Any] = dict(budgets=LOOSE, temperature=1.0, top_p=1.0, seed=7, row_keys=list(range(len(tasks))))
+    played = run_episodes(policy, [factory] * len(tasks), tasks, [1] * len(tasks), **{**settings, **kw})
+    return [t.verdict for t in played]
+
+
+def test_every_episode_gets_its_verdict_in_the_rollout_loop(policy):
+    eos_bias(policy, 3.0)
+    tasks = [
+        {"prompt": "1=", "turns": 2, "verdict": "timeout"},  # the environment's own verdict stands
+        {"prompt": "2=", "turns": 3},  # rewards 0.25 + 0.25 + 1 = 1.5 >= the type's 1.5: solved
+        {"prompt": "3=", "turns": 2},  # 1.25 < 1.5: wrong
+        {"prompt": "4=", "turns": 2, "reward": None},  # no reward, no verdict: wrong (the label stage does not guess)
+        {"prompt": "5=", "turns": 2, "fail_at": 1},  # the step raised: error
+    ]
+    got = verdicts(policy, Judged, tasks)
+    assert [(v.status, v.value) for v in got] == [
+        ("timeout", 0.0), ("ok", 1.5), ("wrong", 1.25), ("wrong", 0.0), ("error", 0.0)
+    ]  # fmt: skip
+    assert [v.reason for v in got] == [
+        "the environment's own",
+        "reward 1.5 >= env.solved_at 1.5",
+        "reward 1.25 < env.solved_at 1.5",
+        "the environment gave no reward",
+        "RuntimeError: the tool broke on two lines",
+    ]
+    # env.solved_at overrides the type's own; an environment that leaves scoring to the label stage gets None
+    assert [v.status for v in verdicts(policy, Judged, tasks[1:3], solved_at=1.25)] == ["ok", "ok"]
+    assert verdicts(policy, Unscored, [tasks[3]]) == [None]
+    # a reward without a verdict, and no threshold anywhere: an error naming the key, never a guess
+    [none] = verdicts(policy, NoThreshold, [tasks[1]])
+    assert (none.status, none.value) == ("error", 0.0) and "env.solved_at is not set" in none.reason
+    assert verdicts(policy, NoThreshold, [tasks[1]], solved_at=1.0)[0].status == "ok"
+
+    class NoReset(Echo):
+        def reset(self, task: Mapping[str, Any], seed: int) -> Opening:
+            raise ValueError("no such task")
+
+    [failed] = verdicts(policy, NoReset, [tasks[0]])
+    assert (failed.value, failed.status, failed.reason) == (0.0, "error", "ValueError: no such task")
+
+
+class Hostile(Echo):
+    """Echo whose first reply is the task's `bad` one: a reward that is not a finite number, a message whose
+    content is None, a role outside the contract, or a role the chat template refuses."""
+
+    def step(self, response: str) -> Reply:
+        bad = self.task.get("bad")
+        if bad is None:
+            return super().step(response)
+        if bad == "nan" or bad == "inf":
+            return Reply(messages=[{"role": "tool", "content": "1"}], reward=float(bad))
+        if bad == "none_content":
+            return Reply(messages=[{"role": "tool", "content": None}])  # type: ignore[dict-item]
+        return Reply(messages=[{"role": bad, "content": "1"}])
+
+
+def test_a_bad_reply_or_opening_ends_its_own_episode_and_the_others_play_on(policy):
+    eos_bias(policy, 3.0)
+    # ChatML in the tiny vocabulary that refuses `system` messages after the first, as some templates do
+    policy.tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+        "{{ raise_exception('system messages only come first') }}{% endif %}{% endfor %}" + CHATML
+    )
+    tasks = [
+        {"prompt": "1=", "turns": 2, "bad": "nan"},
+        {"prompt": "2=", "turns": 2, "bad": "inf"},
+        {"prompt": "3=", "turns": 2, "bad": "none_content"},
+        {"prompt": "4=", "turns": 2, "bad": "environment"},  # a SkyRL-style role, outside the contract
+        {"prompt": "5=", "turns": 2, "bad": "system"},  # in the contract, refused by this template
+        {"prompt": "6=", "turns": 2},
+    ]
+    played = run_episodes(
+        policy, [Hostile] * 6, tasks, [1] * 6, budgets=LOOSE, temperature=1.0, top_p=1.0, seed=7,
+        row_keys=list(range(6)), solved_at=1.0,
+    )  # fmt: skip
+    assert [t.stop_reason for t in played] == ["error"] * 5 + ["done"]
+    assert [t.verdict.status for t in played] == ["error"] * 5 + ["ok"]
+    reasons = [t.verdict.reason for t in played[:5]]
+    assert reasons[:4] == [
+        "the environment gave a reward of nan, not a finite number",
+        "the environment gave a reward of inf, not a finite number",
+        "a reply's message 0 (tool) has content NoneType, not a string",
+        "a reply's message 0 has role 'environment'; an environment's roles are system, user, assistant, tool",
+    ]
+    assert (
+        reasons[4].startswith("ValueError: the chat template of ") and "system messages only come first" in reasons[4]
+    )
+    for t in played[:5]:  # the fault is a turn of no tokens after the assistant's; no reward is kept
+        assert [u.role for u in t.turns] == ["assistant", "tool"] and t.turns[-1].text == t.verdict.reason
+        assert t.reward is None and t.turns[0].reward is None and t.loss_mask == [1] * len(t.completion_ids)
+
+    class BadOpening(Echo):
+        def reset(self, task: Mapping[str, Any], seed: int) -> Opening:
+            return Opening(messages=[{"role": "user", "content": None}])  # type: ignore[dict-item]
+
+    broken, whole = run_episodes(
+        policy, [BadOpening, Echo], tasks[4:], [1, 1], budgets=LOOSE, temperature=1.0, top_p=1.0, seed=7,
+        row_keys=[0, 1], solved_at=1.0,
+    )  # fmt: skip
+    assert (broken.stop_reason, broken.prompt_ids, broken.turns[0].role) == ("error", [], "user")
+    assert broken.verdict.reason == "the opening's message 0 (user) has content NoneType, not a string"
+    assert whole.stop_reason == "done"
+
+
+def test_tools_are_given_when_the_template_does_not_render_them_even_if_the_prompt_names_one():
+    """A prompt that mentions "calculator" used to pass for a rendering of the tools (a substring test)."""
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = CHATML  # renders no tools
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Use the calculator: 3+4="}]
+    rendering = ChatRendering(tokenizer, {EOS})
+    with_system = multi_turn._with_tools(messages, tools)
+    expected = tokenizer.apply_chat_template(with_system, add_generation_prompt=True, tokenize=False)
+    assert rendering.opening(Opening(messages, tools)) == tokenizer(expected, add_special_tokens=False)["input_ids"]
+    plain = ChatRendering(build_tiny_tokenizer(), {EOS})  # no template at all: the same
+    assert plain.opening(Opening(messages, tools)) == plain.opening(Opening(with_system))
+    assert plain.opening(Opening(messages, tools, tools_described=True)) == plain.opening(Opening(messages))
+
+
+def hanging(hang: str, isolation: str, pid_dir: Any) -> Any:
+    options = {"make": "tests.env_fixtures:HangingGym", "kwargs": {"hang": hang, "pid_dir": str(pid_dir)}}
+    config = {"type": "gym", "solved_at": 1.0, "step_timeout_s": TIMEOUT_S, "isolation": isolation, "options": options}
+    return environment_factory(config)
+
+
+TIMEOUT_S = 1.0
+SLACK_S = 2.0
+
+
+@pytest.mark.serial  # held to a wall-clock limit
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+@pytest.mark.parametrize("hang", ["loop", "sleep"])
+def test_a_step_that_hangs_ends_its_episode_on_env_timeout_and_the_others_complete(policy, tmp_path, hang, isolation):
+    eos_bias(policy, 3.0)
+    factories = [hanging(hang, isolation, tmp_path), hanging("none", isolation, tmp_path)]
+    tasks = [{"prompt": "1+1="}, {"prompt": "2+2="}]
+    started = time.monotonic()
+    stuck, *others = run_episodes(
+        policy, factories, tasks, [1, 2], budgets=LOOSE, temperature=1.0, top_p=1.0, seed=7, row_keys=[0, 1],
+        solved_at=1.0,
+    )  # fmt: skip
+    took = time.monotonic() - started
+    assert [(t.stop_reason, t.verdict.status) for t in others] == [("done", "ok")] * 2
+    assert (stuck.stop_reason, stuck.verdict.status, stuck.verdict.value) == ("env_timeout", "error", 0.0)
+    fault = stuck.turns[-1]
+    assert (fault.role, fault.text) == ("tool", stuck.verdict.reason)
+    assert TIMEOUT_S <= fault.seconds < TIMEOUT_S + SLACK_S and took < 15, (fault.seconds, took)
+    past = f"the environment's step ran past env.step_timeout_s={TIMEOUT_S:g} s"
+    if isolation == "process":
+        assert fault.text == f"{past}; its process was killed"
+        pids = [int(p.name) for p in tmp_path.iterdir()]
+        assert len(pids) == 3 and os.getpid() not in pids  # one process an episode, none of them the run's
+        for pid in pids:  # all gone: the hung one killed, the others closed
+            assert not os.path.exists(f"/proc/{pid}"), pid
+    elif hang == "loop":
+        assert fault.text == f"{past} and was interrupted"
+    else:
+        assert fault.text.startswith(f"{past} and could not be interrupted (it is blocked outside Python bytecode")
+
+
+@pytest.mark.serial  # held to a wall-clock limit
+def test_env_parallel_steps_caps_environment_calls_and_parallel_tools_does_not(policy):
+    from rlvr.trainer.multi_turn import play_episodes
+    from rlvr.verifiers.env_registry import EnvConfig
+    from tests.env_fixtures import ConcurrencyProbe
+
+    eos_bias(policy, 3.0)
+    env = EnvConfig(type="tests.env_fixtures:ConcurrencyProbe", max_turns=2, parallel_steps=3, parallel_tools=1)
+    settings = dict(temperature=1.0, top_p=1.0, seed=0)
+    ConcurrencyProbe.most = 0
+    played = play_episodes(policy, env, [{"prompt": "1="}], [6], budgets=LOOSE, settings=settings, row_keys=[0])
+    assert {t.stop_reason for t in played} == {"done"} and ConcurrencyProbe.most == 3

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
+import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,14 +37,17 @@ from rlvr.trainer.row_sampling import RowSampler, mix64, row_key
 from rlvr.verifiers.base import Score, one_line
 from rlvr.verifiers.env_registry import environment_factory
 from rlvr.verifiers.environment import (
+    ROLES,
     EnvConfig,
     Environment,
+    EnvironmentTimeout,
     Message,
     Opening,
     Reply,
     StopReason,
     ToolUse,
     episode_reward,
+    reward_verdict,
 )
 
 __all__ = [
@@ -66,7 +71,7 @@ log = logging.getLogger(__name__)
 
 # The fixed conversation that environment messages are appended to when they are rendered (`ChatRendering`).
 _BASE: list[Message] = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
-_FAULTS = ("tool_timeout", "error")  # a reply's stop reasons that outrank the turn's own cut (`_stop_reason`)
+_FAULTS = ("tool_timeout", "env_timeout", "error")  # a reply's stop reasons that outrank the turn's own cut
 _ENVIRONMENT_STREAM = 0x452821E638D01377  # mixed into an episode's key to make the seed its environment resets with
 
 
@@ -109,8 +114,9 @@ class Turn:
 @dataclass
 class Trajectory:
     """One episode: its prompt, every token after it (sampled at loss mask 1, the environment's at 0), its turns
-    and how it ended. `reward`: the sum of its replies' rewards (`episode_reward`); `verdict`: the last reply's.
-    `finish_reason`: the last assistant turn's ("stop": it ended with eos; "length": a budget cut it)."""
+    and how it ended. `reward`: the sum of its replies' rewards (`episode_reward`; None when none gave one or the sum
+    is not finite); `verdict`: how it went (`episode_verdict`), None only where the label stage scores the last
+    answer. `finish_reason`: the last assistant turn's ("stop": it ended with eos; "length": a budget cut it)."""
 
     prompt_index: int
     sample_index: int
@@ -141,10 +147,6 @@ def tools_system_message(tools: Sequence[Mapping[str, Any]]) -> str:
     )
 
 
-def _tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
-    return [str(tool.get("function", tool).get("name", "")) for tool in tools]
-
-
 def _with_tools(messages: list[Message], tools: Sequence[Mapping[str, Any]]) -> list[Message]:
     """`messages` with `tools_system_message` added to the first system message, or as a new first one."""
     text = tools_system_message(tools)
@@ -167,9 +169,10 @@ class ChatRendering:
     - With no template (a base model, the tiny built-in one): the opening is its messages' contents joined by
       newlines, tokenized with the tokenizer's usual special tokens (as prompts.py reads a chat), and each
       environment message is its content on a line of its own, after the turn.
-    - Tools: when the rendered opening does not name every tool offered (the template does not render tools,
-      as SmolLM2's plain ChatML does not, and the environment's own messages do not describe them), the tools
-      are given in a system message (`tools_system_message`).
+    - Tools: when the template does not render the tools offered (the opening rendered with them equals the
+      opening rendered without them, as with SmolLM2's plain ChatML, or there is no template) and the environment
+      does not teach them itself (`Opening.tools_described`), they are given in a system message
+      (`tools_system_message`). A prompt that merely names a tool changes nothing.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_ids: set[int]) -> None:
@@ -186,7 +189,7 @@ class ChatRendering:
         """The prompt's ids: the opening with the assistant's first turn opened."""
         messages = list(opening.messages)
         text = self._opening_text(messages, opening.tools)
-        if opening.tools and not all(name in text for name in _tool_names(opening.tools)):
+        if opening.tools and not opening.tools_described and text == self._opening_text(messages, []):
             text = self._opening_text(_with_tools(messages, opening.tools), [])
         return self._ids(text, special=not self.templated)
 
@@ -257,6 +260,7 @@ class _Episode:
     response: str = ""
     finish_reason: Literal["stop", "length"] = "stop"
     stop_reason: StopReason | None = None
+    fault_reason: str | None = None  # why the loop ended the episode on a fault (the `error` verdict's reason)
 
     def add(self, ids: list[int], mask: int, logprobs: list[float] | None) -> tuple[int, int]:
         start = len(self.completion_ids)
@@ -265,15 +269,18 @@ class _Episode:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
         return start, len(self.completion_ids)
 
-    def fault(self, role: str, exc: BaseException, seconds: float) -> None:
-        """An environment that raised: a turn with no tokens holding the exception, and the episode ends."""
+    def fault(self, role: str, problem: BaseException | str, seconds: float) -> None:
+        """A fault of the environment's (it raised, timed out, or gave what cannot be used): a turn with no tokens
+        saying what happened, and the episode ends (`env_timeout` for a timeout, else `error`)."""
         end = len(self.completion_ids)
-        text = one_line(f"{type(exc).__name__}: {exc}")
+        text = problem if isinstance(problem, str) else _exception_text(problem)
         self.turns.append(Turn(len(self.turns), role, end, end, text, (), None, seconds))
-        self.stop_reason = "error"
+        self.stop_reason = "env_timeout" if isinstance(problem, EnvironmentTimeout) else "error"
+        self.fault_reason = text
 
-    def trajectory(self, with_logprobs: bool) -> Trajectory:
+    def trajectory(self, with_logprobs: bool, solved_at: float | None) -> Trajectory:
         assert self.stop_reason is not None
+        reward = _summed_reward(self.replies)
         return Trajectory(
             prompt_index=self.prompt_index,
             sample_index=self.sample_index,
@@ -283,11 +290,78 @@ class _Episode:
             logprobs=self.logprobs if with_logprobs else None,
             turns=self.turns,
             response=self.response,
-            reward=episode_reward(self.replies),
-            verdict=self.replies[-1].verdict if self.replies else None,
+            reward=reward if reward is not None and math.isfinite(reward) else None,
+            verdict=self.verdict(reward, solved_at),
             stop_reason=self.stop_reason,
             finish_reason=self.finish_reason,
         )
+
+    def verdict(self, reward: float | None, solved_at: float | None) -> Score | None:
+        """The episode's verdict, so that no later stage guesses (docs/environments.md, "Verdicts"): a fault's
+        `error`; else the environment's own; else, for a reward, `reward_verdict` at `solved_at` (the run's
+        env.solved_at, else the environment's own); else None where the label stage scores the last answer
+        (`scores_unrewarded`), `wrong` elsewhere."""
+        if self.fault_reason is not None:
+            return Score(0.0, "error", reason=self.fault_reason)
+        if reward is not None and not math.isfinite(reward):
+            return reward_verdict(reward, 0.0)  # the turns' rewards sum past the float range: an error
+        last = self.replies[-1] if self.replies else None
+        if last is not None and last.verdict is not None:
+            return last.verdict
+        if self.stop_reason in ("error", "env_timeout"):
+            return Score(0.0, "error", reason=f"the environment ended the episode with stop reason {self.stop_reason}")
+        threshold = solved_at if solved_at is not None else getattr(self.environment, "solved_at", None)
+        if reward is not None:
+            if threshold is None:
+                return Score(
+                    0.0,
+                    "error",
+                    reason="the environment gave a reward and no verdict, and env.solved_at is not set (the reward "
+                    "at or above which an episode is solved)",
+                )
+            return reward_verdict(reward, threshold)
+        if getattr(self.environment, "scores_unrewarded", False):
+            return None
+        return Score(0.0, "wrong", reason="the environment gave no reward")
+
+
+def _exception_text(exc: BaseException) -> str:
+    """An exception as one line: a timeout's own message, else "Type: message"."""
+    return one_line(str(exc) if isinstance(exc, EnvironmentTimeout) else f"{type(exc).__name__}: {exc}")
+
+
+def _summed_reward(replies: Sequence[Reply]) -> float | None:
+    """`episode_reward`, with a sum past the float range as infinity (fsum raises there) rather than a raise."""
+    try:
+        return episode_reward(replies)
+    except OverflowError:
+        return math.inf
+
+
+def _message_problem(messages: Any, what: str) -> str | None:
+    """Why `messages` (an opening's or a reply's) cannot be rendered, or None: each must be a mapping whose role is
+    one of ROLES and whose content is a string."""
+    if not isinstance(messages, (list, tuple)):
+        return f"{what} messages must be a list, got {type(messages).__name__}"
+    for k, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, Mapping) else None
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if role not in ROLES:
+            return one_line(f"{what} message {k} has role {role!r}; an environment's roles are {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            return f"{what} message {k} ({role}) has content {type(content).__name__}, not a string"
+    return None
+
+
+def _reply_problem(reply: Reply) -> str | None:
+    """Why `reply` ends its episode as a fault, or None: a reward that is not a finite number, or bad messages."""
+    reward = reply.reward
+    if reward is not None:
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+            return one_line(f"the environment gave a reward of {reward!r}, not a number")
+        if not math.isfinite(float(reward)):
+            return f"the environment gave a reward of {float(reward)!r}, not a finite number"
+    return _message_problem(reply.messages, "a reply's")
 
 
 def turn_key(key: int, turn: int) -> int:
@@ -386,6 +460,7 @@ def run_episodes(
     logprob_temperature: float | None = None,
     environment_threads: int = 8,
     engine: RolloutEngine | None = None,
+    solved_at: float | None = None,
 ) -> list[Trajectory]:
     """`counts[i]` episodes of task i, each with a fresh environment from `factories[i]`, grouped by task in order
     (as `generation.sample` groups samples). Every episode of task i resets with `environment_seed` of the key
@@ -397,9 +472,14 @@ def run_episodes(
     ("token_budget", unless the reply ends it on a fault: "tool_timeout", "error"), when a reply is done (its
     stop reason, "done" by default), after
     `max_turns` ("max_turns"), when the reply's rendered messages would leave no token of `max_tokens`
-    ("token_budget"), or when its environment raises ("error": recorded in a turn of its own, the others play
-    on). The environment steps
+    ("token_budget"), or on a fault of its environment's, recorded in a turn of its own while the others play on:
+    "env_timeout" when a reset or step ran past its limit (EnvironmentTimeout), "error" when the factory, reset or
+    step raised, or gave what cannot be used (a reward that is not a finite number, a message whose role is not one
+    of ROLES or whose content is not a string, messages the chat template refuses). The environment steps
     on every sampled turn, a cut one too, so a verifier's one-turn episode scores what `sample` would give it.
+    Each trajectory carries its verdict (`_Episode.verdict`); `solved_at` overrides the environments' own
+    threshold for an episode rewarded without a verdict (the run's env.solved_at).
+    `environment_threads`: resets and steps running at once (env.parallel_steps).
     With `logprob_temperature`, the sampled tokens' log-probs (`TokenLogprobs`), 0.0 on environment tokens.
     `temperature` 0: greedy decoding (evaluations), the same tokens whatever the keys.
 
@@ -425,7 +505,7 @@ def run_episodes(
             _play_turns(episodes, budgets, decoding, rendering, policy, pool)
         finally:
             list(pool.map(_close, [e for e in episodes if e.environment is not None]))
-    return [e.trajectory(decoding.records_logprobs) for e in episodes]
+    return [e.trajectory(decoding.records_logprobs, solved_at) for e in episodes]
 
 
 def _play_turns(
@@ -497,10 +577,17 @@ def _open_all(
             return exc, time.perf_counter() - started
 
     for episode, (opened, seconds) in zip(episodes, pool.map(open_one, episodes)):
-        if isinstance(opened, Opening):
-            episode.prompt_ids = rendering.opening(opened)
-        else:
+        if not isinstance(opened, Opening):
             episode.fault("user", opened, seconds)
+            continue
+        problem = _message_problem(opened.messages, "the opening's")
+        try:
+            if problem is None:
+                episode.prompt_ids = rendering.opening(opened)
+        except Exception as exc:  # the chat template refused the opening: this episode ends, the others play
+            problem = _exception_text(exc)
+        if problem is not None:
+            episode.fault("user", problem, seconds)
 
 
 def _sample_turn(running: list[_Episode], turn: int, budgets: Budgets, decoding: TurnDecoding, policy: Policy) -> None:
@@ -536,10 +623,17 @@ def _step_all(
             return exc, time.perf_counter() - started
 
     for episode, (reply, seconds) in zip(running, pool.map(step_one, running)):
-        if isinstance(reply, Reply):
-            _take_reply(episode, reply, seconds, last_turn, budgets, rendering)
-        else:
+        if not isinstance(reply, Reply):
             episode.fault("tool", reply, seconds)
+            continue
+        problem = _reply_problem(reply)
+        if problem is not None:
+            episode.fault("tool", problem, seconds)
+            continue
+        try:
+            _take_reply(episode, reply, seconds, last_turn, budgets, rendering)
+        except Exception as exc:  # the chat template refused the reply's messages: this episode ends
+            episode.fault("tool", exc, seconds)
 
 
 def _take_reply(
@@ -624,8 +718,9 @@ def play_episodes(
         counts,
         budgets=budgets,
         row_keys=row_keys,
-        environment_threads=env.parallel_tools,
+        environment_threads=env.parallel_steps,
         engine=engine,
+        solved_at=env.solved_at,
         **settings,
     )
 

@@ -11,7 +11,8 @@ python tool (offered with `options.python`) returns what the program prints, whi
 clock, the process or its hash seed can vary. The rollout loop stores every output in the `turns` table anyway.
 
 Options (`env.options`): `python` (offer the python tool too), `tool_format` ("prompt": the system message lists
-the tools and results are wrapped in `<tool_response>` tags, for chat templates without tools such as SmolLM2's;
+the tools (`Opening.tools_described`) and results are wrapped in `<tool_response>` tags, for chat templates without
+tools such as SmolLM2's;
 "template": neither, for templates that render `Opening.tools` and tool messages themselves, such as Qwen2.5's),
 `system` (text put before the tool instructions).
 """
@@ -25,7 +26,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.chat import as_messages
 from rlvr.verifiers.base import Score, Verifier, one_line
-from rlvr.verifiers.environment import EnvConfig, Environment, Message, Opening, Reply, ToolUse, read_options
+from rlvr.verifiers.environment import (
+    TOOL_KEYS,
+    EnvConfig,
+    Environment,
+    Message,
+    Opening,
+    Reply,
+    ToolUse,
+    read_options,
+    refuse_model_verifier,
+)
 from rlvr.verifiers.sandbox import SandboxError
 from rlvr.verifiers.tool_use import (
     CALCULATOR,
@@ -60,6 +71,8 @@ class CalculatorEnvironment(Environment):
 
     name = "calculator"
     version = "1"
+    env_keys = frozenset({"verifier", *TOOL_KEYS})  # every reward comes with the verifier's verdict: no solved_at
+    scores_unrewarded = True  # no final answer (tool calls to the end): the label stage scores the last turn
 
     def __init__(self, verifier: Verifier, runner: ToolRunner, options: CalculatorOptions | None = None) -> None:
         self.verifier = verifier
@@ -72,10 +85,10 @@ class CalculatorEnvironment(Environment):
         from rlvr.verifiers.registry import get_verifier
 
         options = read_options(CalculatorOptions, config)
-        verifier = get_verifier(config.verifier or DEFAULT_VERIFIER)
+        verifier = refuse_model_verifier(get_verifier(config.verifier or DEFAULT_VERIFIER))
         tools = [CALCULATOR, PYTHON] if options.python else [CALCULATOR]
         limits = ToolLimits(config.tool_timeout_s, config.tool_memory_mb, config.max_tool_output_bytes)
-        runner = ToolRunner({tool.name: tool for tool in tools}, limits, config.parallel_tools)
+        runner = ToolRunner({tool.name: tool for tool in tools}, limits, config.parallel_tools, config.max_tool_calls)
         return lambda: cls(verifier, runner, options)
 
     def reset(self, task: Mapping[str, Any], seed: int) -> Opening:
@@ -88,7 +101,9 @@ class CalculatorEnvironment(Environment):
         if messages[0]["role"] == "system":  # the problem's own system message goes after ours
             parts.append(messages.pop(0)["content"])
         system = [{"role": "system", "content": "\n\n".join(parts)}] if parts else []
-        return Opening(messages=system + messages, tools=[tool_schema(tool) for tool in tools])
+        described = self.options.tool_format == "prompt"  # our system message teaches them
+        schemas = [tool_schema(tool) for tool in tools]
+        return Opening(messages=system + messages, tools=schemas, tools_described=described)
 
     def step(self, response: str) -> Reply:
         calls = parse_tool_calls(response)

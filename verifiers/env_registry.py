@@ -10,7 +10,8 @@ Built in: `one_turn` (a verifier as an environment; the default), `calculator` (
 where `MyEnvironment` subclasses `rlvr.verifiers.environment.Environment` and its `name` equals the entry-point
 name. As with verifier plugins (verifiers/registry.py), one that fails to load (import error, not an Environment,
 a name that differs or clashes) is left out and described by `plugin_errors()`; a name may also be an import path
-"package.module:ClassName". `environment_factory` is what the rollout stage calls.
+"package.module:ClassName". `environment_factory` is what the rollout stage calls; `check_environment` is what a run
+calls before any work, so that a key its environment would ignore is refused in one line rather than dropped.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pydantic import ValidationError
 from rlvr.errors import UserError
 from rlvr.plugins import ClassPlugins
 from rlvr.verifiers.calculator_env import CalculatorEnvironment
-from rlvr.verifiers.environment import EnvConfig, Environment, OneTurn
+from rlvr.verifiers.environment import LOOP_KEYS, TOOL_KEYS, EnvConfig, Environment, OneTurn
 from rlvr.verifiers.gym_adapter import GymEnvironment
 from rlvr.verifiers.retry_env import RetryEnvironment
 from rlvr.verifiers.textarena_adapter import TextArenaEnvironment
@@ -33,6 +34,7 @@ __all__ = [
     "BUILTIN",
     "ENTRY_POINT_GROUP",
     "EnvConfig",
+    "check_environment",
     "environment_class",
     "environment_factory",
     "plugin_errors",
@@ -129,3 +131,42 @@ def environment_label(config: EnvConfig | Mapping[str, Any]) -> str:
         return f"{made.name}@{made.version}"
     finally:
         made.close()
+
+
+_WHY_IGNORED = {  # why a type that does not name a key in `env_keys` ignores it
+    "verifier": "it scores its own episodes",
+    "step_timeout_s": "only wrapped environments (gym, textarena) run their steps under a limit",
+    "isolation": "only wrapped environments (gym, textarena) run in a thread or a process of their own",
+    "solved_at": "every reward it gives comes with its verifier's verdict",
+    **{key: "it runs no tools" for key in TOOL_KEYS},
+}
+
+
+_DEFAULTS = EnvConfig().model_dump()
+
+
+def check_environment(config: EnvConfig) -> None:
+    """Refuse, before any work, an `env` section that sets a key its type would ignore, then build the type's factory
+    once, which checks its options, imports its package, and refuses a verifier that asks a model or a reward with
+    no rule for `solved_at`. Each refusal is one UserError line naming the key. "Sets" is what the user set
+    (`model_fields_set`) to a value other than the default, since a stored run's dump sets every key. With
+    `env.type=one_turn` (the default) the rollouts are one completion a prompt, which the label stage scores, so
+    every other env key is refused."""
+    cls = environment_class(config.type)
+    chosen = sorted(key for key in config.model_fields_set - {"type"} if getattr(config, key) != _DEFAULTS[key])
+    if not config.multi_turn:
+        for key in chosen:
+            if key == "verifier":
+                raise UserError(
+                    "env.verifier does nothing with env.type=one_turn (the default): the label stage scores one-turn "
+                    "rollouts, so set label.verifier, or an env.type that plays episodes (calculator, retry)"
+                )
+            raise UserError(
+                f"env.{key} does nothing with env.type=one_turn (the default: one completion a prompt, scored by the "
+                "label stage); leave it out, or set an env.type that plays episodes (calculator, retry, gym, textarena)"
+            )
+    for key in chosen:
+        if key not in LOOP_KEYS and key not in cls.env_keys:
+            why = _WHY_IGNORED.get(key, f"it takes {', '.join(sorted(cls.env_keys | LOOP_KEYS))}")
+            raise UserError(f"env.{key} does nothing with env.type={config.type}: {why}; leave it out")
+    environment_factory(config)

@@ -35,9 +35,13 @@ from rlvr.errors import UserError
 from rlvr.verifiers.base import Score, Status, Verifier
 
 __all__ = [
+    "LOOP_KEYS",
+    "ROLES",
     "STOP_REASONS",
+    "TOOL_KEYS",
     "EnvConfig",
     "Environment",
+    "EnvironmentTimeout",
     "OneTurn",
     "Opening",
     "Reply",
@@ -45,13 +49,21 @@ __all__ = [
     "ToolUse",
     "episode_reward",
     "read_options",
+    "refuse_model_verifier",
     "reward_verdict",
 ]
 
-Message = dict[str, str]  # {"role": ..., "content": ...}; role one of system, user, assistant, tool
+Message = dict[str, str]  # {"role": ..., "content": ...}; role one of ROLES
+ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 StopReason = Literal["done", "max_turns", "token_budget", "tool_timeout", "env_timeout", "error"]
 STOP_REASONS: tuple[str, ...] = ("done", "max_turns", "token_budget", "tool_timeout", "env_timeout", "error")
 ToolStatus = Literal["ok", "error", "timeout", "malformed"]
+# The env keys the rollout loop applies to every environment that plays episodes; the others (`TOOL_KEYS`, verifier,
+# step_timeout_s, isolation, solved_at) apply only to the types that name them in `Environment.env_keys`.
+LOOP_KEYS: frozenset[str] = frozenset(
+    {"type", "max_turns", "max_tokens", "max_tool_output_tokens", "parallel_steps", "options"}
+)
+TOOL_KEYS: frozenset[str] = frozenset({"tool_timeout_s", "tool_memory_mb", "parallel_tools", "max_tool_calls"})
 TOOL_OUTPUT_BYTES_PER_TOKEN = 16  # the byte cap on a tool's output where it runs, per token of the later token cut
 Options = TypeVar("Options", bound=BaseModel)
 
@@ -66,7 +78,9 @@ class EnvConfig(BaseModel):
     type: str = Field("one_turn", min_length=1, description="a registered environment, or 'package.module:Class'")
     max_turns: int = Field(1, ge=1, description="assistant turns per episode; then stop reason max_turns")
     max_tokens: int = Field(1024, ge=1, description="tokens per trajectory after the prompt (sampled + environment's)")
-    max_tool_output_tokens: int = Field(256, ge=1, description="a tool's output is cut to this many tokens")
+    max_tool_output_tokens: int = Field(
+        256, ge=1, description="an environment's message (a tool's output, an observation) is cut to this many tokens"
+    )
     tool_timeout_s: float = Field(5.0, gt=0, le=600, description="wall-clock seconds per tool call")
     tool_memory_mb: int = Field(512, ge=16, description="memory per tool call (the python tool's address space)")
     parallel_tools: int = Field(2, ge=1, description="tool calls running at once, across the episodes")
@@ -112,10 +126,13 @@ def read_options(model: type[Options], config: EnvConfig) -> Options:
 @dataclass(frozen=True)
 class Opening:
     """An episode's start: the conversation before the first assistant turn and the tools offered
-    (OpenAI-style function schemas: {"type": "function", "function": {"name", "description", "parameters"}})."""
+    (OpenAI-style function schemas: {"type": "function", "function": {"name", "description", "parameters"}}).
+    `tools_described`: the messages already teach the tools (the calculator's own tool prompt), so the rollout loop
+    adds no tools message of its own for a chat template that renders none."""
 
     messages: list[Message]
     tools: list[dict[str, Any]] = field(default_factory=list)
+    tools_described: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,10 +155,12 @@ class Reply:
     """The environment's answer to one assistant turn.
 
     `messages`: what it appends to the conversation (role "tool" for tool results, "user" for a follow-up;
-    none when the episode ends). `reward`: this turn's reward, when the environment gives one (the episode's
-    reward is the sum of its turns'). `done`: the episode is over. `stop_reason`: why it ended, when `done`
-    ("done" unless the environment ended it on a fault: "tool_timeout", "error"). `tool_uses`: the calls run.
-    `verdict`: for a verifier's one-turn episode, its full `Score` (status, extracted answer, components).
+    none when the episode ends). `reward`: this turn's reward, when the environment gives one (a finite number;
+    the episode's reward is the sum of its turns'; NaN or infinity ends the episode in error). `done`: the episode
+    is over. `stop_reason`: why it ended, when `done` ("done" unless the environment ended it on a fault:
+    "tool_timeout", "error"). `tool_uses`: the calls run. `verdict`: the episode's `Score` when the environment
+    judged it (a verifier's status, extracted answer, components; a fault's `error`); without one the rollout loop
+    decides by the reward and `solved_at`.
     """
 
     messages: list[Message] = field(default_factory=list)
@@ -158,12 +177,34 @@ class Reply:
             raise ValueError(f"unknown stop reason {self.stop_reason!r}; expected one of {STOP_REASONS}")
 
 
+class EnvironmentTimeout(Exception):
+    """A reset or step that ran past `env.step_timeout_s` (raised by the wrapped environments' adapters): the
+    rollout loop ends the episode with stop reason `env_timeout` and an `error` verdict whose reason is this
+    exception's message (whether the hung work was killed, interrupted, or could not be stopped)."""
+
+
 class Environment(ABC):
     """Base class of every environment. Subclasses set `name` and `version` (part of the rollout stage's
-    identity: a new version samples again) and implement `reset` and `step`."""
+    identity: a new version samples again) and implement `reset` and `step`.
+
+    What a type declares about itself, read by the rollout loop and by `check_environment`
+    (verifiers/env_registry.py), which refuses the `env` keys a type would ignore:
+    - `env_keys`: the keys of `env` it honours beyond the rollout loop's own (`LOOP_KEYS`, which every type that
+      plays episodes honours): `verifier` (it scores with one), the tool keys (`TOOL_KEYS`: it runs tools),
+      `step_timeout_s` and `isolation` (its reset and step run under the limit, where `isolation` says), and
+      `solved_at` (it may reward an episode without a verdict; the default, as the loop cannot know).
+    - `solved_at`: the reward at or above which an episode it rewards without a verdict is solved (status `ok`),
+      unless `env.solved_at` says otherwise; None: the type has no such reward, and a reward without a verdict
+      needs `env.solved_at`. An instance may set its own (the gym adapter: GEM's success reward for `make: gem`).
+    - `scores_unrewarded`: an episode that ends with no reward and no verdict is left to the label stage, which
+      scores its last answer with the problem's verifier (one_turn, calculator, retry); otherwise it is `wrong`.
+    """
 
     name: ClassVar[str]
     version: ClassVar[str]
+    env_keys: ClassVar[frozenset[str]] = frozenset({"solved_at"})
+    solved_at: float | None = None
+    scores_unrewarded: ClassVar[bool] = False
 
     @abstractmethod
     def reset(self, task: Mapping[str, Any], seed: int) -> Opening:
@@ -199,6 +240,8 @@ class OneTurn(Environment):
 
     name = "one_turn"
     version = "1"
+    env_keys = frozenset({"verifier"})
+    scores_unrewarded = True
 
     def __init__(self, verifier: Verifier | None = None) -> None:
         self.verifier = verifier
@@ -210,7 +253,7 @@ class OneTurn(Environment):
 
         if config.options:
             raise UserError(f"env.type=one_turn takes no options; got {', '.join(sorted(config.options))}")
-        verifier = get_verifier(config.verifier) if config.verifier else None
+        verifier = refuse_model_verifier(get_verifier(config.verifier)) if config.verifier else None
         return partial(cls, verifier)
 
     def reset(self, task: Mapping[str, Any], seed: int) -> Opening:
@@ -226,6 +269,17 @@ class OneTurn(Environment):
         return Reply(reward=score.value, done=True, stop_reason="done", verdict=score)
 
 
+def refuse_model_verifier(verifier: Verifier) -> Verifier:
+    """`verifier`, unless it asks a model (a judge, a reward model: `needs` an endpoint): an environment scores in
+    its own process, where no endpoint is configured and a failed call would be a silent 0; a one-line UserError."""
+    if verifier.needs != "nothing":
+        raise UserError(
+            f"env.verifier={verifier.name} asks a model, which an environment cannot (it scores in its own process); "
+            f"the label stage asks models for one-turn rollouts: env.type=one_turn with label.verifier={verifier.name}"
+        )
+    return verifier
+
+
 def reward_verdict(reward: float, solved_at: float) -> Score:
     """The verdict of an episode whose environment gave `reward` and no verdict of its own: solved (status `ok`) at
     `solved_at` or more, else `wrong`; a reward that is not a finite number is no reward (`error`), never trained on."""
@@ -237,6 +291,8 @@ def reward_verdict(reward: float, solved_at: float) -> Score:
 
 
 def episode_reward(replies: Sequence[Reply]) -> float | None:
-    """The sum of the turns' rewards, or None when no turn gave one."""
-    given = [r.reward for r in replies if r.reward is not None]
-    return float(sum(given)) if given else None
+    """The sum of the turns' rewards, or None when no turn gave one. Summed exactly (`math.fsum`): games that pay
+    progress in fractions of their success reward (GEM's 2048: 1/3 + 1/3 + 1/3) reach it exactly, where a plain
+    sum can stop one ulp short of `solved_at`."""
+    given = [float(r.reward) for r in replies if r.reward is not None]
+    return math.fsum(given) if given else None

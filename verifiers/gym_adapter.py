@@ -13,6 +13,14 @@ final observation is then not shown: nothing follows it). GEM's `info["prefix"]`
 the observation as GEM's own observation wrapper does. An exception inside the wrapped step ends the episode with
 stop reason `error`.
 
+Verdicts: the wrapped environment gives rewards, never a verdict, so an episode is solved when its summed reward
+reaches `env.solved_at`, or for GEM (`make: gem`) its success reward, `GEM_SOLVED_AT`; another maker needs
+`env.solved_at`, which the factory asks for before any work.
+
+Limits: every call into the wrapped environment (making it, reset, step, close) runs under `env.step_timeout_s`,
+in a helper thread or, with `env.isolation=process`, with the whole episode in a process of its own
+(verifiers/env_isolation.py); past it the episode ends with stop reason `env_timeout`.
+
 Seeds: the wrapped environment is made fresh in each `reset` and reset with `seed mod 2**32`. Many of these
 environments draw from Python's and NumPy's global generators (GEM's `reset` reseeds them), which episodes in
 other threads share: each episode keeps its own copy of both global states (`GlobalRandom`), swapped in under a
@@ -41,12 +49,35 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rlvr.chat import as_messages
 from rlvr.errors import UserError
 from rlvr.verifiers.base import Score, one_line
-from rlvr.verifiers.environment import EnvConfig, Environment, Message, Opening, Reply, read_options
+from rlvr.verifiers.env_isolation import in_episode_process, isolated_factory, run_limited
+from rlvr.verifiers.environment import (
+    EnvConfig,
+    Environment,
+    EnvironmentTimeout,
+    Message,
+    Opening,
+    Reply,
+    read_options,
+)
 
-__all__ = ["GEM_INSTALL", "GlobalRandom", "GymEnvironment", "GymOptions", "import_callable", "quiet_import"]
+__all__ = [
+    "GEM_INSTALL",
+    "GEM_SOLVED_AT",
+    "GlobalRandom",
+    "GymEnvironment",
+    "GymOptions",
+    "import_callable",
+    "quiet_import",
+    "required_solved_at",
+]
 
 GEM_INSTALL = "pip install -e '.[gem]' && pip install --no-deps gem-llm==0.1.0 (or `make envs`)"
 SEED_MODULUS = 2**32  # NumPy's legacy seeding takes seeds below 2**32
+# GEM's reward for a won game (gem.utils.constants.LanguageGameReward.success_reward; its math, QA and code tasks give
+# 1 for a right answer too). What else it pays stays below it: 0 for a hint, -0.1 for an unreadable action, and
+# progress as fractions of 1 that sum to 1 only when the game is won (2048's tile progress, Minesweeper's revealed
+# share); GuessTheNumber out of turns pays 1 - distance/range < 1.
+GEM_SOLVED_AT = 1.0
 
 _GLOBAL_RANDOM_LOCK = threading.RLock()
 
@@ -198,18 +229,33 @@ def _info(info: Any) -> Mapping[str, Any]:
     return info if isinstance(info, Mapping) else {}
 
 
+def required_solved_at(config: EnvConfig, own: float | None, what: str) -> None:
+    """Refuse, in one line, an environment that rewards without a verdict when neither `env.solved_at` nor the
+    type's own success reward (`own`) says which reward counts as solved."""
+    if config.solved_at is None and own is None:
+        raise UserError(
+            f"{what} gives rewards and no verdict, so env.solved_at must say which episode reward counts as "
+            "solved (status ok), e.g. --set env.solved_at=1"
+        )
+
+
 class GymEnvironment(Environment):
-    """A gym-style environment made by `maker`, one per episode, played turn by turn."""
+    """A gym-style environment made by `maker`, one per episode, played turn by turn; every call into it is held
+    to `limit_s` seconds (None: unlimited)."""
 
     name = "gym"
     version = "1"
+    env_keys = frozenset({"solved_at", "step_timeout_s", "isolation"})
 
-    def __init__(self, maker: Callable[[], Any], options: GymOptions) -> None:
+    def __init__(self, maker: Callable[[], Any], options: GymOptions, limit_s: float | None = None) -> None:
         self.maker = maker
         self.options = options
+        self.limit_s = limit_s
+        self.solved_at = GEM_SOLVED_AT if options.make == "gem" else None
         self._action_type = import_callable(options.action_type, "action_type") if options.action_type else None
         self._env: Any = None
         self._random: GlobalRandom | None = None
+        self._abandoned = False  # a call timed out and may still run inside the wrapped environment
 
     @classmethod
     def factory(cls, config: EnvConfig) -> Callable[[], Environment]:
@@ -217,19 +263,17 @@ class GymEnvironment(Environment):
         maker = _maker(options)
         if options.action_type:
             import_callable(options.action_type, "action_type")  # a bad path fails here, once
-        return lambda: cls(maker, options)
+        own = GEM_SOLVED_AT if options.make == "gem" else None
+        required_solved_at(config, own, f"env.type=gym with env.options.make={options.make}")
+        if config.isolation == "process" and not in_episode_process():
+            return isolated_factory(cls, config, own)
+        return lambda: cls(maker, options, config.step_timeout_s)
 
     def reset(self, task: Mapping[str, Any], seed: int) -> Opening:
         self.close()
-        self._random = GlobalRandom(seed)
-        with self._random:
-            self._env = self.maker()
-            if not hasattr(self._env, "reset") and hasattr(self._env, "init"):  # SkyRL-gym
-                observation, info = _read_reset(self._env.init(as_messages(str(task.get("prompt", "")))))
-            elif self.options.reset_seed:
-                observation, info = _read_reset(self._env.reset(seed=seed % SEED_MODULUS))
-            else:
-                observation, info = _read_reset(self._env.reset())
+        self._random, self._abandoned = GlobalRandom(seed), False
+        prompt = as_messages(str(task.get("prompt", "")))
+        observation, info = self._wrapped("reset", lambda: self._open(prompt, seed))
         system = [{"role": "system", "content": self.options.system}] if self.options.system else []
         return Opening(messages=system + self._messages(observation, info))
 
@@ -237,9 +281,11 @@ class GymEnvironment(Environment):
         if self._env is None or self._random is None:
             raise RuntimeError("step before reset")
         action = self._action_type(**{self.options.action_field: response}) if self._action_type else response
+        env = self._env
         try:
-            with self._random:
-                step = _read_step(self._env.step(action))
+            step = self._wrapped("step", lambda: _read_step(env.step(action)))
+        except EnvironmentTimeout:
+            raise
         except Exception as exc:  # the wrapped environment's fault, not the model's: the episode ends in error
             reason = one_line(f"the environment's step raised {type(exc).__name__}: {exc}")
             return Reply(done=True, stop_reason="error", verdict=Score(0.0, "error", reason=reason))
@@ -250,8 +296,27 @@ class GymEnvironment(Environment):
     def close(self) -> None:
         env, self._env = self._env, None
         closer = getattr(env, "close", None)
-        if callable(closer):
-            closer()
+        if callable(closer) and not self._abandoned:  # a timed-out call may still be inside it
+            run_limited(closer, self.limit_s, "close")
+
+    def _open(self, prompt: list[Message], seed: int) -> tuple[Any, Mapping[str, Any]]:
+        """Make the wrapped environment and reset it: its first observation and info."""
+        self._env = self.maker()
+        if not hasattr(self._env, "reset") and hasattr(self._env, "init"):  # SkyRL-gym
+            return _read_reset(self._env.init(prompt))
+        if self.options.reset_seed:
+            return _read_reset(self._env.reset(seed=seed % SEED_MODULUS))
+        return _read_reset(self._env.reset())
+
+    def _wrapped(self, what: str, call: Callable[[], Any]) -> Any:
+        """`call` (into the wrapped environment) with this episode's global random state, under the limit."""
+        assert self._random is not None
+        with self._random:
+            try:
+                return run_limited(call, self.limit_s, what)
+            except EnvironmentTimeout:
+                self._abandoned = True
+                raise
 
     def _messages(self, observation: Any, info: Mapping[str, Any]) -> list[Message]:
         """The observation as conversation messages."""

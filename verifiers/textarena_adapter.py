@@ -12,6 +12,12 @@ write them (the model's own action is not echoed back). The default ids wrap the
 repeats the whole game so far, which a chat would then hold twice. Rewards come only at the end: the final
 turn's reward is the model's player's, and earlier turns carry none. TextArena seeds Python's global generator
 in `reset`, so each episode keeps its own global random state (verifiers/gym_adapter.py, `GlobalRandom`).
+
+Verdicts: a game gives rewards, never a verdict; TextArena pays 1 for a win (`set_winner`, a one-player game's
+`set_outcome(1)`), -1 for a loss, 0 for a draw and a share below 1 for a one-player game out of turns, so an episode
+is solved at `TEXTARENA_SOLVED_AT` = 1 unless `env.solved_at` says otherwise. Every call into the game (the model's
+move, the opponent's, reading the reward) runs under `env.step_timeout_s`, in a helper thread or, with
+`env.isolation=process`, with the whole episode in a process of its own (verifiers/env_isolation.py).
 """
 
 from __future__ import annotations
@@ -23,12 +29,28 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlvr.errors import UserError
 from rlvr.verifiers.base import Score, one_line
-from rlvr.verifiers.environment import EnvConfig, Environment, Message, Opening, Reply, read_options
-from rlvr.verifiers.gym_adapter import SEED_MODULUS, GlobalRandom, import_callable, quiet_import
+from rlvr.verifiers.env_isolation import in_episode_process, isolated_factory, run_limited
+from rlvr.verifiers.environment import (
+    EnvConfig,
+    Environment,
+    EnvironmentTimeout,
+    Message,
+    Opening,
+    Reply,
+    read_options,
+)
+from rlvr.verifiers.gym_adapter import (
+    SEED_MODULUS,
+    GlobalRandom,
+    import_callable,
+    quiet_import,
+    required_solved_at,
+)
 
-__all__ = ["TEXTARENA_INSTALL", "TextArenaEnvironment", "TextArenaOptions"]
+__all__ = ["TEXTARENA_INSTALL", "TEXTARENA_SOLVED_AT", "TextArenaEnvironment", "TextArenaOptions"]
 
 TEXTARENA_INSTALL = "pip install -e '.[textarena]' (or `make envs`)"
+TEXTARENA_SOLVED_AT = 1.0  # a won game's reward (textarena/state.py: set_winner, set_outcome(1))
 GAME_ID = -1  # TextArena's sender id of the game's own messages
 MAX_OPPONENT_MOVES = 10_000  # between two of the model's turns: a game that never hands the turn back is an error
 
@@ -67,14 +89,17 @@ def _opponent(spec: str) -> Callable[[str], str]:
 
 
 class TextArenaEnvironment(Environment):
-    """A TextArena game, the model one of its players."""
+    """A TextArena game, the model one of its players; every call into the game is held to `limit_s` seconds."""
 
     name = "textarena"
     version = "1"
+    env_keys = frozenset({"solved_at", "step_timeout_s", "isolation"})
+    solved_at = TEXTARENA_SOLVED_AT
 
-    def __init__(self, make: Callable[[], Any], options: TextArenaOptions) -> None:
+    def __init__(self, make: Callable[[], Any], options: TextArenaOptions, limit_s: float | None = None) -> None:
         self.make = make
         self.options = options
+        self.limit_s = limit_s
         self.opponent = _opponent(options.opponent) if options.opponent else None
         self._game: Any = None
         self._random: GlobalRandom | None = None
@@ -89,16 +114,15 @@ class TextArenaEnvironment(Environment):
             raise UserError(f"unknown TextArena game {options.id!r}; e.g. {examples}")
         if options.opponent:
             _opponent(options.opponent)  # a bad path fails here, once
-        return lambda: cls(lambda: textarena.make(options.id, **options.kwargs), options)
+        required_solved_at(config, cls.solved_at, "env.type=textarena")
+        if config.isolation == "process" and not in_episode_process():
+            return isolated_factory(cls, config, cls.solved_at)
+        return lambda: cls(lambda: textarena.make(options.id, **options.kwargs), options, config.step_timeout_s)
 
     def reset(self, task: Mapping[str, Any], seed: int) -> Opening:
         self.close()
         self._random = GlobalRandom(seed)
-        with self._random:
-            self._game = self.make()
-            self._game.reset(num_players=self.options.num_players, seed=seed % SEED_MODULUS)
-            self._play_others(done=False)
-            _, observation = self._game.get_observation()
+        observation = self._wrapped("reset", lambda: self._open(seed))
         system = [{"role": "system", "content": self.options.system}] if self.options.system else []
         return Opening(messages=system + [self._message(observation)])
 
@@ -106,19 +130,38 @@ class TextArenaEnvironment(Environment):
         if self._game is None or self._random is None:
             raise RuntimeError("step before reset")
         try:
-            with self._random:
-                done, _ = self._game.step(response)
-                done = self._play_others(done)
-                if done:
-                    return Reply(reward=self._final_reward(), done=True, stop_reason="done")
-                _, observation = self._game.get_observation()
+            done, reward, observation = self._wrapped("step", lambda: self._move(response))
+        except EnvironmentTimeout:
+            raise
         except Exception as exc:  # the game's (or the opponent's) fault, not the model's: the episode ends in error
             reason = one_line(f"the game raised {type(exc).__name__}: {exc}")
             return Reply(done=True, stop_reason="error", verdict=Score(0.0, "error", reason=reason))
+        if done:
+            return Reply(reward=reward, done=True, stop_reason="done")
         return Reply(messages=[self._message(observation)])
 
     def close(self) -> None:
         self._game = None  # a game holds nothing to release; its close() is where it reports the rewards
+
+    def _open(self, seed: int) -> Any:
+        """Make the game, reset it, let the others move first where they do: the model's first observation."""
+        self._game = self.make()
+        self._game.reset(num_players=self.options.num_players, seed=seed % SEED_MODULUS)
+        self._play_others(done=False)
+        return self._game.get_observation()[1]
+
+    def _move(self, response: str) -> tuple[bool, float | None, Any]:
+        """The model's move, then the others': (done, the model's final reward, its next observation)."""
+        done, _ = self._game.step(response)
+        if self._play_others(done):
+            return True, self._final_reward(), None
+        return False, None, self._game.get_observation()[1]
+
+    def _wrapped(self, what: str, call: Callable[[], Any]) -> Any:
+        """`call` (into the game) with this episode's global random state, under the limit."""
+        assert self._random is not None
+        with self._random:
+            return run_limited(call, self.limit_s, what)
 
     def _play_others(self, done: bool) -> bool:
         """Let the opponent move until it is the model's turn again or the game ends; whether it ended."""

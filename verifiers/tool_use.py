@@ -15,7 +15,8 @@ evaluates an arithmetic expression in this process with a small evaluator over P
 rather than a process start, and is deterministic.
 
 A `ToolRunner` runs one turn's calls at once, each in a thread, while a semaphore shared by every runner with the
-same `parallel` bounds how many run at once across the episodes of the process.
+same `parallel` bounds how many run at once across the episodes of the process; the calls of a turn past its
+`max_calls` (`env.max_tool_calls`) are not run and are answered with an error that says the cap.
 """
 
 from __future__ import annotations
@@ -294,17 +295,26 @@ def _slots(parallel: int) -> threading.BoundedSemaphore:
 
 
 class ToolRunner:
-    """Runs the calls of one assistant turn with `tools` under `limits`, several at once."""
+    """Runs the calls of one assistant turn with `tools` under `limits`, several at once; at most `max_calls` of a
+    turn (None: all), so that a turn of 40 hanging calls cannot hold the shared slots for 40 timeouts."""
 
-    def __init__(self, tools: Mapping[str, Tool], limits: ToolLimits, parallel: int) -> None:
+    def __init__(
+        self, tools: Mapping[str, Tool], limits: ToolLimits, parallel: int, max_calls: int | None = None
+    ) -> None:
         if parallel < 1:
             raise ValueError("parallel must be at least 1")
+        if max_calls is not None and max_calls < 1:
+            raise ValueError("max_calls must be at least 1")
         self.tools = dict(tools)
         self.limits = limits
+        self.max_calls = max_calls
         self._slots = _slots(parallel)
 
     def run(self, calls: Sequence[ParsedCall]) -> list[ToolUse]:
-        """One ToolUse per call, in the calls' order. Raises SandboxError only when the sandbox itself fails."""
+        """One ToolUse per call, in the calls' order: those past `max_calls` are not run, and get an error saying
+        the cap. Raises SandboxError only when the sandbox itself fails."""
+        capped = [] if self.max_calls is None else [self._not_run(call) for call in calls[self.max_calls :]]
+        calls = calls if self.max_calls is None else calls[: self.max_calls]
         uses: list[ToolUse | None] = [None] * len(calls)
         failures: list[SandboxError] = []
 
@@ -323,7 +333,12 @@ class ToolRunner:
             thread.join()
         if failures:
             raise failures[0]
-        return [use for use in uses if use is not None]
+        return [use for use in uses if use is not None] + capped
+
+    def _not_run(self, call: ParsedCall) -> ToolUse:
+        arguments = call.text if call.arguments is None else json.dumps(call.arguments, ensure_ascii=False)
+        cap = f"error: not run: at most {self.max_calls} tool calls are run a turn (env.max_tool_calls)"
+        return ToolUse(call.name, arguments, cap, "error", 0.0)
 
     def _run_call(self, call: ParsedCall) -> ToolUse:
         refusal = self._refusal(call)
