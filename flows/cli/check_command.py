@@ -1,6 +1,8 @@
-"""`rlvr check`: verify a whole store (local or on object storage) and say what a resume would rebuild.
+"""`rlvr check`: verify a whole store (local or on object storage) and say what a resume would rebuild; with
+`--semantics`, check instead what the runs' rows say of each other (flows/semantics.py).
 
-Registered in flows/cli/commands.py. Exit status 0 when nothing is damaged, 1 when something is.
+Registered in flows/cli/commands.py. Exit status 0 when nothing is damaged (no invariant broken), 1 when something
+is.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from rlvr.errors import UserError
 from rlvr.storage.integrity import Damage, Leftovers, clean_leftovers, find_damage, find_leftovers
 from rlvr.storage.manifest import Manifest
 from rlvr.storage.store import Store
@@ -26,6 +29,12 @@ def check(
     clean: bool = typer.Option(
         False, "--clean", help="also remove what killed writers left (never a live run's work in flight)"
     ),
+    semantics: bool = typer.Option(
+        False,
+        "--semantics",
+        help="check the runs' invariants instead (statuses agree with scores, no error row trained on, loss masks "
+        "match turns, kept groups have signal, rows in equal rows out): one line per violation",
+    ),
 ) -> None:
     """Verify every committed file against its manifest (size, sha256, Parquet footer), find unreadable
     manifests, run records and Prefect database, and say what `rlvr resume` would rebuild."""
@@ -33,6 +42,11 @@ def check(
     from rlvr.flows.prefect_env import prefect_database_problem
 
     found = open_existing(store)
+    if semantics:
+        if clean:
+            raise UserError("--clean cleans files, --semantics checks rows: give one of them")
+        _check_semantics(found, run_ids or sorted(str(r.get("run_id")) for r in found.list_runs()))
+        return
     started = time.monotonic()
     damage, manifests = _verify(found, run_ids or None)
     found.list_runs()  # fills `unreadable` with run records that cannot be read
@@ -54,6 +68,26 @@ def check(
         removed = clean_leftovers(found)
         out.print(f"removed {len(removed)} leftover paths of killed writers")
     if damage or records or prefect is not None:
+        raise typer.Exit(1)
+
+
+def _check_semantics(store: Store, run_ids: list[str]) -> None:
+    """Each run's violations, one line each, or its one-line summary when it has none; exit 1 on any violation."""
+    from rlvr.flows.semantics import check_run
+
+    if not run_ids:
+        raise UserError(f"store {store.root} has no runs to check")
+    broken = False
+    for run_id in run_ids:
+        report = check_run(store, run_id)
+        for note in report.notes:
+            out.print(f"run {run_id}: {note}", markup=False, highlight=False)
+        for violation in report.violations:
+            out.print(f"run {run_id}: {violation.line()}", markup=False, highlight=False)
+        if not report.violations:
+            out.print(report.summary(), markup=False, highlight=False)
+        broken = broken or bool(report.violations)
+    if broken:
         raise typer.Exit(1)
 
 
