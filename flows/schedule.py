@@ -255,9 +255,10 @@ def poll_seconds(interval: float | None) -> float:
 def serve_schedule(
     store_root: str, name: str, config_json: str, *, interval: float | None, cron: str | None, say: Say
 ) -> None:
-    """Create (or update, and unpause) the deployment and serve it until SIGINT or SIGTERM; on the way out
-    Prefect's runner cancels a firing in flight and pauses the schedule, so no firing waits for a process
-    that is gone."""
+    """Create (or update, and unpause) the deployment and serve it until SIGINT or SIGTERM, or until the schedule
+    is deleted (`rlvr schedule NAME --delete`); on the way out Prefect's runner cancels a firing in flight and
+    pauses the schedule, so no firing waits for a process that is gone. The last line names the firing it
+    cancelled, if any, and how to finish that run."""
     deployment = schedule_deployment(store_root, name, config_json, interval=interval, cron=cron)
     existing = read_deployment(name)
     if existing is not None:
@@ -270,20 +271,27 @@ def serve_schedule(
         trigger = describe_trigger(interval, cron)
         say(f"serving schedule {name}: {trigger}, runs named {name}-<UTC timestamp>; Ctrl-C stops it (and pauses it)")
 
+    cancelled: list[str] = []
     try:
         with sigterm_as_interrupt():  # until the event loop's own handlers take over
-            asyncio.run(_serve_until_stopped(deployment, poll, serving))
-    except KeyboardInterrupt:
+            cancelled = asyncio.run(_serve_until_stopped(deployment, poll, serving, recorder))
+    except KeyboardInterrupt:  # before the runner started: no firing ran
         pass
     finally:
         recorder.stop()
     with contextlib.suppress(Exception):  # skips since the last poll; the server may be gone already
         recorder.sweep()
-    say(f"stopped serving {name}; the schedule is paused (a firing in flight was cancelled: `rlvr resume` it)")
+    done = f"stopped serving {name}: " + ("the schedule was deleted" if recorder.deleted else "the schedule is paused")
+    for run_id in cancelled:
+        done += f"; firing {run_id} in flight was cancelled: `rlvr resume {run_id} --store {store_root}` finishes it"
+    say(done)
 
 
-async def _serve_until_stopped(deployment: Any, poll: float, serving: Callable[[], None]) -> None:
-    """Prefect's Runner for the deployment until SIGINT or SIGTERM, then the runner's own shutdown.
+async def _serve_until_stopped(
+    deployment: Any, poll: float, serving: Callable[[], None], recorder: SkipRecorder
+) -> list[str]:
+    """Prefect's Runner for the deployment until SIGINT or SIGTERM (or the recorder finds the deployment
+    deleted), then the runner's own shutdown; returns the run ids of the firings that shutdown cancelled.
 
     Prefect's SIGTERM handler exits from inside the event loop, which skips that shutdown, so the loop's
     handlers replace it as soon as the runner has installed it (before its first await).
@@ -292,6 +300,11 @@ async def _serve_until_stopped(deployment: Any, poll: float, serving: Callable[[
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    def stop_from_the_recorder() -> None:
+        loop.call_soon_threadsafe(stop.set)
+
+    recorder.on_deleted = stop_from_the_recorder
     runner = Runner(
         name=f"rlvr-schedule-{deployment.name}",
         query_seconds=poll,
@@ -303,7 +316,7 @@ async def _serve_until_stopped(deployment: Any, poll: float, serving: Callable[[
     if stop.is_set():  # stopped while the deployment was being created: leave it paused, as a stop would
         async with get_client() as client:
             await client.pause_deployment(deployment_id)
-        return
+        return []
     running = asyncio.create_task(runner.start())
     await asyncio.sleep(0)  # runner.start() has installed its SIGTERM handler: replace it
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -311,13 +324,47 @@ async def _serve_until_stopped(deployment: Any, poll: float, serving: Callable[[
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
+    in_flight = await _firings_in_flight(deployment_id)
+    if recorder.deleted:  # nothing left to pause on the way out
+        runner.pause_on_shutdown = False
     if not running.done():
         if runner.started:
             await runner.astop()
         else:
             running.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
+    try:
         await running
+    except asyncio.CancelledError:
+        pass
+    except ObjectNotFound:  # deleted after the recorder's last look: the runner's pause on the way out found nothing
+        recorder.deleted = True
+    return await _cancelled_firings(recorder.schedule, in_flight)
+
+
+IN_FLIGHT = [StateType.PENDING, StateType.RUNNING]
+
+
+async def _firings_in_flight(deployment_id: UUID) -> list[UUID]:
+    """The deployment's flow runs that have started and not ended (on any runner serving it)."""
+    async with get_client() as client:
+        runs = await client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=IN_FLIGHT))),
+            sort=FlowRunSort.EXPECTED_START_TIME_ASC,
+            limit=200,
+        )
+    return [r.id for r in runs]
+
+
+async def _cancelled_firings(name: str, flow_run_ids: list[UUID]) -> list[str]:
+    """The run ids of those flow runs that are now cancelled: what this process's runner stopped on its way out."""
+    cancelled = []
+    async with get_client() as client:
+        for flow_run_id in flow_run_ids:
+            flow_run = await client.read_flow_run(flow_run_id)
+            if flow_run.state_type in (StateType.CANCELLED, StateType.CANCELLING):
+                cancelled.append(firing_run_id(name, expected_start(flow_run)))
+    return cancelled
 
 
 def describe_trigger(interval: float | None, cron: str | None) -> str:
@@ -333,6 +380,9 @@ class SkipRecorder(threading.Thread):
         self.store, self.schedule, self.every = open_store(store_root), name, every  # one thread at a time uses it
         self._stop_event = threading.Event()
         self._done: set[UUID] = set()
+        self.seen = False  # the deployment existed at a sweep
+        self.deleted = False  # ... and at a later sweep it did not: `rlvr schedule NAME --delete`
+        self.on_deleted: Callable[[], None] = lambda: None
 
     def run(self) -> None:
         while not self._stop_event.wait(self.every):
@@ -346,10 +396,15 @@ class SkipRecorder(threading.Thread):
         self.join(timeout=10)
 
     def sweep(self) -> int:
-        """Record the skips not yet recorded; returns how many were new."""
+        """Record the skips not yet recorded; returns how many were new. A deployment gone after it was seen was
+        deleted: the serving process is told (`on_deleted`) and stops."""
         deployment = read_deployment(self.schedule)
         if deployment is None:
+            if self.seen and not self.deleted:
+                self.deleted = True
+                self.on_deleted()
             return 0
+        self.seen = True
         with get_client(sync_client=True) as client:
             runs = client.read_flow_runs(
                 deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])),
@@ -453,12 +508,18 @@ def served(deployment: Any, within: float = 30) -> bool:
     return polled is not None and (datetime.now(UTC) - polled).total_seconds() < within
 
 
-def set_paused(store_root: str, name: str, paused: bool) -> str:
-    """Pause (no more firings; scheduled ones are dropped) or resume a schedule of this store; says what it did."""
+def schedule_of_store(store_root: str, name: str) -> Any:
+    """The deployment of schedule `name`, which must exist and belong to this store (else one line)."""
     deployment = read_deployment(name)
     if deployment is None:
         raise UserError(f"no schedule {name!r} on this Prefect server; see `rlvr schedule --list`")
     check_owner(deployment, store_root)
+    return deployment
+
+
+def set_paused(store_root: str, name: str, paused: bool) -> str:
+    """Pause (no more firings; scheduled ones are dropped) or resume a schedule of this store; says what it did."""
+    deployment = schedule_of_store(store_root, name)
     with get_client(sync_client=True) as client:
         if paused:
             client.pause_deployment(deployment.id)
@@ -468,3 +529,23 @@ def set_paused(store_root: str, name: str, paused: bool) -> str:
     if not paused and not served(deployment):
         done += f"; no `rlvr schedule {name}` process serves it now, so its firings wait until one does"
     return done
+
+
+def delete_schedule(store_root: str, name: str) -> str:
+    """Delete schedule `name`: its Prefect deployment, with the firings Prefect had scheduled and its concurrency
+    limit. The store keeps the pipeline's runs, checkpoints and `firings` rows (history, and the lineage of
+    later runs); a new schedule of the same name continues from its newest checkpoint. Refused while an
+    `rlvr schedule NAME` process serves it unpaused: stopping that process first pauses it and cancels a
+    firing in flight. A paused schedule's serving process, if any, stops when it sees the deletion."""
+    deployment = schedule_of_store(store_root, name)
+    if served(deployment) and not deployment.paused:
+        raise UserError(
+            f"schedule {name} is being served by an `rlvr schedule {name}` process; stop that process first "
+            f"(Ctrl-C; it pauses the schedule) or pause it (`rlvr schedule {name} --pause`), then delete it"
+        )
+    with get_client(sync_client=True) as client:
+        try:
+            client.delete_deployment(deployment.id)
+        except ObjectNotFound:  # deleted meanwhile by someone else
+            raise UserError(f"no schedule {name!r} on this Prefect server; see `rlvr schedule --list`") from None
+    return f"schedule {name} deleted; its runs and firings stay in the store"

@@ -22,6 +22,7 @@ from rlvr.flows.runs import final_checkpoint
 from rlvr.flows.schedule import Firing, firing_config, firing_run_id, firings, pipeline_runs, record_firing
 from rlvr.flows.ui import free_port, start_server
 from rlvr.storage.lineage import ancestors
+from rlvr.storage.run_records import run_status
 from rlvr.storage.stage import run_stage
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
@@ -167,6 +168,13 @@ def test_schedule_arguments_are_checked_before_anything_starts(tmp_path):
     assert_one_line_error(rlvr("schedule", "p", "--pause", "--interval", "5", "--store", store), "--pause takes no")
     too_often = rlvr("schedule", "p", "--interval", "0.5", "--store", store)
     assert too_often.returncode == 2 and "greater than or equal to 1" in too_often.stderr
+    assert_one_line_error(rlvr("schedule", "--delete", "--store", store), "name the schedule")
+    assert_one_line_error(
+        rlvr("schedule", "p", "--delete", "--pause", "--store", store), "choose one of --pause, --delete"
+    )
+    assert_one_line_error(
+        rlvr("schedule", "p", "--delete", "--cron", "0 3 * * *", "--store", store), "--delete takes no"
+    )
 
 
 # ----- the acceptance test: a real Prefect server, a served interval schedule -------------------------
@@ -282,3 +290,89 @@ def test_an_interval_schedule_continues_from_checkpoints_and_skips_overlapping_f
         f"{prefect_server}/flow_runs/filter", json={"flow_runs": {"name": {"any_": [skips[0]["run_id"]]}}}
     ).json()
     assert [(r["state_type"], r["run_count"]) for r in named] == [("CANCELLED", 0)]
+
+
+def serve(name: str, args: list[str], root: str, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """`rlvr schedule NAME ARGS` in the background, once it says it serves (its output in `log`)."""
+    with open(log, "wb") as out:
+        serving = subprocess.Popen(
+            rlvr_command("schedule", name, *args, "--store", root), env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+
+    def up() -> bool:
+        if serving.poll() is not None:
+            raise AssertionError(f"rlvr schedule {name} ended: {log.read_text()[-3000:]}")
+        return f"serving schedule {name}:" in log.read_text()
+
+    wait_for(up, 120, f"schedule {name} to be served", log=log)
+    return serving
+
+
+def last_line(log: Path) -> str:
+    return log.read_text().strip().splitlines()[-1]
+
+
+NEVER_NOW = "0 0 1 1 *"  # 00:00 UTC on January 1st: no firing while the test runs
+
+
+@pytest.mark.slow
+def test_a_schedule_stopped_with_nothing_in_flight_says_so_and_can_be_deleted(prefect_server, tmp_path):
+    root, env = str(tmp_path / "store"), cli_env(PREFECT_API_URL=prefect_server)
+    log = tmp_path / "idle.log"
+    serving = serve("idle", ["--cron", NEVER_NOW], root, env, log)
+    try:
+        refused = rlvr("schedule", "idle", "--delete", "--store", root, env=env)
+        assert_one_line_error(refused, "schedule idle is being served by an `rlvr schedule idle` process; stop that")
+    finally:
+        serving.send_signal(signal.SIGTERM)
+        assert serving.wait(timeout=60) == 0, log.read_text()[-3000:]
+    assert last_line(log) == "stopped serving idle: the schedule is paused"  # no firing ran: none was cancelled
+
+    deleted = rlvr("schedule", "idle", "--delete", "--store", root, env=env)  # paused: no process serves it
+    assert (deleted.returncode, deleted.stdout) == (
+        0,
+        "schedule idle deleted; its runs and firings stay in the store\n",
+    )
+    assert httpx.get(f"{prefect_server}/deployments/name/rlvr-pipeline/idle").status_code == 404
+    assert "no schedules for store" in rlvr("schedule", "--list", "--store", root, env=env).stdout
+    again = rlvr("schedule", "idle", "--delete", "--store", root, env=env)
+    assert_one_line_error(again, "no schedule 'idle' on this Prefect server; see `rlvr schedule --list`")
+
+    # Served again, paused, deleted: the serving process sees it gone and stops by itself.
+    serving = serve("idle", ["--cron", NEVER_NOW], root, env, log)
+    try:
+        assert rlvr("schedule", "idle", "--pause", "--store", root, env=env).returncode == 0
+        assert rlvr("schedule", "idle", "--delete", "--store", root, env=env).returncode == 0
+        assert serving.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        serving.kill()
+    assert last_line(log) == "stopped serving idle: the schedule was deleted"
+
+
+BUSY = PIPELINE.replace("train: {steps: 2}", "train: {steps: 400}")  # a firing that is still running when stopped
+
+
+@pytest.mark.slow
+def test_stopping_a_schedule_names_the_firing_it_cancelled(prefect_server, tmp_path):
+    root, env = str(tmp_path / "store"), cli_env(PREFECT_API_URL=prefect_server)
+    config = tmp_path / "busy.yaml"
+    config.write_text(BUSY)
+    log = tmp_path / "busy.log"
+    serving = serve("busy", ["--interval", "2", "--config", str(config)], root, env, log)
+    try:
+
+        def running() -> str | None:
+            if not (Path(root) / "runs").is_dir():
+                return None
+            runs = [r for r in pipeline_runs(Store.open(root), "busy") if r["status"] == "running"]
+            return str(runs[0]["run_id"]) if runs else None
+
+        run_id = wait_for(running, 180, "a firing to run", log=log, every=1)
+    finally:
+        serving.send_signal(signal.SIGTERM)
+        assert serving.wait(timeout=60) == 0, log.read_text()[-3000:]
+    assert last_line(log) == (
+        f"stopped serving busy: the schedule is paused; firing {run_id} in flight was cancelled: "
+        f"`rlvr resume {run_id} --store {root}` finishes it"
+    )
+    assert run_status(Store.open(root).read_run(run_id)) == "failed"

@@ -8,7 +8,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -372,6 +372,7 @@ def schedule(
     list_: bool = typer.Option(False, "--list", help="list the store's schedules"),
     pause: bool = typer.Option(False, "--pause", help="pause schedule NAME"),
     resume_: bool = typer.Option(False, "--resume", help="resume schedule NAME"),
+    delete: bool = typer.Option(False, "--delete", help="delete schedule NAME (its runs stay in the store)"),
 ) -> None:
     """Run a pipeline on a schedule through Prefect: each firing continues from the newest checkpoint.
 
@@ -380,12 +381,15 @@ def schedule(
     from rlvr.flows.ui import point_prefect_at_store, ui_url_of
     from rlvr.storage.store import open_store
 
-    modes = [flag for flag, on in (("--list", list_), ("--pause", pause), ("--resume", resume_)) if on]
+    flags = (("--list", list_), ("--pause", pause), ("--resume", resume_), ("--delete", delete))
+    modes = [flag for flag, on in flags if on]
     if len(modes) > 1:
         raise UserError(f"choose one of {', '.join(modes)}")
     serving = not modes
     if (interval is None) == (cron is None) and serving:
-        raise UserError("give one of --interval SECONDS or --cron EXPR (or --list, --pause NAME, --resume NAME)")
+        raise UserError(
+            "give one of --interval SECONDS or --cron EXPR (or --list, --pause NAME, --resume NAME, --delete NAME)"
+        )
     if not serving and (interval is not None or cron is not None or config is not None or set_):
         raise UserError(f"{modes[0]} takes no --interval, --cron, --config or --set")
     if name is None and not list_:
@@ -406,6 +410,9 @@ def schedule(
         _print_rows(rows, [*columns, "last_run", "newest_checkpoint"], "table")
         return
     assert name is not None
+    if delete:
+        _say(schedules.delete_schedule(root, name))
+        return
     if not serving:
         out.print(schedules.set_paused(root, name, paused=pause))
         return
@@ -517,7 +524,7 @@ def _print_chunks(chunks: Iterable[list[tuple[Any, ...]]], columns: list[str], f
         _print_table([], columns)
 
 
-def _print_rows(rows: list[dict[str, Any]], columns: list[str], format: str, whole: Iterable[str] = ()) -> None:
+def _print_rows(rows: list[dict[str, Any]], columns: list[str], format: str, whole: Collection[str] = ()) -> None:
     """Rows as json, csv or a table; in a table the `whole` columns (ids to copy) are never cut or wrapped."""
     if format == "json":
         for row in rows:
@@ -532,11 +539,11 @@ def _print_rows(rows: list[dict[str, Any]], columns: list[str], format: str, who
     _print_table(cells, columns, whole=whole)
 
 
-def _print_table(cells: list[list[str]], columns: list[str], whole: Iterable[str] = ()) -> None:
+def _print_table(cells: list[list[str]], columns: list[str], whole: Collection[str] = ()) -> None:
     table = Table(*columns)
     for index, column in enumerate(table.columns):
-        texts = [str(column.header), *(row[index] for row in cells)]
-        if column.header in whole:  # fixed: rich shrinks the other columns first, and never this one below its width
+        texts = [columns[index], *(row[index] for row in cells)]
+        if columns[index] in whole:  # fixed: rich shrinks the other columns first, and never this one below its width
             column.width, column.no_wrap = max(cell_len(text) for text in texts), True
         else:  # rich's shrinking ignores the longest word; this keeps it
             column.min_width = max((cell_len(word) for text in texts for word in text.split()), default=1)

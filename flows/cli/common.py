@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TextIO, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import typer
 
@@ -62,7 +62,7 @@ class ProgressLines:
 
     def __init__(
         self,
-        stream: TextIO,
+        stream: IO[str],
         *,
         steps: int | None = None,
         every: float = PLAIN_EVERY_S,
