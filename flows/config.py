@@ -28,7 +28,7 @@ from rlvr.flows.openlineage_events import OpenLineageConfig
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table, run_stage
 from rlvr.storage.store import Store
-from rlvr.verifiers.env_registry import EnvConfig
+from rlvr.verifiers.env_registry import EnvConfig, check_environment
 from rlvr.verifiers.model_rewards import RewardConfig
 from rlvr.verifiers.outcomes import DEFAULT_MAX_ERROR_RATE
 
@@ -287,6 +287,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except ValidationError as exc:
         raise ConfigError(_describe(exc, tree)) from None
     refuse_incompatible(cfg)
+    try:
+        check_environment(cfg.env)  # keys its type would ignore, its options, its package: before any work
+    except ConfigError:
+        raise
+    except UserError as refused:
+        raise ConfigError(str(refused)) from None
     return cfg
 
 

@@ -63,7 +63,7 @@ from rlvr.trainer.checkpoints import Ranks, TrainerState, keep_snapshots, take_t
 from rlvr.trainer.devices import own_stream, resolve_device
 from rlvr.trainer.policy import set_threads
 from rlvr.trainer.rank_group import close_group, current_group
-from rlvr.verifiers.env_registry import environment_label
+from rlvr.verifiers.env_registry import check_environment, environment_label
 
 log = logging.getLogger(__name__)
 
@@ -620,7 +620,8 @@ def rl_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
 
 def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     assert cfg.run_id is not None
-    refuse_incompatible(cfg)  # a config made in Python, not loaded: its combinations too, before any work
+    refuse_incompatible(cfg)  # a config made in Python, not loaded: its combinations and env keys too, before any work
+    check_environment(cfg.env)
     check_async(cfg, store)
     check_clpo(cfg)
     config_id = commit_config(open_store(store), cfg)

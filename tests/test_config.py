@@ -133,7 +133,9 @@ def test_an_environment_changes_the_config_id_and_the_one_turn_default_does_not(
     def config_id(*overrides: str) -> str:
         return CONFIG.output_ids("r", None, load_config(None, ["run_id=r", *overrides]), {}, {})["config"]
 
-    assert config_id("env.type=one_turn", "env.max_turns=3") == config_id() == "config-0789b2d3512a8a667779"
+    assert config_id("env.type=one_turn") == config_id() == "config-0789b2d3512a8a667779"
+    with pytest.raises(ConfigError, match="env.max_turns does nothing with env.type=one_turn"):  # never dropped
+        config_id("env.type=one_turn", "env.max_turns=3")
     assert config_id("env.type=retry") != config_id()
     assert config_id("env.type=retry", "env.max_turns=3") != config_id("env.type=retry")
 
