@@ -200,8 +200,18 @@ def status_agrees_with_score(t: RunTables) -> Findings:
 
 def _env_verdict_agrees(row: Row, rollout: Row | None, found: Findings, violation: Callable[[str, str], None]) -> None:
     """An environment's rewards row is the verdict its rollout carries (tasks/label.py `environment_verdicts`):
-    its status, and its reward (0 for an error or an episode without one)."""
-    if rollout is None or not rollout.get("env_verdict"):
+    its status, and its reward (0 for an error or an episode without one). A reward that came without a verdict
+    is never solved (the issue's GEM rows: -0.1 labelled ok)."""
+    if rollout is None:
+        return
+    if not rollout.get("env_verdict"):
+        if rollout.get("env_reward") is not None:
+            found.checks += 1
+            if row["status"] == "ok":
+                violation(
+                    f"status ok with score {_num(row['score'])} and no env_verdict",
+                    "a status other than ok (a reward without a verdict is never solved)",
+                )
         return
     found.checks += 2
     try:

@@ -155,6 +155,19 @@ def test_a_rewards_row_that_disagrees_is_the_one_violation(case):
     assert found.violations == [expected]
 
 
+def test_a_reward_without_a_verdict_is_never_solved():
+    """A store from before verdicts were recorded (8a5fb4b): GEM's -0.1 came without one and was labelled ok."""
+    tables = consistent_rewards()
+    tables.rollouts[1]["env_verdict"] = None
+    found = status_agrees_with_score(edited(tables, "g2", status="ok"))
+    what, wanted = (
+        "status ok with score -0.1 and no env_verdict",
+        "a status other than ok (a reward without a verdict is never solved)",
+    )
+    assert found.violations == [Violation(V, 1, "rollout g2", what, wanted)]
+    assert status_agrees_with_score(tables).violations == []  # the same reward labelled wrong (or error) is fine
+
+
 def test_an_ok_row_may_score_as_much_as_an_unsolved_one():
     """At least, not more: partial credit may reach a solved answer's reward (a tie is no violation)."""
     assert status_agrees_with_score(edited(consistent_rewards(), "a3", score=1.0)).violations == []
@@ -447,6 +460,7 @@ def test_a_data_stage_row_unaccounted_for_is_a_violation():
 
 @pytest.fixture(scope="module")
 def semantics_run(tmp_path_factory, prefect_api) -> Store:
+    """One real run of RUN_SETTINGS, shared by this module's run-level tests (they edit copies of its store)."""
     from rlvr.flows.config import load_config
     from rlvr.flows.runs import execute
 
