@@ -1,7 +1,7 @@
 """What a run config refuses to combine, in one place: each rule names the keys it involves, when it applies and
 why, and `refuse_incompatible` turns the first that applies into one line before any work (flows/config.py calls it
 whenever a run's config is loaded or a resume moves it). docs/compatibility.md is generated from `RULES`
-(`compatibility_markdown`; tests/test_compatibility.py checks the page is current), and the covering array of
+(flows/compatibility_page.py; tests/test_compatibility.py checks the page is current), and the covering array of
 combinations in tests/test_combinations.py expects exactly these refusals.
 
 A rule is for a combination that cannot be right: one whose run would train on a wrong signal, ignore a key, or
@@ -16,7 +16,7 @@ from typing import Any
 
 from rlvr.errors import ConfigError
 
-__all__ = ["RULES", "Rule", "applying", "compatibility_markdown", "refuse_incompatible"]
+__all__ = ["EXAMPLES", "RULES", "Rule", "applying", "refuse_incompatible"]
 
 # Verifiers whose verdicts a model gives (the label stage asks it, with failures kept out of the update); an
 # environment scores its answers in its own process, so it cannot ask them (verifiers/cache.py MODEL_VERIFIERS).
@@ -180,37 +180,6 @@ def refuse_incompatible(cfg: Any) -> None:
         raise ConfigError(broken[0].message(cfg))
 
 
-def compatibility_markdown() -> str:
-    """docs/compatibility.md: every rule with its keys and its message as a user reads it, from `RULES`."""
-    lines = [
-        "# What does not combine",
-        "",
-        "Generated from `flows/compatibility.py` (`python -m rlvr.flows.compatibility > docs/compatibility.md`);",
-        "tests/test_compatibility.py fails when this page and the code differ. Every combination not listed here",
-        "runs; tests/test_combinations.py runs a covering array of all pairs of the main factors (environment,",
-        "reward, selection, allocation, filter, hints, GRPO variant, async sampling, ranks, engine) and checks that",
-        "every pair is either run or refused by one of these rules. A refusal is one line before any work.",
-        "",
-        "| rule | keys | what a user reads |",
-        "|---|---|---|",
-    ]
-    for rule in RULES:
-        keys = ", ".join(f"`{key}`" for key in rule.keys)
-        lines.append(f"| {rule.name} | {keys} | {_example_message(rule)} |")
-    return "\n".join(lines) + "\n"
-
-
-def _example_message(rule: Rule) -> str:
-    """The rule's message for the config of its example (EXAMPLES), as the user reads it."""
-    from rlvr.flows.config import load_config
-
-    try:
-        load_config(None, EXAMPLES[rule.name])
-    except ConfigError as refused:
-        return str(refused).replace("|", "\\|")
-    raise AssertionError(f"the example of rule {rule.name!r} is not refused")  # tests/test_compatibility.py
-
-
 # One config each rule refuses (overrides of the defaults): the page's messages, and a test that each rule fires.
 EXAMPLES: dict[str, list[str]] = {
     "environment with a model-given reward": ["env.type=calculator", "synthesize.source.verifier=judge"],
@@ -230,7 +199,3 @@ EXAMPLES: dict[str, list[str]] = {
     "batch seeding on ranks": ["rollout.seeding=batch", "train.data_parallel=2"],
     "fused LM head on ranks": ["train.grpo.fused_head=true", "train.data_parallel=2"],
 }
-
-
-if __name__ == "__main__":
-    print(compatibility_markdown(), end="")

@@ -58,10 +58,10 @@ def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
     scorer = [str(ctx.params.get("environment"))] * len(problems)  # what gave each verdict
     for i, score in zip(missing, scores):
         given[i], scorer[i] = score, verifier.verifier_of(problems[i]["verifier"])
-    verdicts = [{"status": v.status, "reason": v.reason, "verifier": who} for v, who in zip(given, scorer) if v]
+    verdicts = [{"status": v.status, "reason": v.reason or "", "verifier": who} for v, who in zip(given, scorer) if v]
     max_error_rate = float(ctx.params.get("max_error_rate", DEFAULT_MAX_ERROR_RATE))
     check_error_share(verdicts, f"answers of the {ctx.params['phase']} evaluation", max_error_rate)
-    correct = sum(solved(v["verifier"], v["status"]) is True for v in verdicts)
+    correct = sum(solved(who, v.status) is True for v, who in zip(given, scorer) if v)
     row = {
         "run_id": ctx.run_id,
         "step": ctx.step,

@@ -63,6 +63,7 @@ LONG_FILES = (
     "test_data_stage.py",
     "test_engines.py",
     "test_backends.py",
+    "test_semantics.py",
 )
 
 

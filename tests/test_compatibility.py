@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from rlvr.errors import ConfigError
-from rlvr.flows.compatibility import EXAMPLES, RULES, applying, compatibility_markdown
+from rlvr.flows.compatibility import EXAMPLES, RULES, applying
+from rlvr.flows.compatibility_page import compatibility_markdown
 from rlvr.flows.config import load_config, with_placement
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "compatibility.md"
@@ -43,7 +44,7 @@ def test_each_example_breaks_its_own_rule_first():
 
 def test_the_page_is_generated_from_the_rules():
     assert PAGE.read_text() == compatibility_markdown(), (
-        "docs/compatibility.md is stale: python -m rlvr.flows.compatibility > docs/compatibility.md"
+        "docs/compatibility.md is stale: python -m rlvr.flows.compatibility_page > docs/compatibility.md"
     )
 
 
