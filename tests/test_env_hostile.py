@@ -32,6 +32,7 @@ HOSTILE = [
     f"env.max_turns={MAX_TURNS}",
     f"env.tool_timeout_s={TIMEOUT_S}",
     f"env.max_tool_output_tokens={OUTPUT_TOKENS}",
+    "env.parallel_steps=2",  # = env.parallel_tools: a step never queues for a tool slot, so a hang's turn is its limit
 ]
 MALFORMED_TEXT = SCRIPTS["faults"][0].removeprefix("<tool_call>").removesuffix("</tool_call>")
 TOKEN_CUT = re.compile(r"\n\[\.\.\. (\d+) more tokens cut\]$")  # the rollout loop's marker (ChatRendering.cut)

@@ -136,9 +136,13 @@ def test_a_gem_environment_runs_unmodified_through_a_whole_run(tmp_path, prefect
     s = Store.open(str(store))
     assert rows(s, "SELECT DISTINCT env FROM rollouts") == [{"env": "gym@1"}]
     rewards = rows(s, "SELECT verifier, status, score FROM rewards")
-    assert rewards and {r["verifier"] for r in rewards} == {"env:gym"} and {r["status"] for r in rewards} == {"ok"}
-    # GEM's own rewards: -0.1 for a malformed guess (all the tiny model writes), 1.0 for the number
-    assert {r["score"] for r in rewards} <= {-0.1, 0.0, 1.0}
+    assert rewards and {r["verifier"] for r in rewards} == {"env:gym"}
+    # GEM's own rewards: -0.1 for a malformed guess (all the tiny model writes), 1.0 for the number; solved (`ok`)
+    # only at GEM's success reward, 1.0: a -0.1 is `wrong`, never `ok` (it was, before the loop gave verdicts)
+    assert {r["score"] for r in rewards} <= {-0.1, 0.0, 1.0} and -0.1 in {r["score"] for r in rewards}
+    assert all(r["status"] == ("ok" if r["score"] >= 1.0 else "wrong") for r in rewards)
+    verdicts = rows(s, "SELECT env_reward, json_extract_string(env_verdict, '$.status') AS status FROM rollouts")
+    assert all(v["status"] == ("ok" if v["env_reward"] >= 1.0 else "wrong") for v in verdicts)
     assert rows(s, "SELECT count(*) AS n FROM train_steps")[0]["n"] == 2
 
 

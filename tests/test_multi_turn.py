@@ -626,8 +626,7 @@ def test_a_step_that_hangs_ends_its_episode_on_env_timeout_and_the_others_comple
         assert fault.text == f"{past}; its process was killed"
         pids = [int(p.name) for p in tmp_path.iterdir()]
         assert len(pids) == 3 and os.getpid() not in pids  # one process an episode, none of them the run's
-        for pid in pids:  # all gone: the hung one killed, the others closed
-            assert not os.path.exists(f"/proc/{pid}"), pid
+        assert not [pid for pid in pids if alive(pid)]  # all gone: the hung one killed, the others closed
     elif hang == "loop":
         assert fault.text == f"{past} and was interrupted"
     else:
@@ -646,3 +645,45 @@ def test_env_parallel_steps_caps_environment_calls_and_parallel_tools_does_not(p
     ConcurrencyProbe.most = 0
     played = play_episodes(policy, env, [{"prompt": "1="}], [6], budgets=LOOSE, settings=settings, row_keys=[0])
     assert {t.stop_reason for t in played} == {"done"} and ConcurrencyProbe.most == 3
+
+
+DIES_WITH_THE_RUN = """
+import sys
+from rlvr.verifiers import env_isolation
+from rlvr.verifiers.env_registry import environment_factory
+options = {"make": "tests.env_fixtures:HangingGym", "kwargs": {"hang": "sleep", "sleep_s": 600}}
+config = {"type": "gym", "solved_at": 1, "isolation": "process", "step_timeout_s": 600, "options": options}
+episode = environment_factory(config)()
+episode.reset({}, 0)
+[host] = env_isolation._hosts.values()
+print(host.process.pid, episode.pid, flush=True)
+episode.step("1")  # sleeps for ten minutes in the episode's process
+"""
+
+
+@pytest.mark.serial  # held to a wall-clock limit
+def test_the_episode_processes_die_with_the_run_even_mid_step():
+    """SIGKILL of the run's process: its environment host exits within a second (it polls the run) and takes the
+    episode's process, hung in a step, with it."""
+    import signal
+    import subprocess
+    import sys
+
+    run = subprocess.Popen([sys.executable, "-c", DIES_WITH_THE_RUN], stdout=subprocess.PIPE, text=True)
+    assert run.stdout is not None
+    host, episode = (int(pid) for pid in run.stdout.readline().split())
+    time.sleep(0.5)  # the step is under way
+    assert os.path.exists(f"/proc/{host}") and os.path.exists(f"/proc/{episode}")
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline and (alive(host) or alive(episode)):
+        time.sleep(0.1)
+    assert not alive(host) and not alive(episode)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for a reaper counts as gone)."""
+    from rlvr.child_guard import start_time
+
+    return start_time(pid) is not None

@@ -13,8 +13,9 @@ that built the environment's factory once from the run's `env` config (imported 
 episode costs a fork (milliseconds) rather than a fresh interpreter. Nothing crosses the boundary but the task, the
 seed and the response going in and the `Opening` or `Reply` coming back: the environment is built in the child,
 never pickled. The run's process waits up to the limit for each answer and past it SIGKILLs the episode's process
-(through a pidfd, so a reused pid is never hit); the host reaps it. Host and episode processes exit within a
-second of the run's process dying (rlvr/child_guard.py's watcher), SIGKILL included.
+(through a pidfd, so a reused pid is never hit); the host reaps it. The host exits within a second of the run's
+process dying, SIGKILL included (it polls the run's pid and start time, rlvr/child_guard.py), and takes its
+episodes' processes with it (PR_SET_PDEATHSIG: the host forks from its only thread).
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import gc
 import importlib
 import multiprocessing
 import os
 import select
 import signal
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from multiprocessing import reduction
@@ -45,6 +48,7 @@ INTERRUPT_WAIT_S = 1.0  # how long an interrupted helper thread gets to unwind b
 START_TIMEOUT_S = 120.0  # a host that has not built its factory by then (GEM's import: ~1.5 s) is given up
 CLOSE_WAIT_S = 2.0  # how long an episode's process gets to close its environment before it is killed
 KILL_WAIT_S = 5.0  # how long a killed episode's process is waited for
+_PR_SET_PDEATHSIG = 1
 
 _context = multiprocessing.get_context("spawn")  # a fresh interpreter: no thread of the run's is copied
 _in_episode_process = False
@@ -124,6 +128,7 @@ def _host_main(conn: Connection, kind: str, config: str, owner: tuple[int, int |
         return
     conn.send(("ready", None))
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the episodes' processes
+    gc.freeze()  # the children's collections then skip the host's objects, whose pages stay shared
     while True:
         if not conn.poll(POLL_S):
             if not is_running(*owner):
@@ -136,19 +141,31 @@ def _host_main(conn: Connection, kind: str, config: str, owner: tuple[int, int |
             fd = reduction.recv_handle(conn)
         except (EOFError, OSError):
             return
+        host = os.getpid()
         pid = os.fork()
         if pid == 0:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # subprocess.wait needs its children reapable
             conn.close()
-            _episode_main(Connection(fd), factory, owner)
+            _die_with(host, owner)
+            _episode_main(Connection(fd), factory)
         os.close(fd)
         conn.send(pid)
 
 
-def _episode_main(conn: Connection, factory: Callable[[], Environment], owner: tuple[int, int | None]) -> None:
+def _die_with(host: int, owner: tuple[int, int | None]) -> None:
+    """Make this episode's process die with its host (which exits within POLL_S of the run's process), even when a
+    step hangs: PR_SET_PDEATHSIG, sound here because the host forks from its only thread; elsewhere a watcher."""
+    if not sys.platform.startswith("linux"):
+        exit_when_gone(*owner)
+        return
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != host:  # the host died before prctl took effect
+        os._exit(0)
+
+
+def _episode_main(conn: Connection, factory: Callable[[], Environment]) -> None:
     """An episode's process: make the environment, then answer (op, args) with ("ok", result) or ("raised",
     "Type: message") until "close" or the run's end of the pipe closes; never returns."""
-    exit_when_gone(*owner)  # a step that hangs here still dies with the run
     environment: Environment | None = None
     while True:
         try:
@@ -269,12 +286,14 @@ class IsolatedEnvironment(Environment):
         except (AttributeError, OSError):  # no pidfd (Linux < 5.3), or the process already died
             self._pidfd = None
         opening = self._call("reset", (dict(task), seed))
-        assert isinstance(opening, Opening), type(opening)
+        if not isinstance(opening, Opening):
+            raise TypeError(f"reset returned {type(opening).__name__}, not an Opening")
         return opening
 
     def step(self, response: str) -> Reply:
         reply = self._call("step", (response,))
-        assert isinstance(reply, Reply), type(reply)
+        if not isinstance(reply, Reply):
+            raise TypeError(f"step returned {type(reply).__name__}, not a Reply")
         return reply
 
     def close(self) -> None:
