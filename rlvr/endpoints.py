@@ -36,7 +36,7 @@ from rlvr.errors import UserError
 T = TypeVar("T")
 RETRIED_STATUSES = frozenset({408, 429})  # and every 5xx
 MAX_REPLY_BYTES = 64 << 20
-BREAKER_WINDOW = 200  # calls; a breaker at max_error_rate 0.1 trips on the 21st failure among an endpoint's last 200
+BREAKER_WINDOW = 200  # a breaker at max_error_rate 0.1 trips on the 21st failure among an endpoint's last 200
 
 
 def one_line(text: str, limit: int = 200) -> str:
@@ -219,8 +219,8 @@ class CircuitBreaker:
     `floor(max_error_rate * window) + 1` calls, however many they meant to make. Thread-safe; a trip empties the
     window, and every caller that started before it sees it (`tripped_since`)."""
 
-    def __init__(self, name: str, max_error_rate: float, window: int) -> None:
-        self.name, self.max_error_rate, self.window = name, max_error_rate, window
+    def __init__(self, name: str, max_error_rate: float, window: int, unit: str = "calls") -> None:
+        self.name, self.max_error_rate, self.window, self.unit = name, max_error_rate, window, unit
         self._outcomes: deque[bool] = deque(maxlen=window)  # True: failed
         self._lock = threading.Lock()
         self.trips = 0
@@ -237,8 +237,9 @@ class CircuitBreaker:
             self._outcomes.clear()
             self.trips += 1
             self.message = (
-                f"{self.name} failed {failures} of its last {calls} calls (more than reward.max_error_rate "
-                f"{self.max_error_rate:g} of a {self.window}-call window), so the run stops asking it; last: {reason}"
+                f"{self.name} failed {failures} of its last {calls} {self.unit} (more than reward.max_error_rate "
+                f"{self.max_error_rate:g} of a {self.window}-{self.unit[:-1]} window), so the run stops asking it; "
+                f"last: {reason}"
             )
             raise EndpointDown(self.message)
 
@@ -293,13 +294,13 @@ _rates: dict[str, CallRate] = {}
 _registry_lock = threading.Lock()
 
 
-def breaker_for(name: str, max_error_rate: float, window: int) -> CircuitBreaker:
+def breaker_for(name: str, max_error_rate: float, window: int, unit: str = "calls") -> CircuitBreaker:
     """The process's breaker of the endpoint `name` (one per name, so every stage and thread asking it shares its
     window); a changed threshold starts a new one."""
     with _registry_lock:
         found = _breakers.get(name)
-        if found is None or (found.max_error_rate, found.window) != (max_error_rate, window):
-            found = _breakers[name] = CircuitBreaker(name, max_error_rate, window)
+        if found is None or (found.max_error_rate, found.window, found.unit) != (max_error_rate, window, unit):
+            found = _breakers[name] = CircuitBreaker(name, max_error_rate, window, unit)
         return found
 
 

@@ -270,8 +270,8 @@ def test_in_a_run_a_judge_whose_calls_keep_failing_is_stopped_by_its_breaker() -
         asked = len(calls)
         (alone,) = JudgeClient(JudgeConfig(**judge)).verdicts([ITEM])  # outside a run: no breaker, an error verdict
     assert str(raised.value) == (
-        f"the judge at {url}/v1 failed 21 of its last 21 calls (more than reward.max_error_rate 0.1 of a 200-call "
-        f"window), so the run stops asking it; last: judge {url}/v1/chat/completions: HTTP 500: overloaded"
+        f"the judge at {url}/v1 failed 21 of its last 21 verdicts (more than reward.max_error_rate 0.1 of a "
+        f"200-verdict window), so the run stops asking it; last: judge {url}/v1/chat/completions: HTTP 500: overloaded"
     )
     assert 21 <= asked <= 21 + 3  # the calls in flight when it tripped end; none starts after
     assert alone.score.status == "error" and len(calls) == asked + 1

@@ -1,7 +1,9 @@
 """Whole runs rewarded by a judge (reward.judge, docs/rewards.md): the rewards rows carry the judge's words and
 provenance, a failed verdict is left out of the update and counted in train_steps, a re-run with the same judge
-asks it only what it never answered, a changed template asks it everything again, and a step whose failed share
-passes reward.max_error_rate stops the run with one line naming the endpoint.
+asks it only what it never answered, a changed template asks it everything again, a judge whose calls keep failing
+(at once, or by timing out on a server that sends a byte a second) stops the run in bounded time with one line
+naming it, and a judge behind an API key gets it from the environment variable the config names (a run without it
+stops in one line, and the key is nowhere in the store).
 
 The judge is a small local endpoint whose verdict is a rule (the answer equals the reference) and which fails on
 every answer holding a 3: these tests are about what the pipeline does with a judge's verdicts and failures; a
@@ -11,13 +13,19 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from rlvr.errors import UserError
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.trainer.reward_server import serving_in_thread
@@ -32,8 +40,9 @@ SMALL = [*SMALL_RUN, "synthesize.source.verifier=judge"]
 class RuleJudge:
     """Says yes when the answer is the reference; answers 503 to every answer holding a 3; counts its calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: str | None = None) -> None:
         self.calls = 0
+        self.key = key
         self.app = FastAPI()
         self.app.post("/get_reward")(self.reward)
         self.app.post("/v1/chat/completions")(self.complete)
@@ -41,10 +50,12 @@ class RuleJudge:
         self.app.post("/down/get_reward")(self.down)
 
     async def complete(self, request: Request) -> Any:
+        if self.key is not None and request.headers.get("authorization") != f"Bearer {self.key}":
+            return JSONResponse({"error": {"message": "invalid API key"}}, status_code=401)
         self.calls += 1
         text = (await request.json())["messages"][0]["content"]
         reference = re.search(r"^Reference answer: (.*)$", text, re.M).group(1)  # type: ignore[union-attr]
-        answer = re.search(r"^Answer to grade: (.*)$", text, re.M).group(1)  # type: ignore[union-attr]
+        answer = re.search(r"^<(ANSWER-[0-9a-f]{12})>\n(.*)\n</\1>$", text, re.M | re.S).group(2)  # type: ignore[union-attr]
         if "3" in answer:
             return JSONResponse({"error": {"message": "busy"}}, status_code=503)
         verdict = "yes" if answer.strip() == reference.strip() else "no"
@@ -95,7 +106,7 @@ def judged_store(judge, tmp_path_factory) -> tuple[str, dict[str, int]]:
         ("again", {}),
         (
             "retemplated",
-            {"template": "Question: {question}\nReference answer: {reference}\nAnswer to grade: {response}"},
+            {"template": "Question: {question}\nReference answer: {reference}\nAnswer to grade:\n{response}"},
         ),
     ]:
         before = rule.calls
@@ -114,7 +125,7 @@ def test_a_judges_verdicts_are_stored_with_its_words_and_provenance(judge, judge
         provenance = json.loads(v["provenance"])
         assert provenance["endpoint"] == f"{url}/v1" and provenance["model"] == "rule"
         if v["status"] == "error":
-            assert v["reason"] == f'judge {url}/v1/chat/completions: HTTP 503: {{"error":{{"message":"busy"}}}}'
+            assert v["reason"] == f"judge {url}/v1/chat/completions: HTTP 503: busy"
         else:
             assert v["reason"] == ("yes" if v["status"] == "ok" else "no")  # the judge's own words
             assert v["score"] == (1.0 if v["status"] == "ok" else 0.0)
@@ -160,7 +171,9 @@ def test_a_changed_template_asks_the_judge_again(judged_store) -> None:
     assert calls["retemplated"] >= sum(1 for v in verdicts if not v["cache_hit"]) > 0
 
 
-def test_a_step_whose_failures_pass_the_threshold_stops_the_run_in_one_line(judge, tmp_path) -> None:
+def test_a_judge_that_fails_every_call_stops_the_run_at_its_first_stage_in_one_line(judge, tmp_path) -> None:
+    """Its circuit breaker trips on the 21st failure (reward.max_error_rate 0.1 of a 200-verdict window): in the
+    first stage that asks, the held-out evaluation before the warm start, not after a stage has asked everything."""
     _, url = judge
     endpoint = {"base_url": f"{url}/down/v1", "model": "rule", "retries": 1, "backoff_s": 0, "timeout_s": 10}
     sets = [arg for o in [*SMALL, f"reward.judge={json.dumps(endpoint)}"] for arg in ("--set", o)]
@@ -168,9 +181,110 @@ def test_a_step_whose_failures_pass_the_threshold_stops_the_run_in_one_line(judg
     assert result.returncode != 0 and "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]  # after the progress bar's last state
     assert last == (
-        f"error: the judge at {url}/down/v1 failed 16 of 16 verdicts this step (more than reward.max_error_rate "
-        f'0.1); first: judge {url}/down/v1/chat/completions: HTTP 500: {{"error":{{"message":"down for '
-        'maintenance"}} after 2 tries'
+        f"error: the judge at {url}/down/v1 failed 21 of its last 21 verdicts (more than reward.max_error_rate 0.1 "
+        f"of a 200-verdict window), so the run stops asking it; last: judge {url}/down/v1/chat/completions: HTTP "
+        "500: down for maintenance after 2 tries"
+    )
+    (record,) = Store.open(str(tmp_path / "store")).list_runs()
+    assert (record["failed_stage"], record["failed_step"]) == ("evaluate", 0)  # the evaluation before the warm start
+
+
+def test_a_step_whose_failures_pass_the_threshold_stops_the_label_stage_in_one_line(judge) -> None:
+    """The label stage's check of a step's share holds beside the breaker: 16 failures of 16 verdicts pass 0.1 while
+    the breaker (21 failures in its window) has not tripped."""
+    from rlvr.verifiers.cache import VerifierConfig
+    from rlvr.verifiers.model_rewards import RewardConfig, model_verdicts
+
+    _, url = judge
+    endpoint = {"base_url": f"{url}/down/v1", "model": "rule", "retries": 0}
+    reward = RewardConfig.model_validate({"judge": endpoint, "max_error_rate": 0.1})
+    cfg = VerifierConfig(judge=reward.judge)
+    rollouts = [{"rollout_id": f"r{i}", "problem_id": "p", "prompt": "2+2=", "response": str(i)} for i in range(16)]
+    with pytest.raises(UserError) as raised:
+        model_verdicts(None, cfg, {"judge": rollouts}, {"p": ("judge", "4")}, reward.max_error_rate)
+    assert str(raised.value) == (
+        f"the judge at {url}/down/v1 failed 16 of 16 verdicts this step (more than reward.max_error_rate 0.1); first: "
+        f"judge {url}/down/v1/chat/completions: HTTP 500: down for maintenance"
+    )
+
+
+class TricklingJudge(BaseHTTPRequestHandler):
+    """Reads the request, sends its headers, then one byte a second: never a whole answer."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "1000")
+        self.end_headers()
+        try:
+            for _ in range(120):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(1)
+        except OSError:
+            pass  # the client gave up
+
+
+@contextmanager
+def trickling_judge() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), TricklingJudge)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_judge_that_times_out_on_every_call_stops_the_run_within_two_minutes(tmp_path) -> None:
+    """The review's judge: headers, then a byte a second, with timeout_s 3 and retries 1. Before the breaker the
+    difficulty stage would have asked 1,228 verdicts of 2 tries each before any threshold applied."""
+    with trickling_judge() as url:
+        endpoint = {"base_url": f"{url}/v1", "model": "slow", "timeout_s": 3, "retries": 1}
+        sets = [arg for o in [*SMALL, f"reward.judge={json.dumps(endpoint)}"] for arg in ("--set", o)]
+        started = time.monotonic()
+        result = rlvr("run", "--store", str(tmp_path / "store"), *sets, env=cli_env(), timeout=300)
+        seconds = time.monotonic() - started
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: the judge at {url}/v1 failed 21 of its last 21 verdicts (more than reward.max_error_rate 0.1 of a "
+        f"200-verdict window), so the run stops asking it; last: judge {url}/v1/chat/completions: no whole answer "
+        "within 3 s after 2 tries"
+    )
+    assert seconds < 120, seconds
+
+
+def test_a_judge_behind_a_key_works_end_to_end_and_without_the_key_the_run_stops_in_one_line(tmp_path) -> None:
+    rule = RuleJudge(key="s3cret-judge-key")
+    store = tmp_path / "store"
+    with serving_in_thread(rule.app) as url:
+        keyed = judged(url, api_key_env="RLVR_TEST_JUDGE_KEY")
+        sets = [arg for o in [*SMALL, *keyed] for arg in ("--set", o)]
+        result = rlvr(
+            "run", "--store", str(store), "--run-id", "keyed", *sets, env=cli_env(RLVR_TEST_JUDGE_KEY=rule.key)
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        unset = rlvr("run", "--store", str(tmp_path / "other"), *sets, env=cli_env(), timeout=300)
+    verdicts = rows(str(store), "SELECT status, reason FROM rewards WHERE run_id = 'keyed'")
+    assert {v["status"] for v in verdicts} == {"ok", "wrong", "error"}  # the rule judge's verdicts: it got the key
+    assert {v["reason"] for v in verdicts if v["status"] == "error"} == {
+        f"judge {url}/v1/chat/completions: HTTP 503: busy"  # its failures are its own 503s, never a 401
+    }
+    assert rule.calls > 0 and rule.key not in result.stdout + result.stderr
+    (record,) = [r for r in Store.open(str(store)).list_runs() if r["run_id"] == "keyed"]
+    config = json.loads(record["config_json"])
+    assert config["reward"]["judge"]["api_key_env"] == "RLVR_TEST_JUDGE_KEY"  # the variable's name, not the key
+    stored = [path for path in Path(store).rglob("*") if path.is_file()]
+    assert stored and not [path for path in stored if rule.key.encode() in path.read_bytes()]
+    assert unset.returncode != 0 and "Traceback" not in unset.stderr
+    assert unset.stderr.strip().splitlines()[-1] == (
+        "error: config key 'reward.judge.api_key_env': the environment variable RLVR_TEST_JUDGE_KEY is not set: "
+        "export it with the API key (got 'RLVR_TEST_JUDGE_KEY')"
     )
 
 
@@ -263,8 +377,11 @@ def test_a_reward_model_rewards_a_run_and_a_dead_one_stops_it(judge, tmp_path) -
     result = rlvr("run", "--store", str(tmp_path / "dead"), *sets, env=cli_env(), timeout=600)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: the reward model at {url}/down failed 16 of 16 verdicts this step (more than ")
-    assert last.endswith(f"first: reward server {url}/down/get_reward: HTTP 500: down for maintenance")
+    assert last == (  # its breaker, at its first stage: each answer of a failed batch is a failed verdict
+        f"error: the reward model at {url}/down failed 21 of its last 21 verdicts (more than reward.max_error_rate "
+        f"0.1 of a 200-verdict window), so the run stops asking it; last: reward server {url}/down/get_reward: HTTP "
+        "500: down for maintenance"
+    )
 
 
 def test_relabelling_a_judged_run_asks_its_judge_again_only_what_failed(judge, judged_store) -> None:
@@ -279,9 +396,7 @@ def test_relabelling_a_judged_run_asks_its_judge_again_only_what_failed(judge, j
     after = rows(store, "SELECT rollout_id, status, reason FROM relabeled_rewards WHERE run_id = 'again'")
     assert sorted(after, key=str) == sorted(before, key=str)
     failed = [r for r in after if r["status"] == "error"]
-    assert failed and {r["reason"] for r in failed} == {
-        f'judge {url}/v1/chat/completions: HTTP 503: {{"error":{{"message":"busy"}}}}'
-    }
+    assert failed and {r["reason"] for r in failed} == {f"judge {url}/v1/chat/completions: HTTP 503: busy"}
     assert rule.calls - calls == len(failed)  # every other verdict is in the store, a difficulty shard's too
 
     # scoring them with a model the run was never given: the line a run says, without Prefect's log of the task

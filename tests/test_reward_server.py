@@ -300,3 +300,68 @@ def test_two_serve_rm_processes_serve_one_sharded_batch(
     for log in logs:
         lines = log.read_text().splitlines()
         assert lines[0] == f"serving {reward_dir} (classifier) on {url_in(log)}" and lines[-1] == "stopped"
+
+
+def test_a_server_with_a_key_answers_401_to_every_request_without_it(reward_dir: Path, monkeypatch) -> None:
+    """Every route, /health included, before the body is read; the right bearer token is served as before."""
+    app = reward_app(load_served_model(str(reward_dir), batch_size=3), api_key="s3cret-rm-key")
+    refused = {
+        "error": {
+            "message": "missing or wrong API key: send the header Authorization: Bearer KEY",
+            "type": "AuthenticationError",
+            "code": 401,
+        }
+    }
+    with serving_in_thread(app) as url:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-rm-key"}):
+            for answer in (
+                httpx.get(f"{url}/health", headers=headers),
+                httpx.post(f"{url}/get_reward", json={"query": ["1+2=3"]}, headers=headers),
+            ):
+                assert (answer.status_code, answer.json()) == (401, refused)
+                assert answer.headers["WWW-Authenticate"] == "Bearer"
+        keyed = {"Authorization": "Bearer s3cret-rm-key"}
+        assert httpx.get(f"{url}/health", headers=keyed).json()["served"] == {}
+        assert len(httpx.post(f"{url}/get_reward", json={"query": ["1+2=3"]}, headers=keyed).json()["rewards"]) == 1
+        monkeypatch.setenv("RLVR_TEST_RM_KEY", "s3cret-rm-key")  # the client sends it from the environment
+        with RewardModelClient(RewardClientConfig(urls=[url], api_key_env="RLVR_TEST_RM_KEY")) as client:
+            assert len(client.get_reward(QUERIES[:2])) == 2
+
+
+@pytest.mark.slow
+def test_serve_rm_warns_beyond_loopback_without_a_key_and_refuses_a_key_variable_that_is_not_set(
+    tmp_path: Path,
+) -> None:
+    unset = rlvr("serve-rm", "--model", "tiny", "--api-key-env", "RLVR_TEST_UNSET_KEY", timeout=120)
+    assert_one_line_error(unset, "--api-key-env names 'RLVR_TEST_UNSET_KEY', but that environment variable is not set")
+    logs = {name: tmp_path / f"{name}.log" for name in ("open", "keyed")}
+    commands = {
+        "open": rlvr_command("serve-rm", "--model", "tiny", "--host", "0.0.0.0", "--port", "0"),
+        "keyed": rlvr_command(
+            "serve-rm", "--model", "tiny", "--host", "0.0.0.0", "--port", "0", "--api-key-env", "RLVR_TEST_RM_KEY"
+        ),
+    }
+    servers = {
+        name: subprocess.Popen(
+            command, stdout=logs[name].open("w"), stderr=subprocess.STDOUT, env=cli_env(RLVR_TEST_RM_KEY="k3y")
+        )
+        for name, command in commands.items()
+    }
+    try:
+
+        def started(log: Path) -> list[str] | None:
+            lines = log.read_text().splitlines()
+            return lines if any(line.startswith("press Ctrl-C") for line in lines) else None
+
+        opened, keyed = (wait_for(lambda log=logs[name]: started(log), 120, name, log=logs[name]) for name in logs)
+    finally:
+        for server in servers.values():
+            server.send_signal(signal.SIGINT)
+        for server in servers.values():
+            server.wait(timeout=30)
+    url = opened[1].rsplit(" on ", 1)[1]
+    assert (
+        opened[0] == f"warning: serving on 0.0.0.0 without --api-key-env: anyone who can reach {url} can use the model"
+    )
+    assert keyed[0].startswith("serving tiny") and not [line for line in keyed if "warning" in line]
+    assert "  every request needs the header Authorization: Bearer KEY, with the key in $RLVR_TEST_RM_KEY" in keyed

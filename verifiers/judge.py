@@ -143,7 +143,7 @@ class JudgeConfig(BaseModel):
         """The process's breaker of this judge, in a run; None outside one."""
         if self._max_error_rate is None:
             return None
-        return breaker_for(self.endpoint_name(), self._max_error_rate, BREAKER_WINDOW)
+        return breaker_for(self.endpoint_name(), self._max_error_rate, BREAKER_WINDOW, unit="verdicts")
 
 
 def template_hash(template: str) -> str:

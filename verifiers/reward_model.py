@@ -55,7 +55,7 @@ class RewardModelConfig(RewardClientConfig):
         """The process's breaker of these servers, in a run; None outside one."""
         if self._max_error_rate is None:
             return None
-        return breaker_for(self.endpoint_name(), self._max_error_rate, BREAKER_WINDOW)
+        return breaker_for(self.endpoint_name(), self._max_error_rate, BREAKER_WINDOW, unit="verdicts")
 
 
 class RewardModelVerifier(Verifier):
