@@ -20,6 +20,7 @@ from rlvr.trainer.engines import EngineConfig, engine_for
 from rlvr.trainer.generation import greedy
 from rlvr.trainer.multi_turn import Budgets, play_episodes
 from rlvr.trainer.policy import Policy
+from rlvr.trainer.prompts import check_readable
 from rlvr.verifiers.base import Score
 from rlvr.verifiers.cache import VerifierConfig, score_cached, verifier_identity
 from rlvr.verifiers.env_registry import EnvConfig
@@ -110,6 +111,7 @@ def greedy_episodes(
     trajectories = play_episodes(
         policy, env, problems, counts, budgets=budgets, settings=settings, row_keys=keys, engine=engine
     )
+    check_readable(policy.tokenizer, [t.prompt_ids for t in trajectories], f"env.type={env.type}")
     return [t.response for t in trajectories], [t.verdict for t in trajectories]
 
 

@@ -22,6 +22,7 @@ from rlvr.trainer.grpo import GRPOConfig, behaviour_logprobs
 from rlvr.trainer.multi_turn import Budgets, Trajectory, Turn
 from rlvr.trainer.multi_turn import play_episodes as play
 from rlvr.trainer.policy import Policy
+from rlvr.trainer.prompts import check_readable
 from rlvr.verifiers.env_registry import EnvConfig
 
 
@@ -55,6 +56,7 @@ def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> dict[str, Bui
     else:
         tasks = slot_tasks(inputs, slots, prompts)
         trajectories = play_episodes(engine, policy, EnvConfig.model_validate(env), tasks, slots, sampling, seed)
+        check_readable(policy.tokenizer, [t.prompt_ids for t in trajectories], f"env.type={env['type']}")
         if behaviour is not None and any(t.logprobs is None for t in trajectories):  # an engine that gives none
             computed = episode_logprobs(policy, prompts, trajectories, GRPOConfig.model_validate(behaviour))
             trajectories = [replace(t, logprobs=lp) for t, lp in zip(trajectories, computed)]

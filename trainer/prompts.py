@@ -16,6 +16,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlvr.chat import as_messages, chat_messages
+from rlvr.errors import UserError
+
+UNREADABLE_SHARE = 0.5  # an environment's openings with more unknown tokens than this are refused
 
 
 def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -58,3 +61,22 @@ def distinct_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> t
 def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids [B, P] of left-padded rows as `generate` numbers them: the real tokens from 0, padding 1."""
     return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+
+
+def check_readable(tokenizer: PreTrainedTokenizerBase, openings: Sequence[Sequence[int]], what: str) -> None:
+    """Refuse, in one line naming the share, episodes whose openings the policy cannot read: more than
+    `UNREADABLE_SHARE` of their tokens are the tokenizer's unknown token (the tiny built-in model's word vocabulary
+    turns a game's text into unknown tokens, and every episode then plays nothing). `what` names the environment."""
+    unknown = tokenizer.unk_token_id
+    total = sum(len(ids) for ids in openings)
+    if unknown is None or not total:
+        return
+    share = sum(token == unknown for ids in openings for token in ids) / total
+    if share > UNREADABLE_SHARE:
+        name = getattr(tokenizer, "name_or_path", "")
+        raise UserError(
+            f"{share:.0%} of the tokens of {what}'s openings are unknown to the policy's tokenizer"
+            f"{f' ({name})' if name else ''}: the model "
+            "cannot read the environment's text; choose a policy.model whose vocabulary covers it "
+            "(e.g. smollm2-135m-instruct)"
+        )
