@@ -276,6 +276,15 @@ def test_a_judge_behind_a_key_works_end_to_end_and_without_the_key_the_run_stops
         f"judge {url}/v1/chat/completions: HTTP 503: busy"  # its failures are its own 503s, never a 401
     }
     assert rule.calls > 0 and rule.key not in result.stdout + result.stderr
+    # before the difficulty stage asks: how many verdicts, then the rest's time at the first 2 x concurrency calls' rate
+    # (each line after the time since the run started, where stderr is not a terminal)
+    for line in (
+        rf"warning: difficulty will ask the judge at {re.escape(url)}/v1 for up to 1,228 verdicts \(614 problems x 2; "
+        r"the reward cache answers the ones it holds\)",
+        rf"warning: the judge at {re.escape(url)}/v1 answered difficulty's first 8 calls in \d+ s: its other 1,220 "
+        r"will take about \d+ (s|min) at that rate",
+    ):
+        assert re.search(rf"^(\[[\d:]+\] )?{line}$", result.stderr, re.M), result.stderr[-3000:]
     (record,) = [r for r in Store.open(str(store)).list_runs() if r["run_id"] == "keyed"]
     config = json.loads(record["config_json"])
     assert config["reward"]["judge"]["api_key_env"] == "RLVR_TEST_JUDGE_KEY"  # the variable's name, not the key
