@@ -47,6 +47,7 @@ def shared_prefect(prefect_api: str) -> Iterator[str]:
 # the file it runs and the next. With these first, the short files fill in behind them instead of one long file
 # running alone at the end. Order only: every file still runs whole, in one process.
 LONG_FILES = (
+    "test_combinations.py",
     "test_concurrent_runs.py",
     "test_kill_resume.py",
     "test_fencing.py",

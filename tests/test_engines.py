@@ -3,16 +3,12 @@ behind `http.server`, sampled with our transformers engine), and the registry wi
 
 from __future__ import annotations
 
-import json
 import socket
 import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,136 +18,20 @@ from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.trainer.engine_base import SamplingParams, request_seed
 from rlvr.trainer.engines import ENGINES, TransformersEngine, TransformersEngineConfig
-from rlvr.trainer.generation import Sample, _generate_ids, greedy, sample
+from rlvr.trainer.generation import Sample, greedy, sample
 from rlvr.trainer.multi_turn import Budgets, Trajectory, engine_seed, play_episodes, turn_key
-from rlvr.trainer.policy import Policy, PolicyConfig, init_policy, policy_from_files
+from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
 from rlvr.trainer.prompts import prompt_ids
 from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig
-from rlvr.trainer.rng import seeded_rng
 from rlvr.trainer.row_sampling import row_key
 from rlvr.trainer.vllm_engine import VLLMEngineConfig
 from rlvr.verifiers.env_registry import EnvConfig
 from tests.cli_helpers import cli_env, rlvr
 from tests.conftest import TINY_OVERRIDES
+from tests.local_servers import Server, ServerState, completions_answer
 from tests.test_multi_turn import eos_bias
 
 PROMPTS = ["1+2=", "3+4=", "5+5=", "9-2="]
-
-
-# --- the server ---------------------------------------------------------------------------------
-
-
-@dataclass
-class ServerState:
-    """What the server does (`fail_first` 503s, `delay_s` per request, token ids or not, an API key)
-    and what it saw (requests, the most in flight at once, reloaded directories)."""
-
-    policy: Policy
-    fail_first: int = 0
-    fail_status: int = 503
-    delay_s: float = 0.0
-    token_ids: bool = True
-    api_key: str | None = None
-    requests: list[dict[str, Any]] = field(default_factory=list)
-    failed: int = 0
-    in_flight: int = 0
-    max_in_flight: int = 0
-    reloads: list[str] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    sampling_lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def completions_answer(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
-    """`n` seeded samples of one prompt, as OpenAI's completions endpoint answers: token ids are continued as they
-    are (as vLLM does), a text is read as the rollouts read a prompt; each draw is `sample`'s for that seed (torch's
-    RNG is process-global, hence the lock: requests may overlap, sampling may not)."""
-    prompt, n, max_tokens, temperature = body["prompt"], int(body["n"]), int(body["max_tokens"]), body["temperature"]
-    with state.sampling_lock:
-        policy = state.policy
-        row = list(prompt) if isinstance(prompt, list) else prompt_ids(policy.tokenizer, [prompt])[0]
-        if float(temperature) == 0:  # greedy, as vLLM's server decodes at temperature 0
-            completions = _generate_ids(policy, [row], max_tokens, do_sample=False)[0] * n
-        else:
-            with seeded_rng(int(body["seed"]), policy.model.device):
-                completions, _ = _generate_ids(
-                    policy, [row] * n, max_tokens, do_sample=True, temperature=float(temperature),
-                    top_p=float(body["top_p"]), top_k=0,
-                )  # fmt: skip
-    choices = []
-    for index, ids in enumerate(completions):
-        stopped = bool(ids) and ids[-1] == policy.tokenizer.eos_token_id
-        text = policy.tokenizer.decode(ids, skip_special_tokens=True)
-        choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": "stop" if stopped else "length"}
-        if state.token_ids and body.get("return_token_ids"):
-            choice["token_ids"] = ids
-        choices.append(choice)
-    return {"object": "text_completion", "model": "tiny", "choices": choices[::-1]}  # any order: index says
-
-
-def reload_answer(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
-    """The `sync=reload` hook: serve the checkpoint directory the engine wrote."""
-    assert body["method"] == "reload_directory"
-    path = Path(body["args"][0])
-    files = {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
-    with state.sampling_lock:
-        state.policy = policy_from_files(files, source=str(path))
-    state.reloads.append(str(path))
-    return {"results": [None]}
-
-
-class Handler(BaseHTTPRequestHandler):
-    server: Server
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def reply(self, status: int, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def authorized(self) -> bool:
-        key = self.server.state.api_key
-        return key is None or self.headers.get("Authorization") == f"Bearer {key}"
-
-    def do_GET(self) -> None:
-        if not self.authorized():
-            return self.reply(401, {"error": "bad key"})
-        self.reply(200, {"data": [{"id": "tiny"}]} if self.path == "/v1/models" else {"error": "no route"})
-
-    def do_POST(self) -> None:
-        state = self.server.state
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if not self.authorized():
-            return self.reply(401, {"error": "bad key"})
-        with state.lock:
-            state.requests.append(body)
-            if state.failed < state.fail_first:
-                state.failed += 1
-                return self.reply(state.fail_status, {"error": "warming up"})
-            state.in_flight += 1
-            state.max_in_flight = max(state.max_in_flight, state.in_flight)
-        try:
-            time.sleep(state.delay_s)
-            routes = {"/v1/completions": completions_answer, "/collective_rpc": reload_answer}
-            self.reply(200, routes[self.path](state, body))
-        finally:
-            with state.lock:
-                state.in_flight -= 1
-
-
-class Server(ThreadingHTTPServer):
-    # server_close() joins the request threads: one still sleeping (a timed-out request) would otherwise sample
-    # later, reseeding torch's global RNG under whichever test runs next.
-    daemon_threads = False
-    block_on_close = True
-
-    def __init__(self, state: ServerState) -> None:
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.state = state
 
 
 @pytest.fixture
