@@ -1,8 +1,9 @@
-"""evaluate: greedy accuracy of a policy on a held-out split, verified like the training rewards; with an
-environment (`env`), of one greedy episode per problem, scored by the verdict the rollout loop gave it (the
-environment's own, its reward against `env.solved_at`, or an error), and by the problem's verifier only where the
-environment leaves its final answer to one (trainer/multi_turn.py). An answer whose verdict failed (status error)
-is not correct; past `reward.max_error_rate` of them the run stops (verifiers/outcomes.py)."""
+"""evaluate: greedy accuracy of a policy on a held-out split, verified like the training rewards: one greedy episode
+per problem of the run's environment, played by the rollout loop (trainer/multi_turn.py) as rollouts are, the
+one-turn default's included (its answers are `greedy`'s). An episode is scored by the verdict the rollout loop gave
+it (the environment's own, its reward against `env.solved_at`, or an error), and by the problem's verifier where the
+environment leaves its final answer to one (the one-turn default always does). An answer whose verdict failed
+(status error) is not correct; past `reward.max_error_rate` of them the run stops (verifiers/outcomes.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ from rlvr.trainer.checkpoints import load_policy
 from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.engine_base import RolloutEngine
 from rlvr.trainer.engines import EngineConfig, engine_for
-from rlvr.trainer.generation import greedy
-from rlvr.trainer.multi_turn import Budgets, play_episodes
+from rlvr.trainer.multi_turn import episode_budgets, play_episodes
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import check_readable
 from rlvr.verifiers.base import Score
@@ -44,13 +44,10 @@ def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
     if not problems:
         raise ValueError(f"evaluation split {cfg.split!r} has no problems")
     policy = inputs.load("policy", partial(load_policy, device=stage_device(ctx.params.get("device"))))
-    env = ctx.params.get("env")
-    given: list[Score | None] = [None] * len(problems)
+    env = ctx.params.get("env")  # None: the one-turn default
     engine = run_engine(policy, inputs.require_id("policy"), ctx)
-    if env is None:
-        answers = greedy_answers(policy, [p["prompt"] for p in problems], cfg, engine)
-    else:
-        answers, given = greedy_episodes(policy, EnvConfig.model_validate(env), problems, cfg, engine)
+    environment = EnvConfig() if env is None else EnvConfig.model_validate(env)
+    answers, given = greedy_episodes(policy, environment, problems, cfg, engine)
     ctx.usage.update(usage(policy.model))
     missing = [i for i, verdict in enumerate(given) if verdict is None]  # scored by the problem's verifier
     pairs = [(answers[i], problems[i]["reference"]) for i in missing]
@@ -87,13 +84,6 @@ def run_engine(policy: Policy, policy_ref: str, ctx: StageContext) -> RolloutEng
     return engine
 
 
-def greedy_answers(policy: Policy, prompts: list[str], cfg: EvaluateConfig, engine: RolloutEngine | None) -> list[str]:
-    """The policy's greedy answers: through the run's engine when it has one, else transformers on the policy."""
-    if engine is None:
-        return greedy(policy, prompts, max_new_tokens=cfg.max_new_tokens)
-    return engine.greedy(prompts, cfg.max_new_tokens)
-
-
 def greedy_episodes(
     policy: Policy,
     env: EnvConfig,
@@ -103,15 +93,17 @@ def greedy_episodes(
 ) -> tuple[list[str], list[Score | None]]:
     """One greedy episode of environment `env` per problem: each one's last answer, and the environment's verdict
     where it gave one (None: the problem's verifier scores the answer). A turn decodes at most
-    `evaluate.max_new_tokens` tokens, as a one-turn evaluation's answer does; through the run's `engine` when it
-    has one, as one-turn answers are."""
-    budgets = Budgets(env.max_turns, env.max_tokens, cfg.max_new_tokens, env.max_tool_output_tokens)
+    `evaluate.max_new_tokens` tokens; through the run's `engine` when it has one. The one-turn default's answers
+    are drawn as the engine decodes a batch of prompts greedily (`greedy`; through vllm or openai one temperature-0
+    request a prompt, as `engine.greedy` sends them); an environment's episodes are keyed by the problems' places."""
+    budgets = episode_budgets(env, cfg.max_new_tokens)
     settings = {"temperature": 0.0, "top_p": 1.0, "seed": 0}
-    counts, keys = [1] * len(problems), list(range(len(problems)))
+    counts, keys = [1] * len(problems), list(range(len(problems))) if env.multi_turn else None
     trajectories = play_episodes(
         policy, env, problems, counts, budgets=budgets, settings=settings, row_keys=keys, engine=engine
     )
-    check_readable(policy.tokenizer, [t.prompt_ids for t in trajectories], f"env.type={env.type}")
+    if env.multi_turn:
+        check_readable(policy.tokenizer, [t.prompt_ids for t in trajectories], f"env.type={env.type}")
     return [t.response for t in trajectories], [t.verdict for t in trajectories]
 
 

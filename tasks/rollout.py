@@ -1,7 +1,12 @@
 """rollout: sample the allocated number of responses per selected problem with the rollout engine
 (`rollout.type`) from the current policy, or, with flow.async_level k > 0, from the policy k steps back,
 beside the trainer: then each rollout keeps its staleness and the sampling policy's token log-probs.
-With GHPO's hints (`select.hints`) a prompt carries the share of its solution its selection row gives."""
+With GHPO's hints (`select.hints`) a prompt carries the share of its solution its selection row gives.
+
+Every rollout is an episode of the run's environment, played by the one rollout loop (trainer/multi_turn.py): the
+one-turn default's are episodes of `OneTurn`, whose first turn is drawn as the engine samples a batch of prompts,
+so they are the tokens `engine.generate` gives (tests/test_one_path.py), and whose rows keep the columns one-turn
+rollouts always had (the environment's columns null)."""
 
 from __future__ import annotations
 
@@ -9,6 +14,9 @@ import json
 from dataclasses import replace
 from functools import partial
 from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from rlvr.curricula.hints import HintConfig, hinted_prompt, solutions_of
 from rlvr.storage.ids import row_id
@@ -19,7 +27,7 @@ from rlvr.trainer.engine_base import RolloutEngine, SamplingParams
 from rlvr.trainer.engines import ENGINES, EngineConfig, TransformersEngine, engine_for
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, behaviour_logprobs
-from rlvr.trainer.multi_turn import Budgets, Trajectory, Turn
+from rlvr.trainer.multi_turn import Trajectory, Turn, episode_budgets
 from rlvr.trainer.multi_turn import play_episodes as play
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import check_readable
@@ -46,20 +54,15 @@ def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> dict[str, Bui
     sampling = cfg.sampling(seed)
     if behaviour is not None and ctx.params.get("logprobs") == "sampling":
         sampling = replace(sampling, logprob_temperature=behaviour["temperature"])
-    env = ctx.params.get("env")
-    if env is None:  # the one-turn case: a verifier scores the completion in the label stage
-        samples = engine.generate(prompts, [s["n_rollouts"] for s in slots], sampling)
-        logprobs = [s.logprobs for s in samples]
-        if behaviour is not None and any(lp is None for lp in logprobs):  # an engine that does not give them
-            logprobs = list(behaviour_logprobs(policy, prompts, samples, GRPOConfig.model_validate(behaviour)))
-        trajectories = [one_turn(s, lp) for s, lp in zip(samples, logprobs)]
-    else:
-        tasks = slot_tasks(inputs, slots, prompts)
-        trajectories = play_episodes(engine, policy, EnvConfig.model_validate(env), tasks, slots, sampling, seed)
-        check_readable(policy.tokenizer, [t.prompt_ids for t in trajectories], f"env.type={env['type']}")
-        if behaviour is not None and any(t.logprobs is None for t in trajectories):  # an engine that gives none
-            computed = episode_logprobs(policy, prompts, trajectories, GRPOConfig.model_validate(behaviour))
-            trajectories = [replace(t, logprobs=lp) for t, lp in zip(trajectories, computed)]
+    env = ctx.params.get("env")  # None: the one-turn default, whose completions the label stage scores
+    environment = EnvConfig() if env is None else EnvConfig.model_validate(env)
+    tasks = slot_tasks(inputs, slots, prompts)
+    trajectories = play_episodes(engine, policy, environment, tasks, slots, sampling, seed)
+    if environment.multi_turn:
+        check_readable(policy.tokenizer, [t.prompt_ids for t in trajectories], f"env.type={environment.type}")
+    if behaviour is not None and any(t.logprobs is None for t in trajectories):  # an engine that gives none
+        computed = episode_logprobs(policy, prompts, trajectories, GRPOConfig.model_validate(behaviour))
+        trajectories = [replace(t, logprobs=lp) for t, lp in zip(trajectories, computed)]
     ctx.usage.update(usage(policy.model))
     rollouts: list[dict[str, Any]] = []
     turns: list[dict[str, Any]] = []
@@ -94,28 +97,13 @@ def rollout_row(
     }
 
 
-def one_turn(sample: Sample, logprobs: list[float] | None) -> Trajectory:
-    """A one-turn rollout as the trajectory of an episode that ended after its first assistant turn."""
-    turn = Turn(0, "assistant", 0, sample.n_tokens, sample.text, (), None, 0.0)
-    return Trajectory(
-        prompt_index=sample.prompt_index,
-        sample_index=sample.sample_index,
-        prompt_ids=[],
-        completion_ids=sample.completion_ids,
-        loss_mask=[1] * sample.n_tokens,
-        logprobs=logprobs,
-        turns=[turn],
-        response=sample.text,
-        reward=None,
-        verdict=None,
-        stop_reason="done",
-        finish_reason=sample.finish_reason,
-    )
-
-
 def slot_tasks(inputs: Inputs, slots: list[dict[str, Any]], prompts: list[str]) -> list[dict[str, Any]]:
-    """Each slot's problem row, as the environment's task (its prompt the one sampled from: hinted or not)."""
-    problem_of = {p["problem_id"]: p for p in inputs.rows("problems")}
+    """Each slot's problem row, as the environment's task (its prompt the one sampled from: hinted or not). Only the
+    slots' rows are read into Python: a step samples a few of many problems."""
+    problems = inputs.table("problems")
+    ids = pa.array(sorted({s["problem_id"] for s in slots}), problems.schema.field("problem_id").type)
+    wanted = problems.filter(pc.is_in(problems["problem_id"], value_set=ids))
+    problem_of = {p["problem_id"]: p for p in wanted.to_pylist()}
     return [{**problem_of[s["problem_id"]], "prompt": prompt} for s, prompt in zip(slots, prompts)]
 
 
@@ -130,18 +118,19 @@ def play_episodes(
 ) -> list[Trajectory]:
     """The slots' episodes of environment `env`, every running one decoding in one batch a turn: on the policy
     itself for the transformers engine (over the data-parallel ranks, when the policy has them), else through the
-    engine's `continue_rows` (`policy` then renders the messages)."""
-    budgets = Budgets(
-        max_turns=env.max_turns,
-        max_tokens=env.max_tokens,
-        max_new_tokens=sampling.max_new_tokens,
-        max_tool_output_tokens=env.max_tool_output_tokens,
-    )
+    engine (`policy` then renders the messages). An environment's episodes are keyed by their slots; the one-turn
+    default's first (only) turn is drawn as the engine samples a batch of prompts, so it is `engine.generate`'s
+    draw: the transformers engine's `rollout.seeding` (row: keyed by the prompt's place in the call), one request a
+    group for vllm and openai."""
+    budgets = episode_budgets(env, sampling.max_new_tokens)
     settings: dict[str, Any] = dict(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
-    counts, keys = [s["n_rollouts"] for s in slots], [s["slot"] for s in slots]
+    counts = [s["n_rollouts"] for s in slots]
+    keys: list[int] | None = [s["slot"] for s in slots] if env.multi_turn else None
     if not isinstance(engine, TransformersEngine):
         return play(policy, env, tasks, counts, budgets=budgets, settings=settings, row_keys=keys, engine=engine)
     own = engine.settings()
+    if keys is None and own.seeding == "row":
+        keys = list(range(len(slots)))
     settings |= dict(cache=own.cache, precision=own.precision, logprob_temperature=sampling.logprob_temperature)
     return play(policy, env, tasks, counts, budgets=budgets, settings=settings, row_keys=keys)
 
@@ -248,8 +237,10 @@ def slot_prompts(
 
 ROLLOUT: Stage[EngineConfig] = Stage(
     name="rollout",
-    code_version="5",  # 5: every episode's env_verdict is the loop's (solved_at, faults, env_timeout); 4: GHPO hints
-    # stop before the step that states the answer; 3: pad-id tokens in prompts
+    code_version="6",  # 6: one-turn rollouts are OneTurn episodes of the rollout loop (same tokens and rollouts
+    # rows; their turns rows carry the loop's stop reason, token_budget for a cut one, and measured seconds); 5: every
+    # episode's env_verdict is the loop's (solved_at, faults, env_timeout); 4: GHPO hints stop before the step that
+    # states the answer; 3: pad-id tokens in prompts
     section="rollout",
     config=ENGINES.config_type,
     default=ENGINES.default_config,

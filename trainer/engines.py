@@ -28,10 +28,9 @@ from rlvr.trainer.engine_base import (
     check_rows,
     eos_ids,
 )
-from rlvr.trainer.generation import Cache, Precision, Sample, _generate_ids, greedy, sample
+from rlvr.trainer.generation import Cache, Precision, Sample, greedy, sample
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig
-from rlvr.trainer.row_sampling import RowSampler
 from rlvr.trainer.vllm_engine import VLLMEngine, VLLMEngineConfig
 
 __all__ = ["ENGINES", "EngineConfig", "RolloutEngine", "SamplingParams", "TransformersEngine", "engine_for"]
@@ -111,20 +110,20 @@ class TransformersEngine(RolloutEngine):
         seeds: Sequence[int],
     ) -> list[Continuation]:
         """Row-seeded (each seed is its row's key, trainer/row_sampling.py), so a row draws the same tokens in any
-        batch. The rollout stage plays episodes on the policy itself instead (multi_turn's `PolicyDecoding`),
-        which also records log-probs and splits over data-parallel ranks."""
+        batch: the rollout loop's own decoding on the policy (`multi_turn.continue_rows`, the one implementation),
+        which the rollout stage calls directly (it also records log-probs and splits over data-parallel ranks)."""
+        from rlvr.trainer.multi_turn import continue_rows  # the loop's module: imported when an episode needs it
+
         if self.policy is None:
             raise RuntimeError("call update_weights before continue_rows")
         check_rows(rows, budgets, seeds)
-        if not rows:
-            return []
         own = self.settings()
-        drawn = RowSampler(temperature, top_p, list(seeds)) if temperature > 0 else None  # 0: greedy
-        whole = [list(row) for row in rows]
-        ids, _ = _generate_ids(self.policy, whole, max(budgets), own.cache, own.precision, None, drawn, do_sample=False)
+        ids, _ = continue_rows(
+            self.policy, rows, budgets, temperature=temperature, top_p=top_p, keys=seeds, cache=own.cache,
+            precision=own.precision,
+        )  # fmt: skip
         eos = eos_ids(self.policy)
-        cut = [row[:budget] for row, budget in zip(ids, budgets)]
-        return [(row, "stop" if row and row[-1] in eos else "length") for row in cut]
+        return [(row, "stop" if row and row[-1] in eos else "length") for row in ids]
 
     def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
         if self.policy is None:

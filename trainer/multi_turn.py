@@ -1,41 +1,53 @@
-"""The multi-turn rollout loop: episodes of environments (verifiers/environment.py) played in batches, tokens kept
-from the first turn to the last, decoded on the policy in this process or through a rollout engine (vllm, openai).
+"""The rollout loop: every rollout and every evaluation answer of a run is an episode of its environment
+(verifiers/environment.py), the one-turn default (`OneTurn`) included, played here in batches, tokens kept from the
+first turn to the last, decoded on the policy in this process or through a rollout engine (vllm, openai).
 
 Tokens in, tokens out. An episode's prompt is its opening rendered as the model reads it (`ChatRendering`); each
 assistant turn's sampled ids are appended as they were drawn (loss mask 1), and each environment reply's
 messages as the token ids the chat template gives them (loss mask 0), so no earlier turn is ever decoded and
 tokenized again: what the loss trains on is exactly what was sampled (TRL 5224 and verl 6719 drifted there).
 
-Batched: at each turn every running episode decodes in one batch of token-id rows (each episode's whole context),
-seeded with a key per (seed, task key, sample, turn), so an episode's tokens do not depend on which others are
-still running. On the policy (`PolicyDecoding`) that is one `_generate_ids` call, row-seeded
-(trainer/row_sampling.py); through an engine (`EngineDecoding`) it is one `continue_rows` call, each row with a
-seed of its key (vLLM: one `generate`; a server: one request a row). The environments' steps of a turn
-run side by side in a thread pool, so a slow tool does not hold the others' steps.
+Batched: at each turn every running episode decodes in one batch of token-id rows (each episode's whole context).
+How a turn is seeded:
+- Keyed (`row_keys` given: environments' rollouts, every evaluation of an environment, a run over data-parallel
+  ranks): each episode draws every turn with a key of (seed, task key, sample, turn), so its tokens do not depend on
+  which others are in the batch or still running, nor on the rank count.
+- Grouped (`row_keys=None`: the one-turn default's rollouts and evaluations): the first turn is a GRPO group's
+  draw, `counts[i]` samples of task i's opening, decoded as the engine samples a batch of prompts (on the policy:
+  every row from one torch stream seeded with `seed`, as `generation.sample` draws; through an engine: its
+  `generate`, one request a group), so the one-turn default draws the tokens it drew before it was an episode.
+  Later turns, for an environment that has them, are keyed by the task's place in the call.
+On the policy (`PolicyDecoding`) a turn is one `continue_rows` call, the one implementation of continuing token rows
+on the policy (the transformers engine's `continue_rows` is it too); through an engine (`EngineDecoding`) it is one
+`engine.continue_rows` call, each row with a seed of its key (vLLM: one `generate`; a server: one request a row).
+The environments' steps of a turn run side by side in a thread pool, so a slow tool does not hold the others'
+steps; an environment whose steps are instant (`Environment.steps_inline`: the one-turn default) steps in place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import numbers
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
-from rlvr.trainer.engine_base import RolloutEngine
+from rlvr.trainer.engine_base import RolloutEngine, SamplingParams
 from rlvr.trainer.generation import Cache, Precision, TokenLogprobs, _decode, _eos_ids, _generate_ids
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import has_chat_template
+from rlvr.trainer.rng import seeded_rng
 from rlvr.trainer.row_sampling import RowSampler, mix64, row_key
 from rlvr.verifiers.base import Score, one_line
-from rlvr.verifiers.env_registry import environment_factory
+from rlvr.verifiers.env_registry import environment_class, environment_factory
 from rlvr.verifiers.environment import (
     ROLES,
     EnvConfig,
@@ -53,13 +65,16 @@ from rlvr.verifiers.environment import (
 __all__ = [
     "Budgets",
     "ChatRendering",
+    "Draw",
     "EngineDecoding",
     "PolicyDecoding",
     "Trajectory",
     "Turn",
     "TurnDecoding",
+    "continue_rows",
     "engine_seed",
     "environment_seed",
+    "episode_budgets",
     "play_episodes",
     "run_episodes",
     "tools_system_message",
@@ -68,6 +83,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # The fixed conversation that environment messages are appended to when they are rendered (`ChatRendering`).
 _BASE: list[Message] = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
@@ -90,6 +106,13 @@ class Budgets:
         for name, value in vars(self).items():
             if value < 1:
                 raise ValueError(f"budget {name} must be >= 1, got {value}")
+
+
+def episode_budgets(env: EnvConfig, max_new_tokens: int) -> Budgets:
+    """A run's budgets for episodes of `env` whose turns sample at most `max_new_tokens` each. A one-turn episode's
+    only budget is its turn's: env.max_tokens, which the one-turn default refuses to set, never cuts it."""
+    max_tokens = env.max_tokens if env.multi_turn else max_new_tokens
+    return Budgets(env.max_turns, max_tokens, max_new_tokens, env.max_tool_output_tokens)
 
 
 @dataclass
@@ -179,32 +202,62 @@ class ChatRendering:
         self.tokenizer = tokenizer
         self.templated = has_chat_template(tokenizer)
         self.model = str(getattr(tokenizer, "name_or_path", "") or "this model")
-        self._base: list[int] = []
-        self._after_turn: list[int] = []
-        if self.templated:
-            self._base = self._ids(self._render(_BASE, None, generation_prompt=False), special=False)
-            self._after_turn = self._after_end_of_turn(self._base, eos_ids)
+        self._eos_ids = eos_ids
+        self._base: tuple[list[int], list[int]] | None = None  # the fixed conversation's ids, what follows its turn
+        self._openings: dict[str, list[int]] = {}  # a GRPO group's episodes open alike: each rendered once
 
     def opening(self, opening: Opening) -> list[int]:
         """The prompt's ids: the opening with the assistant's first turn opened."""
+        (ids,) = self.openings([opening])
+        if isinstance(ids, Exception):
+            raise ids
+        return ids
+
+    def openings(self, openings: Sequence[Opening]) -> list[list[int] | Exception]:
+        """Each opening's ids (`opening`), or the exception its rendering raised. Openings alike (a GRPO group's)
+        are rendered once, and the new ones tokenized in one call, as trainer/prompts.py tokenizes a batch."""
+        keys = [repr((o.messages, o.tools, o.tools_described)) for o in openings]
+        texts: dict[str, str | Exception] = {}
+        for key, opening in zip(keys, openings):
+            if key not in self._openings and key not in texts:
+                try:
+                    texts[key] = self._prompt_text(opening)
+                except Exception as exc:  # the chat template refused it
+                    texts[key] = exc
+        new = [key for key, text in texts.items() if isinstance(text, str)]
+        if new:
+            encoded = self.tokenizer([texts[key] for key in new], add_special_tokens=not self.templated)
+            self._openings.update((key, list(ids)) for key, ids in zip(new, encoded["input_ids"]))
+        return [list(self._openings[key]) if key in self._openings else texts[key] for key in keys]
+
+    def _prompt_text(self, opening: Opening) -> str:
         messages = list(opening.messages)
         text = self._opening_text(messages, opening.tools)
         if opening.tools and not opening.tools_described and text == self._opening_text(messages, []):
             text = self._opening_text(_with_tools(messages, opening.tools), [])
-        return self._ids(text, special=not self.templated)
+        return text
 
     def reply(self, messages: Sequence[Message]) -> list[int]:
         """The ids appended after an assistant turn that ended with eos: `messages`, then the assistant's next
         turn opened."""
         if not self.templated:
             return self._ids("".join(f"\n{m['content']}" for m in messages), special=False)
+        base, after_turn = self._base_ids()
         longer = self._ids(self._render([*_BASE, *messages], None, generation_prompt=True), special=False)
-        if longer[: len(self._base)] != self._base:
+        if longer[: len(base)] != base:
             raise ValueError(
                 f"the chat template of {self.model} renders a conversation that gains messages differently from "
                 "the same conversation without them (not a token prefix); its turns cannot be appended as token ids"
             )
-        return self._after_turn + longer[len(self._base) :]
+        return after_turn + longer[len(base) :]
+
+    def _base_ids(self) -> tuple[list[int], list[int]]:
+        """The fixed conversation's ids and what the template writes after its assistant turn ends, rendered on the
+        first reply (a one-turn episode never needs them)."""
+        if self._base is None:
+            base = self._ids(self._render(_BASE, None, generation_prompt=False), special=False)
+            self._base = base, self._after_end_of_turn(base, self._eos_ids)
+        return self._base
 
     def cut(self, content: str, limit: int) -> str:
         """`content` cut to its first `limit` tokens, with a marker saying how many were left out."""
@@ -251,6 +304,7 @@ class _Episode:
     key: int  # row_key(seed, the task's key, sample index): the first turn's sampling key
     reset_seed: int = 0  # environment_seed of row_key(seed, the task's key, 0): the group's one instance
     environment: Environment | None = None
+    opening: Opening | None = None
     prompt_ids: list[int] = field(default_factory=list)
     completion_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
@@ -376,26 +430,86 @@ def environment_seed(key: int) -> int:
     return mix64(key ^ _ENVIRONMENT_STREAM) >> 1
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One row's sampled ids (ending with the eos when it stopped), their log-probs when recorded, and, from an engine
+    that gives them with a group draw, its text of the ids and why they ended (else the loop decodes the ids with the
+    policy's tokenizer and reads the ending from the eos)."""
+
+    ids: list[int]
+    logprobs: list[float] | None = None
+    text: str | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
 class TurnDecoding(Protocol):
-    """How a turn decodes: each running episode's row (its whole conversation as token ids) in, at most its budget
-    of sampled ids out (ending with the eos when it stopped), with their log-probs when `records_logprobs`."""
+    """How a turn decodes. `turn`: each running episode's row (its whole conversation as token ids) in, at most its
+    budget of sampled ids out, each row drawn with its key. `groups`: the first turn of a grouped call
+    (`run_episodes` without row keys): task i's `counts[i]` running episodes share its opening (`openings[i]`, its
+    ids the rows'), drawn as the engine samples a batch of prompts. Log-probs come with the ids when
+    `records_logprobs`."""
 
     @property
     def records_logprobs(self) -> bool: ...
 
-    def turn(
-        self, rows: list[list[int]], keys: list[int], budgets: list[int]
-    ) -> tuple[list[list[int]], list[list[float] | None]]: ...
+    def turn(self, rows: list[list[int]], keys: list[int], budgets: list[int]) -> list[Draw]: ...
+
+    def groups(
+        self, rows: list[list[int]], openings: list[Opening | None], counts: list[int], budget: int
+    ) -> list[Draw]: ...
+
+
+def continue_rows(
+    policy: Policy,
+    rows: Sequence[Sequence[int]],
+    budgets: Sequence[int],
+    *,
+    temperature: float,
+    top_p: float,
+    keys: Sequence[int] | None,
+    seed: int = 0,
+    cache: Cache = "shared_prompt",
+    precision: Precision = "auto",
+    logprob_temperature: float | None = None,
+) -> tuple[list[list[int]], list[list[float]] | None]:
+    """At most `budgets[i]` new tokens after each token-id row (its whole context), all rows in one batch, cut after
+    the first eos, and with `logprob_temperature` their log-probs under the raw logits at that temperature
+    (`TokenLogprobs`; else None): the one implementation of continuing token rows on the policy, which the loop's
+    turns and the transformers engine's `continue_rows` both are.
+
+    `keys`: row i draws with key `keys[i]` (trainer/row_sampling.py: the same tokens in any batch that holds it);
+    None: every row draws from one torch stream seeded with `seed`, as `generation.sample` draws a batch of prompts
+    (rollout.seeding=batch), so a row's tokens depend on the rows beside it. Temperature 0: greedy, whatever the keys.
+    """
+    if not rows:
+        return [], None
+    recorder = None if logprob_temperature is None else TokenLogprobs(logprob_temperature)
+    whole, longest = [list(row) for row in rows], max(budgets)
+    if temperature == 0:
+        ids, logprobs = _generate_ids(policy, whole, longest, cache, precision, recorder, None, do_sample=False)
+    elif keys is None:
+        with seeded_rng(seed, policy.model.device):
+            ids, logprobs = _generate_ids(
+                policy, whole, longest, cache, precision, recorder,
+                do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+            )  # fmt: skip
+    else:
+        drawn = RowSampler(temperature, top_p, list(keys))
+        ids, logprobs = _generate_ids(policy, whole, longest, cache, precision, recorder, drawn, do_sample=False)
+    cut = [row[:budget] for row, budget in zip(ids, budgets)]
+    return cut, [lp[:budget] for lp, budget in zip(logprobs, budgets)] if logprobs else None
 
 
 @dataclass(frozen=True)
 class PolicyDecoding:
-    """Turns decoded on the policy in this process (the transformers engine), row-seeded by the turn keys; with
+    """Turns decoded on the policy in this process (the transformers engine) by `continue_rows`: a keyed turn
+    row-seeded by the turn keys, a grouped first turn from one torch stream seeded with `seed`; with
     `logprob_temperature`, the sampled tokens' log-probs recorded as they are drawn (`TokenLogprobs`)."""
 
     policy: Policy
     temperature: float
     top_p: float
+    seed: int
     cache: Cache
     precision: Precision
     logprob_temperature: float | None
@@ -404,38 +518,66 @@ class PolicyDecoding:
     def records_logprobs(self) -> bool:
         return self.logprob_temperature is not None
 
-    def turn(
-        self, rows: list[list[int]], keys: list[int], budgets: list[int]
-    ) -> tuple[list[list[int]], list[list[float] | None]]:
-        recorder = None if self.logprob_temperature is None else TokenLogprobs(self.logprob_temperature)
-        drawn = RowSampler(self.temperature, self.top_p, keys) if self.temperature > 0 else None  # 0: greedy
-        ids, logprobs = _generate_ids(
-            self.policy, rows, max(budgets), self.cache, self.precision, recorder, drawn, do_sample=False
-        )
-        cut = [row[:budget] for row, budget in zip(ids, budgets)]
-        return cut, [lp[:budget] for lp, budget in zip(logprobs, budgets)] if logprobs else [None] * len(cut)
+    def turn(self, rows: list[list[int]], keys: list[int], budgets: list[int]) -> list[Draw]:
+        return self._draw(rows, keys, budgets)
+
+    def groups(
+        self, rows: list[list[int]], openings: list[Opening | None], counts: list[int], budget: int
+    ) -> list[Draw]:
+        return self._draw(rows, None, [budget] * len(rows))
+
+    def _draw(self, rows: list[list[int]], keys: list[int] | None, budgets: list[int]) -> list[Draw]:
+        ids, logprobs = continue_rows(
+            self.policy, rows, budgets, temperature=self.temperature, top_p=self.top_p, keys=keys, seed=self.seed,
+            cache=self.cache, precision=self.precision, logprob_temperature=self.logprob_temperature,
+        )  # fmt: skip
+        return [Draw(row, None if logprobs is None else logprobs[i]) for i, row in enumerate(ids)]
 
 
 @dataclass(frozen=True)
 class EngineDecoding:
-    """Turns decoded by a rollout engine that keeps its own weights (vLLM in this process, a server elsewhere):
-    one `continue_rows` call a turn, each row with a seed made from its turn key. Such engines give no log-probs
-    (the rollout stage computes the sampling policy's when a run needs them)."""
+    """Turns decoded by a rollout engine that keeps its own weights (vLLM in this process, a server elsewhere): a keyed
+    turn is one `continue_rows` call, each row with a seed made from its turn key; a grouped first turn is one
+    `generate` call, the engine's own draw of `counts[i]` samples of each opening (one request a group), each opening
+    sent as a chat prompt (its messages), which every engine renders to the opening's ids (trainer/prompts.py).
+    Such engines give no log-probs (the rollout stage computes the sampling policy's when a run needs them)."""
 
     engine: RolloutEngine
     temperature: float
     top_p: float
+    seed: int
 
     @property
     def records_logprobs(self) -> bool:
         return False
 
-    def turn(
-        self, rows: list[list[int]], keys: list[int], budgets: list[int]
-    ) -> tuple[list[list[int]], list[list[float] | None]]:
+    def turn(self, rows: list[list[int]], keys: list[int], budgets: list[int]) -> list[Draw]:
         seeds = [engine_seed(key) for key in keys]
         continued = self.engine.continue_rows(rows, budgets, self.temperature, self.top_p, seeds)
-        return [ids[:budget] for (ids, _), budget in zip(continued, budgets)], [None] * len(rows)
+        return [Draw(ids[:budget]) for (ids, _), budget in zip(continued, budgets)]
+
+    def groups(
+        self, rows: list[list[int]], openings: list[Opening | None], counts: list[int], budget: int
+    ) -> list[Draw]:
+        first = 0
+        for count in counts:  # a group is one prompt: its episodes opened alike
+            if any(row != rows[first] for row in rows[first : first + count]):
+                raise ValueError("a grouped first turn (row_keys=None) needs a task's episodes to open alike")
+            first += count
+        prompts = [_as_prompt(opening) if count else "" for opening, count in zip(openings, counts)]
+        sampling = SamplingParams(budget, self.temperature, self.top_p, self.seed)
+        return [
+            Draw(s.completion_ids[:budget], None, s.text, s.finish_reason)
+            for s in self.engine.generate(prompts, counts, sampling)
+        ]
+
+
+def _as_prompt(opening: Opening | None) -> str:
+    """An opening as the chat prompt an engine's `generate` takes: its messages' JSON (rlvr/chat.py), which reads as
+    the opening does; an opening with tools has no such prompt."""
+    if opening is None or opening.tools:
+        raise ValueError("a grouped first turn (row_keys=None) sends each opening as a prompt, without tools")
+    return json.dumps(opening.messages)
 
 
 def engine_seed(key: int) -> int:
@@ -454,7 +596,7 @@ def run_episodes(
     temperature: float,
     top_p: float,
     seed: int,
-    row_keys: Sequence[int],
+    row_keys: Sequence[int] | None,
     cache: Cache = "shared_prompt",
     precision: Precision = "auto",
     logprob_temperature: float | None = None,
@@ -464,8 +606,10 @@ def run_episodes(
 ) -> list[Trajectory]:
     """`counts[i]` episodes of task i, each with a fresh environment from `factories[i]`, grouped by task in order
     (as `generation.sample` groups samples). Every episode of task i resets with `environment_seed` of the key
-    (seed, row_keys[i], 0), so a GRPO group plays one instance (one game, one hidden number), and episode j samples
-    its turns with `turn_key`s of its key (seed, row_keys[i], j) (`row_keys`: one distinct int a task).
+    (seed, key i, 0), so a GRPO group plays one instance (one game, one hidden number), and episode j samples its
+    turns with `turn_key`s of its key (seed, key i, j), where key i is `row_keys[i]` (one distinct int a task).
+    `row_keys=None`: the call is grouped (the module's docstring): the first turn draws each task's episodes as one
+    prompt's group, as the engine samples a batch of prompts, and key i is i.
 
     Each turn: every running episode samples at most min(max_new_tokens, what max_tokens leaves) tokens, all in
     one batch; then their environments step, side by side. An episode ends when a turn did not end with eos
@@ -479,7 +623,7 @@ def run_episodes(
     on every sampled turn, a cut one too, so a verifier's one-turn episode scores what `sample` would give it.
     Each trajectory carries its verdict (`_Episode.verdict`); `solved_at` overrides the environments' own
     threshold for an episode rewarded without a verdict (the run's env.solved_at).
-    `environment_threads`: resets and steps running at once (env.parallel_steps).
+    `environment_threads`: resets and steps running at once (env.parallel_steps); 0: one after another, in place.
     With `logprob_temperature`, the sampled tokens' log-probs (`TokenLogprobs`), 0.0 on environment tokens.
     `temperature` 0: greedy decoding (evaluations), the same tokens whatever the keys.
 
@@ -490,22 +634,30 @@ def run_episodes(
     _check_arguments(policy, factories, tasks, counts, row_keys, temperature, environment_threads, engine)
     rendering = ChatRendering(policy.tokenizer, _eos_ids(policy))
     decoding: TurnDecoding = (
-        PolicyDecoding(policy, temperature, top_p, cache, precision, logprob_temperature)
+        PolicyDecoding(policy, temperature, top_p, seed, cache, precision, logprob_temperature)
         if engine is None
-        else EngineDecoding(engine, temperature, top_p)
+        else EngineDecoding(engine, temperature, top_p, seed)
     )
+    keys = list(range(len(tasks))) if row_keys is None else list(row_keys)
+    resets = [environment_seed(row_key(seed, key, 0)) for key in keys]
     episodes = [
-        _Episode(i, j, row_key(seed, row_keys[i], j), environment_seed(row_key(seed, row_keys[i], 0)))
-        for i, count in enumerate(counts)
-        for j in range(count)
+        _Episode(i, j, row_key(seed, keys[i], j), resets[i]) for i, count in enumerate(counts) for j in range(count)
     ]
-    with ThreadPoolExecutor(max_workers=environment_threads, thread_name_prefix="environment") as pool:
+    threads = environment_threads or None  # 0: in place
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="environment") if threads else None
+    with pool or contextlib.nullcontext():
         try:
             _open_all(episodes, factories, tasks, rendering, pool)
-            _play_turns(episodes, budgets, decoding, rendering, policy, pool)
+            _play_turns(episodes, budgets, decoding, rendering, policy, pool, len(tasks) if row_keys is None else 0)
         finally:
-            list(pool.map(_close, [e for e in episodes if e.environment is not None]))
+            list(_each(pool, _close, [e for e in episodes if e.environment is not None]))
     return [e.trajectory(decoding.records_logprobs, solved_at) for e in episodes]
+
+
+def _each(pool: ThreadPoolExecutor | None, work: Callable[[_Episode], _T], episodes: list[_Episode]) -> Iterator[_T]:
+    """`work` on every episode, in order: side by side in the pool, or one after another in place without one (for
+    environments that answer at once, where handing each call to a thread costs more than the call)."""
+    return map(work, episodes) if pool is None else pool.map(work, episodes)
 
 
 def _play_turns(
@@ -514,15 +666,17 @@ def _play_turns(
     decoding: TurnDecoding,
     rendering: ChatRendering,
     policy: Policy,
-    pool: ThreadPoolExecutor,
+    pool: ThreadPoolExecutor | None,
+    grouped_tasks: int,
 ) -> None:
     """Turn after turn until every episode has stopped or `max_turns` are taken: the running episodes sample in one
-    batch, then their environments step side by side."""
+    batch, then their environments step side by side. `grouped_tasks` > 0: the call's task count, its first turn
+    drawn by groups."""
     for turn in range(budgets.max_turns):
         running = [e for e in episodes if e.stop_reason is None]
         if not running:
             return
-        _sample_turn(running, turn, budgets, decoding, policy)
+        _sample_turn(running, turn, budgets, decoding, policy, grouped_tasks if turn == 0 else 0)
         _step_all(running, turn == budgets.max_turns - 1, budgets, rendering, pool)
 
 
@@ -531,7 +685,7 @@ def _check_arguments(
     factories: Sequence[Any],
     tasks: Sequence[Any],
     counts: Sequence[int],
-    row_keys: Sequence[int],
+    row_keys: Sequence[int] | None,
     temperature: float,
     environment_threads: int,
     engine: RolloutEngine | None,
@@ -541,19 +695,20 @@ def _check_arguments(
             "a policy over data-parallel ranks (train.data_parallel) plays episodes through play_episodes, which "
             "splits them over the ranks"
         )
-    if not len(factories) == len(tasks) == len(counts) == len(row_keys):
+    keys = len(tasks) if row_keys is None else len(row_keys)
+    if not len(factories) == len(tasks) == len(counts) == keys:
         raise ValueError(
             f"one factory, count and row key a task: {len(tasks)} tasks, {len(factories)} factories, "
-            f"{len(counts)} counts, {len(row_keys)} row keys"
+            f"{len(counts)} counts, {keys} row keys"
         )
     if any(count < 0 for count in counts):
         raise ValueError(f"counts must be >= 0, got {list(counts)}")
-    if len(set(row_keys)) != len(row_keys):
+    if row_keys is not None and len(set(row_keys)) != len(row_keys):
         raise ValueError(f"row_keys must be distinct, got {list(row_keys)}")
     if temperature < 0:
         raise ValueError("temperature must be >= 0 (0: greedy decoding, as evaluations decode)")
-    if environment_threads < 1:
-        raise ValueError(f"environment_threads must be >= 1, got {environment_threads}")
+    if environment_threads < 0:
+        raise ValueError(f"environment_threads must be >= 0 (0: in place), got {environment_threads}")
 
 
 def _open_all(
@@ -561,7 +716,7 @@ def _open_all(
     factories: Sequence[Callable[[], Environment]],
     tasks: Sequence[Mapping[str, Any]],
     rendering: ChatRendering,
-    pool: ThreadPoolExecutor,
+    pool: ThreadPoolExecutor | None,
 ) -> None:
     """Make and reset every episode's environment (side by side) and render its prompt."""
 
@@ -576,37 +731,55 @@ def _open_all(
         except Exception as exc:
             return exc, time.perf_counter() - started
 
-    for episode, (opened, seconds) in zip(episodes, pool.map(open_one, episodes)):
-        if not isinstance(opened, Opening):
-            episode.fault("user", opened, seconds)
-            continue
-        problem = _message_problem(opened.messages, "the opening's")
-        try:
-            if problem is None:
-                episode.prompt_ids = rendering.opening(opened)
-        except Exception as exc:  # the chat template refused the opening: this episode ends, the others play
-            problem = _exception_text(exc)
+    usable: list[tuple[_Episode, Opening, float]] = []
+    for episode, (opened, seconds) in zip(episodes, _each(pool, open_one, episodes)):
+        problem = opened if not isinstance(opened, Opening) else _message_problem(opened.messages, "the opening's")
         if problem is not None:
             episode.fault("user", problem, seconds)
+        else:
+            assert isinstance(opened, Opening)
+            usable.append((episode, opened, seconds))
+    rendered = rendering.openings([opened for _, opened, _ in usable])
+    for (episode, opened, seconds), ids in zip(usable, rendered):
+        if isinstance(ids, Exception):  # the chat template refused the opening: this episode ends, the others play
+            episode.fault("user", _exception_text(ids), seconds)
+        else:
+            episode.prompt_ids, episode.opening = ids, opened
 
 
-def _sample_turn(running: list[_Episode], turn: int, budgets: Budgets, decoding: TurnDecoding, policy: Policy) -> None:
-    """One assistant turn of every running episode, decoded in one batch."""
+def _sample_turn(
+    running: list[_Episode], turn: int, budgets: Budgets, decoding: TurnDecoding, policy: Policy, grouped_tasks: int
+) -> None:
+    """One assistant turn of every running episode, decoded in one batch: keyed, or by groups when `grouped_tasks`
+    (the call's task count) is set."""
     limits = [min(budgets.max_new_tokens, budgets.max_tokens - len(e.completion_ids)) for e in running]
-    keys = [turn_key(e.key, turn) for e in running]
+    rows = [e.prompt_ids + e.completion_ids for e in running]
     started = time.perf_counter()
-    sampled, logprobs = decoding.turn([e.prompt_ids + e.completion_ids for e in running], keys, limits)
+    if grouped_tasks:
+        openings: list[Opening | None] = [None] * grouped_tasks
+        counts = [0] * grouped_tasks
+        for episode in running:
+            openings[episode.prompt_index] = openings[episode.prompt_index] or episode.opening
+            counts[episode.prompt_index] += 1
+        drawn = decoding.groups(rows, openings, counts, max(limits))
+    else:
+        drawn = decoding.turn(rows, [turn_key(e.key, turn) for e in running], limits)
     share = (time.perf_counter() - started) / len(running)
     eos = _eos_ids(policy)
-    for episode, ids, row_logprobs in zip(running, sampled, logprobs):
-        start, end = episode.add(ids, 1, row_logprobs)
-        episode.response = _decode(policy, ids)
-        episode.finish_reason = "stop" if ids and ids[-1] in eos else "length"
+    for episode, draw in zip(running, drawn, strict=True):
+        ids = draw.ids
+        start, end = episode.add(ids, 1, draw.logprobs)
+        episode.response = _decode(policy, ids) if draw.text is None else draw.text
+        episode.finish_reason = draw.finish_reason or ("stop" if ids and ids[-1] in eos else "length")
         episode.turns.append(Turn(len(episode.turns), "assistant", start, end, episode.response, (), None, share))
 
 
 def _step_all(
-    running: list[_Episode], last_turn: bool, budgets: Budgets, rendering: ChatRendering, pool: ThreadPoolExecutor
+    running: list[_Episode],
+    last_turn: bool,
+    budgets: Budgets,
+    rendering: ChatRendering,
+    pool: ThreadPoolExecutor | None,
 ) -> None:
     """Every running episode's environment answers its last turn (side by side); each reply is appended or
     ends the episode."""
@@ -622,7 +795,7 @@ def _step_all(
         except Exception as exc:
             return exc, time.perf_counter() - started
 
-    for episode, (reply, seconds) in zip(running, pool.map(step_one, running)):
+    for episode, (reply, seconds) in zip(running, _each(pool, step_one, running)):
         if not isinstance(reply, Reply):
             episode.fault("tool", reply, seconds)
             continue
@@ -691,16 +864,26 @@ def play_episodes(
     *,
     budgets: Budgets,
     settings: Mapping[str, Any],
-    row_keys: Sequence[int],
+    row_keys: Sequence[int] | None,
     engine: RolloutEngine | None = None,
 ) -> list[Trajectory]:
     """`run_episodes` of environment `env` (one environment per episode, from its registry factory), in this
     process or, for a policy over data-parallel ranks (`policy.ranks`) decoding on itself, split over them by
     tasks: each rank plays its share with its own environments from the whole weights, and rank 0 gathers the
     trajectories. Reset seeds and sampling keys come from (seed, task key, sample, turn), so the rank count
-    changes no token. With an `engine` (vllm, openai) every episode plays here and decodes through it.
-    `settings`: run_episodes' temperature, top_p, seed, cache, precision and logprob_temperature."""
+    changes no token; a grouped call (`row_keys=None`) is keyed by the tasks' places there, which draws what one
+    process draws greedily (an evaluation) and is refused when sampling (one torch stream cannot be split: the run
+    config refuses rollout.seeding=batch with ranks). With an `engine` (vllm, openai) every episode plays here and
+    decodes through it. `settings`: run_episodes' temperature, top_p, seed, cache, precision and
+    logprob_temperature."""
     if engine is None and policy.ranks is not None and not policy.ranks.in_op:
+        if row_keys is None:
+            if settings.get("temperature", 0.0) != 0:
+                raise ValueError(
+                    "a grouped draw (row_keys=None) samples from one torch stream, which data-parallel ranks cannot "
+                    "split: give row keys (rollout.seeding=row)"
+                )
+            row_keys = range(len(tasks))
         request = {
             "env": env.model_dump(mode="json"),
             "tasks": [dict(task) for task in tasks],
@@ -718,7 +901,7 @@ def play_episodes(
         counts,
         budgets=budgets,
         row_keys=row_keys,
-        environment_threads=env.parallel_steps,
+        environment_threads=0 if environment_class(env.type).instant else env.parallel_steps,
         engine=engine,
         solved_at=env.solved_at,
         **settings,

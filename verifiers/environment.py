@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rlvr.chat import as_messages
 from rlvr.errors import UserError
 from rlvr.verifiers.base import Score, Status, Verifier
 
@@ -198,6 +199,9 @@ class Environment(ABC):
       needs `env.solved_at`. An instance may set its own (the gym adapter: GEM's success reward for `make: gem`).
     - `scores_unrewarded`: an episode that ends with no reward and no verdict is left to the label stage, which
       scores its last answer with the problem's verifier (one_turn, calculator, retry); otherwise it is `wrong`.
+    - `instant`: its reset, step and close return at once (no tool, no process, no network), so the rollout loop
+      calls them in place, one after another, rather than handing each to its thread pool, which costs more than
+      the call (the one-turn default: every rollout of a run is one of its episodes).
     """
 
     name: ClassVar[str]
@@ -205,6 +209,7 @@ class Environment(ABC):
     env_keys: ClassVar[frozenset[str]] = frozenset({"solved_at"})
     solved_at: float | None = None
     scores_unrewarded: ClassVar[bool] = False
+    instant: ClassVar[bool] = False
 
     @abstractmethod
     def reset(self, task: Mapping[str, Any], seed: int) -> Opening:
@@ -236,12 +241,18 @@ class Environment(ABC):
 class OneTurn(Environment):
     """A verifier as an environment: the problem's prompt is the conversation, no tools, and the first assistant
     turn ends the episode with the verifier's verdict as its reward. Without a verifier the episode ends with no
-    reward, and the label stage scores the response with the problem's own verifier."""
+    reward, and the label stage scores the response with the problem's own verifier.
+
+    The default environment (`env.type=one_turn`): every rollout and evaluation answer of a run without another
+    environment is one of its episodes, with no verifier (the label stage scores them; `env.verifier` is refused),
+    played by the rollout loop (trainer/multi_turn.py), which draws its one turn as the engine samples a batch of
+    prompts, so its tokens are `engine.generate`'s. `instant`: its step is a verifier's score at most."""
 
     name = "one_turn"
     version = "1"
     env_keys = frozenset({"verifier"})
     scores_unrewarded = True
+    instant = True
 
     def __init__(self, verifier: Verifier | None = None) -> None:
         self.verifier = verifier
@@ -257,8 +268,6 @@ class OneTurn(Environment):
         return partial(cls, verifier)
 
     def reset(self, task: Mapping[str, Any], seed: int) -> Opening:
-        from rlvr.chat import as_messages
-
         self._reference = task.get("reference")
         return Opening(messages=as_messages(str(task["prompt"])))
 
