@@ -121,6 +121,8 @@ def load_run(store: Store, con: duckdb.DuckDBPyConnection, run_id: str, record: 
     difficulty: dict[str, list[float]] = {}
     difficulty_rows = _rows(con, "SELECT policy_id, k, pass_rate FROM difficulty WHERE run_id = ?", run_id)
     for row in difficulty_rows:
+        if row["pass_rate"] is None:  # no verdict on any of its samples (all failed), or difficulty from labels
+            continue
         difficulty.setdefault(row["policy_id"] or "unknown policy", []).append(row["pass_rate"])
     data = RunData(
         run_id=run_id,
