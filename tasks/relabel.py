@@ -5,7 +5,8 @@ Writes `relabeled_rewards` (the rewards schema; a kind of its own so the `reward
 Verdicts the current version already gave come from the reward cache; the new ones are cached. A problem judged
 by a model (the judge, a reward model) is asked again with its question, of the endpoint the run was given
 (`cfg.judge`, `cfg.reward_model`: the run's reward section, which `rlvr relabel` reads from the run's config), as
-the label stage asks it, except that no error rate stops a relabelling: failed verdicts stay `error` rows.
+the label stage asks it, except that the step's share of failed verdicts stops no relabelling (they stay `error`
+rows); the endpoint's circuit breaker still stops one that fails call after call (rlvr/endpoints.py).
 """
 
 from __future__ import annotations
