@@ -73,10 +73,8 @@ def check_readable(tokenizer: PreTrainedTokenizerBase, openings: Sequence[Sequen
         return
     share = sum(token == unknown for ids in openings for token in ids) / total
     if share > UNREADABLE_SHARE:
-        name = getattr(tokenizer, "name_or_path", "")
         raise UserError(
-            f"{share:.0%} of the tokens of {what}'s openings are unknown to the policy's tokenizer"
-            f"{f' ({name})' if name else ''}: the model "
+            f"{share:.0%} of the tokens of {what}'s openings are unknown to the policy's tokenizer: the model "
             "cannot read the environment's text; choose a policy.model whose vocabulary covers it "
             "(e.g. smollm2-135m-instruct)"
         )
