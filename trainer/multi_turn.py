@@ -21,7 +21,7 @@ On the policy (`PolicyDecoding`) a turn is one `continue_rows` call, the one imp
 on the policy (the transformers engine's `continue_rows` is it too); through an engine (`EngineDecoding`) it is one
 `engine.continue_rows` call, each row with a seed of its key (vLLM: one `generate`; a server: one request a row).
 The environments' steps of a turn run side by side in a thread pool, so a slow tool does not hold the others'
-steps; an environment whose steps are instant (`Environment.steps_inline`: the one-turn default) steps in place.
+steps; an environment whose calls return at once (`Environment.instant`: the one-turn default) steps in place.
 """
 
 from __future__ import annotations
