@@ -50,6 +50,14 @@ def _model_reward(cfg: Any) -> str | None:
     return None
 
 
+def _unreadable_by_tiny(template: str) -> bool:
+    """Whether a hint template's own text (its fields aside) has characters outside the tiny model's vocabulary."""
+    from rlvr.trainer.tiny_model import VOCAB
+
+    text = template.replace("{prompt}", "").replace("{hint}", "")
+    return any(char not in VOCAB for char in text)
+
+
 def _rlpr(cfg: Any) -> bool:
     return bool(cfg.label.reward == "rlpr")
 
@@ -165,6 +173,18 @@ RULES: tuple[Rule, ...] = (
             "inside the model's own forward); leave it unset"
         ),
     ),
+    Rule(
+        "hints the tiny model cannot read",
+        ("select.hints.template", "policy.model"),
+        lambda cfg: (
+            cfg.select.hints.enabled and cfg.policy.model == "tiny" and _unreadable_by_tiny(cfg.select.hints.template)
+        ),
+        lambda cfg: (
+            "select.hints.enabled with policy.model=tiny: the hint template's text is unknown to the tiny model (its "
+            "vocabulary is digits and + - * =), so its hinted prompts would be mostly unknown tokens; set "
+            "select.hints.template='{prompt}{hint}' or a policy.model that reads text"
+        ),
+    ),
 )
 
 
@@ -189,6 +209,7 @@ EXAMPLES: dict[str, list[str]] = {
         "env.options={make: gem, id: 'game:GuessTheNumber-v0-easy'}",
         "select.hints.enabled=true",
     ],
+    "hints the tiny model cannot read": ["select.hints.enabled=true"],
     "RLPR with CLPO": ["label.reward=rlpr", "restructure.enabled=true"],
     "RLPR with GHPO": ["label.reward=rlpr", "select.hints.enabled=true"],
     "RLPR on ranks": ["label.reward=rlpr", "train.data_parallel=2"],

@@ -53,7 +53,8 @@ def test_the_page_is_generated_from_the_rules():
     [
         [],
         ["env.type=calculator"],
-        ["env.type=retry", "select.hints.enabled=true"],  # retry shows the problem's prompt: hints reach it
+        # retry shows the problem's prompt: hints reach it (in a template the tiny model reads)
+        ["env.type=retry", "select.hints.enabled=true", "select.hints.template={prompt}{hint}"],
         ["synthesize.source.verifier=judge"],  # a judge on one-turn rollouts
         ["label.reward=rlpr", "flow.async_level=1"],
         ["train.data_parallel=2", "env.type=calculator", "allocate.type=knapsack"],

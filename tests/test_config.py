@@ -107,7 +107,7 @@ def test_keys_added_later_leave_the_ids_of_earlier_runs_as_they_were():
     # GHPO's hints and CLPO's same-step join are left out of dumps while off / at the old meaning
     assert config_id("select.hints.enabled=false") == config_id()
     assert config_id("restructure.join=next_step", "restructure.share=0.25") == config_id()
-    assert config_id("select.hints.enabled=true") != config_id()
+    assert config_id("select.hints.enabled=true", "select.hints.template={prompt}{hint}") != config_id()
     # how many data-parallel ranks share an update, and how, is placement (a resume may change it); with ranks,
     # rollouts are row-seeded, which is what changes the id
     ranks = {config_id("train.data_parallel=2"), config_id("train.data_parallel=4", "train.sharding=replicate")}

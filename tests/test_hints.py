@@ -389,6 +389,7 @@ GHPO_RUN = [
     "evaluate.every=4",
     "checkpoint.every=8",
     "select.hints.enabled=true",
+    "select.hints.template={prompt}{hint}",  # text the tiny model reads (flows/compatibility.py)
     "synthesize.source.type=arithmetic",
     "synthesize.source.terms=3",  # two steps: one-step solutions state the answer at once and are never hinted
     "synthesize.source.count=16",
@@ -531,7 +532,9 @@ def test_a_run_whose_problems_have_no_solution_is_warned(tmp_path) -> None:
     listen(listener)
     try:
         _warn_without_solutions(
-            str(tmp_path / "store"), load_config(None, ["select.hints.enabled=true"]), "problems-plain"
+            str(tmp_path / "store"),
+            load_config(None, ["select.hints.enabled=true", "select.hints.template={prompt}{hint}"]),
+            "problems-plain",
         )
         _warn_without_solutions(str(tmp_path / "store"), load_config(None, []), "problems-plain")  # hints off: silent
     finally:

@@ -29,7 +29,7 @@ import pytest
 
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
-from tests.cli_helpers import REPO, cli_env, committed, rlvr_command
+from tests.cli_helpers import REPO, FolderChanges, cli_env, committed, rlvr_command, store_folders
 
 pytestmark = pytest.mark.slow
 
@@ -78,17 +78,21 @@ def between_difficulty_shards(store: Path) -> bool:
     return False
 
 
-def kill_when(proc: subprocess.Popen, condition: Callable[[], bool], timeout: float = 240) -> bool:
-    """SIGKILL `proc` as soon as `condition` holds; False if the process ended first."""
+def kill_when(proc: subprocess.Popen, condition: Callable[[], bool], store: Path, timeout: float = 240) -> bool:
+    """SIGKILL `proc` as soon as `condition` holds, checked whenever the run changes a folder of `store` that the
+    conditions read (a manifest committed, a difficulty shard written); False if the process ended first."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            return True
-        if proc.poll() is not None:
-            return False
-        time.sleep(0.002)
+    difficulty = store / "artifacts" / "difficulty"
+    with FolderChanges() as changes:
+        while time.monotonic() < deadline:
+            changes.watch([*store_folders(store, "difficulty"), *difficulty.glob("*"), *difficulty.glob("*/_shards")])
+            if condition():
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                return True
+            if proc.poll() is not None:
+                return False
+            changes.wait(every=0.05)
     proc.kill()
     raise AssertionError("condition never held")
 
@@ -132,6 +136,7 @@ SYNC_WITH_HINTS_AND_REWRITES = (
     "synthesize.source.terms=3",
     "synthesize.source.count=80",
     "select.hints.enabled=true",
+    "select.hints.template={prompt}{hint}",  # text the tiny model reads (flows/compatibility.py)
     "restructure.enabled=true",
     "restructure.join=same_step",
     "restructure.share=0.5",
@@ -140,8 +145,11 @@ SYNC_WITH_HINTS_AND_REWRITES = (
 
 # Multi-turn episodes (a wrong answer is told so and answers again), a step sampled beside the update of the one
 # before, each turn credited with the reward still to come: the kills land between the stages of steps whose
-# rollouts are whole trajectories; their turns must come back the same.
+# rollouts are whole trajectories; their turns must come back the same. The skills source's default size (about
+# 770 problems) made the difficulty stage and each evaluation of this run ten times the others'; 10 per category
+# (80 problems) gives the same stages, shards and multi-turn episodes.
 MULTI_TURN = (
+    *SKILLS,
     "train.steps=6",
     "env.type=retry",
     "env.max_turns=3",
@@ -171,7 +179,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api, async_l
     missed = []
     proc = start("run", killed, env, extra)
     for index, moment in enumerate(moments):
-        if kill_when(proc, moment):
+        if kill_when(proc, moment, killed):
             if index == 0:  # the first kill landed inside the sharded stage: shards on disk, no manifest
                 assert not Store.open(str(killed)).manifests(kind="difficulty")
         else:  # the process ended before the moment came: say how

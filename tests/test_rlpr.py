@@ -440,7 +440,9 @@ def test_what_rlpr_refuses(tiny_config, override, words):
     with pytest.raises(UserError, match=words) as refused:  # when the config is loaded (flows/compatibility.py)
         tiny_config("x", "label.reward=rlpr", override)
     assert "\n" not in str(refused.value)
-    tiny_config("x", override)  # without RLPR: nothing to refuse here
+    if "hints" in override:  # a template the tiny model reads (flows/compatibility.py)
+        override = f"{override} select.hints.template={{prompt}}{{hint}}"
+    tiny_config("x", *override.split())  # without RLPR: nothing to refuse here
 
 
 # ----- whole runs -----------------------------------------------------------------------------------------------
