@@ -31,6 +31,7 @@ from rlvr.data.validate import Validator
 from rlvr.verifiers.arithmetic import worked_solution
 
 CFG = HintConfig(enabled=True)
+RUN_HINTS = HintConfig(enabled=True, template="{prompt}{hint}")  # the hinted run's: text the tiny model reads
 
 
 def outcome(slot: int, problem: str, correct: bool) -> GroupOutcome:
@@ -484,7 +485,8 @@ def test_rollouts_show_the_hint_their_selection_gave(hinted_run) -> None:
     assert {r["hint_ratio"] for r in found} >= {0.0, 0.25}
     for r in found:
         assert r["hint_ratio"] == r["picked"]
-        assert r["prompt"] == hinted_prompt(r["own"], solution_of.get(r["problem_id"]), r["hint_ratio"], CFG)
+        shown = hinted_prompt(r["own"], solution_of.get(r["problem_id"]), r["hint_ratio"], RUN_HINTS)
+        assert r["prompt"] == shown
         assert (r["prompt"] != r["own"]) == (r["hint_ratio"] > 0)
         assert not leaks(r["prompt"].removeprefix(r["own"]), r["answer"])
 
