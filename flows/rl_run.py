@@ -23,11 +23,13 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import pyarrow as pa
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from rlvr.curricula.filtering import prompts_to_draw
 from rlvr.curricula.hints import solutions_of
+from rlvr.endpoints import rate_of
 from rlvr.errors import UserError
 from rlvr.flows.compatibility import refuse_incompatible
 from rlvr.flows.config import (
@@ -63,7 +65,9 @@ from rlvr.trainer.checkpoints import Ranks, TrainerState, keep_snapshots, take_t
 from rlvr.trainer.devices import own_stream, resolve_device
 from rlvr.trainer.policy import set_threads
 from rlvr.trainer.rank_group import close_group, current_group
+from rlvr.verifiers.cache import MODEL_VERIFIERS
 from rlvr.verifiers.env_registry import check_environment, environment_label
+from rlvr.verifiers.model_rewards import endpoint_of
 
 log = logging.getLogger(__name__)
 
@@ -627,6 +631,7 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     config_id = commit_config(open_store(store), cfg)
     problems = problems_of_run(store, cfg, config_id)
     _warn_without_solutions(store, cfg, problems)
+    announce_model_calls(store, cfg, problems)
     initial = initial_policy(store, cfg, config_id)
     refs = StepRefs(problems=(problems,), difficulty="", policy_ref=initial, start_ref=initial)
     report("eval", step=0, phase="init", accuracy=evaluate(store, cfg, 0, "init", refs))
@@ -686,6 +691,46 @@ def _warn_without_solutions(store: str, cfg: RunConfigBase, problems: str) -> No
             "the one that states its answer, so no hint will be given (sources give one through a `solution` "
             "column or a worked reference: docs/data.md)"
         )
+        log.warning(message)
+        report("warning", message=message)
+
+
+def planned_model_calls(cfg: RunConfigBase, problems: pa.Table) -> dict[str, dict[str, int]]:
+    """For each model that scores some of the run's problems (a judge, a reward model), how many verdicts each part
+    of the run asks of it at most: the evaluations (the held-out split, at each), the difficulty pass (k a problem)
+    and the steps' labels (the rollouts a step samples, in the model's share of the training problems)."""
+    rows = problems.select(["verifier", "split"]).to_pylist()
+    evaluations = 1 + (1 if cfg.warmstart.steps else 0) + -(-cfg.train.steps // cfg.evaluate.every)
+    planned: dict[str, dict[str, int]] = {}
+    for name in sorted(MODEL_VERIFIERS):
+        mine = [r["split"] for r in rows if cfg.label.verifier_of(r["verifier"]) == name]
+        if not mine:
+            continue
+        trained = [split for split in mine if split in cfg.select.splits]
+        pool = sum(1 for r in rows if r["split"] in cfg.select.splits) or 1
+        per_step = cfg.select.batch_size * cfg.allocate.n * len(trained) / pool
+        planned[name] = {
+            "evaluations": evaluations * mine.count(cfg.evaluate.split),
+            "difficulty": cfg.difficulty.k * sum(split in cfg.difficulty.splits for split in mine),
+            "steps": round(cfg.train.steps * per_step),
+        }
+    return planned
+
+
+def announce_model_calls(store: str, cfg: RunConfigBase, problems: str) -> None:
+    """Before a run asks a model for its rewards, say how many verdicts it will ask for (a warning line), and plan the
+    endpoint's measured rate for them: its first calls then give the estimate of the whole run's (rlvr/endpoints.py)."""
+    if cfg.label.reward == "rlpr":
+        return
+    for name, parts in planned_model_calls(cfg, TABLES.get(open_store(store), problems)).items():
+        if cfg.label.endpoint_version(name) is None:
+            continue  # no endpoint: the label stage refuses in one line
+        total = sum(parts.values())
+        endpoint = endpoint_of(cfg.label, name)
+        sample = 2 * cfg.label.judge.concurrency if name == "judge" and cfg.label.judge is not None else 1
+        rate_of(endpoint).plan("this run", total, sample)
+        split = ", ".join(f"{part} {calls:,}" for part, calls in parts.items())
+        message = f"this run will ask {endpoint} for up to {total:,} verdicts ({split}; cached ones are not asked)"
         log.warning(message)
         report("warning", message=message)
 

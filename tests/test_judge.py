@@ -317,3 +317,22 @@ def test_a_stage_that_plans_many_calls_says_so_then_estimates_the_rest_from_its_
         r"about \d+ s at that rate",
         heard[1],
     ), heard
+
+
+def test_a_run_plans_its_verdicts_by_part_before_it_asks():
+    """What `rlvr run` announces before a judged run asks (flows/rl_run.py `announce_model_calls`): the README's
+    judged example asks for 176 verdicts at most, by part."""
+    import pyarrow as pa
+
+    from rlvr.flows.config import load_config
+    from rlvr.flows.rl_run import planned_model_calls
+
+    cfg = load_config("examples/judge-tiny.yaml")
+    rows = [{"verifier": "judge", "split": s} for s in ["train"] * 48 + ["warmup"] * 16 + ["test"] * 16]
+    planned = planned_model_calls(cfg, pa.Table.from_pylist(rows))
+    # 3 evaluations (before, after the warm start, at step 2) of 16; k=1 over train and warmup; 2 steps of 8 x 4
+    assert planned == {"judge": {"evaluations": 48, "difficulty": 64, "steps": 64}}
+    # 24 of the 48 train problems judged: 40 of the 64 the steps draw from (train and warmup) -> 2 x 32 x 40/64
+    half = rows[:24] + [{"verifier": "skills", "split": "train"}] * 24 + rows[48:]
+    assert planned_model_calls(cfg, pa.Table.from_pylist(half))["judge"]["steps"] == 40
+    assert planned_model_calls(load_config(None, []), pa.Table.from_pylist(half[24:48])) == {}
