@@ -8,16 +8,18 @@ is.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from rlvr.errors import UserError
-from rlvr.storage.integrity import Damage, Leftovers, clean_leftovers, find_damage, find_leftovers
-from rlvr.storage.manifest import Manifest
-from rlvr.storage.store import Store
+
+if TYPE_CHECKING:  # the store's modules load pyarrow, DuckDB and fsspec: not for every `rlvr` command's start
+    from rlvr.storage.integrity import Damage, Leftovers
+    from rlvr.storage.manifest import Manifest
+    from rlvr.storage.store import Store
 
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
@@ -40,6 +42,7 @@ def check(
     manifests, run records and Prefect database, and say what `rlvr resume` would rebuild."""
     from rlvr.flows.cli.common import open_existing, store_root
     from rlvr.flows.prefect_env import prefect_database_problem
+    from rlvr.storage.integrity import clean_leftovers, find_leftovers
 
     found = open_existing(store)
     if semantics:
@@ -92,6 +95,10 @@ def _check_semantics(store: Store, run_ids: list[str]) -> None:
 
 
 def _verify(store: Store, run_ids: list[str] | None) -> tuple[list[Damage], list[Manifest]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from rlvr.storage.integrity import find_damage
+
     manifests = [m for m in store.manifests() if run_ids is None or m.run_id in run_ids]
     bar = Progress(TextColumn("verifying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err)
     with bar:

@@ -378,9 +378,6 @@ def schedule(
 
     Serving runs until Ctrl-C. Without PREFECT_API_URL it starts a Prefect server on the store's database.
     """
-    from rlvr.flows.ui import point_prefect_at_store, ui_url_of
-    from rlvr.storage.store import open_store
-
     flags = (("--list", list_), ("--pause", pause), ("--resume", resume_), ("--delete", delete))
     modes = [flag for flag, on in flags if on]
     if len(modes) > 1:
@@ -396,6 +393,9 @@ def schedule(
         raise UserError(f"name the schedule: rlvr schedule NAME {modes[0] if modes else '--interval SECONDS'} ...")
     if name is not None:
         check_schedule_name(name)
+    from rlvr.flows.ui import point_prefect_at_store, ui_url_of  # after the arguments' checks: they import a lot
+    from rlvr.storage.store import open_store
+
     root = _absolute_root(store_root(store))
     found = open_store(root, create=serving)
     config_json = _schedule_config(config, set_) if serving else ""
