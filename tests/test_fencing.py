@@ -34,7 +34,7 @@ from rlvr.storage.leases import LeaseLost, claim_run, lease_path, newest_lease_n
 from rlvr.storage.manifest import Manifest
 from rlvr.storage.processes import TMP_RE
 from rlvr.storage.store import Store
-from tests.cli_helpers import REPO, cli_env, committed, wait_for
+from tests.cli_helpers import REPO, FolderChanges, cli_env, committed, store_folders, wait_for
 
 RUN_ID = "raced"
 OTHER_HOST = "another-host"
@@ -340,10 +340,13 @@ def test_a_run_taken_over_halfway_through_a_step_writes_nothing_after(
         )
     try:
         deadline = time.monotonic() + 300
-        while not ((store / "manifests").exists() and MOMENTS[moment](store)):  # polled tightly: steps are short
-            assert old.poll() is None, old_err.read_text()
-            assert time.monotonic() < deadline, "the run never got halfway through an RL step"
-            time.sleep(0.002)
+        with FolderChanges() as changes:  # checked at each change of the folders the moments read: steps are short
+            changes.watch(store_folders(store, "rollouts"))
+            while not ((store / "manifests").exists() and MOMENTS[moment](store)):
+                assert old.poll() is None, old_err.read_text()
+                assert time.monotonic() < deadline, "the run never got halfway through an RL step"
+                changes.wait(every=0.05)
+                changes.watch(store_folders(store, "rollouts"))
         old.send_signal(signal.SIGSTOP)
         wait_for(lambda: process_state(old.pid) == "T", 10, "the run to stop", every=0.01)
         frozen_at = time.time()  # nothing the old process does can happen between its freeze and its thaw

@@ -13,7 +13,7 @@ import pytest
 from rlvr.storage.policy_chain import PolicyChain, policy_chain, weights_needed
 from rlvr.storage.stage import _replace_transient, prune_transient, rows_to_table
 from rlvr.storage.store import Store
-from tests.cli_helpers import REPO, cli_env, committed, rlvr_command
+from tests.cli_helpers import REPO, FolderChanges, cli_env, committed, rlvr_command, store_folders
 
 RUN = "r"
 
@@ -131,9 +131,12 @@ def test_a_run_killed_between_stored_states_resumes_to_the_same_weights(tmp_path
         _command(killed, "train.state_every=3"), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     deadline = time.monotonic() + 300
-    while committed(killed, "train_steps") < 4:  # a listing, not a Store: a tiny step takes less than opening one
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 4 committed"
-        time.sleep(0.002)
+    with FolderChanges() as changes:  # checked as each manifest is committed: a tiny step is over in a blink
+        changes.watch(store_folders(killed))
+        while committed(killed, "train_steps") < 4:  # a listing, not a Store: cheaper than opening one
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 4 committed"
+            changes.wait(every=0.05)
+            changes.watch(store_folders(killed))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     store = Store.open(str(killed))
