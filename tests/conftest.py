@@ -33,8 +33,9 @@ def prefect_api() -> str:
 @pytest.fixture(scope="module")
 def shared_prefect(prefect_api: str) -> Iterator[str]:
     """For a module whose `rlvr` subprocesses take the environment as it is (cli_env()): they talk to the session's
-    Prefect server instead of each starting a temporary one (7-14 s a process, environment.md). test_cli.py keeps
-    the default, a temporary server per process, as a user's first run has it."""
+    Prefect server instead of each starting a temporary one (13 CPU-seconds a process, most of it the migrations of
+    its new database). test_ui.py and test_child_processes.py keep the default, a temporary server in the store, as
+    a user's first run has it."""
     os.environ["PREFECT_API_URL"] = prefect_api
     try:
         yield prefect_api

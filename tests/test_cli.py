@@ -113,13 +113,14 @@ def test_progress_lines_are_plain_and_at_most_one_every_few_seconds():
 
 
 @pytest.mark.slow
-def test_a_run_piped_to_a_file_prints_plain_progress_lines_as_it_goes(tmp_path):
+def test_a_run_piped_to_a_file_prints_plain_progress_lines_as_it_goes(tmp_path, prefect_api):
     """`rlvr run > log 2>&1` (a batch job, `| tee`): progress arrives while the run works, as plain lines with no
-    control codes (a bar there would print nothing until the run ended)."""
+    control codes (a bar there would print nothing until the run ended). On the session's Prefect server: a
+    temporary one (a user's first run; test_ui.py and test_child_processes.py start one) costs 13 CPU-seconds."""
     args = ["run", "--store", str(tmp_path / "store"), "--run-id", "piped"]
     for override in SMALL_RUN:
         args += ["--set", override]
-    env = cli_env()
+    env = cli_env(PREFECT_API_URL=prefect_api)
     for forced in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):  # rich would draw its bar anyway
         env.pop(forced, None)
     arrived: list[tuple[float, bytes]] = []

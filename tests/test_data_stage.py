@@ -16,7 +16,7 @@ from rlvr.storage.stage import run_stage
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.tasks.synthesize import SYNTHESIZE
-from tests.cli_helpers import rlvr
+from tests.cli_helpers import cli_env, rlvr
 
 GOOD = {"prompt": "What is 2 + 3?", "answer": "5"}
 BIG_PROMPT = "x" * (10 * 1024 * 1024)
@@ -64,8 +64,9 @@ EXPECTED_CHECKS = {
 
 
 @pytest.fixture(scope="module")
-def malformed_run(tmp_path_factory):
-    """`rlvr data --config` over a malformed JSONL and a malformed CSV (the math verifier by default)."""
+def malformed_run(tmp_path_factory, prefect_api):
+    """`rlvr data --config` over a malformed JSONL and a malformed CSV (the math verifier by default), on the
+    session's Prefect server (a temporary one of its own costs 13 CPU-seconds, mostly its database's migrations)."""
     folder = tmp_path_factory.mktemp("malformed")
     write_malformed_jsonl(folder / "bad.jsonl")
     write_malformed_csv(folder / "bad.csv")
@@ -81,7 +82,10 @@ def malformed_run(tmp_path_factory):
     }
     (folder / "data.yaml").write_text(yaml.safe_dump(config))
     store = folder / "store"
-    done = rlvr("data", "--config", str(folder / "data.yaml"), "--store", str(store), "--run-id", "bad")
+    done = rlvr(
+        "data", "--config", str(folder / "data.yaml"), "--store", str(store), "--run-id", "bad",
+        env=cli_env(PREFECT_API_URL=prefect_api),
+    )  # fmt: skip
     return done, Store.open(str(store))
 
 
@@ -305,8 +309,6 @@ def test_mixed_domains_train_end_to_end_each_scored_by_its_verifier(tmp_path, pr
 def test_data_difficulty_export_and_training_on_a_data_run(tmp_path, prefect_api):
     """`rlvr data --input --policy init`, `rlvr run --data`, `rlvr difficulty` with another checkpoint, `rlvr export`."""
     from datasets import load_dataset
-
-    from tests.cli_helpers import cli_env
 
     env = cli_env(PREFECT_API_URL=prefect_api)
     store = str(tmp_path / "store")
