@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -50,44 +51,71 @@ def hammer_cleanup(root: str, stop: threading.Event, passes: list[int]) -> None:
         passes[0] += 1
 
 
+def outcome(proc: subprocess.Popen) -> tuple[int, str]:
+    """A process's exit code and stderr, once it ended."""
+    _, stderr = proc.communicate(timeout=600)
+    return proc.returncode, stderr
+
+
 def runs_listed(store: Path) -> dict[str, dict]:
     listed = rlvr("runs", "--store", str(store), "--format", "json")
     assert listed.returncode == 0, listed.stderr
     return {row["run_id"]: row for row in map(json.loads, listed.stdout.splitlines())}
 
 
-def test_four_runs_started_together_all_finish_despite_a_cleanup_hammer(tmp_path: Path, prefect_api: str) -> None:
+@dataclass
+class Race:
+    """One repetition: the store, the four run ids, each process's exit code and stderr by (run id, seed), and the
+    cleanup passes made while they ran."""
+
+    store: Path
+    ids: list[str]
+    outcomes: dict[tuple[str, int], tuple[int, str]]
+    passes: int
+
+
+@pytest.fixture(scope="module")
+def races(tmp_path_factory: pytest.TempPathFactory, prefect_api: str) -> list[Race]:
+    """REPEATS times, on a fresh store (every start races on an empty one): four runs started together while a
+    cleanup hammers the store, and with them a fifth under the fourth's run id (another seed). The two tests below
+    read the same races: a separate pair of runs under one id (the winner a whole run, the loser a start-up)
+    cost the suite a whole run a repetition."""
     env = cli_env(PREFECT_API_URL=prefect_api)
+    found = []
     for repetition in range(REPEATS):
-        store = tmp_path / f"shared-{repetition}"  # a fresh store each time: every start races on an empty one
+        store = tmp_path_factory.mktemp("shared") / f"store-{repetition}"
         Store.open(str(store), create=True)
         ids = [f"r{repetition}-{i}" for i in range(4)]
+        starts = [(run_id, seed) for seed, run_id in enumerate(ids)] + [(ids[-1], len(ids))]
         stop, passes = threading.Event(), [0]
         hammer = threading.Thread(target=hammer_cleanup, args=(str(store), stop, passes))
         hammer.start()
-        procs = {run_id: start(store, run_id, env, seed=i) for i, run_id in enumerate(ids)}
-        errors = {run_id: proc.communicate(timeout=600)[1] for run_id, proc in procs.items()}
+        procs = {(run_id, seed): start(store, run_id, env, seed=seed) for run_id, seed in starts}
+        outcomes = {key: outcome(proc) for key, proc in procs.items()}
         stop.set()
         hammer.join()
-        assert {run_id: procs[run_id].returncode for run_id in ids} == dict.fromkeys(ids, 0), errors
-        assert passes[0] > 10  # the cleanup really ran beside the runs
-        listed = runs_listed(store)
+        found.append(Race(store, ids, outcomes, passes[0]))
+    return found
+
+
+def test_four_runs_started_together_all_finish_despite_a_cleanup_hammer(races: list[Race]) -> None:
+    for race in races:
+        ids = race.ids
+        finished = {run_id for (run_id, _), (code, _) in race.outcomes.items() if code == 0}
+        assert finished == set(ids), race.outcomes  # each run id's run exited 0 (one of the fourth id's two)
+        assert race.passes > 10  # the cleanup really ran beside the runs
+        listed = runs_listed(race.store)
         assert all(listed[run_id]["status"] == "completed" for run_id in ids)
-        steps = query(Store.open(str(store)), "SELECT run_id, count(*) AS n FROM train_steps GROUP BY run_id")
+        steps = query(Store.open(str(race.store)), "SELECT run_id, count(*) AS n FROM train_steps GROUP BY run_id")
         counts = dict(zip(steps.column("run_id").to_pylist(), steps.column("n").to_pylist()))
         assert all(counts[run_id] == STEPS for run_id in ids)
         assert sorted(listed) == ids
 
 
-def test_two_runs_with_one_id_started_together_one_runs_the_other_gets_one_line(
-    tmp_path: Path, prefect_api: str
-) -> None:
-    env = cli_env(PREFECT_API_URL=prefect_api)
-    store = tmp_path / "shared"
-    for repetition in range(REPEATS):
-        run_id = f"mix-{repetition}"
-        procs = [start(store, run_id, env, seed=seed) for seed in (1, 2)]
-        outcomes = [(proc.wait(timeout=600), proc.stderr.read()) for proc in procs]
+def test_two_runs_with_one_id_started_together_one_runs_the_other_gets_one_line(races: list[Race]) -> None:
+    for race in races:
+        run_id = race.ids[-1]
+        outcomes = [outcome for (rid, _), outcome in race.outcomes.items() if rid == run_id]
         codes = sorted(code for code, _ in outcomes)
         assert codes == [0, 2], outcomes
         (refused,) = [text for code, text in outcomes if code == 2]
@@ -96,7 +124,7 @@ def test_two_runs_with_one_id_started_together_one_runs_the_other_gets_one_line(
         assert lines[0].startswith(f"error: run '{run_id}' is already running: process ") or lines[0].startswith(
             f"error: run '{run_id}' already exists in "
         )
-        found = Store.open(str(store))
+        found = Store.open(str(race.store))
         assert len(found.manifests(kind="config", run_id=run_id)) == 1
         rows = query(found, f"SELECT step FROM train_steps WHERE run_id = '{run_id}' ORDER BY step")
         assert rows.column("step").to_pylist() == list(range(1, STEPS + 1))

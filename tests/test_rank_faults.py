@@ -5,14 +5,17 @@ resumed at another rank count.
 
 Both runs share seed, config and run id in different stores, as in tests/test_kill_resume.py; the kill lands
 after the third RL step's update is committed, and states are stored every second step, so the resume replays
-step 3 from step 2's sharded state."""
+step 3 from step 2's sharded state. One run is killed in each rank; each of its two resumes starts from a copy of
+its store."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -89,15 +92,13 @@ def uninterrupted(tmp_path_factory, prefect_api) -> Path:
     return store
 
 
-@pytest.mark.parametrize(("victim", "resume_ranks"), [("rank 1", 2), ("rank 0", 2), ("rank 1", 1), ("rank 0", 4)])
-def test_a_killed_rank_ends_the_run_and_resume_gives_the_uninterrupted_artifacts(
-    tmp_path, prefect_api, uninterrupted, victim, resume_ranks
-):
-    """Resumed at 1 or 4 ranks, the sharded training state saved by 2 is read at the new count (each rank the
-    slices it needs): the same artifact ids; the weights then differ from the 2-rank run's by float sums only."""
-    mark = f"rank-faults-{tmp_path.name}"
+def kill_a_rank(root: Path, prefect_api: str, victim: str) -> Path:
+    """A store whose two-rank run was SIGKILLed in `victim` (rank 0: the run's own process) after its third
+    committed update, checked to have ended as it should: within 30 s, with one line naming a killed rank 1, and
+    leaving no rank process behind."""
+    mark = f"rank-faults-{root.name}"
     env = cli_env(PREFECT_API_URL=prefect_api, RLVR_TEST_MARK=mark)
-    store = tmp_path / "s"
+    store = root / "s"
     proc = start(store, env)
     wait_for(lambda: committed(store, "train_steps") >= 3 or proc.poll() is not None, 600, "three committed updates")
     assert proc.poll() is None, proc.stderr.read()[-3000:]
@@ -117,6 +118,34 @@ def test_a_killed_rank_ends_the_run_and_resume_gives_the_uninterrupted_artifacts
         wait_for(lambda: worker not in rank_processes(mark), 30, "the worker rank to exit after rank 0 died")
     assert time.monotonic() - killed_at < 30
     wait_for(lambda: not rank_processes(mark), 10, "no rank process left")
+    return store
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, prefect_api) -> Callable[[str], Path]:
+    """The store of a run killed in rank 0 or rank 1 (`kill_a_rank`), made once per victim: each resume below
+    starts from a copy, so the two resumes after one victim's kill cost one killed run, not two."""
+    made: dict[str, Path] = {}
+
+    def store_killed_in(victim: str) -> Path:
+        if victim not in made:
+            made[victim] = kill_a_rank(tmp_path_factory.mktemp(victim.replace(" ", "")), prefect_api, victim)
+        return made[victim]
+
+    return store_killed_in
+
+
+@pytest.mark.parametrize(("victim", "resume_ranks"), [("rank 1", 2), ("rank 0", 2), ("rank 1", 1), ("rank 0", 4)])
+def test_a_killed_rank_ends_the_run_and_resume_gives_the_uninterrupted_artifacts(
+    tmp_path, prefect_api, uninterrupted, killed, victim, resume_ranks
+):
+    """Resumed at 1 or 4 ranks, the sharded training state saved by 2 is read at the new count (each rank the
+    slices it needs): the same artifact ids; the weights then differ from the 2-rank run's by float sums only."""
+    mark = f"rank-faults-{tmp_path.name}"
+    env = cli_env(PREFECT_API_URL=prefect_api, RLVR_TEST_MARK=mark)
+    store = tmp_path / "s"
+    shutil.copytree(killed(victim), store)  # the killed run as it was left: its leftovers, its dead owner's lease
+    assert 3 <= committed(store, "train_steps") < 5  # killed between its third update and its last
 
     resumed = start(store, env, resume_ranks)
     assert resumed.wait(timeout=900) == 0, resumed.stderr.read()[-3000:]
