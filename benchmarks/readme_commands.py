@@ -6,7 +6,7 @@ The copy is `git archive HEAD` unpacked under --out, with this checkout's `.venv
 `make demo`, `make smollm2` and `make envs` run at once). What a command needs first is done as a user would have
 done it: RUN_ID and CHECKPOINT_ID are the demo's (its last lines print both), `rlvr resume my-run` resumes a demo
 run named my-run killed after a minute, `rlvr schedule NAME --cron ...` serves until the Ctrl-C the script sends
-it after its first lines, and a command ending in `&` runs beside the rest and is stopped at the end. `make test`
+it once it says it serves, and a command ending in `&` runs beside the rest and is stopped at the end. `make test`
 is CI's own command and is not run here. Long commands (`--skip-long` leaves them out) are the real-model ones.
 
     python benchmarks/readme_commands.py [--out DIR] [--skip-long] [--timeout-minutes 90]
@@ -148,20 +148,22 @@ def prepare_killed_run(root: Path, env: dict[str, str]) -> None:
 
 
 def serve_briefly(shown: str, command: str, root: Path, env: dict[str, str]) -> Outcome:
-    """`rlvr schedule NAME --cron ...` serves until Ctrl-C: the README's next line deletes it after that."""
+    """`rlvr schedule NAME --cron ...` serves until Ctrl-C: sent once it says it serves (the README's next line
+    deletes the schedule after that)."""
     started = time.monotonic()
-    process = subprocess.Popen(
-        ["bash", "-c", f"exec {command}"], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    time.sleep(45)
-    process.send_signal(signal.SIGINT)
-    try:
-        output, _ = process.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        output, _ = process.communicate()
-    text = output.decode(errors="replace")
-    expected = "stopped serving" in text
+    log = root / "schedule.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=root, env=env, stdout=sink, stderr=sink)
+        while time.monotonic() - started < 300 and "serving schedule" not in log.read_text():
+            time.sleep(1)
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    text = log.read_text()
+    expected = "serving schedule" in text and "stopped serving" in text
     print(f"{'ok ' if expected else 'NOT'}  schedule served, then Ctrl-C: {last_line(text)}", flush=True)
     return Outcome(shown, process.returncode, (time.monotonic() - started) / 60, last_line(text), expected)
 
