@@ -101,7 +101,7 @@ def main() -> None:
             command = command.replace(placeholder, value)
         if command.endswith("&"):
             background.append(subprocess.Popen(["bash", "-c", command.rstrip("&")], cwd=root, env=env))
-            time.sleep(20)  # a server's start
+            wait_for_port(command)
             outcomes.append(Outcome(shown, 0, 0.0, "started in the background", True))
             continue
         if command.startswith("rlvr resume my-run"):
@@ -131,6 +131,20 @@ def main() -> None:
     good = sum(o.expected for o in outcomes)
     print(f"\n{good} of {len(outcomes)} README commands did what the README says (copy under {out})")
     sys.exit(0 if good == len(outcomes) else 1)
+
+
+def wait_for_port(command: str, seconds: float = 300) -> None:
+    """A server started in the background (`--port N`) answers its /health within `seconds`, or the run goes on."""
+    import urllib.request
+
+    port = re.search(r"--port (\d+)", command)
+    deadline = time.monotonic() + seconds
+    while port and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(2)
 
 
 def prepare_killed_run(root: Path, env: dict[str, str]) -> None:
