@@ -217,18 +217,18 @@ class ChatRendering:
         """Each opening's ids (`opening`), or the exception its rendering raised. Openings alike (a GRPO group's)
         are rendered once, and the new ones tokenized in one call, as trainer/prompts.py tokenizes a batch."""
         keys = [repr((o.messages, o.tools, o.tools_described)) for o in openings]
-        texts: dict[str, str | Exception] = {}
+        texts: dict[str, str] = {}
+        refused: dict[str, Exception] = {}
         for key, opening in zip(keys, openings):
-            if key not in self._openings and key not in texts:
+            if key not in self._openings and key not in texts and key not in refused:
                 try:
                     texts[key] = self._prompt_text(opening)
                 except Exception as exc:  # the chat template refused it
-                    texts[key] = exc
-        new = [key for key, text in texts.items() if isinstance(text, str)]
-        if new:
-            encoded = self.tokenizer([texts[key] for key in new], add_special_tokens=not self.templated)
-            self._openings.update((key, list(ids)) for key, ids in zip(new, encoded["input_ids"]))
-        return [list(self._openings[key]) if key in self._openings else texts[key] for key in keys]
+                    refused[key] = exc
+        if texts:
+            encoded = self.tokenizer(list(texts.values()), add_special_tokens=not self.templated)
+            self._openings.update((key, list(ids)) for key, ids in zip(texts, encoded["input_ids"]))
+        return [list(self._openings[key]) if key in self._openings else refused[key] for key in keys]
 
     def _prompt_text(self, opening: Opening) -> str:
         messages = list(opening.messages)
