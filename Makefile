@@ -68,7 +68,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@rm -rf build/typecheck && mkdir -p build/typecheck/rlvr
-	@for d in flows tasks storage verifiers trainer curricula data; do ln -s "$(CURDIR)/$$d" build/typecheck/rlvr/$$d; done
+	@for d in flows tasks storage verifiers environments trainer serving curricula data; do ln -s "$(CURDIR)/$$d" build/typecheck/rlvr/$$d; done
 	@for f in rlvr/*.py; do ln -s "$(CURDIR)/$$f" build/typecheck/rlvr/; done
 	$(BIN)/mypy -p rlvr
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_import_contract.py

@@ -6,3 +6,7 @@ the repository's top-level folders and import as `rlvr.flows`, `rlvr.tasks`, `rl
 """
 
 __version__ = "0.1.0"
+
+from rlvr import moved as _moved
+
+_moved.install()  # old import paths of moved modules keep working, with a DeprecationWarning (rlvr/moved.py)

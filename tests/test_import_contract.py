@@ -3,8 +3,9 @@ module level or inside a function), a folder imports only from its own layer or 
 modules import each other in a circle. `make lint` runs this file.
 
 Layers, lowest first: the package root `rlvr/` (errors, plugins, progress, chat prompts, the child guard);
-`storage/`; `curricula/` and `verifiers/` (which do not import each other); `data/`; `trainer/`; `tasks/`;
-`flows/`; the CLI (`flows/cli/`), which nothing else imports.
+`storage/`; `curricula/` and `verifiers/` (which do not import each other); `environments/`; `data/`; `trainer/`;
+`serving/` and `tasks/` (which do not import each other); `flows/`; the CLI (`flows/cli/`), which nothing else
+imports.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ LAYERS: list[set[str]] = [
     {"storage"},
     {"curricula"},
     {"verifiers"},
+    {"environments"},
     {"data"},
     {"trainer"},
+    {"serving"},
     {"tasks"},
     {"flows"},
     {"flows/cli"},
@@ -28,6 +31,7 @@ LAYERS: list[set[str]] = [
 FOLDERS = [folder for layer in LAYERS for folder in layer if "/" not in folder]  # the package's top folders
 RANK = {folder: rank for rank, layer in enumerate(LAYERS) for folder in layer}
 RANK["verifiers"] = RANK["curricula"]  # one layer: neither may import the other (checked below)
+RANK["tasks"] = RANK["serving"]  # one layer too
 
 
 def modules() -> dict[str, tuple[str, Path]]:
