@@ -13,6 +13,14 @@ clip 0.2, no KL, float32, gradient checkpointing off (TRL's default is on), and 
 2 threads ran ~10x slower (163 vs 1,619 completions/s measured 2026-11-23), so both get the same count.
 
     python benchmarks/trainer_vs_trl.py [--steps 100] [--prompts 16] [--n 8] [--new-tokens 3] [--set key=value ...]
+    python benchmarks/trainer_vs_trl.py --baseline REV [--now REV2] [--rounds 3]    # ours at REV2 (or the working
+                                                                                    # tree) against ours at REV
+
+With `--baseline REV` the peer is this project at an earlier commit, not TRL: REV is checked out in a temporary
+git worktree, its folders are linked under the `rlvr.*` names its pyproject.toml maps them to, and `rlvr run` is
+run from there (PYTHONPATH, same venv) and from the working tree in turn, `--rounds` times each, alternating so
+that a change in the machine's load falls on both. It prints each run's steady completions/s and the ratio of
+the medians. A change that must not slow a step (issue 51's one rollout path: "within 5%") is checked this way.
 
 Steady completions/s, start-up excluded: both runs take WARMUP_STEPS + steps + 1 steps; the rate is the
 completions of steps WARMUP_STEPS+1 .. WARMUP_STEPS+steps over the time from the end of step WARMUP_STEPS
@@ -198,14 +206,89 @@ def trained_problems(store: Any, columns: str = "prompt, answer") -> list[dict[s
     return query(store, sql).to_pylist()
 
 
-def run_rlvr(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """One whole `rlvr run` (a fresh store and Prefect home in `tmp`); its figures and the problems it trained on."""
-    figures = measured(rlvr_command(tmp / "store", rlvr_overrides(args)), prefect_env(tmp), tmp / "rlvr.log")
+def run_rlvr(args: argparse.Namespace, tmp: Path, pythonpath: Path | None = None) -> dict[str, Any]:
+    """One whole `rlvr run` (a fresh store and Prefect home in `tmp`); its figures and the problems it trained on.
+    With `pythonpath`, the `rlvr` package found there runs (an earlier revision's, `baseline_package`)."""
+    env = prefect_env(tmp)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)  # ahead of the venv's editable finder, which sits after the path
+    cwd = ROOT if pythonpath is None else tmp  # `-m` puts the working folder first: ROOT holds today's rlvr/
+    figures = measured(rlvr_command(tmp / "store", rlvr_overrides(args)), env, tmp / "rlvr.log", cwd)
     from rlvr.storage.store import Store
 
     store = Store.open(str(tmp / "store"))
     figures["steady_per_s"] = steady_rate(step_ends(store), step_completions(store), args.steps)
     return {**figures, "problems": trained_problems(store)}
+
+
+# --- ours at an earlier revision ---------------------------------------------------------------------------
+
+
+def baseline_package(rev: str, tmp: Path) -> Path:
+    """A folder to put on PYTHONPATH that imports `rlvr` as revision `rev` had it: a worktree of `rev` with its
+    folders linked under the package names its pyproject.toml's package-dir gives them (in `tmp`, made here)."""
+    import tomllib
+
+    tmp.mkdir(parents=True)
+    worktree = tmp / "worktree"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), rev], check=True)
+    mapping = tomllib.loads((worktree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    package = tmp / "package" / "rlvr"
+    package.mkdir(parents=True)
+    for name in (worktree / "rlvr").iterdir():
+        (package / name.name).symlink_to(name)
+    for dotted, folder in mapping.items():
+        if dotted != "rlvr":
+            (package / dotted.removeprefix("rlvr.")).symlink_to(worktree / folder)
+    return tmp / "package"
+
+
+def compare_baseline(args: argparse.Namespace) -> None:
+    """Ours at `args.baseline` and ours now, alternately, `args.rounds` times each; the medians' ratio."""
+    import statistics
+
+    tmp = Path(tempfile.mkdtemp(prefix="rlvr-vs-baseline-"))
+    revision = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", args.now or "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if args.now:
+        dirty = ""
+    paths = {"baseline": baseline_package(args.baseline, tmp / "old")}
+    paths["now"] = baseline_package(args.now, tmp / "new") if args.now else None
+    rates: dict[str, list[float]] = {"baseline": [], "now": []}
+    try:
+        for round_ in range(args.rounds):
+            for side in ("baseline", "now") if round_ % 2 == 0 else ("now", "baseline"):
+                run_dir = tmp / f"{side}-{round_}"
+                run_dir.mkdir()
+                figures = run_rlvr(args, run_dir, paths[side])
+                rates[side].append(figures["steady_per_s"])
+                print(
+                    f"round {round_ + 1} {side:8} {figures['steady_per_s']:8.0f} completions/s "
+                    f"(load {os.getloadavg()[0]:.2f})",
+                    flush=True,
+                )
+    finally:
+        for side in ("old", "new"):
+            if (tmp / side / "worktree").exists():
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tmp / side / "worktree")])
+    old, new = statistics.median(rates["baseline"]), statistics.median(rates["now"])
+    print(f"{args.prompts} prompts x {args.n} completions, {args.new_tokens} new tokens, {args.steps} steady steps")
+    print(f"baseline {revision}: {', '.join(f'{r:.0f}' for r in rates['baseline'])} completions/s, median {old:.0f}")
+    print(
+        f"now {head}{' (with uncommitted changes)' if dirty else ''}: "
+        f"{', '.join(f'{r:.0f}' for r in rates['now'])} completions/s, median {new:.0f}"
+    )
+    print(f"now/baseline = {new / old:.3f}")
 
 
 # --- the peer -------------------------------------------------------------------------------------------------
@@ -381,10 +464,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of both (rlvr's default: 1)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra rlvr override key=value")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (stores, logs)")
+    parser.add_argument("--baseline", metavar="REV", help="compare with ours at git revision REV, not with TRL")
+    parser.add_argument(
+        "--now", metavar="REV", help="with --baseline: run REV as the new side (default: the working tree)"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="with --baseline: runs of each side, alternating")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
         trl_worker(args)
+        return
+    if args.baseline:
+        compare_baseline(args)
         return
     ensure_trl_venv()
     load = os.getloadavg()
