@@ -57,8 +57,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+import rlvr.storage.catalog as catalog
 from rlvr.errors import UserError
-from rlvr.storage import catalog
 from rlvr.storage.errors import ArtifactNotFound, DamagedArtifact, DamagedFile, StoreNotFound
 from rlvr.storage.files import (
     damage_message,

@@ -32,8 +32,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
+import rlvr.storage.catalog as catalog
 from rlvr.errors import UserError
-from rlvr.storage import catalog
 from rlvr.storage.files import read_whole
 from rlvr.storage.manifest import Manifest
 from rlvr.storage.run_records import run_status

@@ -18,7 +18,7 @@ from rlvr.verifiers.composite import CompositeVerifier, MathFormatVerifier
 from rlvr.verifiers.format import FormatVerifier
 from rlvr.verifiers.pool import VerifierPool
 from rlvr.verifiers.reasoning_gym import ReasoningGymVerifier, extract_answer, rg_problems
-from rlvr.verifiers.registry import get_verifier, registered
+from rlvr.verifiers.registry import get_verifier, registered, verifier_class
 from rlvr.verifiers.sql import SqlVerifier, extract_sql, has_top_level_order_by, sql_tokens
 from rlvr.verifiers.text import TextVerifier, extract_choice, normalize_text
 from rlvr.verifiers.tool_call import ToolCallVerifier
@@ -476,7 +476,8 @@ def test_weighted_composite_keeps_components():
         {
             "name": "math+format",
             "components": [{"verifier": "math", "weight": 0.9}, {"verifier": "format", "weight": 0.1, "gate": False}],
-        }
+        },
+        verifier_class,
     )
     assert (verifier.name, verifier.domain, verifier.version) == ("math+format", "math", "1+math.2+format.1")
     clean = verifier.score("<think>6*7</think><answer>42</answer>", "42")
@@ -516,7 +517,7 @@ def test_composite_spec_errors():
         {"components": [{"verifier": "math"}]},
     ):
         with pytest.raises(UserError):
-            CompositeVerifier.from_spec(spec)
+            CompositeVerifier.from_spec(spec, verifier_class)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 trainer can normalise them separately (GDPO, docs/methods.md#gdpo) or gate one on another
 (docs/methods.md#composites-and-gating).
 
-Spec (`CompositeVerifier.from_spec`):
+Spec (`CompositeVerifier.from_spec(spec, verifier_class)`, given the registry's lookup of a name's class):
   {"name": "math+format", "version": "1",
    "components": [{"verifier": "math", "weight": 0.9},
                   {"verifier": "format", "weight": 0.1, "gate": false}]}
@@ -26,13 +26,15 @@ dict with other keys, a plain string) goes whole to the primary component, the o
 Version: "<spec version>+<verifier>.<version>+..." so that upgrading a part changes the composite's
 version (and invalidates cached rewards); change the spec's own "version" when weights or gates change.
 Domain: the primary component's domain. A composite made by `from_spec` is a class created at run time,
-so a worker pool cannot import it by path: register a subclass (like `MathFormatVerifier`) to run one
-in the pool.
+so a worker pool cannot import it by path: register a subclass (like `MathFormatVerifier`, which names its
+parts' classes in `part_classes`) to run one in the pool. This module does not import the registry (which
+imports it): a composite is given its parts' classes, so the two never import each other.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from rlvr.errors import UserError
@@ -93,30 +95,31 @@ def composite_version(spec: dict[str, Any], classes: dict[str, type[Verifier]]) 
 
 
 class CompositeVerifier(Verifier):
-    """Subclasses set `spec` (a checked spec), `name`, `domain` and `version`; see the module docstring."""
+    """Subclasses set `spec` (a checked spec), `part_classes` (each part's verifier name -> class), `name`,
+    `domain` and `version`; see the module docstring."""
 
     spec: ClassVar[dict[str, Any]]
+    part_classes: ClassVar[dict[str, type[Verifier]]]
 
     def __init__(self) -> None:
-        from rlvr.verifiers.registry import get_verifier
-
         self.parts = [
-            (part["verifier"], get_verifier(part["verifier"]), part["weight"], part["gate"])
+            (part["verifier"], self.part_classes[part["verifier"]](), part["weight"], part["gate"])
             for part in self.spec["components"]
         ]
 
     @classmethod
-    def from_spec(cls, spec: dict[str, Any]) -> CompositeVerifier:
-        """A ready-to-use composite verifier (an instance of a class made for this spec)."""
-        from rlvr.verifiers.registry import verifier_class
-
+    def from_spec(cls, spec: dict[str, Any], lookup: Callable[[str], type[Verifier]]) -> CompositeVerifier:
+        """A ready-to-use composite verifier (an instance of a class made for this spec); `lookup` gives the
+        class of a part's verifier name (the registry's `verifier_class`) and raises UserError for an unknown
+        one."""
         checked = check_spec(spec)
-        classes = {part["verifier"]: verifier_class(part["verifier"]) for part in checked["components"]}
+        classes = {part["verifier"]: lookup(part["verifier"]) for part in checked["components"]}
         attributes = {
             "name": checked["name"],
             "domain": classes[checked["components"][0]["verifier"]].domain,
             "version": composite_version(checked, classes),
             "spec": checked,
+            "part_classes": classes,
             "__module__": __name__,
         }
         composite_class = type(f"CompositeVerifier[{checked['name']}]", (CompositeVerifier,), attributes)
@@ -185,6 +188,7 @@ class MathFormatVerifier(CompositeVerifier):
             "components": [{"verifier": "math", "weight": 1.0}, {"verifier": "format", "gate": True}],
         }
     )
+    part_classes: ClassVar[dict[str, type[Verifier]]] = {"math": MathVerifier, "format": FormatVerifier}
     name = "math_format"
     domain = "math"
-    version = composite_version(spec, {"math": MathVerifier, "format": FormatVerifier})
+    version = composite_version(spec, part_classes)

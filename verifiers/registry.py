@@ -21,7 +21,16 @@ from rlvr.errors import UserError
 from rlvr.plugins import ClassPlugins
 from rlvr.verifiers.arithmetic import ArithmeticVerifier, FinalNumberVerifier
 from rlvr.verifiers.base import Verifier
+from rlvr.verifiers.code import CodeVerifier
+from rlvr.verifiers.composite import MathFormatVerifier
+from rlvr.verifiers.format import FormatVerifier
+from rlvr.verifiers.judge import JudgeVerifier
 from rlvr.verifiers.math import MathVerifier
+from rlvr.verifiers.reasoning_gym import ReasoningGymVerifier
+from rlvr.verifiers.reward_model import RewardModelVerifier
+from rlvr.verifiers.sql import SqlVerifier
+from rlvr.verifiers.text import TextVerifier
+from rlvr.verifiers.tool_call import ToolCallVerifier
 
 ENTRY_POINT_GROUP = "rlvr.verifiers"
 
@@ -29,15 +38,15 @@ BUILTIN: dict[str, type[Verifier]] = {
     ArithmeticVerifier.name: ArithmeticVerifier,
     FinalNumberVerifier.name: FinalNumberVerifier,
     MathVerifier.name: MathVerifier,
-    "sql": importlib.import_module("rlvr.verifiers.sql").SqlVerifier,
-    "tool_call": importlib.import_module("rlvr.verifiers.tool_call").ToolCallVerifier,
-    "reasoning_gym": importlib.import_module("rlvr.verifiers.reasoning_gym").ReasoningGymVerifier,
-    "format": importlib.import_module("rlvr.verifiers.format").FormatVerifier,
-    "text": importlib.import_module("rlvr.verifiers.text").TextVerifier,
-    "math_format": importlib.import_module("rlvr.verifiers.composite").MathFormatVerifier,
-    "code": importlib.import_module("rlvr.verifiers.code").CodeVerifier,
-    "judge": importlib.import_module("rlvr.verifiers.judge").JudgeVerifier,
-    "reward_model": importlib.import_module("rlvr.verifiers.reward_model").RewardModelVerifier,
+    "sql": SqlVerifier,
+    "tool_call": ToolCallVerifier,
+    "reasoning_gym": ReasoningGymVerifier,
+    "format": FormatVerifier,
+    "text": TextVerifier,
+    "math_format": MathFormatVerifier,
+    "code": CodeVerifier,
+    "judge": JudgeVerifier,
+    "reward_model": RewardModelVerifier,
 }
 
 

@@ -486,7 +486,9 @@ def report(
 
 def _register_module_commands() -> None:
     """The commands that live in modules of their own."""
-    from rlvr.flows.cli import check_command, data_commands, serve_command
+    import rlvr.flows.cli.check_command as check_command  # not through the package's face, which imports this
+    import rlvr.flows.cli.data_commands as data_commands
+    import rlvr.flows.cli.serve_command as serve_command
 
     app.command()(data_commands.data)
     app.command()(data_commands.difficulty)
