@@ -8,7 +8,7 @@ example's source: one-digit sums and differences and two-digit sums, which it so
 by 2-digit products, which it rarely does; a third each), one sampled answer each at temperature 0.7, at most 24
 new tokens.
 The verifier: `final_number` (the answer's last number equals the reference). The judge: `--judge` served by
-`rlvr serve-rm`'s app (trainer/reward_server.py) in this process, asked by the judge client the run uses
+`rlvr serve-rm`'s app (serving/server.py) in this process, asked by the judge client the run uses
 (verifiers/judge.py) with the default grading template and parser: the same path as `reward.judge` in a run.
 
 Printed: the verifier's and the judge's accept rates, agreement (the share where both say the same), Cohen's kappa
@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from rlvr.data.sources import ArithmeticSource, ArithmeticSourceConfig
+from rlvr.serving.reward_models import load_served_model
+from rlvr.serving.server import reward_app, serving_in_thread
 from rlvr.trainer.generation import sample
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
-from rlvr.trainer.reward_models import load_served_model
-from rlvr.trainer.reward_server import reward_app, serving_in_thread
 from rlvr.verifiers.arithmetic import FinalNumberVerifier
 from rlvr.verifiers.judge import JudgeClient, JudgeConfig, JudgeItem
 

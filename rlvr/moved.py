@@ -15,7 +15,10 @@ import sys
 import warnings
 from types import ModuleType
 
-MOVED: dict[str, str] = {}
+MOVED: dict[str, str] = {
+    "rlvr.trainer.reward_server": "rlvr.serving.server",
+    "rlvr.trainer.reward_models": "rlvr.serving.reward_models",
+}
 
 
 class _Alias(importlib.abc.Loader):
@@ -35,7 +38,9 @@ class _Alias(importlib.abc.Loader):
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
         new_name = MOVED.get(fullname)
         if new_name is None:
             return None

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from rlvr import progress
 from rlvr.endpoints import CircuitBreaker, EndpointDown
-from rlvr.trainer.reward_server import serving_in_thread
+from rlvr.serving.server import serving_in_thread
 from rlvr.verifiers.cache import VerifierConfig
 from rlvr.verifiers.judge import (
     STORED_REPLY_CHARS,

@@ -26,9 +26,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rlvr.errors import UserError
+from rlvr.serving.server import serving_in_thread
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
-from rlvr.trainer.reward_server import serving_in_thread
 from rlvr.verifiers.cache import RewardCache, entry_key
 from tests.cli_helpers import SMALL_RUN, cli_env, rlvr
 

@@ -1,4 +1,4 @@
-"""Reward-model servers (trainer/reward_server.py, `rlvr serve-rm`) with real models saved to disk: a one-label
+"""Reward-model servers (serving/server.py, `rlvr serve-rm`) with real models saved to disk: a one-label
 sequence classifier's /get_reward equals its logits computed here, also sharded over two servers by the client
 (each server scoring its contiguous share); /classify's shape and probabilities; a causal LM's judge reward is its
 P(Yes) computed here; chat completions give the model's own greedy decoding; bad requests are one-line 4xx."""
@@ -20,11 +20,11 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
+from rlvr.serving.reward_models import JUDGE_QUESTION, JUDGE_REFERENCE, load_served_model
+from rlvr.serving.server import reward_app, serving_in_thread
 from rlvr.trainer.generation import greedy
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
 from rlvr.trainer.prompts import prompt_ids
-from rlvr.trainer.reward_models import JUDGE_QUESTION, JUDGE_REFERENCE, load_served_model
-from rlvr.trainer.reward_server import reward_app, serving_in_thread
 from rlvr.trainer.tiny_model import PAD, VOCAB, build_tiny_tokenizer
 from rlvr.verifiers.reward_client import RewardClientConfig, RewardModelClient
 from tests.cli_helpers import cli_env, rlvr, rlvr_command, wait_for

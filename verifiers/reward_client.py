@@ -1,5 +1,5 @@
 """A client of reward-model servers: OpenRLHF's `/get_reward` and vLLM's `/classify` (the shapes, and where they
-were read: trainer/reward_server.py, which serves both), with a batch sharded over several servers.
+were read: serving/server.py, which serves both), with a batch sharded over several servers.
 
 Sharding is OpenRLHF's: with k servers, server i gets the contiguous rows [i*s, (i+1)*s), s = ceil(n / k), so
 equal servers get equal shares (a batch smaller than k leaves the last servers idle). Each shard goes in requests

@@ -1,4 +1,4 @@
-"""`rlvr serve-rm`: a local model as a reward server (trainer/reward_server.py; usage: docs/rewards.md)."""
+"""`rlvr serve-rm`: a local model as a reward server (serving/server.py; usage: docs/rewards.md)."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def serve_rm(
 
     Runs until Ctrl-C. A sequence-classification model's reward is its logit; a causal LM's is its P(Yes) as a judge.
     """
-    from rlvr.trainer.reward_models import load_served_model
-    from rlvr.trainer.reward_server import listening_socket, loopback, reward_app, serve, url_of
+    from rlvr.serving.reward_models import load_served_model
+    from rlvr.serving.server import listening_socket, loopback, reward_app, serve, url_of
 
     key = os.environ.get(api_key_env) if api_key_env is not None else None
     if api_key_env is not None and not key:

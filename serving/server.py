@@ -1,4 +1,4 @@
-"""The reward server that `rlvr serve-rm` runs: a local model (trainer/reward_models.py) behind the HTTP shapes that
+"""The reward server that `rlvr serve-rm` runs: a local model (serving/reward_models.py) behind the HTTP shapes that
 RL trainers and inference servers already speak, so the whole path of model-given rewards runs on one machine.
 
 Shapes, as read from their sources (2026-11-29):
@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlvr.errors import UserError
-from rlvr.trainer.reward_models import ScoringError, ServedModel, class_probabilities, complete_chat, rewards
+from rlvr.serving.reward_models import ScoringError, ServedModel, class_probabilities, complete_chat, rewards
 
 MAX_BODY_BYTES = 16 << 20
 MAX_ROWS = 4096  # texts per request; a client sends bigger batches in several requests

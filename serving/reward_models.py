@@ -1,4 +1,4 @@
-"""The model behind a reward server (`rlvr serve-rm`, trainer/reward_server.py): a local Hugging Face model loaded
+"""The model behind a reward server (`rlvr serve-rm`, serving/server.py): a local Hugging Face model loaded
 for scoring, and what a reward server asks of it.
 
 - A sequence-classification model (its config.json names a `*ForSequenceClassification` architecture: what TRL's
