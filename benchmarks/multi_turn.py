@@ -1,11 +1,11 @@
-"""Multi-turn rollouts with a calculator tool: our batched loop (trainer/multi_turn.py) against TRL's
+"""Multi-turn rollouts with a calculator tool: our batched loop (trainer/episodes.py) against TRL's
 GRPOTrainer(tools=...) rollout generation and a one-conversation-at-a-time loop, in one command, on the CPU: the
 sides alternate, `--rounds` times each, every run in a fresh process (`worker`), the load average printed.
 
     python benchmarks/multi_turn.py [--model smollm2|tiny] [--prompts 8] [--samples 4] [--rounds 2] [--threads 1]
         [--max-turns 3] [--max-new-tokens 48] [--max-tokens 256] [--no-trl]
 
-The task: products of a 3-digit and a 2-digit number, the `calculator` environment (verifiers/calculator_env.py)
+The task: products of a 3-digit and a 2-digit number, the `calculator` environment (environments/calculator.py)
 with its tool taught in the system message (SmolLM2's chat template renders no tools), and two worked examples
 before the question (a call, its `<tool_response>`, the answer) so that the untrained 135M model writes calls at
 all. The same opening messages, hence the same prompt ids (checked), go to every side.
@@ -52,11 +52,11 @@ from typing import Any
 import torch
 import transformers
 
-from rlvr.trainer.multi_turn import Budgets, Trajectory, run_episodes
+from rlvr.environments.base import Environment
+from rlvr.environments.registry import environment_factory
+from rlvr.environments.tools import CALCULATOR, ToolLimits
+from rlvr.trainer.episodes import Budgets, Trajectory, run_episodes
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
-from rlvr.verifiers.env_registry import environment_factory
-from rlvr.verifiers.environment import Environment
-from rlvr.verifiers.tool_use import CALCULATOR, ToolLimits
 
 ROOT = Path(__file__).resolve().parent.parent
 TRL_SIDE = ROOT / "benchmarks" / "out" / "trl-side"

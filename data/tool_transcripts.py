@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlvr.data.sources import expression_of, parse_expression, render_expression
+from rlvr.environments.base import Message, Opening
+from rlvr.environments.registry import environment_factory
 from rlvr.verifiers.base import Score
-from rlvr.verifiers.env_registry import environment_factory
-from rlvr.verifiers.environment import Message, Opening
 
 __all__ = ["ToolTranscript", "calculator_call", "problem_expression", "synthesize_transcripts"]
 
@@ -58,7 +58,7 @@ def problem_expression(prompt: str) -> str | None:
 
 
 def calculator_call(expression: str) -> str:
-    """The assistant turn that calls the calculator, in the documented Hermes format (verifiers/tool_use.py)."""
+    """The assistant turn that calls the calculator, in the documented Hermes format (environments/tools.py)."""
     call = {"name": "calculator", "arguments": {"expression": expression}}
     return f"<tool_call>{json.dumps(call)}</tool_call>"
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 import rlvr.tasks
 from rlvr import plugins
+from rlvr.environments.registry import EnvConfig, check_environment
 from rlvr.errors import ConfigError, UserError
 from rlvr.flows.compatibility import refuse_incompatible
 from rlvr.flows.executors import ExecutorConfig
@@ -28,7 +29,6 @@ from rlvr.flows.openlineage_events import OpenLineageConfig
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table, run_stage
 from rlvr.storage.store import Store
-from rlvr.verifiers.env_registry import EnvConfig, check_environment
 from rlvr.verifiers.model_rewards import RewardConfig
 from rlvr.verifiers.outcomes import DEFAULT_MAX_ERROR_RATE
 

@@ -30,6 +30,7 @@ from prefect.cache_policies import NONE
 from rlvr.curricula.filtering import prompts_to_draw
 from rlvr.curricula.hints import solutions_of
 from rlvr.endpoints import rate_of
+from rlvr.environments.registry import check_environment, environment_label
 from rlvr.errors import UserError
 from rlvr.flows.compatibility import refuse_incompatible
 from rlvr.flows.config import (
@@ -66,7 +67,6 @@ from rlvr.trainer.devices import own_stream, resolve_device
 from rlvr.trainer.policy import set_threads
 from rlvr.trainer.rank_group import close_group, current_group
 from rlvr.verifiers.cache import MODEL_VERIFIERS
-from rlvr.verifiers.env_registry import check_environment, environment_label
 from rlvr.verifiers.model_rewards import endpoint_of
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ __all__ = [
 RLPR = "rlpr"
 RLPR_STATUSES = ("ok", "unparseable")
 ENV_PREFIX = "env:"
-# What verifiers/environment.py `reward_verdict` writes as the reason of a reward judged against env.solved_at.
+# What environments/base.py `reward_verdict` writes as the reason of a reward judged against env.solved_at.
 SOLVED_AT_REASON = re.compile(r"reward (\S+) (>=|<) env\.solved_at (\S+)")
 
 Row = dict[str, Any]

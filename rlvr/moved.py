@@ -18,6 +18,15 @@ from types import ModuleType
 MOVED: dict[str, str] = {
     "rlvr.trainer.reward_server": "rlvr.serving.server",
     "rlvr.trainer.reward_models": "rlvr.serving.reward_models",
+    "rlvr.verifiers.environment": "rlvr.environments.base",
+    "rlvr.verifiers.env_registry": "rlvr.environments.registry",
+    "rlvr.verifiers.calculator_env": "rlvr.environments.calculator",
+    "rlvr.verifiers.retry_env": "rlvr.environments.retry",
+    "rlvr.verifiers.tool_use": "rlvr.environments.tools",
+    "rlvr.verifiers.gym_adapter": "rlvr.environments.gym_adapter",
+    "rlvr.verifiers.textarena_adapter": "rlvr.environments.textarena_adapter",
+    "rlvr.verifiers.env_isolation": "rlvr.environments.isolation",
+    "rlvr.trainer.multi_turn": "rlvr.trainer.episodes",  # ChatRendering: chat_tokens.py; decoding: turn_decoding.py
 }
 
 

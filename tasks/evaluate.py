@@ -1,5 +1,5 @@
 """evaluate: greedy accuracy of a policy on a held-out split, verified like the training rewards: one greedy episode
-per problem of the run's environment, played by the rollout loop (trainer/multi_turn.py) as rollouts are, the
+per problem of the run's environment, played by the rollout loop (trainer/episodes.py) as rollouts are, the
 one-turn default's included (its answers are `greedy`'s). An episode is scored by the verdict the rollout loop gave
 it (the environment's own, its reward against `env.solved_at`, or an error), and by the problem's verifier where the
 environment leaves its final answer to one (the one-turn default always does). An answer whose verdict failed
@@ -13,17 +13,17 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlvr.environments.registry import EnvConfig
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy
 from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.engine_base import RolloutEngine
 from rlvr.trainer.engines import EngineConfig, engine_for
-from rlvr.trainer.multi_turn import episode_budgets, play_episodes
+from rlvr.trainer.episodes import episode_budgets, play_episodes
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import check_readable
 from rlvr.verifiers.base import Score
 from rlvr.verifiers.cache import VerifierConfig, score_cached, verifier_identity
-from rlvr.verifiers.env_registry import EnvConfig
 from rlvr.verifiers.outcomes import DEFAULT_MAX_ERROR_RATE, check_error_share, solved
 
 
@@ -123,7 +123,8 @@ def identity(cfg: EvaluateConfig, params: Mapping[str, Any]) -> dict[str, Any]:
 
 EVALUATE: Stage[EvaluateConfig] = Stage(
     name="evaluate",
-    code_version="3",  # 3: solved read through verifiers/outcomes.py; error verdicts counted and bounded
+    code_version="4",  # 4: untaught tools taught with tool_prompt (as rollout 7); 3: solved read through
+    # verifiers/outcomes.py; error verdicts counted and bounded
     section="evaluate",
     config=EvaluateConfig,
     inputs=("policy", "problems"),

@@ -3,7 +3,7 @@
 beside the trainer: then each rollout keeps its staleness and the sampling policy's token log-probs.
 With GHPO's hints (`select.hints`) a prompt carries the share of its solution its selection row gives.
 
-Every rollout is an episode of the run's environment, played by the one rollout loop (trainer/multi_turn.py): the
+Every rollout is an episode of the run's environment, played by the one rollout loop (trainer/episodes.py): the
 one-turn default's are episodes of `OneTurn`, whose first turn is drawn as the engine samples a batch of prompts,
 so they are the tokens `engine.generate` gives (tests/test_one_path.py), and whose rows keep the columns one-turn
 rollouts always had (the environment's columns null)."""
@@ -19,19 +19,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rlvr.curricula.hints import HintConfig, hinted_prompt, solutions_of
+from rlvr.environments.registry import EnvConfig
 from rlvr.storage.ids import row_id
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import load_policy, sampler_policy
 from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.engine_base import RolloutEngine, SamplingParams
 from rlvr.trainer.engines import ENGINES, EngineConfig, TransformersEngine, engine_for
+from rlvr.trainer.episodes import Trajectory, Turn, episode_budgets
+from rlvr.trainer.episodes import play_episodes as play
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, behaviour_logprobs
-from rlvr.trainer.multi_turn import Trajectory, Turn, episode_budgets
-from rlvr.trainer.multi_turn import play_episodes as play
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import check_readable
-from rlvr.verifiers.env_registry import EnvConfig
 
 
 def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> dict[str, Built]:
@@ -156,7 +156,7 @@ def episode_logprobs(
 
 def episode_columns(t: Trajectory, env: dict[str, Any] | None, label: str | None) -> dict[str, Any]:
     """The rollouts columns of an environment's episode (none for the one-turn case). `env_verdict` is the verdict
-    the rollout loop gave the episode (trainer/multi_turn.py `_Episode.verdict`): null only where the label stage is
+    the rollout loop gave the episode (trainer/episodes.py `_Episode.verdict`): null only where the label stage is
     to score the last answer with the problem's verifier."""
     if env is None:
         return {}
@@ -182,7 +182,7 @@ def episode_columns(t: Trajectory, env: dict[str, Any] | None, label: str | None
 
 def assistant_turn_rewards(turns: list[Turn]) -> list[float | None]:
     """Each assistant turn's reward: the reply to it carries it, on the environment's turn that follows, or on the
-    assistant turn itself when the reply ended the episode (trainer/multi_turn.py `_take_reply`)."""
+    assistant turn itself when the reply ended the episode (trainer/episodes.py `_take_reply`)."""
     rewards: list[float | None] = []
     for k, turn in enumerate(turns):
         if turn.role != "assistant":
@@ -237,10 +237,11 @@ def slot_prompts(
 
 ROLLOUT: Stage[EngineConfig] = Stage(
     name="rollout",
-    code_version="6",  # 6: one-turn rollouts are OneTurn episodes of the rollout loop (same tokens and rollouts
-    # rows; their turns rows carry the loop's stop reason, token_budget for a cut one, and measured seconds); 5: every
-    # episode's env_verdict is the loop's (solved_at, faults, env_timeout); 4: GHPO hints stop before the step that
-    # states the answer; 3: pad-id tokens in prompts
+    code_version="7",  # 7: tools an environment offers untaught, on a template that renders none, are taught with
+    # environments/tools.py's tool_prompt (the calculator's text); 6: one-turn rollouts are OneTurn episodes of the
+    # rollout loop (same tokens and rollouts rows; their turns rows carry the loop's stop reason, token_budget for a
+    # cut one, and measured seconds); 5: every episode's env_verdict is the loop's (solved_at, faults, env_timeout);
+    # 4: GHPO hints stop before the step that states the answer; 3: pad-id tokens in prompts
     section="rollout",
     config=ENGINES.config_type,
     default=ENGINES.default_config,

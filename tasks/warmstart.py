@@ -18,13 +18,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlvr.data.tool_transcripts import synthesize_transcripts
+from rlvr.environments.calculator import CalculatorOptions
 from rlvr.errors import UserError
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext, rows_to_table
 from rlvr.trainer.checkpoints import checkpoint_built, load_policy, parameter_count
 from rlvr.trainer.devices import stage_device, usage
 from rlvr.trainer.policy import make_optimizer, policy_files, policy_from_files
 from rlvr.trainer.sft import sft_steps, sft_warmstart, transcript_sequences
-from rlvr.verifiers.calculator_env import CalculatorOptions
 
 
 class WarmstartConfig(BaseModel):
@@ -100,7 +100,8 @@ def build(inputs: Inputs, cfg: WarmstartConfig, ctx: StageContext) -> dict[str, 
 
 WARMSTART: Stage[WarmstartConfig] = Stage(
     name="warmstart",
-    code_version="3",  # 3: a pad-id token inside a prompt is attended to (trainer/fused_head.py)
+    code_version="4",  # 4: transcripts' untaught tools taught with tool_prompt (as rollout 7); 3: a pad-id token
+    # inside a prompt is attended to (trainer/fused_head.py)
     section="warmstart",
     config=WarmstartConfig,
     inputs=("problems", "policy"),

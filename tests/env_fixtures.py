@@ -3,7 +3,7 @@
 The built-in tiny model writes digits and `+ - * =` only, so it never writes a `<tool_call>` itself, and a whole
 run of it cannot show how the rollout loop and the calculator environment bear a hanging tool, a flooding tool,
 a malformed call or a model that never stops calling tools. `ScriptedToolEnvironment` is the calculator
-environment (verifiers/calculator_env.py) with the python tool always offered, built by the calculator's own
+environment (environments/calculator.py) with the python tool always offered, built by the calculator's own
 factory from the run's `env` section: the real `ToolRunner`, the real sandbox, the run's tool timeout, memory and
 output cap. What it replaces, and only that: for the problems given a script, the text of the assistant's turn
 that `step` receives is replaced by the script's turn before the calculator environment answers it. The tokens
@@ -40,8 +40,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlvr.verifiers.calculator_env import CalculatorEnvironment
-from rlvr.verifiers.environment import EnvConfig, Environment, Opening, Reply, read_options
+from rlvr.environments.base import EnvConfig, Environment, Opening, Reply, read_options
+from rlvr.environments.calculator import CalculatorEnvironment
 
 __all__ = [
     "FLOOD_BYTES",

@@ -177,8 +177,8 @@ ANSWERS = ["3", "37", "11", "25", "9"]
 def _assert_ranks_play_what_one_process_plays(sharded: Policy, whole: Policy) -> None:
     """Multi-turn episodes (the retry environment) split over the ranks by tasks give one process's trajectories:
     the same tokens, masks, turns and stop reasons, sampled and greedy."""
-    from rlvr.trainer.multi_turn import Budgets, play_episodes
-    from rlvr.verifiers.environment import EnvConfig
+    from rlvr.environments.base import EnvConfig
+    from rlvr.trainer.episodes import Budgets, play_episodes
 
     env = EnvConfig(type="retry", max_turns=3, verifier="arithmetic")
     tasks = [{"prompt": p, "reference": a} for p, a in zip(PROMPTS, ANSWERS)]

@@ -13,19 +13,20 @@ from typing import Any
 
 import pytest
 
+from rlvr.environments.registry import EnvConfig
 from rlvr.errors import UserError
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.trainer.engine_base import SamplingParams, request_seed
 from rlvr.trainer.engines import ENGINES, TransformersEngine, TransformersEngineConfig
+from rlvr.trainer.episodes import Budgets, Trajectory, play_episodes, turn_key
 from rlvr.trainer.generation import Sample, greedy, sample
-from rlvr.trainer.multi_turn import Budgets, Trajectory, engine_seed, play_episodes, turn_key
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
 from rlvr.trainer.prompts import prompt_ids
 from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig
 from rlvr.trainer.row_sampling import row_key
+from rlvr.trainer.turn_decoding import engine_seed
 from rlvr.trainer.vllm_engine import VLLMEngineConfig
-from rlvr.verifiers.env_registry import EnvConfig
 from tests.cli_helpers import cli_env, rlvr
 from tests.conftest import TINY_OVERRIDES
 from tests.local_servers import Server, ServerState, completions_answer

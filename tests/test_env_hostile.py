@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from rlvr.environments.registry import EnvConfig, environment_factory
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
-from rlvr.verifiers.env_registry import EnvConfig, environment_factory
 from tests.cli_helpers import SMALL_RUN
 from tests.env_fixtures import FLOOD_BYTES, SCRIPTS, ScriptedOptions, script_of
 
@@ -190,7 +190,7 @@ def test_a_model_that_never_stops_calling_ends_on_max_turns(hostile_run: Hostile
 def test_a_hang_on_a_turn_its_budget_cut_is_a_tool_timeout_timed_on_that_turn() -> None:
     """The rollout loop alone, the tiny model never ending a turn: each turn is cut by max_new_tokens, and its
     hanging call still names the stop (not "token_budget") and its seconds (fails without either fix)."""
-    from rlvr.trainer.multi_turn import Budgets, run_episodes
+    from rlvr.trainer.episodes import Budgets, run_episodes
     from rlvr.trainer.policy import PolicyConfig, init_policy
     from rlvr.trainer.tiny_model import EOS, VOCAB, TinyModelConfig
 

@@ -183,10 +183,10 @@ def test_a_gem_environment_runs_unmodified_through_a_whole_run(tmp_path, prefect
 
 
 def test_evaluation_plays_one_greedy_episode_a_problem_whose_first_turn_is_the_one_turn_answer(retry_run) -> None:
+    from rlvr.environments.registry import EnvConfig
     from rlvr.tasks.evaluate import EvaluateConfig, greedy_episodes
     from rlvr.trainer.checkpoints import load_policy
     from rlvr.trainer.generation import greedy
-    from rlvr.verifiers.env_registry import EnvConfig
     from rlvr.verifiers.registry import get_verifier
 
     store, _ = retry_run

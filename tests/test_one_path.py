@@ -1,5 +1,5 @@
 """One rollout path (issue 51): the one-turn default's rollouts and evaluation answers are episodes of the `OneTurn`
-environment played by the episode loop (trainer/multi_turn.py), as every environment's are, and they are exactly
+environment played by the episode loop (trainer/episodes.py), as every environment's are, and they are exactly
 what the one-turn default drew before the loop played them: `engine.generate`'s samples (completion ids, texts,
 finish reasons, and log-probs where a run stores them) and `greedy`'s answers. Checked through the stages' own
 builds, for `rollout.seeding` batch (the default) and row, a refill round of dynamic sampling, the three caches,
@@ -17,6 +17,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from rlvr.environments.base import OneTurn, Reply
 from rlvr.storage.stage import Inputs, StageContext
 from rlvr.tasks.evaluate import EVALUATE, EvaluateConfig
 from rlvr.tasks.rollout import ROLLOUT
@@ -27,7 +28,6 @@ from rlvr.trainer.grpo import GRPOConfig, behaviour_logprobs
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
 from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig
 from rlvr.verifiers.cache import VerifierConfig
-from rlvr.verifiers.environment import OneTurn, Reply
 from tests.local_servers import Server, ServerState, serving
 from tests.test_multi_turn import CHATML
 
@@ -207,24 +207,24 @@ def test_evaluation_answers_through_the_openai_engine_are_its_greedy_answers(pol
 
 
 def test_the_transformers_engine_continues_rows_with_the_loops_one_implementation(policy, monkeypatch):
-    """One `continue_rows` on the policy: the engine's call is the loop's (`multi_turn.continue_rows`), so its rows
+    """One `continue_rows` on the policy: the engine's call is the loop's (`turn_decoding.continue_rows`), so its rows
     draw what the loop's keyed turns draw."""
-    import rlvr.trainer.multi_turn as multi_turn
+    import rlvr.trainer.turn_decoding as turn_decoding
 
     calls: list[list[list[int]]] = []
-    real = multi_turn._generate_ids
+    real = turn_decoding._generate_ids
 
     def record(policy: Policy, rows: list[list[int]], *args: Any, **kwargs: Any) -> Any:
         calls.append([list(row) for row in rows])
         return real(policy, rows, *args, **kwargs)
 
-    monkeypatch.setattr(multi_turn, "_generate_ids", record)
+    monkeypatch.setattr(turn_decoding, "_generate_ids", record)
     engine = TransformersEngine(TransformersEngineConfig())
     engine.update_weights(policy, "given-policy")
     rows, keys = [[1, 5, 6], [1, 7, 8, 9], [1, 5, 6]], [3, -4, 5]
     continued = engine.continue_rows(rows, [6, 2, 6], 0.9, 0.95, keys)
     assert calls == [rows]
-    decoding = multi_turn.PolicyDecoding(policy, 0.9, 0.95, 0, "shared_prompt", "auto", None)
+    decoding = turn_decoding.PolicyDecoding(policy, 0.9, 0.95, 0, "shared_prompt", "auto", None)
     drawn = decoding.turn(rows, keys, [6, 2, 6])
     assert [ids for ids, _ in continued] == [d.ids for d in drawn] and len(continued[1][0]) <= 2
     assert continued[0][0] != continued[2][0]  # one prompt, two keys: two draws
@@ -246,8 +246,8 @@ class Ranks:
 def test_over_data_parallel_ranks_a_grouped_call_is_keyed_by_the_problems_places(policy):
     """Greedy answers (an evaluation) are the same whatever the keys, so the ranks split them keyed by place; a
     sampled grouped call would draw from one torch stream, which ranks cannot split: refused in one line."""
-    from rlvr.trainer.multi_turn import Budgets, play_episodes
-    from rlvr.verifiers.env_registry import EnvConfig
+    from rlvr.environments.registry import EnvConfig
+    from rlvr.trainer.episodes import Budgets, play_episodes
 
     policy.ranks = Ranks()
     tasks, budgets = [{"prompt": p} for p in PROMPTS], Budgets(1, 5, 5, 8)

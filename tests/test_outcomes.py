@@ -13,6 +13,7 @@ import pytest
 
 from rlvr.curricula.buffers import OutcomeBuffers
 from rlvr.curricula.filtering import DynamicSamplingConfig
+from rlvr.environments.base import reward_verdict
 from rlvr.errors import UserError
 from rlvr.storage.stage import Inputs, StageContext
 from rlvr.tasks.allocate import _with_outcomes
@@ -24,7 +25,6 @@ from rlvr.tasks.update import hint_outcomes
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, overlong_lengths, step_advantages
 from rlvr.trainer.updates import step_batch
-from rlvr.verifiers.environment import reward_verdict
 from rlvr.verifiers.outcomes import OUTCOME_SQL, check_error_share, outcome, solved
 
 ROWS = [  # (verifier, status, score): every kind of row a rewards table holds

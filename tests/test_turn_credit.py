@@ -118,7 +118,7 @@ def test_turn_credit_is_refused_beside_gdpo_and_seed_grpo_and_left_out_of_dumps_
 
 def test_an_assistant_turns_reward_is_the_reply_to_it_on_the_next_turn_or_its_own_when_it_ended() -> None:
     from rlvr.tasks.rollout import assistant_turn_rewards
-    from rlvr.trainer.multi_turn import Turn
+    from rlvr.trainer.episodes import Turn
 
     def turn(k: int, role: str, reward: float | None) -> Turn:
         return Turn(k, role, k, k + 1, "", (), reward, 0.0)

@@ -119,7 +119,7 @@ class RolloutEngine(ABC):
         seeds: Sequence[int],
     ) -> list[Continuation]:
         """One completion of each token-id row, at most `budgets[i]` tokens drawn with `seeds[i]` (temperature 0:
-        greedy), all rows in one batch: a turn of the multi-turn loop (trainer/multi_turn.py), whose rows are whole
+        greedy), all rows in one batch: a turn of the multi-turn loop (trainer/episodes.py), whose rows are whole
         conversations kept as ids, so nothing before the new turn is decoded and tokenized again."""
         raise UserError(
             f"rollout.type={self.type} cannot continue token-id rows (continue_rows), so it cannot play env "

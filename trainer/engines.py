@@ -110,9 +110,9 @@ class TransformersEngine(RolloutEngine):
         seeds: Sequence[int],
     ) -> list[Continuation]:
         """Row-seeded (each seed is its row's key, trainer/row_sampling.py), so a row draws the same tokens in any
-        batch: the rollout loop's own decoding on the policy (`multi_turn.continue_rows`, the one implementation),
+        batch: the rollout loop's own decoding on the policy (`turn_decoding.continue_rows`, the one implementation),
         which the rollout stage calls directly (it also records log-probs and splits over data-parallel ranks)."""
-        from rlvr.trainer.multi_turn import continue_rows  # the loop's module: imported when an episode needs it
+        from rlvr.trainer.turn_decoding import continue_rows  # the loop's decoding: imported when an episode needs it
 
         if self.policy is None:
             raise RuntimeError("call update_weights before continue_rows")

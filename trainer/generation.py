@@ -173,7 +173,7 @@ def _generate_ids(
     **sampling: Any,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """`_generate` from token-id rows (each row's whole context, unpadded): what the multi-turn loop
-    (trainer/multi_turn.py) decodes from, since it keeps a conversation's tokens and never re-tokenizes them.
+    (trainer/episodes.py) decodes from, since it keeps a conversation's tokens and never re-tokenizes them.
     The rows are left-padded into one batch."""
     if not rows:
         return [], []

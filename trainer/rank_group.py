@@ -47,13 +47,14 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rlvr.child_guard import exit_when_gone, start_time
+from rlvr.environments.base import EnvConfig
 from rlvr.errors import Stopped, UserError, stop_with
 from rlvr.storage.store import Store, open_store
 from rlvr.trainer.distributed import distributed_grpo_step, parse_payload, payload_text
+from rlvr.trainer.episodes import Budgets, Trajectory, play_episodes, trajectory_from_dict
 from rlvr.trainer.generation import Sample, greedy, sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch
 from rlvr.trainer.lora import SETTINGS_FILE, LoraSettings, add_lora
-from rlvr.trainer.multi_turn import Budgets, Trajectory, play_episodes, trajectory_from_dict
 from rlvr.trainer.policy import (
     MODEL_BUILD_LOCK,
     Policy,
@@ -77,7 +78,6 @@ from rlvr.trainer.sharding import (
     stored_name,
     whole_weights,
 )
-from rlvr.verifiers.environment import EnvConfig
 
 TIMEOUT = timedelta(minutes=30)  # a collective waits this long for a rank (rank 0 verifying a large step)
 WATCH_S = 0.5  # how often rank 0 looks at the ranks it started
@@ -550,7 +550,7 @@ class RankGroup:
             return _sample_share(self.state, prompts, counts, settings, keys)
 
     def episodes(self, request: dict[str, Any]) -> list[Trajectory]:
-        """`multi_turn.play_episodes` over the ranks (`request`: env, tasks, counts, budgets, settings, keys), each
+        """`episodes.play_episodes` over the ranks (`request`: env, tasks, counts, budgets, settings, keys), each
         rank playing its share of the tasks; on rank 0 every trajectory in the one-process order."""
         with self.op("episodes", {}, json.dumps(request).encode()):
             return _episodes_share(self.state, request)

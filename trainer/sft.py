@@ -3,36 +3,50 @@
 A policy that never produces a well-formed answer gets no reward and so no GRPO signal; a short warm
 start on a few examples teaches the answer format (answer then eos) so that RL has something to sharpen.
 For a multi-turn environment the format is the episode itself: `transcript_sequence` turns a synthesized
-conversation (data/tool_transcripts.py) into the token ids the rollout loop would produce for it, with the loss on
-the assistant's tokens only, so the warm start trains on the very sequences GRPO later samples and scores.
+conversation (data/tool_transcripts.py makes them; tasks/warmstart.py hands them here) into the token ids the rollout
+loop would produce for it, every id built by `ChatRendering` as the loop builds it, with the loss on the assistant's
+tokens only, so the warm start trains on the very sequences GRPO later samples and scores.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
-from rlvr.data.tool_transcripts import ToolTranscript
+from rlvr.environments.base import Message, Opening
 from rlvr.trainer import prompts
+from rlvr.trainer.chat_tokens import ChatRendering
 from rlvr.trainer.devices import model_device
 from rlvr.trainer.generation import _eos_ids
 from rlvr.trainer.grpo import completion_logprobs
-from rlvr.trainer.multi_turn import ChatRendering
 from rlvr.trainer.policy import Policy
 
 __all__ = [
     "SftSequence",
-    "assistant_turn_ids",
+    "Transcript",
     "sft_steps",
     "sft_warmstart",
     "transcript_sequence",
     "transcript_sequences",
 ]
 
-_ASKED: list[dict[str, str]] = [{"role": "user", "content": "1"}]  # the fixed turn an assistant turn is rendered after
+
+class Transcript(Protocol):
+    """A conversation to teach (data/tool_transcripts.py `ToolTranscript` is one): the opening, each assistant turn's
+    text, and the environment's messages after each turn but the last. Read through this shape so the trainer needs
+    nothing of the data sources that make them."""
+
+    @property
+    def opening(self) -> Opening: ...
+
+    @property
+    def assistant(self) -> Sequence[str]: ...
+
+    @property
+    def replies(self) -> Sequence[Sequence[Message]]: ...
 
 
 @dataclass(frozen=True)
@@ -107,46 +121,17 @@ def sft_steps(
     return losses
 
 
-def assistant_turn_ids(tokenizer: PreTrainedTokenizerBase, text: str, eos_ids: Collection[int]) -> list[int]:
-    """The ids of an assistant turn saying `text`, through its end-of-turn token: what the model samples for it.
-
-    With a chat template: the ids the template adds when `text` follows a fixed user turn as the assistant's
-    message (the fixed conversation rendered with the assistant turn, tokenized, less the same conversation
-    rendered with the assistant's turn opened), up to and including its last eos token; what the template writes
-    after that token (ChatML's "\\n") belongs to the next reply, as `ChatRendering.reply` renders it. Without one:
-    `text`'s tokens and the tokenizer's eos, as a base model ends a turn."""
-    if not prompts.has_chat_template(tokenizer):
-        eos = tokenizer.eos_token_id if tokenizer.eos_token_id in eos_ids else min(eos_ids)
-        return [*tokenizer(text, add_special_tokens=False)["input_ids"], eos]
-    opened = _template_ids(tokenizer, _ASKED, generation_prompt=True)
-    said = _template_ids(tokenizer, [*_ASKED, {"role": "assistant", "content": text}], generation_prompt=False)
-    if said[: len(opened)] != opened:
-        raise ValueError("the chat template renders an assistant turn that does not extend the opened turn")
-    turn = said[len(opened) :]
-    ends = [i for i, token in enumerate(turn) if token in eos_ids]
-    if not ends:
-        raise ValueError("the chat template ends an assistant turn with no eos token: it cannot be sampled to its end")
-    return turn[: ends[-1] + 1]
-
-
-def _template_ids(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], *, generation_prompt: bool
-) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
-    return list(tokenizer(str(text), add_special_tokens=False)["input_ids"])
-
-
 def transcript_sequence(
-    rendering: ChatRendering, transcript: ToolTranscript, eos_ids: Collection[int], max_tool_output_tokens: int = 256
+    rendering: ChatRendering, transcript: Transcript, max_tool_output_tokens: int = 256
 ) -> SftSequence:
-    """The token ids the rollout loop (trainer/multi_turn.py) would produce for `transcript` had the model sampled
-    its assistant turns: the opening as `rendering.opening` renders it (the prompt), then each assistant turn's
-    `assistant_turn_ids` (loss mask 1) and each reply's messages, cut to `max_tool_output_tokens` as the loop cuts
-    them, as `rendering.reply` renders them (loss mask 0)."""
+    """The token ids the rollout loop (trainer/episodes.py) would produce for `transcript` had the model sampled
+    its assistant turns: the opening as `rendering.opening` renders it (the prompt), then each assistant turn as
+    `rendering.assistant_turn` renders it (loss mask 1) and each reply's messages, cut to `max_tool_output_tokens` as
+    the loop cuts them, as `rendering.reply` renders them (loss mask 0)."""
     completion: list[int] = []
     mask: list[int] = []
     for i, text in enumerate(transcript.assistant):
-        turn = assistant_turn_ids(rendering.tokenizer, text, eos_ids)
+        turn = rendering.assistant_turn(text)
         completion += turn
         mask += [1] * len(turn)
         if i < len(transcript.replies):
@@ -160,9 +145,8 @@ def transcript_sequence(
 
 
 def transcript_sequences(
-    policy: Policy, transcripts: Sequence[ToolTranscript], max_tool_output_tokens: int = 256
+    policy: Policy, transcripts: Sequence[Transcript], max_tool_output_tokens: int = 256
 ) -> list[SftSequence]:
     """`transcript_sequence` of each transcript, with the policy's tokenizer and end-of-turn ids."""
-    eos_ids = _eos_ids(policy)
-    rendering = ChatRendering(policy.tokenizer, eos_ids)
-    return [transcript_sequence(rendering, t, eos_ids, max_tool_output_tokens) for t in transcripts]
+    rendering = ChatRendering(policy.tokenizer, _eos_ids(policy))
+    return [transcript_sequence(rendering, t, max_tool_output_tokens) for t in transcripts]

@@ -25,19 +25,14 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vllm is not installed here; `make test-vllm` runs these in .venv-vllm")
 
+from rlvr.environments.registry import EnvConfig  # noqa: E402
 from rlvr.errors import UserError  # noqa: E402
+from rlvr.trainer.chat_tokens import ChatRendering  # noqa: E402
 from rlvr.trainer.engine_base import SamplingParams  # noqa: E402
+from rlvr.trainer.episodes import Budgets, Trajectory, play_episodes, turn_key  # noqa: E402
 from rlvr.trainer.generation import greedy  # noqa: E402
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step  # noqa: E402
 from rlvr.trainer.lora import LoraSettings, add_lora  # noqa: E402
-from rlvr.trainer.multi_turn import (  # noqa: E402
-    Budgets,
-    ChatRendering,
-    Trajectory,
-    engine_seed,
-    play_episodes,
-    turn_key,
-)
 from rlvr.trainer.policy import (  # noqa: E402
     Policy,
     PolicyConfig,
@@ -50,9 +45,9 @@ from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig  # noqa: E402
 from rlvr.trainer.row_sampling import row_key  # noqa: E402
 from rlvr.trainer.sft import sft_warmstart  # noqa: E402
 from rlvr.trainer.tiny_model import TinyModelConfig  # noqa: E402
+from rlvr.trainer.turn_decoding import engine_seed  # noqa: E402
 from rlvr.trainer.vllm_engine import VLLMEngine, VLLMEngineConfig, vllm_environment  # noqa: E402
 from rlvr.verifiers.arithmetic import ArithmeticVerifier  # noqa: E402
-from rlvr.verifiers.env_registry import EnvConfig  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -37,9 +37,9 @@ from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from rlvr.child_guard import POLL_S, exit_when_gone, is_running, start_time
+from rlvr.environments.base import EnvConfig, Environment, EnvironmentTimeout, Opening, Reply
 from rlvr.spawn_main import without_main
 from rlvr.verifiers.base import one_line
-from rlvr.verifiers.environment import EnvConfig, Environment, EnvironmentTimeout, Opening, Reply
 
 __all__ = ["IsolatedEnvironment", "in_episode_process", "isolated_factory", "run_limited"]
 

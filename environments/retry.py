@@ -20,8 +20,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.chat import as_messages
+from rlvr.environments.base import EnvConfig, Environment, Opening, Reply, read_options, refuse_model_verifier
 from rlvr.verifiers.base import Score, Verifier
-from rlvr.verifiers.environment import EnvConfig, Environment, Opening, Reply, read_options, refuse_model_verifier
 
 
 class RetryOptions(BaseModel):

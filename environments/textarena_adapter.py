@@ -11,13 +11,13 @@ which become one user message per turn, each line "[GAME] ..." or "[Player 1] ..
 write them (the model's own action is not echoed back). The default ids wrap the game so that every observation
 repeats the whole game so far, which a chat would then hold twice. Rewards come only at the end: the final
 turn's reward is the model's player's, and earlier turns carry none. TextArena seeds Python's global generator
-in `reset`, so each episode keeps its own global random state (verifiers/gym_adapter.py, `GlobalRandom`).
+in `reset`, so each episode keeps its own global random state (environments/gym_adapter.py, `GlobalRandom`).
 
 Verdicts: a game gives rewards, never a verdict; TextArena pays 1 for a win (`set_winner`, a one-player game's
 `set_outcome(1)`), -1 for a loss, 0 for a draw and a share below 1 for a one-player game out of turns, so an episode
 is solved at `TEXTARENA_SOLVED_AT` = 1 unless `env.solved_at` says otherwise. Every call into the game (the model's
 move, the opponent's, reading the reward) runs under `env.step_timeout_s`, in a helper thread or, with
-`env.isolation=process`, with the whole episode in a process of its own (verifiers/env_isolation.py).
+`env.isolation=process`, with the whole episode in a process of its own (environments/isolation.py).
 """
 
 from __future__ import annotations
@@ -27,10 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rlvr.errors import UserError
-from rlvr.verifiers.base import Score, one_line
-from rlvr.verifiers.env_isolation import in_episode_process, isolated_factory, run_limited
-from rlvr.verifiers.environment import (
+from rlvr.environments.base import (
     EnvConfig,
     Environment,
     EnvironmentTimeout,
@@ -39,13 +36,16 @@ from rlvr.verifiers.environment import (
     Reply,
     read_options,
 )
-from rlvr.verifiers.gym_adapter import (
+from rlvr.environments.gym_adapter import (
     SEED_MODULUS,
     GlobalRandom,
     import_callable,
     quiet_import,
     required_solved_at,
 )
+from rlvr.environments.isolation import in_episode_process, isolated_factory, run_limited
+from rlvr.errors import UserError
+from rlvr.verifiers.base import Score, one_line
 
 __all__ = ["TEXTARENA_INSTALL", "TEXTARENA_SOLVED_AT", "TextArenaEnvironment", "TextArenaOptions"]
 

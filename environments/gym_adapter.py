@@ -19,7 +19,7 @@ reaches `env.solved_at`, or for GEM (`make: gem`) its success reward, `GEM_SOLVE
 
 Limits: every call into the wrapped environment (making it, reset, step, close) runs under `env.step_timeout_s`,
 in a helper thread or, with `env.isolation=process`, with the whole episode in a process of its own
-(verifiers/env_isolation.py); past it the episode ends with stop reason `env_timeout`.
+(environments/isolation.py); past it the episode ends with stop reason `env_timeout`.
 
 Seeds: the wrapped environment is made fresh in each `reset` and reset with `seed mod 2**32`. Many of these
 environments draw from Python's and NumPy's global generators (GEM's `reset` reseeds them), which episodes in
@@ -47,10 +47,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlvr.chat import as_messages
-from rlvr.errors import UserError
-from rlvr.verifiers.base import Score, one_line
-from rlvr.verifiers.env_isolation import in_episode_process, isolated_factory, run_limited
-from rlvr.verifiers.environment import (
+from rlvr.environments.base import (
     EnvConfig,
     Environment,
     EnvironmentTimeout,
@@ -59,6 +56,9 @@ from rlvr.verifiers.environment import (
     Reply,
     read_options,
 )
+from rlvr.environments.isolation import in_episode_process, isolated_factory, run_limited
+from rlvr.errors import UserError
+from rlvr.verifiers.base import Score, one_line
 
 __all__ = [
     "GEM_INSTALL",

@@ -1,13 +1,13 @@
 """Which environments exist, and how a run's `env` config becomes one environment per episode.
 
-Built in: `one_turn` (a verifier as an environment; the default), `calculator` (verifiers/calculator_env.py),
-`gym` (gym-style `reset`/`step` text environments: GEM and others, verifiers/gym_adapter.py) and `textarena`
-(verifiers/textarena_adapter.py). A plugin package adds its own in its pyproject.toml,
+Built in: `one_turn` (a verifier as an environment; the default), `calculator` (environments/calculator.py),
+`gym` (gym-style `reset`/`step` text environments: GEM and others, environments/gym_adapter.py) and `textarena`
+(environments/textarena_adapter.py). A plugin package adds its own in its pyproject.toml,
 
     [project.entry-points."rlvr.environments"]
     my_env = "my_package.module:MyEnvironment"
 
-where `MyEnvironment` subclasses `rlvr.verifiers.environment.Environment` and its `name` equals the entry-point
+where `MyEnvironment` subclasses `rlvr.environments.base.Environment` and its `name` equals the entry-point
 name. As with verifier plugins (verifiers/registry.py), one that fails to load (import error, not an Environment,
 a name that differs or clashes) is left out and described by `plugin_errors()`; a name may also be an import path
 "package.module:ClassName". `environment_factory` is what the rollout stage calls; `check_environment` is what a run
@@ -22,13 +22,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rlvr.environments.base import LOOP_KEYS, TOOL_KEYS, EnvConfig, Environment, OneTurn
+from rlvr.environments.calculator import CalculatorEnvironment
+from rlvr.environments.gym_adapter import GymEnvironment
+from rlvr.environments.retry import RetryEnvironment
+from rlvr.environments.textarena_adapter import TextArenaEnvironment
 from rlvr.errors import UserError
 from rlvr.plugins import ClassPlugins
-from rlvr.verifiers.calculator_env import CalculatorEnvironment
-from rlvr.verifiers.environment import LOOP_KEYS, TOOL_KEYS, EnvConfig, Environment, OneTurn
-from rlvr.verifiers.gym_adapter import GymEnvironment
-from rlvr.verifiers.retry_env import RetryEnvironment
-from rlvr.verifiers.textarena_adapter import TextArenaEnvironment
 
 __all__ = [
     "BUILTIN",
@@ -51,7 +51,7 @@ BUILTIN: dict[str, type[Environment]] = {
 def _check_environment_class(obj: object, expected_name: str | None) -> str | None:
     """Why `obj` cannot be an environment called `expected_name` (None: any name), or None if it can."""
     if not (isinstance(obj, type) and issubclass(obj, Environment)):
-        return f"{obj!r} is not a subclass of rlvr.verifiers.environment.Environment"
+        return f"{obj!r} is not a subclass of rlvr.environments.base.Environment"
     for attribute in ("name", "version"):
         if not isinstance(getattr(obj, attribute, None), str):
             return f"{obj.__name__}.{attribute} must be a string class attribute"

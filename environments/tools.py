@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlvr.verifiers.environment import ToolStatus, ToolUse
+from rlvr.environments.base import ToolStatus, ToolUse
 from rlvr.verifiers.sandbox import SandboxError, run_program
 
 __all__ = [
@@ -158,16 +158,26 @@ def tool_schema(tool: Tool) -> dict[str, Any]:
     }
 
 
-def tool_prompt(tools: Sequence[Tool]) -> str:
-    """A system message teaching the call format, for chat templates that render no tools (ChatML)."""
-    schemas = "\n".join(json.dumps(tool_schema(tool)["function"]) for tool in tools)
+def tool_prompt(tools: Sequence[Mapping[str, Any]], *, tagged_results: bool = False) -> str:
+    """A system message teaching the call format, for chat templates that render no tools (ChatML, or none): the
+    one text both the calculator environment (`tool_format: prompt`) and the rollout loop (trainer/chat_tokens.py,
+    for an environment that offers tools without teaching them) show, so a model warm-started on one reads the
+    other. `tools`: OpenAI-style schemas (`tool_schema`, `Opening.tools`); `tagged_results`: the environment wraps
+    each result in <tool_response> tags (the calculator does), which the text then says."""
+    if not tools:
+        raise ValueError("tool_prompt needs at least one tool")
+    functions = [tool["function"] if tool.get("type") == "function" else tool for tool in tools]
+    parameters = functions[0].get("parameters") or {}
+    shown = list(parameters.get("required") or parameters.get("properties") or [])[:1]  # one argument, as an example
+    example = {"name": functions[0].get("name", "..."), "arguments": {name: "..." for name in shown}}
+    results = ", between <tool_response> and </tool_response>" if tagged_results else ""
     return (
         "You may call tools. The tools:\n"
-        f"<tools>\n{schemas}\n</tools>\n"
+        "<tools>\n" + "\n".join(json.dumps(function) for function in functions) + "\n</tools>\n"
         "To call one, write a JSON object with its name and arguments between tags, for example:\n"
-        f'<tool_call>{{"name": "{tools[0].name}", "arguments": {{"{tools[0].argument}": "..."}}}}</tool_call>\n'
-        "You may write several calls in one turn. Each result comes back in a tool message, between "
-        "<tool_response> and </tool_response>. When you know the answer, reply without a tool call."
+        f"<tool_call>{json.dumps(example)}</tool_call>\n"
+        f"You may write several calls in one turn. Each result comes back in a tool message{results}. When you know "
+        "the answer, reply without a tool call."
     )
 
 

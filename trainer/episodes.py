@@ -1,5 +1,5 @@
 """The rollout loop: every rollout and every evaluation answer of a run is an episode of its environment
-(verifiers/environment.py), the one-turn default (`OneTurn`) included, played here in batches, tokens kept from the
+(environments/base.py), the one-turn default (`OneTurn`) included, played here in batches, tokens kept from the
 first turn to the last, decoded on the policy in this process or through a rollout engine (vllm, openai).
 
 Tokens in, tokens out. An episode's prompt is its opening rendered as the model reads it (`ChatRendering`); each
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import numbers
@@ -36,24 +35,13 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, TypeVar
 
-from transformers import PreTrainedTokenizerBase
-
-from rlvr.trainer.engine_base import RolloutEngine, SamplingParams
-from rlvr.trainer.generation import Cache, Precision, TokenLogprobs, _decode, _eos_ids, _generate_ids
-from rlvr.trainer.policy import Policy
-from rlvr.trainer.prompts import has_chat_template
-from rlvr.trainer.rng import seeded_rng
-from rlvr.trainer.row_sampling import RowSampler, mix64, row_key
-from rlvr.verifiers.base import Score, one_line
-from rlvr.verifiers.env_registry import environment_class, environment_factory
-from rlvr.verifiers.environment import (
+from rlvr.environments.base import (
     ROLES,
     EnvConfig,
     Environment,
     EnvironmentTimeout,
-    Message,
     Opening,
     Reply,
     StopReason,
@@ -61,23 +49,23 @@ from rlvr.verifiers.environment import (
     episode_reward,
     reward_verdict,
 )
+from rlvr.environments.registry import environment_class, environment_factory
+from rlvr.trainer.chat_tokens import ChatRendering
+from rlvr.trainer.engine_base import RolloutEngine
+from rlvr.trainer.generation import Cache, Precision, _decode, _eos_ids
+from rlvr.trainer.policy import Policy
+from rlvr.trainer.row_sampling import mix64, row_key
+from rlvr.trainer.turn_decoding import EngineDecoding, PolicyDecoding, TurnDecoding
+from rlvr.verifiers.base import Score, one_line
 
 __all__ = [
     "Budgets",
-    "ChatRendering",
-    "Draw",
-    "EngineDecoding",
-    "PolicyDecoding",
     "Trajectory",
     "Turn",
-    "TurnDecoding",
-    "continue_rows",
-    "engine_seed",
     "environment_seed",
     "episode_budgets",
     "play_episodes",
     "run_episodes",
-    "tools_system_message",
     "trajectory_from_dict",
     "turn_key",
 ]
@@ -85,8 +73,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-# The fixed conversation that environment messages are appended to when they are rendered (`ChatRendering`).
-_BASE: list[Message] = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
 _FAULTS = ("tool_timeout", "env_timeout", "error")  # a reply's stop reasons that outrank the turn's own cut
 _ENVIRONMENT_STREAM = 0x452821E638D01377  # mixed into an episode's key to make the seed its environment resets with
 
@@ -153,146 +139,6 @@ class Trajectory:
     verdict: Score | None
     stop_reason: StopReason
     finish_reason: Literal["stop", "length"]
-
-
-def tools_system_message(tools: Sequence[Mapping[str, Any]]) -> str:
-    """The tools offered, as the text of a system message, for a model whose chat template does not render tools
-    (SmolLM2's plain ChatML, a model with no template): the Hermes format that Qwen2.5's template writes, which
-    the warm start teaches. The model calls a tool with `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-    in its turn; results come back as messages of role tool."""
-    signatures = "\n".join(json.dumps(tool) for tool in tools)
-    return (
-        "# Tools\n\nYou may call tools to help with the task. Their signatures are inside <tools></tools>, one "
-        f"JSON object a line:\n<tools>\n{signatures}\n</tools>\n\nFor each call, write a JSON object with the "
-        "tool's name and its arguments inside <tool_call></tool_call> tags:\n<tool_call>\n"
-        '{"name": <tool name>, "arguments": <arguments as a JSON object>}\n</tool_call>\n'
-        "Each call's result comes back in a message of role tool."
-    )
-
-
-def _with_tools(messages: list[Message], tools: Sequence[Mapping[str, Any]]) -> list[Message]:
-    """`messages` with `tools_system_message` added to the first system message, or as a new first one."""
-    text = tools_system_message(tools)
-    if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-
-
-class ChatRendering:
-    """How one tokenizer turns an episode's messages into the token ids the model reads.
-
-    - With a chat template: the opening goes through `apply_chat_template(messages, tools=..., add_generation_
-      prompt=True)`, tokenized without extra special tokens (as trainer/prompts.py renders a chat prompt: with
-      no tools the ids equal `prompt_ids` of the messages' JSON). Each reply's messages are the ids the template
-      adds to a fixed two-message conversation (`_BASE`) when they follow it and the assistant's turn is opened
-      again, together with what the template writes after the assistant's end-of-turn token (ChatML's "\\n"
-      after <|im_end|>): the sampled turn ends at that token, so the rest of the turn's closing is the
-      environment's. A template for which the fixed conversation's ids are not a prefix of the longer one's
-      cannot be appended to token-wise, and is refused.
-    - With no template (a base model, the tiny built-in one): the opening is its messages' contents joined by
-      newlines, tokenized with the tokenizer's usual special tokens (as prompts.py reads a chat), and each
-      environment message is its content on a line of its own, after the turn.
-    - Tools: when the template does not render the tools offered (the opening rendered with them equals the
-      opening rendered without them, as with SmolLM2's plain ChatML, or there is no template) and the environment
-      does not teach them itself (`Opening.tools_described`), they are given in a system message
-      (`tools_system_message`). A prompt that merely names a tool changes nothing.
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_ids: set[int]) -> None:
-        self.tokenizer = tokenizer
-        self.templated = has_chat_template(tokenizer)
-        self.model = str(getattr(tokenizer, "name_or_path", "") or "this model")
-        self._eos_ids = eos_ids
-        self._base: tuple[list[int], list[int]] | None = None  # the fixed conversation's ids, what follows its turn
-        self._openings: dict[str, list[int]] = {}  # a GRPO group's episodes open alike: each rendered once
-
-    def opening(self, opening: Opening) -> list[int]:
-        """The prompt's ids: the opening with the assistant's first turn opened."""
-        (ids,) = self.openings([opening])
-        if isinstance(ids, Exception):
-            raise ids
-        return ids
-
-    def openings(self, openings: Sequence[Opening]) -> list[list[int] | Exception]:
-        """Each opening's ids (`opening`), or the exception its rendering raised. Openings alike (a GRPO group's)
-        are rendered once, and the new ones tokenized in one call, as trainer/prompts.py tokenizes a batch."""
-        keys = [repr((o.messages, o.tools, o.tools_described)) for o in openings]
-        texts: dict[str, str] = {}
-        refused: dict[str, Exception] = {}
-        for key, opening in zip(keys, openings):
-            if key not in self._openings and key not in texts and key not in refused:
-                try:
-                    texts[key] = self._prompt_text(opening)
-                except Exception as exc:  # the chat template refused it
-                    refused[key] = exc
-        if texts:
-            encoded = self.tokenizer(list(texts.values()), add_special_tokens=not self.templated)
-            self._openings.update((key, list(ids)) for key, ids in zip(texts, encoded["input_ids"]))
-        return [list(self._openings[key]) if key in self._openings else refused[key] for key in keys]
-
-    def _prompt_text(self, opening: Opening) -> str:
-        messages = list(opening.messages)
-        text = self._opening_text(messages, opening.tools)
-        if opening.tools and not opening.tools_described and text == self._opening_text(messages, []):
-            text = self._opening_text(_with_tools(messages, opening.tools), [])
-        return text
-
-    def reply(self, messages: Sequence[Message]) -> list[int]:
-        """The ids appended after an assistant turn that ended with eos: `messages`, then the assistant's next
-        turn opened."""
-        if not self.templated:
-            return self._ids("".join(f"\n{m['content']}" for m in messages), special=False)
-        base, after_turn = self._base_ids()
-        longer = self._ids(self._render([*_BASE, *messages], None, generation_prompt=True), special=False)
-        if longer[: len(base)] != base:
-            raise ValueError(
-                f"the chat template of {self.model} renders a conversation that gains messages differently from "
-                "the same conversation without them (not a token prefix); its turns cannot be appended as token ids"
-            )
-        return after_turn + longer[len(base) :]
-
-    def _base_ids(self) -> tuple[list[int], list[int]]:
-        """The fixed conversation's ids and what the template writes after its assistant turn ends, rendered on the
-        first reply (a one-turn episode never needs them)."""
-        if self._base is None:
-            base = self._ids(self._render(_BASE, None, generation_prompt=False), special=False)
-            self._base = base, self._after_end_of_turn(base, self._eos_ids)
-        return self._base
-
-    def cut(self, content: str, limit: int) -> str:
-        """`content` cut to its first `limit` tokens, with a marker saying how many were left out."""
-        ids = self._ids(content, special=False)
-        if len(ids) <= limit:
-            return content
-        kept = self.tokenizer.decode(ids[:limit])
-        return f"{kept}\n[... {len(ids) - limit} more tokens cut]"
-
-    def _opening_text(self, messages: list[Message], tools: Sequence[Mapping[str, Any]]) -> str:
-        if not self.templated:
-            return "\n".join(m["content"] for m in messages)
-        return self._render(messages, list(tools) or None, generation_prompt=True)
-
-    def _render(self, messages: list[Message], tools: list[Any] | None, *, generation_prompt: bool) -> str:
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
-            )
-        except Exception as exc:  # jinja's TemplateError, or a template's own raise_exception
-            roles = ", ".join(m["role"] for m in messages)
-            reason = one_line(str(exc))
-            raise ValueError(f"the chat template of {self.model} cannot render roles [{roles}]: {reason}") from exc
-        return str(text)
-
-    def _ids(self, text: str, *, special: bool) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
-
-    def _after_end_of_turn(self, base: list[int], eos_ids: set[int]) -> list[int]:
-        """What the template writes after the fixed conversation's assistant turn ends (its last eos), or none
-        when the template closes that turn with no eos token."""
-        ends = [i for i, token in enumerate(base) if token in eos_ids]
-        if not ends or _BASE[-1]["content"] not in self.tokenizer.decode(base[: ends[-1]]):
-            return []
-        return base[ends[-1] + 1 :]
 
 
 @dataclass
@@ -428,162 +274,6 @@ def environment_seed(key: int) -> int:
     """The seed an episode's environment resets with: from the episode's key, never from the process; a
     non-negative 63-bit int (numpy's generators refuse negative seeds)."""
     return mix64(key ^ _ENVIRONMENT_STREAM) >> 1
-
-
-@dataclass(frozen=True)
-class Draw:
-    """One row's sampled ids (ending with the eos when it stopped), their log-probs when recorded, and, from an engine
-    that gives them with a group draw, its text of the ids and why they ended (else the loop decodes the ids with the
-    policy's tokenizer and reads the ending from the eos)."""
-
-    ids: list[int]
-    logprobs: list[float] | None = None
-    text: str | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-
-
-class TurnDecoding(Protocol):
-    """How a turn decodes. `turn`: each running episode's row (its whole conversation as token ids) in, at most its
-    budget of sampled ids out, each row drawn with its key. `groups`: the first turn of a grouped call
-    (`run_episodes` without row keys): task i's `counts[i]` running episodes share its opening (`openings[i]`, its
-    ids the rows'), drawn as the engine samples a batch of prompts. Log-probs come with the ids when
-    `records_logprobs`."""
-
-    @property
-    def records_logprobs(self) -> bool: ...
-
-    def turn(self, rows: list[list[int]], keys: list[int], budgets: list[int]) -> list[Draw]: ...
-
-    def groups(
-        self, rows: list[list[int]], openings: list[Opening | None], counts: list[int], budget: int
-    ) -> list[Draw]: ...
-
-
-def continue_rows(
-    policy: Policy,
-    rows: Sequence[Sequence[int]],
-    budgets: Sequence[int],
-    *,
-    temperature: float,
-    top_p: float,
-    keys: Sequence[int] | None,
-    seed: int = 0,
-    cache: Cache = "shared_prompt",
-    precision: Precision = "auto",
-    logprob_temperature: float | None = None,
-) -> tuple[list[list[int]], list[list[float]] | None]:
-    """At most `budgets[i]` new tokens after each token-id row (its whole context), all rows in one batch, cut after
-    the first eos, and with `logprob_temperature` their log-probs under the raw logits at that temperature
-    (`TokenLogprobs`; else None): the one implementation of continuing token rows on the policy, which the loop's
-    turns and the transformers engine's `continue_rows` both are.
-
-    `keys`: row i draws with key `keys[i]` (trainer/row_sampling.py: the same tokens in any batch that holds it);
-    None: every row draws from one torch stream seeded with `seed`, as `generation.sample` draws a batch of prompts
-    (rollout.seeding=batch), so a row's tokens depend on the rows beside it. Temperature 0: greedy, whatever the keys.
-    """
-    if not rows:
-        return [], None
-    recorder = None if logprob_temperature is None else TokenLogprobs(logprob_temperature)
-    whole, longest = [list(row) for row in rows], max(budgets)
-    if temperature == 0:
-        ids, logprobs = _generate_ids(policy, whole, longest, cache, precision, recorder, None, do_sample=False)
-    elif keys is None:
-        with seeded_rng(seed, policy.model.device):
-            ids, logprobs = _generate_ids(
-                policy, whole, longest, cache, precision, recorder,
-                do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-            )  # fmt: skip
-    else:
-        drawn = RowSampler(temperature, top_p, list(keys))
-        ids, logprobs = _generate_ids(policy, whole, longest, cache, precision, recorder, drawn, do_sample=False)
-    cut = [row[:budget] for row, budget in zip(ids, budgets)]
-    return cut, [lp[:budget] for lp, budget in zip(logprobs, budgets)] if logprobs else None
-
-
-@dataclass(frozen=True)
-class PolicyDecoding:
-    """Turns decoded on the policy in this process (the transformers engine) by `continue_rows`: a keyed turn
-    row-seeded by the turn keys, a grouped first turn from one torch stream seeded with `seed`; with
-    `logprob_temperature`, the sampled tokens' log-probs recorded as they are drawn (`TokenLogprobs`)."""
-
-    policy: Policy
-    temperature: float
-    top_p: float
-    seed: int
-    cache: Cache
-    precision: Precision
-    logprob_temperature: float | None
-
-    @property
-    def records_logprobs(self) -> bool:
-        return self.logprob_temperature is not None
-
-    def turn(self, rows: list[list[int]], keys: list[int], budgets: list[int]) -> list[Draw]:
-        return self._draw(rows, keys, budgets)
-
-    def groups(
-        self, rows: list[list[int]], openings: list[Opening | None], counts: list[int], budget: int
-    ) -> list[Draw]:
-        return self._draw(rows, None, [budget] * len(rows))
-
-    def _draw(self, rows: list[list[int]], keys: list[int] | None, budgets: list[int]) -> list[Draw]:
-        ids, logprobs = continue_rows(
-            self.policy, rows, budgets, temperature=self.temperature, top_p=self.top_p, keys=keys, seed=self.seed,
-            cache=self.cache, precision=self.precision, logprob_temperature=self.logprob_temperature,
-        )  # fmt: skip
-        return [Draw(row, None if logprobs is None else logprobs[i]) for i, row in enumerate(ids)]
-
-
-@dataclass(frozen=True)
-class EngineDecoding:
-    """Turns decoded by a rollout engine that keeps its own weights (vLLM in this process, a server elsewhere): a keyed
-    turn is one `continue_rows` call, each row with a seed made from its turn key; a grouped first turn is one
-    `generate` call, the engine's own draw of `counts[i]` samples of each opening (one request a group), each opening
-    sent as a chat prompt (its messages), which every engine renders to the opening's ids (trainer/prompts.py).
-    Such engines give no log-probs (the rollout stage computes the sampling policy's when a run needs them)."""
-
-    engine: RolloutEngine
-    temperature: float
-    top_p: float
-    seed: int
-
-    @property
-    def records_logprobs(self) -> bool:
-        return False
-
-    def turn(self, rows: list[list[int]], keys: list[int], budgets: list[int]) -> list[Draw]:
-        seeds = [engine_seed(key) for key in keys]
-        continued = self.engine.continue_rows(rows, budgets, self.temperature, self.top_p, seeds)
-        return [Draw(ids[:budget]) for (ids, _), budget in zip(continued, budgets)]
-
-    def groups(
-        self, rows: list[list[int]], openings: list[Opening | None], counts: list[int], budget: int
-    ) -> list[Draw]:
-        first = 0
-        for count in counts:  # a group is one prompt: its episodes opened alike
-            if any(row != rows[first] for row in rows[first : first + count]):
-                raise ValueError("a grouped first turn (row_keys=None) needs a task's episodes to open alike")
-            first += count
-        prompts = [_as_prompt(opening) if count else "" for opening, count in zip(openings, counts)]
-        sampling = SamplingParams(budget, self.temperature, self.top_p, self.seed)
-        return [
-            Draw(s.completion_ids[:budget], None, s.text, s.finish_reason)
-            for s in self.engine.generate(prompts, counts, sampling)
-        ]
-
-
-def _as_prompt(opening: Opening | None) -> str:
-    """An opening as the chat prompt an engine's `generate` takes: its messages' JSON (rlvr/chat.py), which reads as
-    the opening does; an opening with tools has no such prompt."""
-    if opening is None or opening.tools:
-        raise ValueError("a grouped first turn (row_keys=None) sends each opening as a prompt, without tools")
-    return json.dumps(opening.messages)
-
-
-def engine_seed(key: int) -> int:
-    """The seed an engine draws a row's turn with: its turn key (a signed 64-bit int) mixed down to 31 bits, so that
-    a server whose seed is a 32-bit int takes it too (vLLM's takes any int64)."""
-    return mix64(key) >> 33
 
 
 def run_episodes(

@@ -1,6 +1,6 @@
 """The `calculator` environment: arithmetic a model cannot do in its head (3-digit by 2-digit products), with tools.
 
-The opening is a system message that teaches the tool-call format (verifiers/tool_use.py) and the problem's
+The opening is a system message that teaches the tool-call format (environments/tools.py) and the problem's
 prompt. Each assistant turn that writes tool calls is answered with one `tool` message per call; the first turn
 that writes none is the final answer, scored by the configured verifier (default `final_number`) against the
 task's reference. A call past the tool timeout ends the episode (`tool_timeout`, a `timeout` verdict, reward 0);
@@ -25,8 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.chat import as_messages
-from rlvr.verifiers.base import Score, Verifier, one_line
-from rlvr.verifiers.environment import (
+from rlvr.environments.base import (
     TOOL_KEYS,
     EnvConfig,
     Environment,
@@ -37,8 +36,7 @@ from rlvr.verifiers.environment import (
     read_options,
     refuse_model_verifier,
 )
-from rlvr.verifiers.sandbox import SandboxError
-from rlvr.verifiers.tool_use import (
+from rlvr.environments.tools import (
     CALCULATOR,
     PYTHON,
     ParsedCall,
@@ -48,6 +46,8 @@ from rlvr.verifiers.tool_use import (
     tool_prompt,
     tool_schema,
 )
+from rlvr.verifiers.base import Score, Verifier, one_line
+from rlvr.verifiers.sandbox import SandboxError
 
 __all__ = ["CalculatorEnvironment", "CalculatorOptions"]
 
@@ -96,13 +96,13 @@ class CalculatorEnvironment(Environment):
         messages = as_messages(str(task["prompt"]))
         tools = list(self.runner.tools.values())
         parts = [self.options.system] if self.options.system else []
+        schemas = [tool_schema(tool) for tool in tools]
         if self.options.tool_format == "prompt":
-            parts.append(tool_prompt(tools))
+            parts.append(tool_prompt(schemas, tagged_results=True))
         if messages[0]["role"] == "system":  # the problem's own system message goes after ours
             parts.append(messages.pop(0)["content"])
         system = [{"role": "system", "content": "\n\n".join(parts)}] if parts else []
         described = self.options.tool_format == "prompt"  # our system message teaches them
-        schemas = [tool_schema(tool) for tool in tools]
         return Opening(messages=system + messages, tools=schemas, tools_described=described)
 
     def step(self, response: str) -> Reply:

@@ -12,10 +12,10 @@ model wrote (a malformed tool call is answered with an error message); a tool th
 the environment's limits and recorded in `Reply.tool_uses`.
 
 `EnvConfig` is the run's `env` section (the type, its options and the limits every episode runs under); it sits
-here so that an environment's `factory` classmethod can read it, and verifiers/env_registry.py turns it into one
+here so that an environment's `factory` classmethod can read it, and environments/registry.py turns it into one
 instance per episode.
 
-The rollout loop (trainer/multi_turn.py) owns the tokens: it renders each reply's messages with the chat template
+The rollout loop (trainer/episodes.py) owns the tokens: it renders each reply's messages with the chat template
 and appends their token ids to the trajectory at loss mask 0, and never decodes and re-tokenizes earlier turns.
 """
 
@@ -72,7 +72,7 @@ Options = TypeVar("Options", bound=BaseModel)
 class EnvConfig(BaseModel):
     """The run's environment (`env`): what each rollout is an episode of, and the limits every episode runs under.
     The rollout loop enforces the turn and token budgets; the environment the tool limits. Built by the registry
-    (verifiers/env_registry.py, which also exports it) into one environment per episode."""
+    (environments/registry.py, which also exports it) into one environment per episode."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -189,7 +189,7 @@ class Environment(ABC):
     identity: a new version samples again) and implement `reset` and `step`.
 
     What a type declares about itself, read by the rollout loop and by `check_environment`
-    (verifiers/env_registry.py), which refuses the `env` keys a type would ignore:
+    (environments/registry.py), which refuses the `env` keys a type would ignore:
     - `env_keys`: the keys of `env` it honours beyond the rollout loop's own (`LOOP_KEYS`, which every type that
       plays episodes honours): `verifier` (it scores with one), the tool keys (`TOOL_KEYS`: it runs tools),
       `step_timeout_s` and `isolation` (its reset and step run under the limit, where `isolation` says), and
@@ -226,7 +226,7 @@ class Environment(ABC):
 
     @classmethod
     def factory(cls, config: EnvConfig) -> Callable[[], Environment]:
-        """How the registry (verifiers/env_registry.py) builds this environment's episodes from a run's `env` config:
+        """How the registry (environments/registry.py) builds this environment's episodes from a run's `env` config:
         check the config once, here, and return what is called once per episode. By default the episode is
         `cls(**config.options)`; an environment that reads the shared limits (tool timeout, memory, verifier)
         overrides this. Raises UserError for options the class does not take."""
@@ -245,7 +245,7 @@ class OneTurn(Environment):
 
     The default environment (`env.type=one_turn`): every rollout and evaluation answer of a run without another
     environment is one of its episodes, with no verifier (the label stage scores them; `env.verifier` is refused),
-    played by the rollout loop (trainer/multi_turn.py), which draws its one turn as the engine samples a batch of
+    played by the rollout loop (trainer/episodes.py), which draws its one turn as the engine samples a batch of
     prompts, so its tokens are `engine.generate`'s. `instant`: its step is a verifier's score at most."""
 
     name = "one_turn"
