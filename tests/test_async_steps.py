@@ -11,7 +11,7 @@ import torch
 
 from rlvr.errors import UserError
 from rlvr.flows.config import FlowConfig, load_config
-from rlvr.flows.rl_run import check_async
+from rlvr.flows.run_preflight import check_async
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.trainer.checkpoints import load_policy

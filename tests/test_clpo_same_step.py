@@ -58,7 +58,7 @@ def test_rewrite_slots() -> None:
 
 def test_same_step_needs_prompts_left_to_draw(tmp_path) -> None:
     from rlvr.flows.config import load_config
-    from rlvr.flows.rl_run import check_clpo
+    from rlvr.flows.run_preflight import check_clpo
 
     cfg = load_config(None, ["select.batch_size=1", "restructure.enabled=true", "restructure.join=same_step"])
     with pytest.raises(UserError, match=r"keeps 1 of select.batch_size=1 prompts for rewrites, leaving none"):

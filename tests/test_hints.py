@@ -520,7 +520,7 @@ def test_solutions_of_a_table_with_and_without_the_column() -> None:
 def test_a_run_whose_problems_have_no_solution_is_warned(tmp_path) -> None:
     """What the progress display shows (a `warning` event), once, and only with hints on."""
     from rlvr.flows.config import load_config
-    from rlvr.flows.rl_run import _warn_without_solutions
+    from rlvr.flows.run_preflight import warn_without_solutions
     from rlvr.progress import listen, stop_listening
     from rlvr.storage.stage import rows_to_table
     from rlvr.storage.store import Store
@@ -533,12 +533,12 @@ def test_a_run_whose_problems_have_no_solution_is_warned(tmp_path) -> None:
     listener = lambda event, fields: seen.append((event, fields))  # noqa: E731
     listen(listener)
     try:
-        _warn_without_solutions(
+        warn_without_solutions(
             str(tmp_path / "store"),
             load_config(None, ["select.hints.enabled=true", "select.hints.template={prompt}{hint}"]),
             "problems-plain",
         )
-        _warn_without_solutions(str(tmp_path / "store"), load_config(None, []), "problems-plain")  # hints off: silent
+        warn_without_solutions(str(tmp_path / "store"), load_config(None, []), "problems-plain")  # hints off: silent
     finally:
         stop_listening(listener)
     assert [event for event, _ in seen] == ["warning"]

@@ -320,12 +320,12 @@ def test_a_stage_that_plans_many_calls_says_so_then_estimates_the_rest_from_its_
 
 
 def test_a_run_plans_its_verdicts_by_part_before_it_asks():
-    """What `rlvr run` announces before a judged run asks (flows/rl_run.py `announce_model_calls`): the README's
+    """What `rlvr run` announces before a judged run asks (flows/run_preflight.py `announce_model_calls`): the README's
     judged example asks for 176 verdicts at most, by part."""
     import pyarrow as pa
 
     from rlvr.flows.config import load_config
-    from rlvr.flows.rl_run import planned_model_calls
+    from rlvr.flows.run_preflight import planned_model_calls
 
     cfg = load_config("examples/judge-tiny.yaml")
     rows = [{"verifier": "judge", "split": s} for s in ["train"] * 48 + ["warmup"] * 16 + ["test"] * 16]

@@ -18,8 +18,10 @@ from safetensors.torch import load as safetensors_load
 from rlvr.child_guard import start_time
 from rlvr.errors import UserError
 from rlvr.flows.config import load_config
-from rlvr.flows.rl_run import Lag, StepRefs, check_async
+from rlvr.flows.rl_step import StepRefs
+from rlvr.flows.run_preflight import check_async
 from rlvr.flows.sampler_process import SamplerDied, WorkerProcess
+from rlvr.flows.step_loop import Lag
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.trainer import checkpoints
