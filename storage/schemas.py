@@ -222,7 +222,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         ]
     ),
     # RLPR's debiasing terms (label.reward=rlpr): the policy's mean per-token probability of a problem's reference
-    # right after its prompt, with no reasoning, once per (problem, policy) (tasks/rlpr.py, tasks/rlpr_debias.py)
+    # right after its prompt, with no reasoning, once per (problem, policy) (tasks/rlpr.py)
     "rlpr_debias": pa.schema(
         [
             ("run_id", _s),

@@ -1,4 +1,7 @@
-"""rlpr: RLPR's rewards in place of label (`label.reward=rlpr`, docs/rewards.md#rlpr). Each rollout's reward is
+"""RLPR's two stages (`label.reward=rlpr`, docs/rewards.md#rlpr): `rlpr`, the rewards, and `rlpr_debias`, the
+debiasing terms of the whole pool.
+
+rlpr: RLPR's rewards in place of label. Each rollout's reward is
 (1 - w) * clip(r - r_noreason, 0, 1) + w * format, where r is the sampling policy's mean per-token probability of
 the problem's reference written in place of the response's answer, r_noreason the same with no reasoning, and
 format 1 when the response states an answer where `answer_span` finds one; a response that states none gets 0
@@ -8,9 +11,14 @@ format 1 when the response states an answer where `answer_span` finds one; a res
 The r_noreason terms are the `rlpr_debias` rows: those of the `debias` inputs computed with the `debias_policy`
 are reused, the missing ones computed here with it and committed as this stage's own `rlpr_debias` (so each is
 computed once per problem and policy: the flow hands a step's later rounds the earlier rounds' terms, and with
-debias_with=start the terms of the whole pool, tasks/rlpr_debias.py). Rewards rows carry their provenance (the
-policy, r, r_noreason, the reference's tokens). Everything is a function of the inputs: a resumed run makes the
+debias_with=start the terms of the whole pool, the `rlpr_debias` stage below). Rewards rows carry their provenance
+(the policy, r, r_noreason, the reference's tokens). Everything is a function of the inputs: a resumed run makes the
 same rows.
+
+rlpr_debias: the debiasing terms of the whole pool with the policy RL started from (`label.rlpr.debias_with=start`,
+the default), as RLPR's code computes them once before training (`compute_promptgt2scoreA`): r_noreason, the
+policy's mean per-token probability of each problem's reference right after its prompt. One run per pool and
+policy; every step's `rlpr` stage reads it, so each term is computed once.
 """
 
 from __future__ import annotations
@@ -160,5 +168,32 @@ RLPR: Stage[VerifierConfig] = Stage(
     inputs=("rollouts", "problems", "policy", "debias_policy", "debias"),
     outputs={"rlpr_debias": Output("rlpr_debias"), "rewards": Output("rewards")},
     build=build,
+    identity=rlpr_identity,
+)
+
+
+def build_debias(inputs: Inputs, cfg: VerifierConfig, ctx: StageContext) -> Built:
+    """The `rlpr_debias` stage. params: `splits` (the splits selection draws from, select.splits), `device`, and
+    `beside_trainer` under flow.async_level."""
+    splits = set(ctx.params["splits"])
+    pool = sorted(
+        (p for p in inputs.rows("problems", ["problem_id", "split", "prompt", "reference"]) if p["split"] in splits),
+        key=lambda p: p["problem_id"],
+    )
+    loader = sampler_policy if ctx.params.get("beside_trainer") else load_policy
+    policy = inputs.load("policy", partial(loader, device=stage_device(ctx.params.get("device"))))
+    rows: list[dict[str, Any]] = debias_rows(policy, inputs.require_id("policy"), pool, cfg.rlpr, ctx.run_id, None)
+    ctx.usage.update(usage(policy.model))
+    return Built(rows_to_table("rlpr_debias", rows))
+
+
+RLPR_DEBIAS: Stage[VerifierConfig] = Stage(
+    name="rlpr_debias",
+    code_version="1",
+    section="label",
+    config=VerifierConfig,
+    inputs=("problems", "policy"),
+    outputs={"rlpr_debias": Output("rlpr_debias")},
+    build=build_debias,
     identity=rlpr_identity,
 )

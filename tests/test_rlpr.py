@@ -529,7 +529,7 @@ def test_killed_rlpr_run_resumes_to_the_uninterrupted_one(tmp_path, prefect_api)
     assert proc.wait(timeout=600) == 0, proc.stderr.read()
     proc = start("run", killed)
     for moment in (lambda: committed(killed, "rlpr_debias") >= 2, lambda: committed(killed, "filtered_groups") >= 3):
-        assert kill_when(proc, moment), proc.stderr.read()[-1000:]
+        assert kill_when(proc, moment, killed), proc.stderr.read()[-1000:]
         proc = start("resume", killed)
     assert proc.wait(timeout=600) == 0, proc.stderr.read()
 
