@@ -40,22 +40,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
-import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
-from fsspec.implementations.local import LocalFileSystem
 
 import rlvr.storage.catalog as catalog
 from rlvr.errors import UserError
@@ -64,80 +59,33 @@ from rlvr.storage.files import (
     damage_message,
     file_damage,
     file_problem,
-    fsync_path,
-    fsync_pool,
-    open_new,
     parquet_problem,
     reaching,
     read_whole,
-    valid_shards,
 )
 from rlvr.storage.ids import canonical_json
-from rlvr.storage.manifest import Manifest, basename, conform_to_schema, parquet_bytes, part_name, sha256_hex, utc_now
-from rlvr.storage.processes import TMP_MARK, host_tag, mtime_of, temp_writer_gone
-from rlvr.storage.run_records import RUN_STATUSES, parsed_run_record
+from rlvr.storage.manifest import Manifest, conform_to_schema, utc_now
 from rlvr.storage.schemas import schema_for
+from rlvr.storage.shard_writer import ArtifactWriter
+from rlvr.storage.store_files import INDEXED_KINDS, NAME_RE, Batch, StoreFiles, check_kind, check_name
 
 STORE_FORMAT = 1
-# These names are catalog views in DuckDB, so no artifact kind may take them.
-RESERVED_KINDS = frozenset({"artifacts", "lineage", "runs", "stage_runs"})
-# Kinds whose readers poll for new artifacts (the reward cache, at every labelling call): each commit also
-# appends the artifact id to an index log, so a reader asks for the next entry (one GET on an object
-# store) instead of listing every manifest of the store.
-INDEXED_KINDS = frozenset({"reward_cache"})
-
-_KIND_RE = re.compile(r"^[a-z][a-z0-9_]*$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_INDEX_ENTRY_RE = re.compile(r"^(\d{10})\.json$")
-OWNER_FILE = "_owner.json"
-_MAX_SHARD_INDEX = 99_999
 
 
-def _check_kind(kind: str) -> None:
-    if not _KIND_RE.match(kind) or kind in RESERVED_KINDS:
-        raise ValueError(
-            f"bad artifact kind {kind!r}: kinds are view names, lower_snake_case, "
-            f"and not one of {sorted(RESERVED_KINDS)}"
-        )
-
-
-def _check_name(what: str, name: str) -> None:
-    if not _NAME_RE.match(name):
-        raise ValueError(f"bad {what} {name!r}: use letters, digits, '_', '.', '-' (it becomes a file name)")
-
-
-class Fence(Protocol):
-    """A run's lease as the store sees it (storage/leases.py's `Lease`): its number, and the two checks that
-    raise `LeaseLost` once another process has taken the run over."""
-
-    number: int
-
-    def check(self) -> None:
-        """One listing of the run's leases: before a commit."""
-
-    def check_fresh(self) -> None:
-        """In memory while the heartbeat is recent: before any other write."""
-
-
-class Store:
-    """A store rooted at a local path or any fsspec URL; every method works the same on both."""
+class Store(StoreFiles):
+    """A store rooted at a local path or any fsspec URL; every method works the same on both. Its layout, the
+    fencing, the low-level writes, the index logs, run records and what killed writers left are `StoreFiles`'
+    (storage/store_files.py); artifacts' commits and reads are here."""
 
     check_reads = True  # reads compare bytes with the manifest; benchmarks/integrity_cost.py turns it off to compare
 
     def __init__(self, root: str) -> None:
-        self.root = root
-        self.fs, root_path = fsspec.core.url_to_fs(root)
-        self._root_path = root_path.rstrip("/")
+        super().__init__(root)
         self._manifest_cache: dict[str, Manifest] = {}
-        self._thread = threading.local()  # the open batch belongs to the thread that opened it (`_batch`)
         self._unwritten: dict[str, _Unwritten] = {}  # deferred writes of background batches, by artifact id
-        self._pending: list[tuple[_Batch, Future[None]]] = []  # batches committing in the background
+        self._pending: list[tuple[Batch, Future[None]]] = []  # batches committing in the background
         self._pending_lock = threading.Lock()  # steps on two threads (flow.async_level) submit and reap alike
         self._committer: ThreadPoolExecutor | None = None
-        self._index_next: dict[str, int] = {}  # per indexed kind: where this process appends next
-        self._index_lock = threading.RLock()  # index_end takes it inside _append_index
-        self.unreadable: dict[str, str] = {}  # damaged manifests and run records listings skipped: path -> why
-        self._fences: dict[str, Fence] = {}  # run id -> the lease this process holds on it (`hold`)
 
     @classmethod
     def open(cls, root: str, create: bool = False) -> Store:
@@ -166,156 +114,7 @@ class Store:
             raise UserError(f"store at {root} has format {found}; this version reads format {STORE_FORMAT}")
         return store
 
-    @property
-    def _batch(self) -> _Batch | None:
-        """The batch open in this thread: a run record or lease written by another thread (the heartbeat)
-        never joins a step's batch."""
-        return getattr(self._thread, "batch", None)
-
-    @_batch.setter
-    def _batch(self, batch: _Batch | None) -> None:
-        self._thread.batch = batch
-
-    # ----- paths -----------------------------------------------------------------------------------
-
-    def path(self, *parts: str) -> str:
-        """A path on `self.fs` under the root."""
-        return "/".join([self._root_path, *parts])
-
-    @property
-    def is_local(self) -> bool:
-        """Local stores are read by DuckDB directly; others go through the fsspec filesystem."""
-        return isinstance(self.fs, LocalFileSystem)
-
-    @property
-    def local_root(self) -> str | None:
-        """The root as an OS path, or None when the store is not on the local disk."""
-        return self._root_path if self.is_local else None
-
-    def artifact_dir(self, kind: str, artifact_id: str) -> str:
-        """The directory holding an artifact's parts, shard markers and files."""
-        return self.path("artifacts", kind, artifact_id)
-
-    def manifest_path(self, artifact_id: str) -> str:
-        """Where the manifest (the commit marker) of `artifact_id` lives."""
-        return self.path("manifests", f"{artifact_id}.json")
-
-    # ----- fencing (storage/leases.py) -------------------------------------------------------------
-
-    def hold(self, run_id: str, fence: Fence) -> None:
-        """From now on every write of run `run_id` through this handle checks `fence` (the run's lease)."""
-        self._fences[run_id] = fence
-
-    def let_go(self, run_id: str, fence: Fence) -> None:
-        if self._fences.get(run_id) is fence:
-            del self._fences[run_id]
-
-    def lease_number(self, run_id: str) -> int | None:
-        """The number of the lease this process holds on the run (recorded in what it commits), or None."""
-        fence = self._fences.get(run_id)
-        return None if fence is None else fence.number
-
-    def _check_lease(self, run_ids: Sequence[str | None], listing: bool) -> None:
-        """`LeaseLost` when this process held a lease on one of these runs and another process took it over:
-        `listing` before a commit (one listing per run), else the check in memory (before a file write)."""
-        for run_id in dict.fromkeys(run_ids):
-            fence = self._fences.get(run_id) if run_id is not None else None
-            if fence is not None:
-                fence.check() if listing else fence.check_fresh()
-
-    @contextmanager
-    def _fencing(self, run_ids: Sequence[str]) -> Iterator[None]:
-        """Inside, `create_new` (the catalog's and the index logs' entries, which name no run) checks the leases
-        of `run_ids` in memory before each entry, as every other write of these runs does."""
-        previous = getattr(self._thread, "fencing", ())
-        self._thread.fencing = tuple(run_ids)
-        try:
-            yield
-        finally:
-            self._thread.fencing = previous
-
-    # ----- low-level writes ------------------------------------------------------------------------
-
-    def _write_atomic(self, path: str, data: bytes, batch: _Batch | None = None, run_id: str | None = None) -> None:
-        """Readers see the old file or the new one, never half of one.
-
-        Locally: a temp file beside the target, fsync, rename (inside `batch()` the fsync is left to the
-        batch's flush). On object stores a single put of the final object is already atomic.
-        `batch`: the group this write belongs to (default: the one open now, if any). `run_id`: the run whose
-        lease is checked just before the file appears.
-        """
-        batch = batch or self._batch
-        self._check_lease([run_id], listing=False)
-        if not self.is_local:
-            self.fs.pipe_file(path, data)
-            return
-        self._publish_temp(self._write_temp(path, data, sync=batch is None), path, run_id)
-        if batch is not None:
-            batch.written.append(path)
-
-    def write_small(self, path: str, data: bytes, run_id: str | None = None) -> None:
-        """Replace a small store file (a run record, a lease) atomically and durably now, never as part of
-        an open batch. `run_id`: the run whose lease is checked just before the file appears."""
-        self._check_lease([run_id], listing=False)
-        if not self.is_local:
-            self.fs.pipe_file(path, data)
-            return
-        self._publish_temp(self._write_temp(path, data, sync=True), path, run_id)
-
-    def _publish_temp(self, tmp: str, path: str, run_id: str | None) -> None:
-        """Rename temp file `tmp` to `path` once run `run_id`'s lease checks again (the process may have been
-        frozen while it wrote); a failed check removes the temp file, which was this process's and never seen."""
-        try:
-            self._check_lease([run_id], listing=False)
-        except BaseException:
-            os.remove(tmp)
-            raise
-        os.replace(tmp, path)
-
-    @staticmethod
-    def _write_temp(path: str, data: bytes, sync: bool) -> str:
-        """`data` in a temp file beside `path` (fsynced when `sync`); the caller renames it into place.
-        The name says which host and process wrote it (`temp_writer_gone`)."""
-        tmp = f"{path}{TMP_MARK}{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            with open_new(tmp) as handle:
-                handle.write(data)
-                if sync:
-                    handle.flush()
-                    os.fsync(handle.fileno())
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        return tmp
-
-    def _write_part(
-        self,
-        kind: str,
-        artifact_id: str,
-        index: int,
-        table: pa.Table,
-        batch: _Batch | None = None,
-        run_id: str | None = None,
-    ) -> dict[str, Any]:
-        data = parquet_bytes(table)
-        name = part_name(index)
-        self._write_atomic(f"{self.artifact_dir(kind, artifact_id)}/{name}", data, batch, run_id)
-        return {"path": name, "rows": table.num_rows, "bytes": len(data), "sha256": sha256_hex(data)}
-
-    def _write_binary(
-        self,
-        kind: str,
-        artifact_id: str,
-        name: str,
-        data: bytes,
-        batch: _Batch | None = None,
-        run_id: str | None = None,
-    ) -> dict[str, Any]:
-        _check_name("file name", name)
-        relative = f"files/{name}"
-        self._write_atomic(f"{self.artifact_dir(kind, artifact_id)}/{relative}", data, batch, run_id)
-        return {"path": relative, "rows": None, "bytes": len(data), "sha256": sha256_hex(data)}
+    # ----- group commits ---------------------------------------------------------------------------
 
     def _write_files(self, job: _Unwritten) -> Manifest:
         """Write a single-part artifact's data; its manifest, listing the files written."""
@@ -324,12 +123,6 @@ class Store:
         for name in sorted(job.files):
             entries.append(self._write_binary(kind, artifact_id, name, job.files[name], job.batch, run_id))
         return replace(job.manifest, files=entries + sorted(job.placed, key=lambda entry: entry["path"]))
-
-    def place_file(self, kind: str, artifact_id: str, name: str, data: bytes) -> dict[str, Any]:
-        """Write binary file `name` of an artifact that another process commits (`write_artifact(placed=...)`),
-        durably, and return its manifest entry. Until that commit the file belongs to an uncommitted folder."""
-        _check_kind(kind)
-        return self._write_binary(kind, artifact_id, name, data, None, None)
 
     def _ensure_written(self, artifact_id: str) -> None:
         """Write a deferred artifact's data now, in this thread, unless some thread already has; its full
@@ -380,7 +173,7 @@ class Store:
         if self._batch is not None:
             yield
             return
-        self._batch = _Batch(defer_writes=background)
+        self._batch = Batch(defer_writes=background)
         failed = True
         try:
             yield
@@ -393,7 +186,7 @@ class Store:
                 self.wait()
                 self._flush(batch)
 
-    def _submit(self, batch: _Batch) -> None:
+    def _submit(self, batch: Batch) -> None:
         if self._committer is None:
             self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlvr-commit")
         self._reap()
@@ -421,7 +214,7 @@ class Store:
                 if self._pending and self._pending[0] is head:
                     self._pending.pop(0)
 
-    def _flush(self, batch: _Batch) -> None:
+    def _flush(self, batch: Batch) -> None:
         """Data durable, then manifests durable, then renamed into place (the commit), then deletes."""
         for artifact_id in batch.deferred:
             self._ensure_written(artifact_id)
@@ -451,11 +244,28 @@ class Store:
         for artifact_id in batch.deletes:
             self._delete_now(artifact_id)
 
-    def _sync(self, paths: Sequence[str]) -> None:
-        """fsync these files (or directories) all at once: from threads, the file system groups them into
-        a few journal commits instead of one per file."""
-        if self.is_local and paths:
-            list(fsync_pool().map(fsync_path, paths))
+    # ----- logs of each commit (storage/catalog.py, INDEXED_KINDS) ---------------------------------
+
+    def _append_index(self, manifests: Sequence[Manifest]) -> None:
+        """Log the commit in the catalog's log, and the commits of indexed kinds in theirs, after the manifests
+        are written."""
+        catalog.append(self, added=manifests)
+        for manifest in manifests:
+            if manifest.kind not in INDEXED_KINDS:
+                continue
+            entry = canonical_json({"artifact_id": manifest.artifact_id}).encode("utf-8")
+            with self._index_lock:
+                position = self._index_next.get(manifest.kind)
+                if position is None:
+                    position = self.index_end(manifest.kind)
+                while not self.create_new(self._index_path(manifest.kind, position), entry):
+                    position += 1
+                self._index_next[manifest.kind] = position + 1
+
+    def _log_removal(self, artifact_id: str) -> None:
+        """Log in the catalog's log that the artifact goes, before its manifest does: a reader then never keeps
+        the row of a manifest that was removed and written again (storage/catalog.py)."""
+        catalog.append(self, removed=[artifact_id])
 
     # ----- writing artifacts -----------------------------------------------------------------------
 
@@ -482,8 +292,8 @@ class Store:
         the data-parallel ranks' shards of a training state), listed in the manifest as they are.
         """
         started = time.monotonic()
-        _check_kind(kind)
-        _check_name("artifact id", artifact_id)
+        check_kind(kind)
+        check_name("artifact id", artifact_id)
         table = conform_to_schema(kind, table)
         if self.exists(artifact_id):
             return self.manifest(artifact_id)
@@ -534,8 +344,8 @@ class Store:
         extra: Mapping[str, Any] | None = None,
     ) -> ArtifactWriter:
         """A writer for an artifact written in shards, each committed on its own (resume skips them)."""
-        _check_kind(kind)
-        _check_name("artifact id", artifact_id)
+        check_kind(kind)
+        check_name("artifact id", artifact_id)
         return ArtifactWriter(
             self,
             kind,
@@ -560,7 +370,7 @@ class Store:
         batches += [batch for batch, _ in self._pending]
         if any(m.artifact_id == artifact_id for batch in batches for m in batch.manifests):
             return True
-        if not _NAME_RE.match(artifact_id):
+        if not NAME_RE.match(artifact_id):
             return False
         if self.is_local:
             return os.path.exists(self.manifest_path(artifact_id))
@@ -585,7 +395,7 @@ class Store:
         cached = self._manifest_cache.get(artifact_id)
         if cached is not None:
             return cached
-        manifest = self._fetch_manifest(artifact_id) if _NAME_RE.match(artifact_id) else None
+        manifest = self._fetch_manifest(artifact_id) if NAME_RE.match(artifact_id) else None
         if manifest is None:
             raise ArtifactNotFound(
                 f'no artifact {artifact_id} in store {self.root}; list them with `rlvr query "select * from artifacts"`'
@@ -637,98 +447,6 @@ class Store:
                     self._manifest_cache[aid] = Manifest.from_file(path, text)
                 except DamagedFile as exc:
                     self.unreadable[path] = str(exc)
-
-    def _committed_ids(self) -> list[str]:
-        directory = self.path("manifests")
-        self.fs.invalidate_cache(directory)
-        try:  # one listing (asking whether the folder exists first would be another round trip)
-            names = [basename(p) for p in self.fs.ls(directory, detail=False)]
-        except FileNotFoundError:
-            return []
-        return [name[: -len(".json")] for name in names if name.endswith(".json")]
-
-    # ----- index logs (INDEXED_KINDS) ---------------------------------------------------------------
-    #
-    # indexes/<kind>/ holds one small object per commit of the kind, numbered 0, 1, 2, ... in commit
-    # order. A writer creates the next number exclusively (a conditional PUT on S3, a hard link locally)
-    # and takes the one after when another writer got there first, so the numbers have no gaps and a
-    # reader that has read up to n asks for n, n+1, ... until one is missing. The log is a hint, never
-    # the truth (the manifests are): a kill between a manifest and its entry leaves an artifact only a
-    # listing finds, which costs a reader speed (the reward cache scores again), never correctness.
-
-    def _index_path(self, kind: str, position: int) -> str:
-        return self.path("indexes", kind, f"{position:010d}.json")
-
-    def index_end(self, kind: str) -> int:
-        """The position after the last entry of `kind`'s index log (one listing of the log)."""
-        directory = self.path("indexes", kind)
-        self.fs.invalidate_cache(directory)
-        found = (_INDEX_ENTRY_RE.match(basename(path)) for path in self.fs.find(directory))
-        end = max((int(match.group(1)) for match in found if match), default=-1) + 1
-        with self._index_lock:  # where this process's next append starts, without a listing of its own
-            self._index_next[kind] = max(self._index_next.get(kind, 0), end)
-        return end
-
-    def read_index(self, kind: str, start: int) -> tuple[list[str], int]:
-        """The ids `kind`'s index log holds from position `start` on, and the position after them.
-
-        One read per entry plus one for the first missing position: no listing.
-        """
-        ids: list[str] = []
-        position = start
-        while True:
-            try:
-                ids.append(json.loads(read_whole(self.fs, self._index_path(kind, position)))["artifact_id"])
-            except FileNotFoundError:
-                break
-            except (ValueError, KeyError):  # an entry still being written (a store without atomic puts)
-                break
-            position += 1
-        return ids, position
-
-    def _append_index(self, manifests: Sequence[Manifest]) -> None:
-        """Log the commit in the catalog's log, and the commits of indexed kinds in theirs, after the manifests
-        are written."""
-        catalog.append(self, added=manifests)
-        for manifest in manifests:
-            if manifest.kind not in INDEXED_KINDS:
-                continue
-            entry = canonical_json({"artifact_id": manifest.artifact_id}).encode("utf-8")
-            with self._index_lock:
-                position = self._index_next.get(manifest.kind)
-                if position is None:
-                    position = self.index_end(manifest.kind)
-                while not self.create_new(self._index_path(manifest.kind, position), entry):
-                    position += 1
-                self._index_next[manifest.kind] = position + 1
-
-    def _log_removal(self, artifact_id: str) -> None:
-        """Log in the catalog's log that the artifact goes, before its manifest does: a reader then never keeps
-        the row of a manifest that was removed and written again (storage/catalog.py)."""
-        catalog.append(self, removed=[artifact_id])
-
-    def create_new(self, path: str, data: bytes) -> bool:
-        """Write `path` only if it does not exist yet, atomically; False when it already did."""
-        fencing = getattr(self._thread, "fencing", ())  # inside `_fencing` only
-        if not self.is_local:
-            self._check_lease(fencing, listing=False)
-            try:
-                self.fs.pipe_file(path, data, mode="create")
-            except FileExistsError:
-                return False
-            return True
-        if not os.path.isdir(os.path.dirname(path)):  # made before the check: no write waits between them
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._check_lease(fencing, listing=False)
-        tmp = self._write_temp(path, data, sync=False)  # an index entry is a hint: no fsync
-        try:
-            self._check_lease(fencing, listing=False)  # again: the process may have been frozen while it wrote
-            os.link(tmp, path)  # fails if `path` exists: the local form of S3's If-None-Match
-        except FileExistsError:
-            return False
-        finally:
-            os.remove(tmp)
-        return True
 
     def read_table(self, artifact_id: str, columns: Sequence[str] | None = None) -> pa.Table:
         """All rows of a committed artifact, parts concatenated in order, each part checked against its
@@ -848,49 +566,6 @@ class Store:
             except FileNotFoundError:
                 continue
 
-    # ----- what killed writers left ----------------------------------------------------------------
-
-    def mark_owner(self, kind: str, artifact_id: str, run_id: str) -> None:
-        """Record in a new artifact folder which run writes it (`_owner.json`), so that only that run's
-        owner ever removes it uncommitted (`cleanup_run`). Locally it costs one mkdir per artifact and a
-        small file when the folder is new; on an object store, one PUT (sharded writers only)."""
-        directory = self.artifact_dir(kind, artifact_id)
-        data = canonical_json({"run_id": run_id}).encode("utf-8")
-        self._check_lease([run_id], listing=False)
-        if not self.is_local:
-            self.fs.pipe_file(f"{directory}/{OWNER_FILE}", data)
-            return
-        try:
-            os.mkdir(directory)
-        except FileExistsError:
-            return
-        except FileNotFoundError:
-            os.makedirs(directory, exist_ok=True)
-        with open(f"{directory}/{OWNER_FILE}", "wb") as handle:
-            handle.write(data)
-
-    def owner_of(self, directory: str) -> str | None:
-        """The run that writes an artifact folder (from its `_owner.json`), or None when it is not known."""
-        try:
-            return str(json.loads(read_whole(self.fs, f"{directory}/{OWNER_FILE}"))["run_id"])
-        except (FileNotFoundError, ValueError, KeyError, TypeError, UnicodeDecodeError):
-            return None
-
-    def uncommitted_dirs(self) -> list[str]:
-        """Artifact folders without a manifest: in flight, or left by a killed writer."""
-        self.fs.invalidate_cache()
-        root = self.path("artifacts")
-        committed = set(self._committed_ids())
-        try:
-            kind_dirs = sorted(self.fs.ls(root, detail=False))
-        except FileNotFoundError:
-            return []
-        found = []
-        for kind_dir in kind_dirs:
-            if self.fs.isdir(kind_dir):
-                found += [d for d in sorted(self.fs.ls(kind_dir, detail=False)) if basename(d) not in committed]
-        return [d for d in found if self.fs.isdir(d)]
-
     def cleanup_run(self, run_id: str) -> list[str]:
         """Remove what killed writers of run `run_id` left (its uncommitted artifact folders, keeping
         committed shards: resume skips them) and temp files of writers that are gone; returns the paths.
@@ -904,100 +579,6 @@ class Store:
             if self.owner_of(directory) == run_id:
                 removed.extend(self.cleanup_artifact_dir(directory))
         return removed
-
-    def remove_dead_temp_files(self, directories: Sequence[str] = ()) -> list[str]:
-        """Remove temp files whose writer is gone (`temp_writer_gone`) from the store's shared folders
-        (manifests, runs, index logs) and `directories`. Object stores have no temp files."""
-        if not self.is_local:
-            return []
-        shared = [self.path(folder) for folder in ("manifests", "runs", "catalog/log", "catalog/snapshots")]
-        shared += [self.path("indexes", k) for k in sorted(INDEXED_KINDS)]
-        removed = []
-        for directory in [*shared, *directories]:
-            try:
-                entries = os.scandir(directory)
-            except FileNotFoundError:
-                continue
-            with entries:
-                dead = [e.path for e in entries if temp_writer_gone(e.name, mtime_of(e))]
-            for path in dead:
-                try:
-                    os.remove(path)
-                except FileNotFoundError:
-                    continue
-                removed.append(path)
-        return removed
-
-    def cleanup_artifact_dir(self, directory: str) -> list[str]:
-        """Empty an uncommitted artifact folder but for its committed shards (and owner mark); the caller
-        makes sure no live process writes it."""
-        valid = valid_shards(self.fs, directory)
-        if not valid:
-            self.fs.rm(directory, recursive=True)
-            return [directory]
-        keep = {("_shards", f"part-{index:05d}.json") for index in valid}
-        keep |= {(basename(directory), marker["path"]) for marker in valid.values()}
-        keep.add((basename(directory), OWNER_FILE))
-        removed = []
-        for path in sorted(self.fs.find(directory)):
-            parts = path.rstrip("/").split("/")
-            if (parts[-2], parts[-1]) not in keep:
-                self.fs.rm(path)
-                removed.append(path)
-        files_dir = f"{directory}/files"
-        if self.fs.exists(files_dir):
-            self.fs.rm(files_dir, recursive=True)
-        return removed
-
-    # ----- runs ----------------------------------------------------------------------------------
-
-    def write_run(self, record: Mapping[str, Any]) -> dict[str, Any]:
-        """Replace a run's record atomically and return what was written.
-
-        `updated_at` is set to now; created_at, pid and host default to now and this process. `lease` is the
-        number of the lease this process holds on the run (checked first: one listing), absent without one.
-        """
-        run_id = str(record.get("run_id", ""))
-        _check_name("run id", run_id)
-        if record.get("status") not in RUN_STATUSES:
-            raise ValueError(f"run status must be one of {RUN_STATUSES}, got {record.get('status')!r}")
-        self._check_lease([run_id], listing=True)
-        now = utc_now()
-        written = {"created_at": now, "pid": os.getpid(), "host": socket.gethostname(), **record}
-        written["updated_at"] = now
-        written.pop("lease", None)
-        if (lease := self.lease_number(run_id)) is not None:
-            written["lease"] = lease
-        path = self.path("runs", f"{run_id}.json")
-        self.write_small(path, canonical_json(written).encode("utf-8"), run_id=run_id)
-        return written
-
-    def read_run(self, run_id: str) -> dict[str, Any] | None:
-        """The run's record, or None if there is no such run; a DamagedFile when it cannot be read."""
-        if not _NAME_RE.match(run_id):
-            return None
-        path = self.path("runs", f"{run_id}.json")
-        try:
-            return parsed_run_record(path, self.fs.cat_file(path))
-        except FileNotFoundError:
-            return None
-
-    def list_runs(self) -> list[dict[str, Any]]:
-        """Every run record, oldest first."""
-        directory = self.path("runs")
-        self.fs.invalidate_cache(directory)
-        if not self.fs.exists(directory):
-            return []
-        records = []
-        for path in self.fs.ls(directory, detail=False):
-            if basename(path).endswith(".json"):
-                try:
-                    records.append(parsed_run_record(path, self.fs.cat_file(path)))
-                except FileNotFoundError:
-                    continue
-                except DamagedFile as exc:  # one bad record must not hide the other runs
-                    self.unreadable[path] = str(exc)
-        return sorted(records, key=lambda r: (str(r.get("created_at", "")), str(r.get("run_id", ""))))
 
 
 _handles: dict[tuple[int, str], Store] = {}
@@ -1016,140 +597,6 @@ def open_store(root: str, create: bool = False) -> Store:
         return handle
 
 
-class ArtifactWriter:
-    """Writes one artifact shard by shard; each shard commits on its own, the manifest commits them all.
-
-    Resume: ask `committed_shards()`, write only the missing ones, then `commit()`. A shard file
-    without its marker (or with a wrong checksum) is not committed and is simply written again.
-    Once the artifact is committed it is immutable: further writes are no-ops, commit returns it.
-    """
-
-    def __init__(
-        self,
-        store: Store,
-        kind: str,
-        artifact_id: str,
-        *,
-        run_id: str,
-        stage: str,
-        parents: list[str],
-        code_version: str,
-        config: dict[str, Any],
-        step: int | None,
-        extra: dict[str, Any],
-    ) -> None:
-        self.store = store
-        self.kind = kind
-        self.artifact_id = artifact_id
-        self.run_id = run_id
-        self.stage = stage
-        self.parents = parents
-        self.code_version = code_version
-        self.config = config
-        self.step = step
-        self.extra = extra
-        self._started = time.monotonic()
-        self._files: dict[str, dict[str, Any]] = {}
-        self._marked = False
-
-    @property
-    def directory(self) -> str:
-        """The artifact's directory in the store."""
-        return self.store.artifact_dir(self.kind, self.artifact_id)
-
-    def _marker_path(self, index: int) -> str:
-        return f"{self.directory}/_shards/part-{index:05d}.json"
-
-    def committed_shards(self) -> set[int]:
-        """Indices of shards whose marker exists and whose file matches the marker's checksum."""
-        return set(valid_shards(self.store.fs, self.directory))
-
-    def write_shard(self, index: int, table: pa.Table) -> None:
-        """Write shard `index` (data first, then its marker); rewriting an uncommitted shard is fine."""
-        if not 0 <= index <= _MAX_SHARD_INDEX:
-            raise ValueError(f"shard index must be in 0..{_MAX_SHARD_INDEX}, got {index}")
-        table = conform_to_schema(self.kind, table)
-        if self.store.exists(self.artifact_id):
-            return
-        self.store._check_lease([self.run_id], listing=False)
-        self._mark_owner()
-        marker_path = self._marker_path(index)
-        try:
-            self.store.fs.rm(marker_path)
-        except FileNotFoundError:
-            pass
-        entry = self.store._write_part(self.kind, self.artifact_id, index, table, run_id=self.run_id)
-        marker = {**entry, "index": index, "schema": str(table.schema)}
-        self.store._check_lease([self.run_id], listing=True)  # a shard marker commits the shard
-        self.store._write_atomic(marker_path, canonical_json(marker).encode("utf-8"), run_id=self.run_id)
-
-    def add_file(self, name: str, data: bytes) -> None:
-        """Attach a binary file (listed in the manifest with its checksum at commit)."""
-        if self.store.exists(self.artifact_id):
-            return
-        self._mark_owner()
-        self._files[name] = self.store._write_binary(self.kind, self.artifact_id, name, data, run_id=self.run_id)
-
-    def _mark_owner(self) -> None:
-        if not self._marked:
-            self.store.mark_owner(self.kind, self.artifact_id, self.run_id)
-            self._marked = True
-
-    def commit(self, expected_shards: int | None = None) -> Manifest:
-        """Write the manifest listing every committed shard in index order: the artifact now exists.
-
-        `expected_shards`: the shards 0..n-1 must all be there; a missing one (its file deleted or damaged
-        since it was written) is an error, never an artifact silently short of rows.
-        """
-        if self.store.exists(self.artifact_id):
-            return self.store.manifest(self.artifact_id)
-        shards = valid_shards(self.store.fs, self.directory)
-        if expected_shards is not None and set(shards) != set(range(expected_shards)):
-            missing = sorted(set(range(expected_shards)) - set(shards))
-            raise DamagedArtifact(
-                f"shards {missing} of {self.kind} {self.artifact_id} are missing or damaged in {self.directory} "
-                f"after they were written; `rlvr resume {self.run_id}` writes them again",
-                self.artifact_id,
-                self.directory,
-            )
-        ordered = [shards[index] for index in sorted(shards)]
-        entries = [{key: marker[key] for key in ("path", "rows", "bytes", "sha256")} for marker in ordered]
-        entries += [self._files[name] for name in sorted(self._files)]
-        declared = schema_for(self.kind)
-        if declared is not None:
-            schema = str(declared)
-        else:
-            schema = ordered[0]["schema"] if ordered else str(pa.schema([]))
-        manifest = Manifest(
-            artifact_id=self.artifact_id,
-            kind=self.kind,
-            run_id=self.run_id,
-            stage=self.stage,
-            step=self.step,
-            rows=sum(marker["rows"] for marker in ordered),
-            schema=schema,
-            files=entries,
-            parents=self.parents,
-            code_version=self.code_version,
-            config=self.config,
-            created_at=utc_now(),
-            seconds=time.monotonic() - self._started,
-            extra=self.extra,
-            lease=self.store.lease_number(self.run_id),
-        )
-        self.store._commit_manifest(manifest)
-        return manifest
-
-
-@dataclass
-class _Batch:
-    defer_writes: bool = False  # single-part artifacts are serialised and written by the committer thread
-    written: list[str] = field(default_factory=list)
-    manifests: list[Manifest] = field(default_factory=list)
-    deferred: list[str] = field(default_factory=list)
-    deletes: list[str] = field(default_factory=list)
-
-
 @dataclass
 class _Unwritten:
     """A single-part artifact whose manifest is committed in a batch and whose files are still to write."""
@@ -1157,7 +604,7 @@ class _Unwritten:
     manifest: Manifest
     table: pa.Table
     files: dict[str, bytes]
-    batch: _Batch | None
+    batch: Batch | None
     placed: list[dict[str, Any]] = field(default_factory=list)  # entries of files other processes wrote
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: bool = False
