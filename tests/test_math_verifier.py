@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlvr.verifiers import math as math_module
-from rlvr.verifiers.math import MathVerifier, extract_answer, is_bare_answer, normalize_answer, simple_rational
+from rlvr.verifiers.math import MathVerifier
+from rlvr.verifiers.math_extraction import extract_answer, is_bare_answer
+from rlvr.verifiers.math_reading import normalize_answer, simple_rational
 from rlvr.verifiers.pool import VerifierPool
 
 CASES_FILE = Path(__file__).parent / "data" / "math_cases.jsonl"
