@@ -582,6 +582,40 @@ def test_a_bad_reply_or_opening_ends_its_own_episode_and_the_others_play_on(poli
     assert whole.stop_reason == "done"
 
 
+CALCULATOR_SIGNATURE = (
+    '{"name": "calculator", "description": "Evaluate an arithmetic expression exactly: numbers, + - * / // % ** and '
+    'parentheses.", "parameters": {"type": "object", "properties": {"expression": {"type": "string", "description": '
+    '"the expression, e.g. \\"123*45\\""}}, "required": ["expression"]}}'
+)
+
+
+def taught_tools(results: str) -> str:
+    return (
+        f"You may call tools. The tools:\n<tools>\n{CALCULATOR_SIGNATURE}\n</tools>\nTo call one, write a JSON object "
+        'with its name and arguments between tags, for example:\n<tool_call>{"name": "calculator", "arguments": '
+        '{"expression": "..."}}</tool_call>\nYou may write several calls in one turn. Each result comes back in a '
+        f"tool message{results}. When you know the answer, reply without a tool call."
+    )
+
+
+def test_one_text_teaches_tools_in_the_calculators_system_message_and_in_the_loops():
+    """The calculator teaches its tool itself (`tool_format: prompt`, the text its warm start was trained on, kept
+    exactly); offered untaught (`template`) to a template that renders no tools, the loop adds the same text, less the
+    <tool_response> tags those plain tool messages do not have."""
+    task = {"prompt": "What is 123 * 45?", "reference": "5535"}
+    taught = environment_factory({"type": "calculator"})().reset(task, 0)
+    assert taught.messages[0]["content"] == taught_tools(", between <tool_response> and </tool_response>")
+    untaught = environment_factory({"type": "calculator", "options": {"tool_format": "template"}})().reset(task, 0)
+    assert not untaught.tools_described and [m["role"] for m in untaught.messages] == ["user"]
+    added = chat_tokens._with_tools(list(untaught.messages), untaught.tools)
+    assert added == [{"role": "system", "content": taught_tools("")}, *untaught.messages]
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = CHATML  # renders no tools
+    expected = tokenizer.apply_chat_template(added, add_generation_prompt=True, tokenize=False)
+    rendered = ChatRendering(tokenizer, {EOS}).opening(untaught)
+    assert rendered == tokenizer(expected, add_special_tokens=False)["input_ids"]
+
+
 def test_tools_are_given_when_the_template_does_not_render_them_even_if_the_prompt_names_one():
     """A prompt that mentions "calculator" used to pass for a rendering of the tools (a substring test)."""
     tokenizer = build_tiny_tokenizer()
