@@ -2,8 +2,8 @@
 
 A source turns its config and a seed into raw rows. Procedural generators live beside the verifier that
 checks their answers (verifiers/arithmetic.py, verifiers/skills.py; reasoning-gym pairs each generator
-with its scorer); users' files and Hugging Face datasets are read by rlvr.data.readers. This module
-holds the interface, the registry and the built-in sources.
+with its scorer); users' files and Hugging Face datasets are read by rlvr.data.readers, their columns mapped
+by rlvr.data.column_mapping. This module holds the interface, the registry and the built-in sources.
 
 A raw row is a dict with `source_index` (its position in the source) and either `error` (a record that
 could not be read or mapped, quarantined with that reason; `error_check` names the check, default
@@ -26,7 +26,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlvr.curricula.clpo import Rewrite, Rewriter, RewriteRequest
-from rlvr.data.readers import ColumnMapping, RawRecord
+from rlvr.data.column_mapping import ColumnMapping
+from rlvr.data.readers import RawRecord
 from rlvr.plugins import TypedRegistry
 from rlvr.verifiers import skills
 from rlvr.verifiers.arithmetic import GENERATOR_VERSION, ArithmeticSpec, generate, worked_solution
@@ -304,7 +305,7 @@ class ReaderSource(ProblemSource):
         """The source's records in order, each parsed or carrying why it could not be."""
 
     def rows(self, seed: int) -> Iterable[dict[str, Any]]:
-        from rlvr.data.readers import map_record
+        from rlvr.data.column_mapping import map_record
 
         assert isinstance(self.cfg, ReaderSourceConfig)
         for record in self.records():

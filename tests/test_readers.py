@@ -1,5 +1,6 @@
 """Readers (data/readers.py): real JSONL, JSON, CSV and Parquet files and `datasets` folders written in
-tmp_path, read record by record with exact indices, errors and values; answer extraction; column mapping."""
+tmp_path, read record by record with exact indices, errors and values; answer extraction and column mapping
+(data/column_mapping.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from rlvr.data.readers import (
-    RAW_CHARS,
-    ColumnMapping,
-    Extraction,
-    RawRecord,
-    extract_answer,
-    map_record,
-    read_dataset,
-    read_records,
-)
+from rlvr.data.column_mapping import ColumnMapping, Extraction, extract_answer, map_record
+from rlvr.data.readers import RAW_CHARS, RawRecord, read_dataset, read_records
 from rlvr.errors import UserError
 
 
