@@ -1,5 +1,5 @@
 """What sharding buys per rank: SmolLM2-135M-Instruct trained with GRPO on the CPU by a rank group
-(`train.data_parallel` = N, trainer/rank_group.py) at N = 1, 2 and 4, with `train.sharding` replicate (whole
+(`train.data_parallel` = N, trainer/ranks/) at N = 1, 2 and 4, with `train.sharding` replicate (whole
 copies, FSDP2 over a ranks x 1 mesh) and fsdp (parameters, gradients and AdamW state split over the ranks, each
 decoder layer one unit). N = 1 is one process without a group (`grpo_step` and `generation.sample` directly),
 the baseline of both.
@@ -147,9 +147,9 @@ def one_configuration(args: argparse.Namespace, ranks: int, sharding: str) -> di
 
     group = None
     if ranks > 1:
-        from rlvr.trainer import rank_group
+        from rlvr.trainer.ranks import launch
 
-        group = rank_group.rank_group(ranks, sharding, torch.device("cpu"), threads=1)  # type: ignore[arg-type]
+        group = launch.rank_group(ranks, sharding, torch.device("cpu"), threads=1)  # type: ignore[arg-type]
         policy, optimizer = group.adopt(whole, None, cfg.lr, cfg.weight_decay)
         del whole  # the run keeps only the group's copy (flows/rl_run.py: share_policy)
         gc.collect()
@@ -199,9 +199,9 @@ def one_configuration(args: argparse.Namespace, ranks: int, sharding: str) -> di
     held = group.held() if group is not None else [held_bytes(policy.model, optimizer)]
     trainable = _trainable_shard_bytes(policy.model)
     if group is not None:
-        from rlvr.trainer import rank_group
+        from rlvr.trainer.ranks import launch
 
-        rank_group.close_group()
+        launch.close_group()
     return {
         "ranks": ranks,
         "sharding": sharding if ranks > 1 else "one process",

@@ -101,7 +101,7 @@ def share_policy(store: str, cfg: RunConfigBase, policy_ref: str) -> None:
 def end_rank_group() -> None:
     """Stop the run's data-parallel ranks, and forget the policy they held (a sharded model is no use without them)."""
     from rlvr.trainer.checkpoints import TrainerState
-    from rlvr.trainer.rank_group import close_group, current_group
+    from rlvr.trainer.ranks.launch import close_group, current_group
 
     group = current_group()
     if group is None:

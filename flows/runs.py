@@ -134,7 +134,7 @@ def _tracked(
     up to date (running, then completed or failed) and the run's OpenLineage events sent, if configured.
     Before `body`, what killed writers of this run left is removed and damaged artifacts of the run are set
     aside to be rebuilt (storage/integrity.py)."""
-    from rlvr.trainer.rank_group import return_freed_memory  # torch: only where a run is executed
+    from rlvr.trainer.ranks.launch import return_freed_memory  # torch: only where a run is executed
 
     return_freed_memory()  # a CPU run's resident memory follows its live tensors, not every step's high-water mark
     store = open_store(store_root)

@@ -19,6 +19,7 @@ MOVED: dict[str, str] = {
     "rlvr.trainer.reward_server": "rlvr.serving.server",
     "rlvr.trainer.reward_models": "rlvr.serving.reward_models",
     "rlvr.tasks.rlpr_debias": "rlvr.tasks.rlpr",
+    "rlvr.trainer.rank_group": "rlvr.trainer.ranks.launch",
     "rlvr.verifiers.environment": "rlvr.environments.base",
     "rlvr.verifiers.env_registry": "rlvr.environments.registry",
     "rlvr.verifiers.calculator_env": "rlvr.environments.calculator",

@@ -51,7 +51,7 @@ class TrainConfig(BaseModel):
         ge=1,
         description=(
             "processes sharing each update (gloo on CPU, nccl on GPU): the run's process is rank 0 and the "
-            "others live for the whole run (trainer/rank_group.py), or torchrun's ranks when it started the run"
+            "others live for the whole run (trainer/ranks/launch.py), or torchrun's ranks when it started the run"
         ),
     )
     sharding: Sharding = Field(

@@ -214,18 +214,18 @@ def _assert_ranks_play_what_one_process_plays(sharded: Policy, whole: Policy) ->
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", SHARDINGS)
 def test_the_rank_group_trains_as_one_process_does(sharding):
-    """`train.data_parallel=2` (trainer/rank_group.py): this process is rank 0 and adopts a whole policy; one
+    """`train.data_parallel=2` (trainer/ranks/launch.py): this process is rank 0 and adopts a whole policy; one
     worker rank lives across updates. Three AdamW updates (with a KL reference) give one process's losses
     within 1e-5 and its weights within 2e-2 x lr; with fsdp each rank holds half the parameters and optimizer
     state that replicate holds, counted; a forward on rank 0 outside an operation is refused (it would wait for
     the other rank forever); closing the group ends the worker."""
-    from rlvr.trainer import rank_group
+    from rlvr.trainer.ranks import launch
     from rlvr.trainer.updates import update_policy
 
     cfg = GRPOConfig(lr=1e-3, minibatches=2, kl_beta=0.5, aggregation="token-mean", micro_batch_tokens=30)
     single, single_optimizer, reference = _fresh(cfg, optimizer="adamw")
     whole, _, _ = _fresh(cfg, optimizer="adamw")
-    group = rank_group.rank_group(2, sharding, torch.device("cpu"))
+    group = launch.rank_group(2, sharding, torch.device("cpu"))
     try:
         policy, optimizer = group.adopt(whole, None, cfg.lr, cfg.weight_decay)
         assert policy.ranks is group and len(group.workers) == 1
@@ -251,31 +251,31 @@ def test_the_rank_group_trains_as_one_process_does(sharding):
             policy.model(torch.tensor([[4, 5]]))
         worker = group.workers[0]
     finally:
-        rank_group.close_group()
+        launch.close_group()
     assert worker.wait(timeout=30) == 0
-    assert rank_group.current_group() is None
+    assert launch.current_group() is None
 
 
 @pytest.mark.slow
 def test_a_rank_dead_before_an_operation_is_named_by_it(monkeypatch):
     """A rank killed between operations, before the watchdog looks: the next operation's announcement fails in
     gloo, and the run is told which rank died and how (RankLost, a Stopped), never gloo's own error."""
-    from rlvr.trainer import rank_group
+    from rlvr.trainer.ranks import launch
 
-    monkeypatch.setattr(rank_group, "WATCH_S", 3600.0)  # the watchdog sleeps: only the operation can see it
-    group = rank_group.rank_group(2, "replicate", torch.device("cpu"))
+    monkeypatch.setattr(launch, "WATCH_S", 3600.0)  # the watchdog sleeps: only the operation can see it
+    group = launch.rank_group(2, "replicate", torch.device("cpu"))
     try:
         group.adopt(init_policy(PolicyConfig(), seed=0), None, 1e-3, 0.0)
         (worker,) = group.workers
         worker.kill()
         worker.wait(timeout=30)
         lost = rf"^stopped: data-parallel rank 1 \(pid {worker.pid}\) was killed by SIGKILL$"
-        with pytest.raises(rank_group.RankLost, match=lost):
+        with pytest.raises(launch.RankLost, match=lost):
             group.held()
         assert group.lost is not None
     finally:
-        rank_group.close_group()
-    assert rank_group.current_group() is None
+        launch.close_group()
+    assert launch.current_group() is None
 
 
 @pytest.mark.slow
@@ -283,17 +283,17 @@ def test_a_rank_dead_after_the_last_operation_lets_the_group_close(monkeypatch):
     """A rank that died after the run's last operation and is not yet seen dead: closing the group tells the
     ranks to stop, that broadcast fails in gloo, and the group still closes (the other ranks ended, the process
     group left) without an error: the run's work is committed."""
-    from rlvr.trainer import rank_group
+    from rlvr.trainer.ranks import launch
 
-    monkeypatch.setattr(rank_group, "WATCH_S", 3600.0)
-    group = rank_group.rank_group(2, "replicate", torch.device("cpu"))
+    monkeypatch.setattr(launch, "WATCH_S", 3600.0)
+    group = launch.rank_group(2, "replicate", torch.device("cpu"))
     group.adopt(init_policy(PolicyConfig(), seed=0), None, 1e-3, 0.0)
     (worker,) = group.workers
     worker.kill()
     worker.wait(timeout=30)
     monkeypatch.setattr(worker, "poll", lambda: None)  # as if its death were not seen yet
-    rank_group.close_group()
-    assert rank_group.current_group() is None and group.lost is None
+    launch.close_group()
+    assert launch.current_group() is None and group.lost is None
     assert worker.returncode == -signal.SIGKILL
 
 
@@ -305,7 +305,7 @@ def _rank_processes() -> list[int]:
             command = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if entry.name.isdigit() and b"rlvr.trainer.rank_group" in command:
+        if entry.name.isdigit() and b"rlvr.trainer.ranks.launch" in command:
             found.append(int(entry.name))
     return found
 

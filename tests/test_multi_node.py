@@ -1,5 +1,5 @@
 """A run across machines, tried on one machine as two: two torchrun launches (`--nnodes 2`, one rank each) meet
-at a rendezvous on 127.0.0.1; node 0's rank 0 runs the flow and node 1's rank serves it (trainer/rank_group.py).
+at a rendezvous on 127.0.0.1; node 0's rank 0 runs the flow and node 1's rank serves it (trainer/ranks/serve.py).
 The run's artifacts, rollouts and final weights equal those of a one-node run at the same rank count (two ranks
 the run starts itself)."""
 

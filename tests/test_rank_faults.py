@@ -1,4 +1,4 @@
-"""Faults of a data-parallel run (`train.data_parallel=2`, trainer/rank_group.py): a SIGKILL of either rank ends
+"""Faults of a data-parallel run (`train.data_parallel=2`, trainer/ranks/launch.py): a SIGKILL of either rank ends
 the whole run within 30 s with one line naming the rank, leaves no rank process behind, and `rlvr resume` then
 gives exactly the artifact ids (and, at the same rank count, final weights) of the uninterrupted run, also when
 resumed at another rank count.
@@ -67,7 +67,7 @@ def rank_processes(mark: str, parent: int | None = None) -> list[int]:
         except OSError:
             continue
         fields = stat.split(") ")[-1].split()
-        if b"rlvr.trainer.rank_group" not in command or mark.encode() not in environment or fields[0] == "Z":
+        if b"rlvr.trainer.ranks.launch" not in command or mark.encode() not in environment or fields[0] == "Z":
             continue
         if parent is None or int(fields[1]) == parent:
             found.append(int(entry.name))

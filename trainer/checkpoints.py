@@ -40,7 +40,9 @@ from rlvr.trainer.policy import (
     policy_files,
     policy_from_files,
 )
-from rlvr.trainer.rank_group import fetch_state_files, rank_group, ready, skeleton
+from rlvr.trainer.ranks.launch import rank_group
+from rlvr.trainer.ranks.operations import ready, skeleton
+from rlvr.trainer.ranks.state import fetch_state_files
 from rlvr.trainer.sharding import Sharding, load_sharded, scratch_dir, stored_name
 from rlvr.trainer.updates import step_batch, update_policy
 
@@ -307,7 +309,7 @@ def take_trainer_state(
     ranks: Ranks = ONE_PROCESS,
 ) -> TrainerState:
     """Model and optimizer on `device` to continue training from `policy_ref`; the caller now owns them. With
-    `ranks.data_parallel` > 1 they are the rank group's (trainer/rank_group.py): sharded over its ranks.
+    `ranks.data_parallel` > 1 they are the rank group's (trainer/ranks/): sharded over its ranks.
 
     Taking the state out of memory means a failed update can never leave a half-updated model
     filed under the old reference. A resumed run builds the optimizer over the placed model, so the

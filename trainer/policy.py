@@ -97,7 +97,7 @@ class PolicyConfig(BaseModel):
 @dataclass
 class Policy:
     """A causal LM, its tokenizer (left padding, pad token set) and where it came from. `ranks`: the data-parallel
-    group the model is sharded over (trainer/rank_group.py), whose operations every use of it goes through;
+    group the model is sharded over (trainer/ranks/launch.py), whose operations every use of it goes through;
     None for a model whole in this process."""
 
     model: PreTrainedModel

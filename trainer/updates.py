@@ -100,7 +100,7 @@ def update_policy(
     reference: Policy | None,
 ) -> dict[str, float]:
     """One GRPO step, updating `policy` and `optimizer` in place: in this process, or, for a policy sharded over
-    data-parallel ranks (`policy.ranks`, trainer/rank_group.py; `optimizer` is then rank 0's part), on every rank."""
+    data-parallel ranks (`policy.ranks`, trainer/ranks/launch.py; `optimizer` is then rank 0's part), on every rank."""
     if policy.ranks is not None:
         return dict(policy.ranks.update(batch, grpo, reference))
     return grpo_step(policy, optimizer, batch, grpo, reference)

@@ -99,9 +99,9 @@ def resume(
 
 
 def _serves_rank_zero(cfg: Any) -> bool:
-    """Under torchrun, every rank but 0 serves rank 0's operations (trainer/rank_group.py) instead of running the
+    """Under torchrun, every rank but 0 serves rank 0's operations (trainer/ranks/serve.py) instead of running the
     flow, then returns True; rank 0, and a run without torchrun, return False."""
-    from rlvr.trainer.rank_group import serve_torchrun, torchrun_rank
+    from rlvr.trainer.ranks.launch import serve_torchrun, torchrun_rank
 
     if (torchrun_rank() or 0) == 0:
         return False

@@ -1,5 +1,8 @@
 """The data-parallel ranks of a run (`train.data_parallel` = N > 1): one torch.distributed process group whose
 ranks each hold their part of the policy (FSDP2, trainer/sharding.py) and do their share of every model pass.
+This module starts the group and drives it from rank 0 (`RankGroup`, `rank_group`); what travels between the ranks
+is in transport.py, what each rank does for an operation in operations.py (and trainer/distributed.py for a step),
+the sharded state on disk in state.py, and the loop of the other ranks in serve.py.
 
 The run's process is rank 0 and drives the group: for every operation it broadcasts a JSON header (and the
 bytes it announces), then does its own share like any rank. Operations:
@@ -13,7 +16,7 @@ bytes it announces), then does its own share like any rank. Operations:
 - `whole_files`: the whole model as a Hugging Face directory, on rank 0.
 - `save_state`, `load_state`: the sharded weights and optimizer state with torch.distributed.checkpoint.
 
-Where the ranks come from. Alone, the run starts ranks 1..N-1 itself (`python -m rlvr.trainer.rank_group`),
+Where the ranks come from. Alone, the run starts ranks 1..N-1 itself (`python -m rlvr.trainer.ranks.launch`),
 which live until it ends and exit within a second of its death. Under torchrun (RANK and WORLD_SIZE set,
 any number of machines), torchrun started every rank: rank 0 runs the flow and the others serve
 (`serve_torchrun`). A rank that dies ends the run: rank 0's watchdog names it on one line and stops the run,
@@ -25,59 +28,41 @@ from __future__ import annotations
 import argparse
 import atexit
 import ctypes
-import dataclasses
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rlvr.child_guard import exit_when_gone, start_time
-from rlvr.environments.base import EnvConfig
 from rlvr.errors import Stopped, UserError, stop_with
-from rlvr.storage.store import Store, open_store
-from rlvr.trainer.distributed import distributed_grpo_step, parse_payload, payload_text
-from rlvr.trainer.episodes import Budgets, Trajectory, play_episodes, trajectory_from_dict
-from rlvr.trainer.generation import Sample, greedy, sample
+from rlvr.trainer.distributed import distributed_grpo_step, payload_text
+from rlvr.trainer.episodes import Trajectory
+from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch
-from rlvr.trainer.lora import SETTINGS_FILE, LoraSettings, add_lora
-from rlvr.trainer.policy import (
-    MODEL_BUILD_LOCK,
-    Policy,
-    load_tokenizer,
-    make_optimizer,
-    policy_files,
-    set_threads,
-    static_files,
+from rlvr.trainer.policy import Policy, policy_files, static_files
+from rlvr.trainer.ranks.operations import (
+    RankState,
+    build_sharded,
+    episodes_share,
+    greedy_share,
+    plain_policy,
+    sample_share,
 )
-from rlvr.trainer.sharding import (
-    Sharding,
-    dcp_name,
-    full_state,
-    held_bytes,
-    load_sharded,
-    load_whole,
-    plain_optimizer_state,
-    save_sharded,
-    scratch_dir,
-    shard,
-    stored_name,
-    whole_weights,
-)
+from rlvr.trainer.ranks.serve import serve
+from rlvr.trainer.ranks.state import load_share, save_share
+from rlvr.trainer.ranks.transport import broadcast_bytes, gather_bytes, pack_files
+from rlvr.trainer.sharding import Sharding, full_state, held_bytes, plain_optimizer_state
 
 TIMEOUT = timedelta(minutes=30)  # a collective waits this long for a rank (rank 0 verifying a large step)
 WATCH_S = 0.5  # how often rank 0 looks at the ranks it started
@@ -85,7 +70,7 @@ DEATH_WAIT_S = 10.0  # after a collective failed: how long a dying rank may take
 EXIT_GRACE_S = 15.0  # after a rank died: how long the run may take to stop before its process is ended
 
 
-# --- memory --------------------------------------------------------------------------------------------------
+# --- memory ---------------------------------------------------------------------------------------------------
 
 MMAP_THRESHOLD = 4 << 20  # bytes: glibc maps allocations this large on their own and unmaps them when freed
 
@@ -104,266 +89,6 @@ def return_freed_memory() -> None:
         return
     m_mmap_threshold = -3  # glibc's M_MMAP_THRESHOLD; setting it also stops the threshold's growth
     libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD)
-
-
-# --- bytes between ranks -------------------------------------------------------------------------------------
-
-
-def broadcast_bytes(data: bytes | None, device: torch.device) -> bytes:
-    """Rank 0 sends `data`; every rank returns it (the others pass None)."""
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=0)
-    if data is not None:
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else _empty(0, device)
-    else:
-        buffer = _empty(int(size.item()), device)
-    if buffer.numel():
-        dist.broadcast(buffer, src=0)
-    return data if data is not None else buffer.cpu().numpy().tobytes()
-
-
-def gather_bytes(data: bytes, device: torch.device) -> list[bytes]:
-    """Every rank's `data`, in rank order, on rank 0 (the other ranks get an empty list)."""
-    world = dist.get_world_size()
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
-    longest = max(int(s.item()) for s in sizes)
-    buffer = _empty(longest, device)
-    if data:
-        buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    parts = [_empty(longest, device) for _ in range(world)] if dist.get_rank() == 0 else None
-    dist.gather(buffer, parts, dst=0)
-    if parts is None:
-        return []
-    return [part[: int(s.item())].cpu().numpy().tobytes() for part, s in zip(parts, sizes)]
-
-
-def _empty(size: int, device: torch.device) -> torch.Tensor:
-    return torch.zeros(size, dtype=torch.uint8, device=device)
-
-
-def pack_files(files: dict[str, bytes]) -> bytes:
-    """A model directory (name -> bytes) as one byte string: a JSON index, then the files in its order."""
-    index = json.dumps([[name, len(data)] for name, data in files.items()]).encode()
-    return len(index).to_bytes(8, "little") + index + b"".join(files.values())
-
-
-def unpack_files(packed: bytes) -> dict[str, bytes]:
-    """Inverse of `pack_files`."""
-    size = int.from_bytes(packed[:8], "little")
-    files, offset = {}, 8 + size
-    for name, length in json.loads(packed[8 : 8 + size]):
-        files[name] = packed[offset : offset + length]
-        offset += length
-    return files
-
-
-# --- what every rank holds -----------------------------------------------------------------------------------
-
-
-@dataclass
-class RankState:
-    """One rank's part of the group's objects."""
-
-    device: torch.device
-    sharding: Sharding
-    threads: int
-    policy: Policy | None = None
-    optimizer: torch.optim.Optimizer | None = None
-    reference: Policy | None = None
-    static: dict[str, bytes] = field(default_factory=dict)  # the policy's config and tokenizer files
-    sampled: list[int] = field(default_factory=list)  # on rank 0: the samples each rank drew in the last operation
-
-
-def skeleton(static: dict[str, bytes], dtype: torch.dtype, threads: int) -> Policy:
-    """The policy's model without weights (on the meta device) and its tokenizer, from its static files."""
-    set_threads(threads)
-    with tempfile.TemporaryDirectory(prefix="rlvr-ranks-") as tmp:
-        for name, data in static.items():
-            (Path(tmp) / name).parent.mkdir(parents=True, exist_ok=True)
-            (Path(tmp) / name).write_bytes(data)
-        with MODEL_BUILD_LOCK:
-            config = AutoConfig.from_pretrained(tmp)
-            tokenizer = load_tokenizer(tmp)
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-            if (Path(tmp) / "generation_config.json").is_file():
-                model.generation_config = GenerationConfig.from_pretrained(tmp)
-    if SETTINGS_FILE in static:
-        add_lora(model, LoraSettings.model_validate(json.loads(static[SETTINGS_FILE])), seed=0)
-    return Policy(model=model, tokenizer=tokenizer, source="ranks")
-
-
-def _restore_buffers(model: torch.nn.Module, whole: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Buffers that are not in a state dict (rotary frequencies) are computed at build time, which the meta
-    device skipped: rank 0 sends its own (`whole`, its plain model's) to every rank."""
-    kept = set(model.state_dict())
-    for name, buffer in sorted(model.named_buffers()):
-        if name in kept:
-            continue
-        value = whole[name].to(device) if dist.get_rank() == 0 else torch.empty_like(buffer, device=device)
-        dist.broadcast(value, src=0)
-        owner, _, leaf = name.rpartition(".")
-        module = model.get_submodule(owner) if owner else model
-        module._buffers[leaf] = value
-
-
-def build_sharded(
-    state: RankState,
-    static: dict[str, bytes],
-    dtype: torch.dtype,
-    whole: torch.nn.Module | None,
-    optimizer_state: dict[str, Any] | None,
-    lr: float | None,
-    weight_decay: float,
-    trainable: bool,
-) -> tuple[Policy, torch.optim.Optimizer | None]:
-    """Every rank: the model built empty, sharded, and filled with rank 0's weights (`whole`, rank 0 only),
-    and, when `trainable`, an optimizer over its shards with rank 0's state (`optimizer_state`, FSDP's full form,
-    None: fresh). The policy is in eval mode, as every policy is outside a training pass."""
-    policy = skeleton(static, dtype, state.threads)
-    model = policy.model
-    shard(model, state.sharding, state.device)
-    model.to_empty(device=state.device)
-    weights = whole.state_dict() if whole is not None else {}
-    buffers = dict(whole.named_buffers()) if whole is not None else {}
-    if not trainable:
-        model.requires_grad_(False)
-    optimizer = make_optimizer(policy, lr or 1e-3, weight_decay) if trainable else None
-    present = torch.tensor([optimizer_state is not None], device=state.device)
-    dist.broadcast(present, src=0)
-    load_whole(model, optimizer, weights, (optimizer_state or {}) if bool(present.item()) else None)
-    _restore_buffers(model, buffers, state.device)
-    model.tie_weights()
-    return ready(policy), optimizer
-
-
-def ready(policy: Policy) -> Policy:
-    """What `policy._prepare` does for a loaded model, but the cast (the weights are already in their dtype)."""
-    tokenizer = policy.tokenizer
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if policy.model.generation_config.pad_token_id is None:
-        policy.model.generation_config.pad_token_id = tokenizer.pad_token_id
-    policy.model.eval()
-    return policy
-
-
-# --- decoding on every rank ----------------------------------------------------------------------------------
-
-
-def shares(counts: Sequence[int], world_size: int) -> list[list[int]]:
-    """The prompt indices each rank decodes: contiguous runs of about equal numbers of rows (samples)."""
-    total = sum(counts)
-    owned: list[list[int]] = [[] for _ in range(world_size)]
-    before = 0
-    for index, count in enumerate(counts):
-        middle = before + count / 2
-        owned[min(world_size - 1, int(middle * world_size / max(total, 1)))].append(index)
-        before += count
-    return owned
-
-
-def _sample_share(
-    state: RankState, prompts: list[str], counts: list[int], settings: dict[str, Any], keys: list[int]
-) -> list[Sample]:
-    """This rank's share of a sampling operation, decoded from the whole weights; on rank 0 every rank's samples
-    in the one-process order (by prompt, then sample), on the others an empty list."""
-    assert state.policy is not None
-    mine = shares(counts, dist.get_world_size())[dist.get_rank()]
-    found: list[Sample] = []
-    with whole_weights(state.policy.model):
-        if mine:
-            share_prompts, share_counts = [prompts[i] for i in mine], [counts[i] for i in mine]
-            drawn = sample(state.policy, share_prompts, share_counts, row_keys=[keys[i] for i in mine], **settings)
-            found = [dataclasses.replace(s, prompt_index=mine[s.prompt_index]) for s in drawn]
-    parts = gather_bytes(json.dumps([dataclasses.asdict(s) for s in found]).encode(), state.device)
-    by_rank = [[Sample(**raw) for raw in json.loads(part)] for part in parts]
-    state.sampled = [len(samples) for samples in by_rank]
-    return sorted((s for samples in by_rank for s in samples), key=lambda s: (s.prompt_index, s.sample_index))
-
-
-def _episodes_share(state: RankState, request: dict[str, Any]) -> list[Trajectory]:
-    """This rank's share of an episodes operation (whole tasks: a group's episodes stay on one rank), played from
-    the whole weights; on rank 0 every rank's trajectories in the one-process order, on the others none."""
-    assert state.policy is not None
-    counts = request["counts"]
-    mine = shares(counts, dist.get_world_size())[dist.get_rank()]
-    found: list[Trajectory] = []
-    with whole_weights(state.policy.model):
-        if mine:
-            played = play_episodes(
-                state.policy,
-                EnvConfig.model_validate(request["env"]),
-                [request["tasks"][i] for i in mine],
-                [counts[i] for i in mine],
-                budgets=Budgets(**request["budgets"]),
-                settings=request["settings"],
-                row_keys=[request["keys"][i] for i in mine],
-            )
-            found = [dataclasses.replace(t, prompt_index=mine[t.prompt_index]) for t in played]
-    parts = gather_bytes(json.dumps([dataclasses.asdict(t) for t in found]).encode(), state.device)
-    by_rank = [[trajectory_from_dict(raw) for raw in json.loads(part)] for part in parts]
-    state.sampled = [len(trajectories) for trajectories in by_rank]
-    return sorted((t for part in by_rank for t in part), key=lambda t: (t.prompt_index, t.sample_index))
-
-
-def _greedy_share(state: RankState, prompts: list[str], settings: dict[str, Any]) -> list[str]:
-    """This rank's share of a greedy operation; on rank 0 every prompt's completion in order."""
-    assert state.policy is not None
-    mine = shares([1] * len(prompts), dist.get_world_size())[dist.get_rank()]
-    texts: list[str] = []
-    with whole_weights(state.policy.model):
-        if mine:
-            texts = greedy(state.policy, [prompts[i] for i in mine], **settings)
-    parts = gather_bytes(json.dumps(list(zip(mine, texts))).encode(), state.device)
-    ordered = {int(index): text for part in parts for index, text in json.loads(part)}
-    return [ordered[index] for index in range(len(prompts))] if parts else []
-
-
-# --- the training state on every rank ------------------------------------------------------------------------
-
-
-def _save_share(state: RankState, header: dict[str, Any]) -> list[dict[str, Any]]:
-    """This rank's files of a sharded state, written into the artifact's folder; every entry on rank 0."""
-    assert state.policy is not None and state.optimizer is not None
-    store = open_store(header["root"])
-    with scratch_dir() as directory:
-        save_sharded(state.policy.model, state.optimizer, directory)
-        entries = [
-            store.place_file(header["kind"], header["artifact_id"], stored_name(path.name), path.read_bytes())
-            for path in sorted(directory.iterdir())
-        ]
-    parts = gather_bytes(json.dumps(entries).encode(), state.device)
-    return [entry for part in parts for entry in json.loads(part)]
-
-
-def _load_share(
-    state: RankState, static: dict[str, bytes], header: dict[str, Any]
-) -> tuple[Policy, torch.optim.Optimizer]:
-    """Every rank: the model built empty and sharded, and its shards (and the optimizer's) read from the state
-    files of artifact `header["artifact_id"]`."""
-    policy = skeleton(static, getattr(torch, header["dtype"]), state.threads)
-    shard(policy.model, state.sharding, state.device)
-    policy.model.to_empty(device=state.device)
-    optimizer = make_optimizer(policy, header["lr"], header["weight_decay"])
-    with scratch_dir() as directory:
-        fetch_state_files(open_store(header["root"]), header["artifact_id"], directory)
-        load_sharded(policy.model, optimizer, directory, alone=False)
-    policy.model.tie_weights()
-    return ready(policy), optimizer
-
-
-def fetch_state_files(store: Store, artifact_id: str, directory: Path) -> None:
-    """The torch.distributed.checkpoint files of a stored state into `directory`, under DCP's own names (each
-    read checked against its manifest's sha256)."""
-    for entry in store.manifest(artifact_id).binary_files:
-        name = entry["path"].removeprefix("files/")
-        own = dcp_name(name)
-        if own is not None:
-            (directory / own).write_bytes(store.read_file(artifact_id, name))
 
 
 # --- rank 0: the group ---------------------------------------------------------------------------------------
@@ -404,7 +129,7 @@ class RankGroup:
             init = f"tcp://127.0.0.1:{_free_port()}"
             me = [str(os.getpid()), str(start_time(os.getpid()) or 0)]
             for rank in range(1, world_size):
-                command = [sys.executable, "-m", "rlvr.trainer.rank_group", init, str(rank), str(world_size)]
+                command = [sys.executable, "-m", "rlvr.trainer.ranks.launch", init, str(rank), str(world_size)]
                 command += [str(threads), device.type, *me]
                 self.workers.append(subprocess.Popen(command))
             dist.init_process_group(backend, init_method=init, rank=0, world_size=world_size, timeout=TIMEOUT)
@@ -547,19 +272,19 @@ class RankGroup:
         keys = list(range(len(prompts))) if keys is None else keys
         request = json.dumps({"prompts": prompts, "counts": counts, "settings": settings, "keys": keys}).encode()
         with self.op("sample", {}, request):
-            return _sample_share(self.state, prompts, counts, settings, keys)
+            return sample_share(self.state, prompts, counts, settings, keys)
 
     def episodes(self, request: dict[str, Any]) -> list[Trajectory]:
         """`episodes.play_episodes` over the ranks (`request`: env, tasks, counts, budgets, settings, keys), each
         rank playing its share of the tasks; on rank 0 every trajectory in the one-process order."""
         with self.op("episodes", {}, json.dumps(request).encode()):
-            return _episodes_share(self.state, request)
+            return episodes_share(self.state, request)
 
     def greedy(self, prompts: list[str], settings: dict[str, Any]) -> list[str]:
         """`generation.greedy` over the ranks (`settings`: max_new_tokens, cache), each rank its share."""
         request = json.dumps({"prompts": prompts, "settings": settings}).encode()
         with self.op("greedy", {}, request):
-            return _greedy_share(self.state, prompts, settings)
+            return greedy_share(self.state, prompts, settings)
 
     def whole_files(self) -> dict[str, bytes]:
         """The policy as a Hugging Face model directory (name -> bytes), built on rank 0 from the gathered weights
@@ -577,7 +302,7 @@ class RankGroup:
         self._held()  # a policy to save
         header = {"root": store_root, "kind": kind, "artifact_id": artifact_id}
         with self.op("save_state", header):
-            return _save_share(self.state, header)
+            return save_share(self.state, header)
 
     def load_state(
         self,
@@ -593,7 +318,7 @@ class RankGroup:
         header = {"dtype": str(dtype).removeprefix("torch."), "lr": lr, "weight_decay": weight_decay}
         header.update(sharding=self.state.sharding, root=store_root, artifact_id=artifact_id)
         with self.op("load_state", header, pack_files(static)):
-            sharded, optimizer = _load_share(self.state, static, header)
+            sharded, optimizer = load_share(self.state, static, header)
         self.state.policy, self.state.optimizer, self.state.static = sharded, optimizer, static
         self._guard(sharded)
         sharded.ranks = self
@@ -619,7 +344,7 @@ class RankGroup:
             if not group.in_op:
                 raise RuntimeError(
                     f"this policy is sharded over {group.world_size} data-parallel ranks: call it through its "
-                    "rank group (trainer/rank_group.py), which runs every rank's share"
+                    "rank group (trainer/ranks/launch.py), which runs every rank's share"
                 )
 
         policy.model.register_forward_pre_hook(refuse, prepend=True)  # before FSDP2 gathers the weights
@@ -643,23 +368,6 @@ class RankGroup:
                     worker.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     worker.kill()
-
-
-def plain_policy(
-    static: dict[str, bytes], weights: dict[str, torch.Tensor], like: Policy, dtype: torch.dtype
-) -> Policy:
-    """A one-process policy around whole weights (no copy) from the static files, with `like`'s buffers."""
-    plain = skeleton(static, dtype, torch.get_num_threads())
-    plain.model.load_state_dict(weights, assign=True, strict=False)
-    for name, buffer in like.model.named_buffers():
-        if name not in weights:
-            owner, _, leaf = name.rpartition(".")
-            (plain.model.get_submodule(owner) if owner else plain.model)._buffers[leaf] = buffer.cpu()
-    plain.model.tie_weights()
-    missing = [name for name, p in plain.model.named_parameters() if p.is_meta]
-    if missing:
-        raise RuntimeError(f"gathered weights miss {missing[:3]}")
-    return ready(Policy(plain.model, plain.tokenizer, like.source))
 
 
 # --- the process's group -------------------------------------------------------------------------------------
@@ -707,67 +415,12 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-# --- a serving rank ------------------------------------------------------------------------------------------
-
-
-def serve(state: RankState) -> None:
-    """Do every operation rank 0 announces, until it says stop (the process group is initialised)."""
-    device = state.device
-    try:
-        while (header := json.loads(broadcast_bytes(None, device)))["op"] != "stop":
-            _serve_one(state, header)
-    finally:
-        dist.destroy_process_group()
-
-
-def _serve_one(state: RankState, header: dict[str, Any]) -> None:
-    device, op = state.device, header["op"]
-    if op in ("adopt", "reference"):
-        static = unpack_files(broadcast_bytes(None, device))
-        dtype = getattr(torch, header["dtype"])
-        train = bool(header["train"])
-        state.sharding = header["sharding"]
-        policy, optimizer = build_sharded(
-            state, static, dtype, None, None, header["lr"], header["weight_decay"], trainable=train
-        )
-        if train:
-            state.policy, state.optimizer, state.static = policy, optimizer, static
-        else:
-            state.reference = policy
-    elif op == "step":
-        batch, cfg = parse_payload(broadcast_bytes(None, device).decode())
-        assert state.policy is not None and state.optimizer is not None, "rank 0 adopts a policy before a step"
-        distributed_grpo_step(
-            state.policy, state.optimizer, batch, cfg, state.reference if header["reference"] else None
-        )
-    elif op == "sample":
-        request = json.loads(broadcast_bytes(None, device))
-        _sample_share(state, request["prompts"], request["counts"], request["settings"], request["keys"])
-    elif op == "episodes":
-        _episodes_share(state, json.loads(broadcast_bytes(None, device)))
-    elif op == "greedy":
-        request = json.loads(broadcast_bytes(None, device))
-        _greedy_share(state, request["prompts"], request["settings"])
-    elif op == "save_state":
-        _save_share(state, header)
-    elif op == "load_state":
-        static = unpack_files(broadcast_bytes(None, device))
-        state.sharding = header["sharding"]
-        state.policy, state.optimizer = _load_share(state, static, header)
-        state.static = static
-    elif op == "whole":
-        assert state.policy is not None
-        full_state(state.policy.model)
-    elif op == "held":
-        assert state.policy is not None
-        gather_bytes(json.dumps(held_bytes(state.policy.model, state.optimizer)).encode(), device)
-    else:
-        raise RuntimeError(f"unknown rank operation {op!r}")
+# --- a rank's process ----------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str]) -> int:
-    """A rank the run started: python -m rlvr.trainer.rank_group INIT RANK WORLD THREADS DEVICE PID START."""
-    parser = argparse.ArgumentParser(prog="python -m rlvr.trainer.rank_group", description="one data-parallel rank")
+    """A rank the run started: python -m rlvr.trainer.ranks.launch INIT RANK WORLD THREADS DEVICE PID START."""
+    parser = argparse.ArgumentParser(prog="python -m rlvr.trainer.ranks.launch", description="one data-parallel rank")
     for name in ("init", "rank", "world_size", "threads", "device", "parent_pid", "parent_start"):
         parser.add_argument(name)
     args = parser.parse_args(argv)

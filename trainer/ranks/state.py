@@ -1,0 +1,58 @@
+"""The training state of a data-parallel group on disk: every rank writes and reads its own shards of the weights and
+optimizer state with torch.distributed.checkpoint (DCP), as files of a store artifact, so a state saved at one rank
+count loads at another.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlvr.storage.store import Store, open_store
+from rlvr.trainer.policy import Policy, make_optimizer
+from rlvr.trainer.ranks.operations import RankState, ready, skeleton
+from rlvr.trainer.ranks.transport import gather_bytes
+from rlvr.trainer.sharding import dcp_name, load_sharded, save_sharded, scratch_dir, shard, stored_name
+
+
+def save_share(state: RankState, header: dict[str, Any]) -> list[dict[str, Any]]:
+    """This rank's files of a sharded state, written into the artifact's folder; every entry on rank 0."""
+    assert state.policy is not None and state.optimizer is not None
+    store = open_store(header["root"])
+    with scratch_dir() as directory:
+        save_sharded(state.policy.model, state.optimizer, directory)
+        entries = [
+            store.place_file(header["kind"], header["artifact_id"], stored_name(path.name), path.read_bytes())
+            for path in sorted(directory.iterdir())
+        ]
+    parts = gather_bytes(json.dumps(entries).encode(), state.device)
+    return [entry for part in parts for entry in json.loads(part)]
+
+
+def load_share(
+    state: RankState, static: dict[str, bytes], header: dict[str, Any]
+) -> tuple[Policy, torch.optim.Optimizer]:
+    """Every rank: the model built empty and sharded, and its shards (and the optimizer's) read from the state
+    files of artifact `header["artifact_id"]`."""
+    policy = skeleton(static, getattr(torch, header["dtype"]), state.threads)
+    shard(policy.model, state.sharding, state.device)
+    policy.model.to_empty(device=state.device)
+    optimizer = make_optimizer(policy, header["lr"], header["weight_decay"])
+    with scratch_dir() as directory:
+        fetch_state_files(open_store(header["root"]), header["artifact_id"], directory)
+        load_sharded(policy.model, optimizer, directory, alone=False)
+    policy.model.tie_weights()
+    return ready(policy), optimizer
+
+
+def fetch_state_files(store: Store, artifact_id: str, directory: Path) -> None:
+    """The torch.distributed.checkpoint files of a stored state into `directory`, under DCP's own names (each
+    read checked against its manifest's sha256)."""
+    for entry in store.manifest(artifact_id).binary_files:
+        name = entry["path"].removeprefix("files/")
+        own = dcp_name(name)
+        if own is not None:
+            (directory / own).write_bytes(store.read_file(artifact_id, name))
