@@ -163,11 +163,12 @@ def test_the_recorded_verdicts_are_what_version_2_changes():
         assert new_status == EXPECTED_FLIPS.get(f"r{i:02d}", (old_status, old_status))[1], (response, new_status)
 
 
-def test_relabel_shows_the_flips_from_version_1(tmp_path):
+def test_relabel_shows_the_flips_from_version_1(tmp_path, prefect_api):
     root = str(tmp_path / "store")
     rewards_id = _write_store_labelled_by_version_1(root)
-    home = tmp_path / "prefect"
-    env = cli_env(PREFECT_HOME=str(home), PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results"))
+    # The session's Prefect server: without PREFECT_API_URL `rlvr relabel` starts a temporary one in the store,
+    # about 13 CPU-seconds of start-up this test does not check (test_ui.py checks that path).
+    env = cli_env(PREFECT_API_URL=prefect_api)
 
     result = rlvr("relabel", rewards_id, "--verifier", "math", "--store", root, "--workers", "1", env=env)
 
