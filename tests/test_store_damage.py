@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -85,7 +86,9 @@ def test_flipped_bytes_are_found_and_resume_rebuilds_what_it_can(store: Path, ma
 
     resumed = run_cli("resume", RUN, "--store", str(store), prefect_api=prefect_api)
     assert resumed.returncode == 0, resumed.stderr
-    warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
+    # stderr is not a terminal here: each progress line, warnings too, starts with its clock ("[0:00:01] ")
+    lines = [re.sub(r"^\[\d+:\d\d:\d\d\] ", "", line) for line in resumed.stderr.splitlines()]
+    warnings = [line for line in lines if line.startswith("warning:")]
     assert len(warnings) == 2
     assert any(rewards.artifact_id in w and w.endswith("set aside, this run rebuilds it") for w in warnings)
     assert any(rollouts.artifact_id in w and "cannot be rebuilt: it needs the weights" in w for w in warnings)
