@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from rlvr.flows.runs import execute
 from rlvr.storage.lineage import ancestors
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
+from tests.cli_helpers import REPO
 from tests.conftest import TINY_OVERRIDES
 
 pytestmark = pytest.mark.slow
@@ -142,3 +146,16 @@ def test_relabel_reports_exactly_the_flipped_verdicts(finished_run):
     assert relabelled == scalar(store, "SELECT count(*) AS n FROM rewards")["n"]
     again = relabel_rewards(store.root, rewards_ids, cfg)  # same version: nothing new
     assert again == results
+
+
+def test_importing_the_flow_module_imports_neither_the_stages_nor_torch():
+    """`import rlvr.flows.rl_run` costs Prefect and the run config (issue 52: under 2.5 s of user CPU, from 5.4);
+    the run imports the steps, the stages and the trainer when it starts. A fresh interpreter, as `rlvr` has."""
+    code = (
+        "import sys, rlvr.flows.rl_run; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'sympy', 'math_verify') "
+        "or m.startswith(('rlvr.tasks.', 'rlvr.trainer.'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
