@@ -15,7 +15,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlvr.data.tool_transcripts import synthesize_transcripts
 from rlvr.environments.calculator import CalculatorOptions
@@ -54,6 +54,15 @@ class WarmstartConfig(BaseModel):
     def _calculator_options(cls, value: dict[str, Any]) -> dict[str, Any]:
         CalculatorOptions.model_validate(value)  # a misspelt option fails here, with the key's name
         return value
+
+    @model_validator(mode="after")
+    def _options_need_transcripts(self) -> WarmstartConfig:
+        """The calculator's options shape transcripts only: with other data they would be kept and do nothing."""
+        if self.env_options and self.data != "tool_transcripts":
+            raise ValueError(
+                f"warmstart.env_options is read only with warmstart.data=tool_transcripts (data is {self.data!r})"
+            )
+        return self
 
 
 def build(inputs: Inputs, cfg: WarmstartConfig, ctx: StageContext) -> dict[str, Built]:

@@ -136,6 +136,8 @@ def test_the_default_warm_start_dumps_as_before_and_transcripts_are_opt_in():
     assert chosen["data"] == "tool_transcripts" and chosen["env_options"] == {"tool_format": "prompt"}
     with pytest.raises(ValueError, match="pyton"):
         WarmstartConfig(env_options={"pyton": True})
+    with pytest.raises(ValueError, match=r"warmstart.env_options is read only with warmstart.data=tool_transcripts"):
+        WarmstartConfig(env_options={"tool_format": "prompt"})  # options that would shape nothing
 
 
 def test_operand_digits_gives_3_digit_by_2_digit_products_and_leaves_other_sources_as_they_were():
