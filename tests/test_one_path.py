@@ -35,7 +35,7 @@ from tests.test_multi_turn import CHATML
 PROMPTS = ["12+3=", "7*8=", "5-2=", '[{"role": "user", "content": "9-4="}]', "40+2="]
 COUNTS = [8, 5, 0, 3, 1]
 BEHAVIOUR = GRPOConfig().model_dump(include={"temperature", "autocast", "micro_batch_tokens"})
-ASYNC = {"behaviour": BEHAVIOUR, "staleness": 1, "logprobs": "sampling"}  # what flows/rl_run.py passes
+ASYNC = {"behaviour": BEHAVIOUR, "staleness": 1, "logprobs": "sampling"}  # what flows/rl_step.py passes
 
 
 def noisy_policy() -> Policy:
