@@ -93,10 +93,15 @@ def test_buffers_rebuilt_by_query_equal_the_ones_kept_in_memory(combo_run):
     _kept.clear()
     rebuilt = rebuild_buffers(store, "combo", STEPS + 1)
     incremental = buffers_before(
-        store, "combo", 2, query(store, "SELECT problem_id, step, rollout_id, score FROM rewards WHERE step = 1")
+        store,
+        "combo",
+        2,
+        query(store, "SELECT problem_id, step, rollout_id, verifier, status, score FROM rewards WHERE step = 1"),
     )
     for step in range(2, STEPS + 1):
-        previous = query(store, f"SELECT problem_id, step, rollout_id, score FROM rewards WHERE step = {step}")
+        previous = query(
+            store, f"SELECT problem_id, step, rollout_id, verifier, status, score FROM rewards WHERE step = {step}"
+        )
         incremental = buffers_before(store, "combo", step + 1, previous)
     assert incremental == rebuilt
     assert any(

@@ -325,6 +325,7 @@ def test_the_filter_stage_filters_on_correctness_not_on_the_shaped_score():
             "rollout_id": ["r0", "r1", "r2", "r3"],
             "status": ["wrong", "wrong", "ok", "wrong"],
             "score": [0.2, 0.6, 0.5, 0.5],
+            "verifier": ["arithmetic"] * 4,
         }
     )
     params = {"batch_size": 1, "refills_done": 1, "first_slot": 0}
