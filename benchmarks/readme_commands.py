@@ -58,6 +58,14 @@ def scratch_copy(out: Path) -> Path:
     archive = subprocess.run(["git", "archive", "HEAD"], cwd=REPO, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
     (root / ".venv").symlink_to(REPO / ".venv")
+    # The venv is this checkout's: were the copy's pyproject.toml newer than its install stamp (tar gives it the
+    # commit's time), `make demo` would reinstall the package editable from the copy, and this checkout's venv
+    # would import the copy's code until the next `make venv`.
+    stamp = REPO / ".venv" / ".installed"
+    if not stamp.exists() or stamp.stat().st_mtime < (REPO / "pyproject.toml").stat().st_mtime:
+        sys.exit("readme_commands: run `make venv` first (the venv is missing or older than pyproject.toml)")
+    installed = stamp.stat().st_mtime
+    os.utime(root / "pyproject.toml", (installed, installed))
     return root
 
 
