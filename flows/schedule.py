@@ -313,6 +313,9 @@ async def _serve_until_stopped(
         pause_on_shutdown=True,
     )
     deployment_id = await runner.aadd_deployment(deployment)
+    # It exists now: a deletion before the recorder's first sweep (5 s on a cron schedule) must still count as one.
+    # It did not: the sweep never saw it, and the process served on until Prefect's runner gave up minutes later.
+    recorder.seen = True
     if stop.is_set():  # stopped while the deployment was being created: leave it paused, as a stop would
         async with get_client() as client:
             await client.pause_deployment(deployment_id)
