@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_helpers import cli_env
+
 pytestmark = pytest.mark.slow  # a real `rlvr run` in a subprocess: ~35-45 s on a 2-core machine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,13 +25,16 @@ def ours(output: str, label: str) -> float:
     return float(match.group(1))
 
 
-def test_smoke_mode_prints_positive_figures():
+def test_smoke_mode_prints_positive_figures(prefect_api):
+    """On the session's Prefect server: the script's `rlvr run` takes the environment, and without PREFECT_API_URL
+    it would start a temporary server of its own (13 CPU-seconds)."""
     done = subprocess.run(
         [sys.executable, "benchmarks/gpu_vs_trl.py", "--model", "tiny", "--device", "cpu", "--no-trl"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
+        env=cli_env(PREFECT_API_URL=prefect_api),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     output = done.stdout

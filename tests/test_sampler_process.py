@@ -5,7 +5,6 @@ ahead with the staleness bound held on every row."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -29,28 +28,7 @@ from rlvr.trainer.checkpoints import _load_in_place, _plain_weights, source_chec
 from rlvr.trainer.policy import PolicyConfig, init_policy, policy_files
 from tests.cli_helpers import REPO, cli_env, rlvr
 from tests.conftest import TINY_OVERRIDES
-
-
-class Doubler:
-    """A server for the worker: doubles numbers; "fail" raises, "user" raises a UserError, "exit" exits, "kill"
-    is SIGKILLed."""
-
-    def __init__(self, offset: int) -> None:
-        self.offset = offset
-
-    def __call__(self, job: object) -> object:
-        if job == "fail":
-            raise ValueError("no such number")
-        if job == "user":
-            raise UserError("a one-line reason")
-        if job == "exit":
-            os._exit(7)
-        if job == "kill":  # what the out-of-memory killer does
-            os.kill(os.getpid(), signal.SIGKILL)
-        if job == "pid":
-            return os.getpid()
-        assert isinstance(job, int)
-        return 2 * job + self.offset
+from tests.sampler_jobs import Doubler
 
 
 def test_worker_answers_queued_jobs_in_order_and_raises_what_a_job_raised():
@@ -94,7 +72,7 @@ def test_worker_exits_when_the_run_is_killed():
     script = (
         "import sys, time\n"
         "from rlvr.flows.sampler_process import WorkerProcess\n"
-        "from tests.test_sampler_process import Doubler\n"
+        "from tests.sampler_jobs import Doubler\n"
         "if __name__ == '__main__':\n"
         "    worker = WorkerProcess(Doubler, (0,), name='test-worker')\n"
         "    worker.submit('pid')\n"
@@ -165,9 +143,13 @@ def _weights(root: str) -> bytes:
 
 @pytest.mark.slow
 def test_process_and_thread_samplers_commit_the_same_run(tmp_path, prefect_api):
+    """The process sampler's run through `rlvr run`; the thread sampler's in this process (`execute`, what the
+    command calls), which spares a second interpreter's imports (about 8 CPU-seconds)."""
+    from rlvr.flows.runs import execute
+
     process, thread = str(tmp_path / "process"), str(tmp_path / "thread")
     _run(process, prefect_api, "flow.async_level=1")
-    _run(thread, prefect_api, "flow.async_level=1", "flow.sampler=thread")
+    execute(thread, load_config(None, ["run_id=a", *TINY_OVERRIDES, "flow.async_level=1", "flow.sampler=thread"]))
     ids = lambda root: sorted(m.artifact_id for m in Store.open(root).manifests() if m.kind != "runs")  # noqa: E731
     assert ids(process) == ids(thread)
     assert _weights(process) == _weights(thread)
