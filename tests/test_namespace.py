@@ -28,7 +28,7 @@ def test_pypi_verifiers_installs_beside_ours_and_both_import(tmp_path):
     """A fresh environment that sees this project's installed packages (as if they were its own) gets
     PyPI's `verifiers` with pip; then `verifiers` is theirs and `rlvr.verifiers` is ours."""
     env_dir = tmp_path / "env"
-    venv.create(env_dir, with_pip=True)
+    venv.create(env_dir, with_pip=False)  # this interpreter's pip installs into it (`--python`): no ensurepip
     python = env_dir / "bin" / "python"
     env_site = subprocess.run(
         [python, "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True, text=True, check=True
@@ -37,7 +37,10 @@ def test_pypi_verifiers_installs_beside_ours_and_both_import(tmp_path):
     with open(f"{env_site}/rlvr_project.pth", "w") as pth:
         pth.write(f"import site; site.addsitedir({ours!r})\n")
     install = subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", "verifiers"], capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "verifiers"],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert install.returncode == 0, install.stderr[-2000:]
     script = (

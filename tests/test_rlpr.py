@@ -525,8 +525,11 @@ def test_killed_rlpr_run_resumes_to_the_uninterrupted_one(tmp_path, prefect_api)
         )
 
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    proc = start("run", reference)
-    assert proc.wait(timeout=600) == 0, proc.stderr.read()
+    # the uninterrupted run in this process (`execute`, what `rlvr run` calls): a third interpreter's imports spared
+    from rlvr.flows.config import load_config
+    from rlvr.flows.runs import execute
+
+    execute(str(reference), load_config(None, ["run_id=k", *overrides]))
     proc = start("run", killed)
     for moment in (lambda: committed(killed, "rlpr_debias") >= 2, lambda: committed(killed, "filtered_groups") >= 3):
         assert kill_when(proc, moment, killed), proc.stderr.read()[-1000:]
