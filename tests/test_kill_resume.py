@@ -1,13 +1,14 @@
 """Fault injection: SIGKILL a real run at several moments, resume it, and get the uninterrupted result.
 
-The killed run and a reference run share seed, config and run id but live in different stores. After
-five kills (one inside the difficulty stage, between two of its shards, four spread over the RL
-steps) and the resumes that follow them, both stores hold exactly the same artifact ids, the same
-decisions (SEC's selections and arm values, Knapsack's allocations, the training figures) and final
-checkpoints with byte-identical weights. The run is the default task with SEC and Knapsack RL on, and in
-the synchronous case GHPO's hints and CLPO's rewrites too (their levels and rewrites must survive a kill).
+The killed run and a reference run share seed, config and run id but live in different stores. After three kills
+(one inside the difficulty stage, between two of its shards, one near the middle of the RL steps and one near their
+end; five, two more in between, cost the suite about two minutes on 2 cores) and the resumes that follow them, both
+stores hold exactly the same artifact ids, the same decisions (SEC's selections and arm values, Knapsack's
+allocations, the training figures) and final checkpoints with byte-identical weights. The run is the default task
+with SEC and Knapsack RL on, and in the synchronous case GHPO's hints and CLPO's rewrites too (their levels and
+rewrites must survive a kill).
 
-With flow.async_level=1 (sampling a step beside training the one before) the same holds, with a sixth kill
+With flow.async_level=1 (sampling a step beside training the one before) the same holds, with a fourth kill
 while generation is ahead of training: a step's rollouts committed, its update not, and the next step's
 sampling in flight. Every rollout is then sampled once: the (problem, sample index, sampling policy) triples
 of the two stores are the same.
@@ -173,9 +174,9 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api, async_l
     assert total > 40
 
     moments: list[Callable[[], bool]] = [lambda: between_difficulty_shards(killed)]
-    moments += [lambda f=f: committed(killed) >= int(total * f) for f in (0.35, 0.55, 0.75, 0.9)]
+    moments += [lambda f=f: committed(killed) >= int(total * f) for f in (0.45, 0.85)]
     if async_level:
-        moments.insert(3, lambda: generation_ahead(killed))
+        moments.insert(2, lambda: generation_ahead(killed))
     missed = []
     proc = start("run", killed, env, extra)
     for index, moment in enumerate(moments):
