@@ -328,6 +328,21 @@ def test_a_server_with_a_key_answers_401_to_every_request_without_it(reward_dir:
             assert len(client.get_reward(QUERIES[:2])) == 2
 
 
+def test_serve_rm_refuses_an_unset_key_variable_before_importing_torch() -> None:
+    """The refusal needs nothing of the model: it comes before torch and the serving modules are imported (about
+    5 CPU-seconds, which a mistyped variable name otherwise waited for)."""
+    refused = rlvr(
+        "serve-rm", "--model", "tiny", "--api-key-env", "RLVR_TEST_UNSET_KEY", env=cli_env(PYTHONPROFILEIMPORTTIME="1")
+    )
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    lines = refused.stderr.splitlines()
+    imported = {line.rsplit("|", 1)[1].strip() for line in lines if line.startswith("import time:")}
+    assert {"typer", "rlvr.flows.cli"} <= imported  # what it did import is listed: the check can see an import
+    assert not imported & {"torch", "transformers", "rlvr.serving.reward_models", "rlvr.serving.server"}
+    said = [line for line in lines if not line.startswith("import time:") and line.strip()]
+    assert said == ["error: --api-key-env names 'RLVR_TEST_UNSET_KEY', but that environment variable is not set"]
+
+
 @pytest.mark.slow
 def test_serve_rm_warns_beyond_loopback_without_a_key_and_refuses_a_key_variable_that_is_not_set(
     tmp_path: Path,

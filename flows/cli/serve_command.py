@@ -36,12 +36,12 @@ def serve_rm(
 
     Runs until Ctrl-C. A sequence-classification model's reward is its logit; a causal LM's is its P(Yes) as a judge.
     """
+    key = os.environ.get(api_key_env) if api_key_env is not None else None
+    if api_key_env is not None and not key:  # said before the model's modules (torch) are imported: ~5 CPU-s
+        raise UserError(f"--api-key-env names {api_key_env!r}, but that environment variable is not set")
     from rlvr.serving.reward_models import load_served_model
     from rlvr.serving.server import listening_socket, loopback, reward_app, serve, url_of
 
-    key = os.environ.get(api_key_env) if api_key_env is not None else None
-    if api_key_env is not None and not key:
-        raise UserError(f"--api-key-env names {api_key_env!r}, but that environment variable is not set")
     served = load_served_model(model, device=device, threads=threads, seed=seed, batch_size=batch_size)
     sock = listening_socket(host, port)  # listening before the URL is printed: a client may connect at once
     url = url_of(sock)
