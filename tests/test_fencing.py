@@ -285,8 +285,9 @@ AUDITED_RLVR = (
     "sys.argv.pop(1)); from rlvr.flows.cli import main; main()"
 )
 ON_ANOTHER_HOST = f"import socket; socket.gethostname = lambda: {OTHER_HOST!r}; from rlvr.flows.cli import main; main()"
+STEPS = 4  # the takeovers land in steps 1 and 3; the new owner then finishes the run
 OVERRIDES = [
-    "train.steps=8",
+    f"train.steps={STEPS}",
     "select.batch_size=2",
     "allocate.n=2",
     "warmstart.steps=2",
@@ -406,7 +407,7 @@ def test_a_run_taken_over_halfway_through_a_step_writes_nothing_after(
     assert {m.lease for m in manifests if m not in since} == {0}
     record = s.read_run(RUN_ID)
     assert (record["status"], record["lease"], record["pid"], record["host"]) == ("completed", 1, new.pid, OTHER_HOST)
-    assert committed(store, "train_steps") == 8 > frozen_step
+    assert committed(store, "train_steps") == STEPS > frozen_step
     # The old lease file is as the freeze left it (never released, never touched); the new one was released.
     old_lease, new_lease = (json.loads(Path(lease_path(s, RUN_ID, n)).read_text()) for n in (0, 1))
     assert old_lease["released_at"] is None and os.stat(lease_path(s, RUN_ID, 0)).st_mtime <= frozen_at

@@ -89,13 +89,13 @@ def test_replacing_the_trainer_state_keeps_what_the_newest_needs(tmp_path):
 
 OVERRIDES = [
     "train.steps=6",
-    "select.batch_size=8",
-    "allocate.n=8",
-    "warmstart.steps=10",
+    "select.batch_size=4",
+    "allocate.n=4",
+    "warmstart.steps=5",
     "difficulty.k=2",
-    "evaluate.every=3",
+    "evaluate.every=6",
     "checkpoint.every=6",
-    "synthesize.source.per_category=10",
+    "synthesize.source.per_category=6",
     "select.type=sec",
     "allocate.type=knapsack",
 ]
