@@ -297,7 +297,8 @@ def test_evaluation_and_difficulty_sample_through_the_runs_engine(server, tmp_pa
     for difficulty.k samples a problem at difficulty.temperature; nothing samples on the side. With
     flow.async_level=1 the server gives no log-probs: the rollout stage computes the sampling policy's."""
     url, state = server
-    overrides = [*TINY_OVERRIDES, "rollout.type=openai", f"rollout.base_url={url}", "difficulty.temperature=0.7"]
+    overrides = [*TINY_OVERRIDES, "train.steps=3", "rollout.type=openai", f"rollout.base_url={url}"]
+    overrides.append("difficulty.temperature=0.7")  # 3 RL steps, not the tiny run's 6: one evaluation after them
     overrides.append("flow.async_level=1")
     sets = [arg for o in overrides for arg in ("--set", o)]
     done = rlvr(
@@ -309,9 +310,9 @@ def test_evaluation_and_difficulty_sample_through_the_runs_engine(server, tmp_pa
     difficulty = query(store, "SELECT count(*) AS problems FROM difficulty").to_pylist()[0]["problems"]
     rollouts = query(store, "SELECT count(DISTINCT (step, slot)) AS groups FROM rollouts").to_pylist()[0]["groups"]
     stored = query(store, "SELECT count(logprobs) AS n FROM rollouts WHERE staleness = 1").to_pylist()[0]["n"]
-    assert stored == 4 * 5 * 4  # steps 2-6 sample a step behind: 4 groups of allocate.n = 4, every one stored
+    assert stored == 4 * 2 * 4  # steps 2-3 sample a step behind: 4 groups of allocate.n = 4, every one stored
     kinds = Counter((r["n"], r["temperature"]) for r in state.requests)
-    assert kinds[(1, 0.0)] == evals["answered"] and evals["evals"] == 4  # init, warm start, steps 3 and 6
+    assert kinds[(1, 0.0)] == evals["answered"] and evals["evals"] == 3  # init, warm start, step 3
     assert kinds[(2, 0.7)] == difficulty  # difficulty.k = 2
     assert kinds[(4, 1.0)] == rollouts  # allocate.n = 4
     assert sum(kinds.values()) == len(state.requests)
