@@ -318,6 +318,7 @@ def test_a_data_parallel_run_keeps_one_rank_process_and_leaves_none(tmp_path, pr
 
     before = set(_rank_processes())
     sets = ["train.steps=3", "train.data_parallel=2", "warmstart.steps=5", "difficulty.k=2", "evaluate.every=3"]
+    sets += ["select.batch_size=4", "allocate.n=4"]  # not the defaults' 64 x 8 rollouts a step
     args = ["run", "--store", str(tmp_path / "s"), "--run-id", "dp"]
     for item in [*sets, "synthesize.source.per_category=6"]:
         args += ["--set", item]
