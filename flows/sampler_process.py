@@ -24,6 +24,7 @@ from typing import Any
 from rlvr.child_guard import exit_when_gone, start_time
 from rlvr.errors import UserError
 from rlvr.spawn_main import without_main
+from rlvr.startup_objects import freeze_startup_objects
 
 Serve = Callable[[Any], Any]  # one job in, its result out
 
@@ -40,6 +41,7 @@ def _serve_loop(
     exit_when_gone(*owner)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve = make_server(*args)
+    freeze_startup_objects()  # a process of its own, its imports done: out of every later collection
     while True:
         try:
             job = jobs.recv()

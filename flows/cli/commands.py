@@ -132,8 +132,21 @@ def _run_with_progress(start: Callable[[], dict[str, Any]], cfg: Any) -> None:
         elif event == "eval":
             bar.update(task_id, accuracy=fields["accuracy"])
 
+    _freeze_the_runs_imports()
     summary = with_progress(start, bar, update, steps=steps)
     _print_summary(summary)
+
+
+def _freeze_the_runs_imports() -> None:
+    """Import what a run imports as it starts (torch, transformers and Prefect among it), then keep those objects out
+    of every later garbage collection (rlvr/startup_objects.py): this process was started for this run alone."""
+    import importlib
+
+    from rlvr.startup_objects import freeze_startup_objects
+
+    for module in ("rlvr.flows.data_run", "rlvr.flows.rl_step", "rlvr.flows.step_loop"):
+        importlib.import_module(module)
+    freeze_startup_objects()
 
 
 def _fmt(value: float | None) -> str:

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from rlvr.child_guard import exit_when_gone, start_time
 from rlvr.errors import Stopped, UserError, stop_with
+from rlvr.startup_objects import freeze_startup_objects
 from rlvr.trainer.distributed import distributed_grpo_step, payload_text
 from rlvr.trainer.episodes import Trajectory
 from rlvr.trainer.generation import Sample
@@ -439,6 +440,7 @@ def main(argv: Sequence[str]) -> int:
         return_freed_memory()
     world = int(args.world_size)
     dist.init_process_group(backend, init_method=args.init, rank=rank, world_size=world, timeout=TIMEOUT)
+    freeze_startup_objects()  # a process of its own, its imports done: out of every later collection
     serve(RankState(device, "fsdp", int(args.threads)))
     return 0
 
