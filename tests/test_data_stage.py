@@ -434,3 +434,16 @@ def test_the_difficulty_stages_verdicts_are_the_same_after_a_crash_inside_it(tmp
     assert len(rows) > 2 * 20 and len(entries) > 20 and {e["status"] for e in entries} <= {"ok", "wrong", "unparseable"}
     assert sum(e["status"] == "ok" for e in entries) <= sum(r["successes"] for r in rows)
     assert verdicts(tmp_path / "killed", killed=True) == (rows, entries)
+
+
+def test_an_input_that_is_neither_a_file_nor_a_folder_is_refused_before_any_work():
+    """`rlvr data --input /dev/null` was refused by the reader, after the flow and a temporary Prefect server had
+    started (22 CPU-s, 48 s); the command's own check refuses it first, as it does a missing or an empty file."""
+    from rlvr.errors import UserError
+    from rlvr.flows.cli.data_commands import input_source
+
+    with pytest.raises(UserError) as refused:
+        input_source(Path("/dev/null"), None)
+    assert str(refused.value) == (
+        "input '/dev/null' is neither a file nor a folder; give a .jsonl, .json, .csv or .parquet file"
+    )

@@ -20,6 +20,9 @@ def input_source(path: Path, verifier: str | None) -> dict[str, Any]:
     """The source config of `rlvr data --input PATH`: a file, or a folder `datasets` can load."""
     if not path.exists():
         raise UserError(f"input {str(path)!r} does not exist")
+    if not (path.is_file() or path.is_dir()):  # /dev/null, a pipe: refused now, not once the flow has started
+        kinds = ".jsonl, .json, .csv or .parquet"
+        raise UserError(f"input {str(path)!r} is neither a file nor a folder; give a {kinds} file")
     if path.is_file() and path.stat().st_size == 0:
         raise UserError(f"input {str(path)!r} is empty: there is nothing to read")
     source: dict[str, Any] = {"type": "dataset" if path.is_dir() else "file", "path": str(path), "name": path.stem}
