@@ -32,3 +32,16 @@ print("ok")
 def test_a_freeze_keeps_the_imports_out_and_later_cycles_in() -> None:
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     assert (done.returncode, done.stdout) == (0, "ok\n"), done.stderr[-2000:]
+
+
+def test_a_run_command_invoked_inside_a_program_does_not_freeze_it() -> None:
+    """Only the `rlvr` process's own main() enables the freeze; typer's CliRunner in a test would otherwise freeze the
+    whole pytest worker, whose later tests' cyclic garbage would then never be collected."""
+    import gc
+
+    from rlvr.flows.cli import commands
+
+    before = gc.get_freeze_count()
+    commands._freeze_the_runs_imports()
+    assert not commands._started_as_rlvr
+    assert gc.get_freeze_count() == before

@@ -139,7 +139,10 @@ def _run_with_progress(start: Callable[[], dict[str, Any]], cfg: Any) -> None:
 
 def _freeze_the_runs_imports() -> None:
     """Import what a run imports as it starts (torch, transformers and Prefect among it), then keep those objects out
-    of every later garbage collection (rlvr/startup_objects.py): this process was started for this run alone."""
+    of every later garbage collection (rlvr/startup_objects.py), when this process was started as `rlvr` for this
+    run alone: a command invoked in a program's own process (typer's CliRunner, a test) leaves it as it is."""
+    if not _started_as_rlvr:
+        return
     import importlib
 
     from rlvr.startup_objects import freeze_startup_objects
@@ -573,8 +576,13 @@ def _print_table(cells: list[list[str]], columns: list[str], whole: Collection[s
     out.print(table)
 
 
+_started_as_rlvr = False  # set by main(): the process is the `rlvr` command's own
+
+
 def main() -> None:
     """Entry point: a UserError becomes one line on stderr and exit status 2; bugs keep their traceback."""
+    global _started_as_rlvr
+    _started_as_rlvr = True
     try:
         app()
     except UserError as exc:
