@@ -49,13 +49,16 @@ envs: $(ENVS_STAMP)
 # once; files go out in tests/conftest.py's order, longest first), then the tests marked `serial` alone.
 # Both parts run even when the first fails; either failing fails. The first lists its 15 slowest tests (CI's log
 # then says where the suite's time goes); each part writes every test's time to build/test-reports/.
+# The serial part collects only the files that mark tests `pytest.mark.serial` (collecting all of tests/ costs
+# 16 CPU-seconds); tests/conftest.py refuses a serial test whose file does not say so in those words.
 TEST_WORKERS ?= 2
+SERIAL_FILES = $(shell grep -l "pytest.mark.serial" tests/test_*.py)
 
 test: lint docs $(SMOLLM2_STAMP) $(ENVS_STAMP)
 	status=0; \
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "not serial" \
 		--junitxml=build/test-reports/parallel.xml tests || status=1; \
-	$(BIN)/python -m pytest -m serial --junitxml=build/test-reports/serial.xml tests || status=1; \
+	$(BIN)/python -m pytest -m serial --junitxml=build/test-reports/serial.xml $(SERIAL_FILES) || status=1; \
 	exit $$status
 
 # The docs site: the README is its home page (its links into docs/ made relative), docs/ the rest.

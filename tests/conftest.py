@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 _HOME = tempfile.mkdtemp(prefix="rlvr-tests-")
 os.environ["PREFECT_HOME"] = os.path.join(_HOME, "prefect")
@@ -80,6 +82,28 @@ LONG_FILES = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: files keep their order
+    check_serial_marks(items)
+
+
+SERIAL_MARK = "pytest.mark.serial"
+
+
+def check_serial_marks(items: list[pytest.Item]) -> None:
+    """`make test`'s serial part runs only the files whose text has SERIAL_MARK (a grep); a test marked serial any
+    other way would run in neither part, so it is refused here."""
+    unmarked = sorted(
+        {item.path.name for item in items if item.get_closest_marker("serial") and SERIAL_MARK not in _text(item.path)}
+    )
+    if unmarked:
+        raise pytest.UsageError(
+            f"{', '.join(unmarked)}: mark serial tests with `@{SERIAL_MARK}` or `pytestmark = "
+            f"{SERIAL_MARK}` (the Makefile's serial part greps for it)"
+        )
+
+
+@functools.cache
+def _text(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
 
 
 # A run small enough for the suite: every stage runs for real, in seconds (80 problems, 6 RL steps).
