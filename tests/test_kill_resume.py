@@ -1,12 +1,13 @@
 """Fault injection: SIGKILL a real run at several moments, resume it, and get the uninterrupted result.
 
-The killed run and a reference run share seed, config and run id but live in different stores. After three kills
-(one inside the difficulty stage, between two of its shards, one near the middle of the RL steps and one near their
-end; five, two more in between, cost the suite about two minutes on 2 cores) and the resumes that follow them, both
-stores hold exactly the same artifact ids, the same decisions (SEC's selections and arm values, Knapsack's
-allocations, the training figures) and final checkpoints with byte-identical weights. The run is the default task
-with SEC and Knapsack RL on, and in the synchronous case GHPO's hints and CLPO's rewrites too (their levels and
-rewrites must survive a kill).
+The killed run and a reference run share seed, config and run id but live in different stores; the reference runs
+in the test's process (the same config and flow as `rlvr run`, without paying its imports again), the killed run
+and its resumes as `rlvr` processes. After three kills (one inside the difficulty stage, between two of its
+shards, one near the middle of the RL steps and one near their end; five, two more in between, cost the suite about
+two minutes on 2 cores) and the resumes that follow them, both stores hold exactly the same artifact ids, the same
+decisions (SEC's selections and arm values, Knapsack's allocations, the training figures) and final checkpoints
+with byte-identical weights. The run is the default task with SEC and Knapsack RL on, and in the synchronous case
+GHPO's hints and CLPO's rewrites too (their levels and rewrites must survive a kill).
 
 With flow.async_level=1 (sampling a step beside training the one before) the same holds, with a fourth kill
 while generation is ahead of training: a step's rollouts committed, its update not, and the next step's
@@ -62,6 +63,15 @@ def start(command: str, store: Path, env: dict[str, str], extra: tuple[str, ...]
     return subprocess.Popen(
         rlvr_command(*args), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
+
+
+def run_in_this_process(store: Path, extra: tuple[str, ...]) -> None:
+    """The reference run: `rlvr run`'s config and flow, in this process, whose imports are paid already (a process
+    costs ~7 CPU-s of them). The killed run's processes must reach the same bytes as this one."""
+    from rlvr.flows.config import load_config
+    from rlvr.flows.runs import execute
+
+    execute(str(store), load_config(None, [*OVERRIDES, *extra, f"run_id={RUN_ID}"]), new=True)
 
 
 def generation_ahead(store: Path) -> bool:
@@ -168,8 +178,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api, async_l
     env = cli_env(PREFECT_API_URL=prefect_api)
     reference, killed = tmp_path / "reference", tmp_path / "killed"
 
-    ref = start("run", reference, env, extra)
-    assert ref.wait(timeout=600) == 0, ref.stderr.read()
+    run_in_this_process(reference, extra)
     total = committed(reference)
     assert total > 40
 
