@@ -35,7 +35,10 @@ from tests.cli_helpers import SMALL_RUN, cli_env, rlvr
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_prefect")]
 
-SMALL = [*SMALL_RUN, "synthesize.source.verifier=judge"]
+# 160 skills problems (32 held out, 128 that the difficulty stage asks about) instead of ~770: what the tests count
+# still happens (the held-out evaluation asks more than the 21 failures that trip a breaker, the difficulty stage more
+# than announce_calls' 100 calls, and the tiny model's label verdicts are right, wrong and failed)
+SMALL = [*SMALL_RUN, "synthesize.source.per_category=20", "synthesize.source.verifier=judge"]
 KEY, KEY_ENV = "s3cret-judge-key", "RLVR_TEST_JUDGE_KEY"  # the module's judge wants this key, read from KEY_ENV
 
 
@@ -102,6 +105,15 @@ def run(store: str, run_id: str, overrides: list[str]) -> subprocess.CompletedPr
     return result
 
 
+def run_here(store: str, run_id: str, overrides: list[str]) -> dict[str, Any]:
+    """A whole run in this process, for a test that reads its store or the error it stops with (the CLI's path of
+    that error, one line and exit status 2, is a subprocess's test): a subprocess would cost ~7 CPU-s of imports."""
+    from rlvr.flows.config import load_config
+    from rlvr.flows.runs import execute
+
+    return execute(store, load_config(None, [*SMALL, *overrides, f"run_id={run_id}"]))
+
+
 def rows(store: str, sql: str) -> list[dict[str, Any]]:
     return query(Store.open(store), sql).to_pylist()
 
@@ -109,23 +121,28 @@ def rows(store: str, sql: str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def judged_store(judge, tmp_path_factory) -> tuple[str, dict[str, int], subprocess.CompletedProcess]:
     """One store, three runs of the same config: the judge, the same judge again, then a changed template; with
-    the judge's call counts after each, and the first run's output (its warnings, for the key's test)."""
+    the judge's call counts after each, and the first run's output (its warnings, for the key's test). The first is
+    `rlvr run` in a subprocess, the key in its environment, as a user runs it; the other two, read only from the
+    store, run in this process with the key in its environment."""
     rule, url = judge
     store = str(tmp_path_factory.mktemp("judged") / "store")
     calls: dict[str, int] = {}
-    outputs: dict[str, subprocess.CompletedProcess] = {}
-    for run_id, extra in [
-        ("first", {}),
-        ("again", {}),
-        (
-            "retemplated",
-            {"template": "Question: {question}\nReference answer: {reference}\nAnswer to grade:\n{response}"},
-        ),
-    ]:
-        before = rule.calls
-        outputs[run_id] = run(store, run_id, judged(url, **extra))
-        calls[run_id] = rule.calls - before
-    return store, calls, outputs["first"]
+    before = rule.calls
+    first = run(store, "first", judged(url))
+    calls["first"] = rule.calls - before
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(KEY_ENV, KEY)
+        for run_id, extra in [
+            ("again", {}),
+            (
+                "retemplated",
+                {"template": "Question: {question}\nReference answer: {reference}\nAnswer to grade:\n{response}"},
+            ),
+        ]:
+            before = rule.calls
+            run_here(store, run_id, judged(url, **extra))
+            calls[run_id] = rule.calls - before
+    return store, calls, first
 
 
 def test_a_judges_verdicts_are_stored_with_its_words_and_provenance(judge, judged_store) -> None:
@@ -260,16 +277,16 @@ def trickling_judge() -> Iterator[str]:
 def test_a_judge_that_times_out_on_every_call_stops_the_run_within_two_minutes(tmp_path) -> None:
     """The review's judge (headers, then a byte a second, with timeout_s 3 and retries 1), four times faster: a byte
     every 0.25 s, timeout_s 1, no backoff; a deadline on each read would never fire. Before the breaker the
-    difficulty stage would have asked every verdict of 2 tries each before any threshold applied."""
+    difficulty stage would have asked every verdict of 2 tries each before any threshold applied. The run is made in
+    this process: the stop's one line through `rlvr run` is the test above's."""
     with trickling_judge() as url:
         endpoint = {"base_url": f"{url}/v1", "model": "slow", "timeout_s": 1, "retries": 1, "backoff_s": 0}
-        sets = [arg for o in [*SMALL, f"reward.judge={json.dumps(endpoint)}"] for arg in ("--set", o)]
         started = time.monotonic()
-        result = rlvr("run", "--store", str(tmp_path / "store"), *sets, env=cli_env(), timeout=300)
+        with pytest.raises(UserError) as raised:
+            run_here(str(tmp_path / "store"), "slow", [f"reward.judge={json.dumps(endpoint)}"])
         seconds = time.monotonic() - started
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
-        f"error: the judge at {url}/v1 failed 21 of its last 21 verdicts (more than reward.max_error_rate 0.1 of a "
+    assert str(raised.value) == (
+        f"the judge at {url}/v1 failed 21 of its last 21 verdicts (more than reward.max_error_rate 0.1 of a "
         f"200-verdict window), so the run stops asking it; last: judge {url}/v1/chat/completions: no whole answer "
         "within 1 s after 2 tries"
     )
@@ -292,9 +309,9 @@ def test_a_judge_behind_a_key_works_end_to_end_and_without_the_key_the_run_stops
     # before the difficulty stage asks: how many verdicts, then the rest's time at the first 2 x concurrency calls' rate
     # (each line after the time since the run started, where stderr is not a terminal)
     for line in (
-        rf"warning: difficulty will ask the judge at {re.escape(url)}/v1 for up to 1,228 verdicts \(614 problems x 2; "
+        rf"warning: difficulty will ask the judge at {re.escape(url)}/v1 for up to 256 verdicts \(128 problems x 2; "
         r"the reward cache answers the ones it holds\)",
-        rf"warning: the judge at {re.escape(url)}/v1 answered difficulty's first 8 calls in \d+ s: its other 1,220 "
+        rf"warning: the judge at {re.escape(url)}/v1 answered difficulty's first 8 calls in \d+ s: its other 248 "
         r"will take about \d+ (s|min) at that rate",
     ):
         assert re.search(rf"^(\[[\d:]+\] )?{line}$", result.stderr, re.M), result.stderr[-3000:]
@@ -387,12 +404,13 @@ def test_a_judge_scores_pairs_with_their_questions_through_the_cache(judge, monk
 
 def test_a_reward_model_rewards_a_run_and_a_dead_one_stops_it(judge, tmp_path) -> None:
     """reward.model: the servers' /get_reward numbers are the rewards, with their provenance; a server answering
-    500 stops the run in one line naming it."""
+    500 stops the run in one line naming it. Both runs are made in this process (the CLI's line of a breaker's stop
+    is test_a_judge_that_fails_every_call_stops_the_run_at_its_first_stage_in_one_line's)."""
     _, url = judge
     store = str(tmp_path / "store")
     model = {"urls": [url], "name": "rule", "threshold": 0.5, "max_retries": 0}
-    rewarded = ["synthesize.source.verifier=reward_model", "synthesize.source.per_category=25"]  # 200 problems
-    run(store, "rm", [*rewarded, f"reward.model={json.dumps(model)}"])
+    rewarded = ["synthesize.source.verifier=reward_model"]
+    run_here(store, "rm", [*rewarded, f"reward.model={json.dumps(model)}"])
     verdicts = rows(store, "SELECT * FROM rewards WHERE run_id = 'rm'")
     assert {v["verifier"] for v in verdicts} == {"reward_model"} and {v["status"] for v in verdicts} <= {"ok", "wrong"}
     assert all(v["score"] == (1.0 if v["status"] == "ok" else 0.0) for v in verdicts)
@@ -400,13 +418,10 @@ def test_a_reward_model_rewards_a_run_and_a_dead_one_stops_it(judge, tmp_path) -
     assert [r["reward_errors"] for r in rows(store, "SELECT reward_errors FROM train_steps ORDER BY step")] == [0, 0]
 
     dead = {"urls": [f"{url}/down"], "name": "rule", "max_retries": 0}
-    sets = [arg for o in [*SMALL, "synthesize.source.verifier=reward_model", f"reward.model={json.dumps(dead)}"]
-            for arg in ("--set", o)]  # fmt: skip
-    result = rlvr("run", "--store", str(tmp_path / "dead"), *sets, env=cli_env(), timeout=600)
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    last = result.stderr.strip().splitlines()[-1]
-    assert last == (  # its breaker, at its first stage: each answer of a failed batch is a failed verdict
-        f"error: the reward model at {url}/down failed 21 of its last 21 verdicts (more than reward.max_error_rate "
+    with pytest.raises(UserError) as raised:
+        run_here(str(tmp_path / "dead"), "dead", [*rewarded, f"reward.model={json.dumps(dead)}"])
+    assert str(raised.value) == (  # its breaker, at its first stage: each answer of a failed batch is a failed verdict
+        f"the reward model at {url}/down failed 21 of its last 21 verdicts (more than reward.max_error_rate "
         f"0.1 of a 200-verdict window), so the run stops asking it; last: reward server {url}/down/get_reward: HTTP "
         "500: down for maintenance"
     )
