@@ -93,7 +93,7 @@ def _client_of(url: str) -> Iterator[None]:
 def shared_prefect(prefect_api: str) -> Iterator[str]:
     """For a module whose `rlvr` subprocesses take the environment as it is (cli_env()): they talk to the session's
     Prefect server instead of each starting a temporary one (13 CPU-seconds a process, most of it the migrations of
-    its new database). test_ui.py and test_child_processes.py keep the default, a temporary server in the store, as
+    its new database). test_ui.py and test_run_signals.py keep the default, a temporary server in the store, as
     a user's first run has it."""
     os.environ["PREFECT_API_URL"] = prefect_api
     try:

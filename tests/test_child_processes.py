@@ -1,6 +1,6 @@
 """Child processes die with the run, SIGKILL included: the guard (rlvr/child_guard.py) in front of Prefect's
-temporary server, the pool workers' watch on the run's process, and a real `rlvr run` killed with SIGKILL
-while both its Prefect server and its verifier workers are up."""
+temporary server, and the pool workers' watch on the run's process. A real `rlvr run` killed while both its
+Prefect server and its verifier workers are up: tests/test_run_signals.py (not serial)."""
 
 from __future__ import annotations
 
@@ -20,16 +20,12 @@ from prefect.exceptions import TerminationSignal
 from rlvr.child_guard import EXIT_PARENT_GONE, guarded_command
 from rlvr.errors import Stopped
 from rlvr.flows.runs import _sigterm_raises_stopped
-from rlvr.storage.store import Store
 from rlvr.verifiers import sandbox
-from tests.cli_helpers import REPO, cli_env, rlvr_command, wait_for
-from tests.conftest import TINY_OVERRIDES
+from tests.cli_helpers import REPO, cli_env, wait_for
 
 pytestmark = pytest.mark.serial  # each process must be gone within seconds of its parent
 
 GONE_WITHIN_S = 10.0
-SERVER_MARK = b"prefect.server.api.server:create_app"
-FORKSERVER_MARK = b"multiprocessing.forkserver"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,105 +253,6 @@ def _marked(marker: str) -> dict[int, int]:
         if name.isdigit() and marker.encode() in _cmdline(int(name)) and (stat := _stat(int(name))) is not None:
             found[int(name)] = stat[2]
     return found
-
-
-# ---------------------------------------------------------------------------------------------
-# A real run
-
-
-def _server_and_worker_up(family: dict[int, int]) -> bool:
-    commands = {pid: _cmdline(pid) for pid in family}
-    forkservers = {pid for pid, command in commands.items() if FORKSERVER_MARK in command}
-    workers = [pid for pid in forkservers if (stat := _stat(pid)) is not None and stat[0] in forkservers]
-    return any(SERVER_MARK in command for command in commands.values()) and bool(workers)
-
-
-DEFAULT_SIGINT_THEN_EXEC = (
-    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
-)
-
-
-def _start_run_until_server_and_worker_are_up(
-    tmp_path: Path, *, own_group: bool = False
-) -> tuple[subprocess.Popen[bytes], dict[int, int], Path]:
-    """A real `rlvr run` with Prefect's temporary server (its home in the store), once both that server and a
-    verifier worker are up: the process, its descendants so far and its log. `own_group`: the run leads a
-    process group of its own, as under `timeout`, a batch scheduler or a container."""
-    env = cli_env()
-    for name in ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_RESULTS_LOCAL_STORAGE_PATH"):
-        env.pop(name, None)
-    args = ["run", "--store", str(tmp_path / "store"), "--run-id", "children"]
-    for override in [*TINY_OVERRIDES, "train.steps=60"]:
-        args += ["--set", override]
-    command = rlvr_command(*args)
-    if own_group:  # a shell's background job (`make test &`) ignores SIGINT, and a child inherits that: not the run
-        command = [sys.executable, "-c", DEFAULT_SIGINT_THEN_EXEC, *command[1:]]
-    log = tmp_path / "run.log"
-    with open(log, "w") as stderr:
-        run = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=own_group,
-        )
-    family: dict[int, int] = {}
-
-    def both_up() -> bool:
-        if run.poll() is not None:
-            raise AssertionError(f"the run ended first ({run.returncode}):\n{log.read_text()[-3000:]}")
-        family.update(_descendants(run.pid))
-        return _server_and_worker_up(family)
-
-    try:
-        wait_for(both_up, 240, "the Prefect server and a verifier worker", log=log, every=0.1)
-        family.update(_descendants(run.pid))
-    except BaseException:
-        run.send_signal(signal.SIGKILL)
-        run.wait()
-        raise
-    return run, family, log
-
-
-@pytest.mark.slow
-def test_sigkilled_run_leaves_no_process(tmp_path):
-    run, family, _ = _start_run_until_server_and_worker_are_up(tmp_path)
-    run.send_signal(signal.SIGKILL)
-    run.wait()
-    _assert_all_gone(family)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("signum", "status", "said", "error"),
-    [
-        (signal.SIGTERM, 143, "run 'children' stopped by SIGTERM; what it committed", "Stopped: stopped by SIGTERM"),
-        (signal.SIGINT, 130, "run 'children' interrupted; what it committed", "KeyboardInterrupt: "),
-    ],
-)
-def test_a_signal_to_the_runs_whole_group_ends_it_at_once_with_its_failure_recorded(
-    tmp_path, signum, status, said, error
-):
-    """`timeout`, Slurm or a container stop the job's whole process group (SIGTERM), a terminal's Ctrl-C sends
-    SIGINT to it. The run must still have its Prefect server while it records the crash: with the server in the
-    run's group the two died together, and the run then retried for about 90 s to reach the dead server before
-    it exited (a GPU's memory held all along)."""
-    run, family, log = _start_run_until_server_and_worker_are_up(tmp_path, own_group=True)
-    os.killpg(run.pid, signum)
-    try:
-        returncode = run.wait(timeout=20)
-    except subprocess.TimeoutExpired as still_running:
-        run.send_signal(signal.SIGKILL)
-        run.wait()
-        tail = log.read_text()[-3000:]
-        raise AssertionError(f"the run still ran 20 s after the signal; its log ends:\n{tail}") from still_running
-    _assert_all_gone(family)
-    assert returncode == status
-    assert f"{said} is intact: `rlvr resume children --store {tmp_path / 'store'}` continues" in log.read_text()
-    record = Store.open(str(tmp_path / "store")).read_run("children")
-    assert (record["status"], record["error"]) == ("failed", error)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the drop itself, on purpose
