@@ -78,8 +78,7 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
             refs = rl_steps(store, cfg, first, min(first + size - 1, cfg.train.steps), refs)
     finally:
         stop_sampler_worker(store, cfg)
-        if cfg.train.data_parallel > 1:
-            end_rank_group()
+        end_rank_group()  # at one rank too: a replay may have started a group (end_rank_group says when)
     _keep_newest_train_state(store, cfg.run_id, refs.policy_ref)
     open_store(store).wait()
     return {"run_id": cfg.run_id, "config_id": config_id, "problems_id": problems, "policy_id": refs.policy_ref}
@@ -99,7 +98,10 @@ def share_policy(store: str, cfg: RunConfigBase, policy_ref: str) -> None:
 
 
 def end_rank_group() -> None:
-    """Stop the run's data-parallel ranks, and forget the policy they held (a sharded model is no use without them)."""
+    """Stop the run's data-parallel ranks, and forget the policy they held (a sharded model is no use without them).
+    A run at one rank may have a group too: resumed after a kill at two ranks, it replays the updates after the
+    newest stored state on the ranks that made them (trainer/checkpoints.py, `rebuilt_state`); those end with the
+    run as well, not when its process exits (a run inside a longer-lived program kept them until then)."""
     from rlvr.trainer.checkpoints import TrainerState
     from rlvr.trainer.ranks.launch import close_group, current_group
 

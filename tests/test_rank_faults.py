@@ -6,7 +6,14 @@ resumed at another rank count.
 Both runs share seed, config and run id in different stores, as in tests/test_kill_resume.py; the kill lands
 after the third RL step's update is committed, and states are stored every second step, so the resume replays
 step 3 from step 2's sharded state. One run is killed in each rank; each of its two resumes starts from a copy of
-its store."""
+its store.
+
+The kills are of `rlvr run` processes. The uninterrupted run and three of the four resumes run in this process
+(`execute`, `resume`: what `rlvr run` and `rlvr resume` call; this process is then rank 0 and starts the other
+ranks as processes of their own), sparing an interpreter's imports each (about 9 CPU-s); the first resume goes
+through `rlvr resume --set train.data_parallel=2`, the command line's one check here. A run with ranks forgets
+its live policy when it stops them (flows/rl_run.py, `end_rank_group`), so no resume here starts from another
+run's weights in memory, and the resume at 1 rank must stop the ranks its replay started to pass."""
 
 from __future__ import annotations
 
@@ -86,9 +93,12 @@ def final_weights(store: Path) -> bytes:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, prefect_api) -> Path:
+    """The uninterrupted run, made in this process (`execute`, what `rlvr run` calls); the tests only read it."""
+    from rlvr.flows.config import load_config
+    from rlvr.flows.runs import execute
+
     store = tmp_path_factory.mktemp("reference") / "s"
-    proc = start(store, cli_env(PREFECT_API_URL=prefect_api))
-    assert proc.wait(timeout=900) == 0, proc.stderr.read()[-3000:]
+    execute(str(store), load_config(None, [f"run_id={RUN_ID}", *OVERRIDES]), new=True)
     return store
 
 
@@ -135,20 +145,29 @@ def killed(tmp_path_factory, prefect_api) -> Callable[[str], Path]:
     return store_killed_in
 
 
+RESUMED_BY_THE_CLI = ("rank 1", 2)  # `rlvr resume --set train.data_parallel=2`; the other cases call `resume`
+
+
 @pytest.mark.parametrize(("victim", "resume_ranks"), [("rank 1", 2), ("rank 0", 2), ("rank 1", 1), ("rank 0", 4)])
 def test_a_killed_rank_ends_the_run_and_resume_gives_the_uninterrupted_artifacts(
-    tmp_path, prefect_api, uninterrupted, killed, victim, resume_ranks
+    tmp_path, monkeypatch, prefect_api, uninterrupted, killed, victim, resume_ranks
 ):
     """Resumed at 1 or 4 ranks, the sharded training state saved by 2 is read at the new count (each rank the
-    slices it needs): the same artifact ids; the weights then differ from the 2-rank run's by float sums only."""
+    slices it needs): the same artifact ids; the weights then differ from the 2-rank run's by float sums only.
+    The first case resumes through the command line, the others in this process (the module docstring)."""
     mark = f"rank-faults-{tmp_path.name}"
-    env = cli_env(PREFECT_API_URL=prefect_api, RLVR_TEST_MARK=mark)
     store = tmp_path / "s"
     shutil.copytree(killed(victim), store)  # the killed run as it was left: its leftovers, its dead owner's lease
     assert 3 <= committed(store, "train_steps") < 5  # killed between its third update and its last
 
-    resumed = start(store, env, resume_ranks)
-    assert resumed.wait(timeout=900) == 0, resumed.stderr.read()[-3000:]
+    if (victim, resume_ranks) == RESUMED_BY_THE_CLI:
+        resumed = start(store, cli_env(PREFECT_API_URL=prefect_api, RLVR_TEST_MARK=mark), resume_ranks)
+        assert resumed.wait(timeout=900) == 0, resumed.stderr.read()[-3000:]
+    else:
+        from rlvr.flows.runs import resume
+
+        monkeypatch.setenv("RLVR_TEST_MARK", mark)  # the ranks this process starts inherit it
+        resume(str(store), RUN_ID, [f"train.data_parallel={resume_ranks}"])
     assert artifact_ids(store) == artifact_ids(uninterrupted)
     if resume_ranks == 2:
         assert final_weights(store) == final_weights(uninterrupted)
