@@ -108,6 +108,15 @@ def _command(store: Path, *sets: str) -> list[str]:
     return rlvr_command(*args)
 
 
+def _run_here(store: Path, *sets: str) -> None:
+    """The run `_command` starts, made in this process (`execute`, what `rlvr run` calls): an interpreter's
+    imports spared (about 9 CPU-s) where the test is not about the process."""
+    from rlvr.flows.config import load_config
+    from rlvr.flows.runs import execute
+
+    execute(str(store), load_config(None, ["run_id=k", *OVERRIDES, *sets]), new=True)
+
+
 def _final_weights(store: Path) -> bytes:
     s = Store.open(str(store))
     final = max(s.manifests(kind="checkpoints"), key=lambda m: m.step or 0)
@@ -121,12 +130,12 @@ def _train_steps(store: Path) -> dict[int, str]:
 @pytest.mark.slow
 def test_a_run_killed_between_stored_states_resumes_to_the_same_weights(tmp_path, prefect_api):
     """Killed after step 4 (whose state was not stored), the resumed run rebuilds step 4's policy from step 3's
-    state and ends with the weights of an uninterrupted run, and of a run that stored every step."""
+    state and ends with the weights of an uninterrupted run, and of a run that stored every step. The killed run
+    is an `rlvr run` process; the resume (`resume`, what `rlvr resume` calls) and the other two runs run here."""
+    from rlvr.flows.runs import resume
+
     env = cli_env(PREFECT_API_URL=prefect_api)
     every_step, reference, killed = tmp_path / "every", tmp_path / "reference", tmp_path / "killed"
-    for store, sets in ((every_step, ()), (reference, ("train.state_every=3",))):
-        done = subprocess.run(_command(store, *sets), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
     proc = subprocess.Popen(
         _command(killed, "train.state_every=3"), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
@@ -143,10 +152,9 @@ def test_a_run_killed_between_stored_states_resumes_to_the_same_weights(tmp_path
     steps = _train_steps(killed)
     assert sorted(steps) == [1, 2, 3, 4], "the kill was meant to land between steps 4 and 5"
     assert policy_chain(store, steps[4]) == PolicyChain(base=steps[3], replay=(steps[4],))  # step 5 replays step 4
-    resumed = subprocess.run(
-        rlvr_command("resume", "k", "--store", str(killed)), cwd=REPO, env=env, capture_output=True, text=True
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    resume(str(killed), "k")  # before the runs below: this process holds no live policy of these ids (a failure raises)
+    _run_here(every_step)
+    _run_here(reference, "train.state_every=3")
     ids = lambda root: sorted(m.artifact_id for m in Store.open(str(root)).manifests())  # noqa: E731
     assert ids(killed) == ids(reference)
     assert _final_weights(killed) == _final_weights(reference) == _final_weights(every_step)
