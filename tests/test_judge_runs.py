@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from rlvr.serving.server import serving_in_thread
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.verifiers.cache import RewardCache, entry_key
-from tests.cli_helpers import SMALL_RUN, cli_env, rlvr
+from tests.cli_helpers import REPO, SMALL_RUN, cli_env, rlvr, rlvr_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_prefect")]
 
@@ -429,13 +430,21 @@ def test_a_reward_model_rewards_a_run_and_a_dead_one_stops_it(judge, tmp_path) -
 
 def test_relabelling_a_judged_run_asks_its_judge_again_only_what_failed(judge, judged_store) -> None:
     """`rlvr relabel` reads the run's reward.judge: the judge's cached verdicts stand, the failed ones are asked
-    again with their questions (and fail again: the rule judge fails on every 3), so nothing flips."""
+    again with their questions (and fail again: the rule judge fails on every 3), so nothing flips. It reads only
+    that section of the run's config, so it never imports torch (the whole config's type imports every stage)."""
     rule, url = judge
     store, _, _ = judged_store
     before, calls = rows(store, "SELECT rollout_id, status, reason FROM rewards WHERE run_id = 'again'"), rule.calls
-    result = rlvr("relabel", "again", "--store", store, env=cli_env(**{KEY_ENV: KEY}), timeout=300)
+    command = [sys.executable, "-X", "importtime", *rlvr_command("relabel", "again", "--store", store)[1:]]
+    result = subprocess.run(
+        command, capture_output=True, text=True, cwd=REPO, env=cli_env(**{KEY_ENV: KEY}), timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "0 verdicts flipped (0 up, 0 down)" in result.stdout
+    imported = {
+        line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
+    }
+    assert "duckdb" in imported and "torch" not in imported
     after = rows(store, "SELECT rollout_id, status, reason FROM relabeled_rewards WHERE run_id = 'again'")
     assert sorted(after, key=str) == sorted(before, key=str)
     failed = [r for r in after if r["status"] == "error"]

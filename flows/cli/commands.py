@@ -335,13 +335,15 @@ def relabel(
 
 def run_reward_section(store: Store, run_id: str | None) -> RewardConfig:
     """The `reward` section a run was started with (its judge's and reward model's endpoints): relabelling asks
-    them again, as the run's label stage did. The config is read as `rlvr resume` reads it."""
-    from rlvr.flows.config import config_from_json
+    them again, as the run's label stage did. Only that section of the stored config is validated: the whole
+    config's type is assembled from every stage module, which imports torch (7 CPU-seconds a relabel)."""
     from rlvr.flows.runs import recovered_record
     from rlvr.verifiers.model_rewards import RewardConfig
 
     record = (store.read_run(run_id) or recovered_record(store, run_id)) if run_id is not None else None
-    return config_from_json(record["config_json"]).reward if record is not None else RewardConfig()
+    if record is None:
+        return RewardConfig()
+    return RewardConfig.model_validate(json.loads(record["config_json"]).get("reward", {}))
 
 
 @app.command()
