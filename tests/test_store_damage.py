@@ -1,6 +1,12 @@
 """Damage to a store, as users meet it through the CLI: each kind gets one line naming the file and saying
 what to do; `rlvr check` finds it; `rlvr resume` rebuilds what can be rebuilt (byte for byte) and says
-what cannot. One real tiny run is made once and copied for each case."""
+what cannot. One real tiny run is made once, in this process, and copied for each case.
+
+Where a case resumes a damaged copy only to see it rebuilt, the `rlvr resume` command runs in this process
+(typer's CliRunner: the command's own code, its exit status and its stderr lines as a pipe gets them, without a
+process's ~8 CPU-seconds of imports); the flipped-bytes case runs it as a subprocess, as a user does. The readers
+(`check`, `query`, `runs`, `lineage`) and every refusal stay subprocesses: a refusal's one line is the process's
+main() at work, and a reader in this process would share the resume's handle on the store (its manifest cache)."""
 
 from __future__ import annotations
 
@@ -10,13 +16,15 @@ import os
 import re
 import shutil
 import subprocess
+import traceback
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from rlvr.storage.manifest import Manifest
 from rlvr.storage.store import Store
-from tests.cli_helpers import cli_env, rlvr
+from tests.cli_helpers import REPO, cli_env, rlvr
 from tests.conftest import TINY_OVERRIDES
 
 pytestmark = pytest.mark.slow
@@ -26,12 +34,12 @@ RUN = "hurt"
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory, prefect_api: str) -> Path:
+    """The tiny run the cases copy, made in this process: they only read it (its process is not what they test)."""
+    from rlvr.flows.config import load_config
+    from rlvr.flows.runs import execute
+
     root = tmp_path_factory.mktemp("damage") / "store"
-    args = ["run", "--store", str(root), "--run-id", RUN]
-    for override in TINY_OVERRIDES:
-        args += ["--set", override]
-    done = rlvr(*args, env=cli_env(PREFECT_API_URL=prefect_api), timeout=600)
-    assert done.returncode == 0, done.stderr
+    execute(str(root), load_config(None, [f"run_id={RUN}", *TINY_OVERRIDES]), new=True)
     return root
 
 
@@ -47,6 +55,19 @@ def run_cli(*args: str, prefect_api: str | None = None, timeout: float = 600) ->
     if prefect_api is None:
         env.pop("PREFECT_API_URL", None)
     return rlvr(*args, env=env, timeout=timeout)
+
+
+def resume_here(run_id: str, store: Path | str) -> subprocess.CompletedProcess:
+    """`rlvr resume RUN_ID --store STORE` run by the command's own code in this process (typer's CliRunner), as
+    a finished process: its exit status, stdout and stderr (a bug's traceback appended to stderr)."""
+    from rlvr.flows.cli import app
+
+    args = ["resume", run_id, "--store", str(store)]
+    result = CliRunner().invoke(app, args)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+    return subprocess.CompletedProcess(["rlvr", *args], result.exit_code, result.stdout, stderr)
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -110,7 +131,7 @@ def test_a_cut_part_is_one_line_on_query_and_rebuilt_by_resume(store: Path, pref
     (line,) = error_lines(queried.stderr)
     assert line.startswith("error: query failed:") and evals.artifact_id in line
 
-    resumed = run_cli("resume", RUN, "--store", str(store), prefect_api=prefect_api)
+    resumed = resume_here(RUN, store)
     assert resumed.returncode == 0, resumed.stderr
     assert f"evals {evals.artifact_id} (step 0) is damaged ({part}: 100 bytes where" in resumed.stderr
     assert hashlib.sha256(part.read_bytes()).hexdigest() == evals.table_files[0]["sha256"]
@@ -142,7 +163,7 @@ def test_unreadable_manifests_and_run_records_break_nothing_else(store: Path, pr
 
     record = store / "runs" / f"{RUN}.json"
     record.write_text("{not json")
-    resumed = run_cli("resume", RUN, "--store", str(store), prefect_api=prefect_api)
+    resumed = resume_here(RUN, store)
     assert resumed.returncode == 0, resumed.stderr
     assert f"difficulty {difficulty.artifact_id} is damaged" in resumed.stderr
     assert json.loads(manifest.read_text())["artifact_id"] == difficulty.artifact_id  # rebuilt
@@ -188,7 +209,13 @@ def test_data_with_no_problems_is_one_line(tmp_path: Path, prefect_api: str) -> 
     assert made.returncode == 2
     (line,) = error_lines(made.stderr)
     assert line.startswith("error: run 'bad' has no problems to train on: of 3 rows read, 3 were quarantined")
-    trained = run_cli("run", "--data", "bad", "--store", root, prefect_api=prefect_api, timeout=120)
+    # Refused before the config loads every stage: with no torch to import, it is still that one line (in a second,
+    # not after ~7 CPU-seconds of imports).
+    no_torch = tmp_path / "no_torch" / "torch"
+    no_torch.mkdir(parents=True)
+    (no_torch / "__init__.py").write_text('raise ImportError("a refused run imported torch")\n')
+    path = os.pathsep.join([str(no_torch.parent), str(REPO)])
+    trained = rlvr("run", "--data", "bad", "--store", root, env=cli_env(PREFECT_API_URL=prefect_api, PYTHONPATH=path))
     assert trained.returncode == 2 and len(error_lines(trained.stderr)) == 1
 
 
@@ -214,7 +241,7 @@ def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path: Path, prefect_api
         assert line.startswith("error: run 'full' stopped: no space left on the device")
         assert line.endswith(f"`rlvr resume full --store {root}` continues from there")
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
-        resumed = run_cli("resume", "full", "--store", root, prefect_api=prefect_api)
+        resumed = resume_here("full", root)
         assert resumed.returncode == 0, resumed.stderr
         assert run_cli("check", "--store", root).returncode == 0
     finally:

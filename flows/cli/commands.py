@@ -55,7 +55,10 @@ def run(
 ) -> None:
     """Run the RL pipeline end to end: synthesize, warm start, difficulty, RL steps, evaluate, checkpoint."""
     root = flow_store(store)
-    from rlvr.flows.config import load_config
+    from rlvr.flows.config import data_run_problems, load_config
+
+    if data:  # an unknown or empty data run is one line at once, not after the config's imports (torch: ~7 CPU-s)
+        data_run_problems(open_existing(root), data)
     from rlvr.flows.runs import execute, new_run_id
     from rlvr.trainer.devices import resolve_device
     from rlvr.trainer.policy import check_policy_source
@@ -64,10 +67,8 @@ def run(
     cfg = load_config(config, [*set_, *extra])
     if _serves_rank_zero(cfg):
         return
-    if cfg.data is not None:
-        from rlvr.flows.config import data_run_problems
-
-        data_run_problems(open_existing(root), cfg.data)  # an unknown data run fails here, as one line
+    if cfg.data is not None and not data:  # a data run the config names fails here, as one line
+        data_run_problems(open_existing(root), cfg.data)
     if cfg.run_id is None:
         cfg = cfg.model_copy(update={"run_id": new_run_id()})
     check_policy_source(cfg.policy)  # a missing model is one line now, not a traceback after synthesis
