@@ -6,7 +6,9 @@ frozen (SIGSTOP) halfway through an RL step, a second process on "another host" 
 run over with `rlvr resume` once the heartbeat is older than the timeout, and the frozen one is thawed while the
 new owner writes. Every file operation of the old process is logged (its os and open calls, patched); none may
 come after the freeze, every manifest and the run record written since carry the new owner's lease number, and
-the old process exits with status 2 and one line naming the run and its new owner.
+the old process exits with status 2 and one line naming the run and its new owner. Both processes are forked by
+one interpreter per module that already imported what a run imports (ForkServer): each is still a process of its
+own, with its pid, signals and exit status, without ~7 CPU-seconds of imports apiece.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -243,20 +245,36 @@ def test_a_manifest_written_before_leases_were_recorded_still_reads() -> None:
 # ----- two real processes --------------------------------------------------------------------------------
 
 
+_audit: dict[str, Any] = {}  # where the patched file calls log to: the store's root and the log's descriptor
+
+
 def install_write_audit(root: str, log: str) -> None:
     """In the process under test: log every call that creates, changes or removes a file under `root` (its time,
     pid, the call and the path) to `log`, through os.write on a descriptor opened now (one append per call)."""
-    root = os.path.abspath(root)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    patch_file_calls()
+    _audit["fd"] = _audit["os.open"](log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    _audit["root"] = os.path.abspath(root)
+
+
+def patch_file_calls() -> None:
+    """Wrap the calls that write files (open, os.*, shutil.rmtree) to log them once `install_write_audit` names the
+    log; until then they log nothing. Done before the run's modules are imported, so a name bound at their import
+    (`from os import replace`) is the wrapper too."""
+    if "os.open" in _audit:
+        return
+    _audit["os.open"] = os.open
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
     def note(what: str, path: Any) -> None:
+        root = _audit.get("root")
+        if root is None:
+            return
         try:
             text = os.fsdecode(path)
         except TypeError:
             return
         if os.path.abspath(text).startswith(root):
-            os.write(fd, f"{time.time():.6f} {os.getpid()} {threading.get_ident()} {what} {text}\n".encode())
+            os.write(_audit["fd"], f"{time.time():.6f} {os.getpid()} {threading.get_ident()} {what} {text}\n".encode())
 
     def logged(what: str, call: Callable[..., Any], *, path_arg: int = 0, when: Callable[..., bool] | None = None):
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -280,11 +298,147 @@ def install_write_audit(root: str, log: str) -> None:
     shutil.rmtree = logged("rmtree", shutil.rmtree)  # type: ignore[assignment]
 
 
-AUDITED_RLVR = (
-    "import sys; from tests.test_fencing import install_write_audit; install_write_audit(sys.argv.pop(1), "
-    "sys.argv.pop(1)); from rlvr.flows.cli import main; main()"
-)
-ON_ANOTHER_HOST = f"import socket; socket.gethostname = lambda: {OTHER_HOST!r}; from rlvr.flows.cli import main; main()"
+# The processes of the real-process tests: forked by one interpreter that imported what `rlvr run` imports (torch,
+# transformers, Prefect: ~7 CPU-seconds a process) once for the module, with its file calls already wrapped
+# (`patch_file_calls`, dormant until a child names its log). A child is a process of its own (its pid, signals, exit
+# status, stderr file) that runs `rlvr ARGS` as `python -c "...; main()"` would: it leaves the fork loop and ends
+# the script, so a SystemExit or an uncaught exception ends it as it ends any interpreter. Nothing in the imports
+# reads the hostname (it is patched after them). The parent reports "forked PID" and "exited PID STATUS".
+FORK_SERVER = """
+import json, os, select, sys
+from tests.test_fencing import patch_file_calls
+patch_file_calls()
+import importlib
+from rlvr.flows.cli import main
+for module in ("rlvr.flows.config", "rlvr.flows.runs", "rlvr.trainer.devices", "rlvr.trainer.policy",
+               "rlvr.flows.data_run", "rlvr.flows.rl_step", "rlvr.flows.step_loop", "rich.progress"):
+    importlib.import_module(module)
+from rlvr.startup_objects import freeze_startup_objects
+freeze_startup_objects()  # as `rlvr run` does once it imported these: the children's collections skip them
+
+
+def serve():
+    pending = b""
+    while True:
+        ready = select.select([0], [], [], 0.1)[0]
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            os.write(1, f"exited {pid} {os.waitstatus_to_exitcode(status)}\\n".encode())
+        if not ready:
+            continue
+        data = os.read(0, 1 << 16)
+        if not data:
+            os._exit(0)
+        pending += data
+        while b"\\n" in pending:
+            line, pending = pending.split(b"\\n", 1)
+            pid = os.fork()
+            if pid == 0:
+                return json.loads(line)
+            os.write(1, f"forked {pid}\\n".encode())
+
+
+spec = serve()
+null = os.open(os.devnull, os.O_RDWR)
+os.dup2(null, 0)
+os.dup2(null, 1)
+os.dup2(os.open(spec["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+if spec.get("audit"):
+    from tests.test_fencing import install_write_audit
+    install_write_audit(*spec["audit"])
+if spec.get("host"):
+    import socket
+    socket.gethostname = lambda: spec["host"]
+sys.argv = ["-c", *spec["args"]]
+main()
+"""
+
+
+class ForkServer:
+    """The test's side of FORK_SERVER: starts `rlvr` processes and learns how they ended."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.log = log
+        with log.open("w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", FORK_SERVER],
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+            )
+        self.forked: list[int] = []
+        self.exits: dict[int, int] = {}
+        self.gone = False
+        self.changed = threading.Condition()
+        threading.Thread(target=self._hear, daemon=True).start()
+
+    def _hear(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            kind, pid, *status = line.decode().split()
+            with self.changed:
+                if kind == "forked":
+                    self.forked.append(int(pid))
+                else:
+                    self.exits[int(pid)] = int(status[0])
+                self.changed.notify_all()
+        with self.changed:
+            self.gone = True  # no more children, no more exits
+            self.changed.notify_all()
+
+    def start(
+        self, args: list[str], *, stderr: Path, audit: tuple[Path, Path] | None = None, host: str | None = None
+    ) -> Forked:
+        """A new process running `rlvr ARGS`, stdout to /dev/null and stderr to `stderr`; with `audit` (a store's
+        root, a log) its file calls under that root are logged; with `host`, that is its hostname."""
+        spec = {"args": args, "stderr": str(stderr), "host": host, "audit": [str(p) for p in audit or ()]}
+        assert self.proc.stdin is not None
+        with self.changed:
+            self.proc.stdin.write(json.dumps(spec).encode() + b"\n")
+            self.proc.stdin.flush()
+            self.changed.wait_for(lambda: self.forked or self.gone, timeout=300)  # the first waits for the imports
+            assert self.forked, f"no process forked; the server's stderr: {self.log.read_text()}"
+            return Forked(self, self.forked.pop(0))
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+class Forked:
+    """One process of a ForkServer, with what the tests use of subprocess.Popen."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self.server, self.pid = server, pid
+
+    def poll(self) -> int | None:
+        with self.server.changed:
+            return self.server.exits.get(self.pid)
+
+    def wait(self, timeout: float | None = None) -> int:
+        server = self.server
+        with server.changed:
+            if not server.changed.wait_for(lambda: self.pid in server.exits or server.gone, timeout=timeout):
+                raise subprocess.TimeoutExpired(f"rlvr process {self.pid}", timeout or 0)
+            assert self.pid in server.exits, f"the fork server ended first; its stderr: {server.log.read_text()}"
+            return server.exits[self.pid]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 STEPS = 4  # the takeovers land in steps 1 and 3; the new owner then finishes the run
 OVERRIDES = [
     f"train.steps={STEPS}",
@@ -322,23 +476,26 @@ def process_state(pid: int) -> str:
     return stat[stat.rfind(")") + 2]
 
 
+@pytest.fixture(scope="module")
+def rlvr_processes(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """The module's ForkServer, on the session's Prefect server, with heartbeats every 0.2 s and the timeout."""
+    env = cli_env(PREFECT_API_URL=prefect_api, RLVR_HEARTBEAT_S="0.2", RLVR_HEARTBEAT_TIMEOUT_S=str(TIMEOUT_S))
+    server = ForkServer(env, tmp_path_factory.mktemp("fork-server") / "server.err")
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", sorted(MOMENTS))
 def test_a_run_taken_over_halfway_through_a_step_writes_nothing_after(
-    tmp_path: Path, prefect_api: str, moment: str
+    tmp_path: Path, rlvr_processes: ForkServer, moment: str
 ) -> None:
     store, audit = tmp_path / "store", tmp_path / "old-writes.log"
-    env = cli_env(PREFECT_API_URL=prefect_api, RLVR_HEARTBEAT_S="0.2", RLVR_HEARTBEAT_TIMEOUT_S=str(TIMEOUT_S))
     args = ["run", "--store", str(store), "--run-id", RUN_ID] + [a for o in OVERRIDES for a in ("--set", o)]
     old_err = tmp_path / "old.err"
-    with old_err.open("w") as err:
-        old = subprocess.Popen(
-            [sys.executable, "-c", AUDITED_RLVR, str(store), str(audit), *args],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
+    old = rlvr_processes.start(args, stderr=old_err, audit=(store, audit))
     try:
         deadline = time.monotonic() + 300
         with FolderChanges() as changes:  # checked at each change of the folders the moments read: steps are short
@@ -355,14 +512,7 @@ def test_a_run_taken_over_halfway_through_a_step_writes_nothing_after(
 
         time.sleep(TIMEOUT_S + 0.5)  # its heartbeat is now older than the timeout: another host may take over
         new_err = tmp_path / "new.err"
-        with new_err.open("w") as err:
-            new = subprocess.Popen(
-                [sys.executable, "-c", ON_ANOTHER_HOST, "resume", RUN_ID, "--store", str(store)],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-            )
+        new = rlvr_processes.start(["resume", RUN_ID, "--store", str(store)], stderr=new_err, host=OTHER_HOST)
         s = Store.open(str(store))
         wait_for(lambda: newest_lease_number(s, RUN_ID) == 1, 120, "the takeover", log=new_err)
         wait_for(
