@@ -1,17 +1,51 @@
-"""The command line: expected failures are one clear line and a non-zero exit, never a traceback."""
+"""The command line: expected failures are one clear line and a non-zero exit, never a traceback.
+
+Each refusal runs `rlvr` as a process, but for two config refusals: an `rlvr run` parses its config after importing
+torch (~7 CPU-seconds a process), so the unknown key goes through a process and the wrong type and the missing file
+through the same main() in this process (`rlvr_here`): its exit status and its stderr, as the process has them."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import re
 import subprocess
+import sys
 import time
+import traceback
 
 import pytest
 
 from rlvr.storage.store import Store
 from tests.cli_helpers import REPO, SMALL_RUN, cli_env, rlvr, rlvr_command
+
+
+def rlvr_here(monkeypatch: pytest.MonkeyPatch, *args: str) -> subprocess.CompletedProcess:
+    """`rlvr ARGS` by the command's main() in this process, as a finished process: its exit status, stdout and
+    stderr (a bug's traceback appended, status 1). What the command sets up for itself in the process (the run's
+    gc freeze, Prefect's settings, an import hook) is undone after."""
+    from rlvr.flows.cli import commands
+
+    monkeypatch.setattr(commands, "_started_as_rlvr", False)
+    monkeypatch.setattr(sys, "argv", ["rlvr", *args])
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    environ = dict(os.environ)
+    out, err = io.StringIO(), io.StringIO()
+    status = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            commands.main()
+    except SystemExit as exc:
+        status = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1  # as the interpreter's
+    except Exception as exc:  # a bug: shown as the process would show it
+        err.write("".join(traceback.format_exception(exc)))
+        status = 1
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    return subprocess.CompletedProcess(["rlvr", *args], status, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(result, fragment: str) -> None:
@@ -34,13 +68,13 @@ def test_unknown_config_key(tmp_path):
     assert_one_line_error(result, "unknown config key 'trian'")
 
 
-def test_wrong_config_type(tmp_path):
-    result = rlvr("run", "--store", str(tmp_path / "s"), "--set", "train.steps=lots")
+def test_wrong_config_type(tmp_path, monkeypatch):
+    result = rlvr_here(monkeypatch, "run", "--store", str(tmp_path / "s"), "--set", "train.steps=lots")
     assert_one_line_error(result, "config key 'train.steps': Input should be a valid integer")
 
 
-def test_missing_config_file(tmp_path):
-    result = rlvr("run", "--store", str(tmp_path / "s"), "--config", str(tmp_path / "none.yaml"))
+def test_missing_config_file(tmp_path, monkeypatch):
+    result = rlvr_here(monkeypatch, "run", "--store", str(tmp_path / "s"), "--config", str(tmp_path / "none.yaml"))
     assert_one_line_error(result, "does not exist")
 
 
@@ -118,7 +152,7 @@ def test_a_run_piped_to_a_file_prints_plain_progress_lines_as_it_goes(tmp_path, 
     control codes (a bar there would print nothing until the run ended). On the session's Prefect server: a
     temporary one (a user's first run; test_ui.py and test_child_processes.py start one) costs 13 CPU-seconds."""
     args = ["run", "--store", str(tmp_path / "store"), "--run-id", "piped"]
-    for override in SMALL_RUN:
+    for override in [*SMALL_RUN, "synthesize.source.per_category=10"]:  # 80 problems: every stage still runs
         args += ["--set", override]
     env = cli_env(PREFECT_API_URL=prefect_api)
     for forced in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):  # rich would draw its bar anyway
