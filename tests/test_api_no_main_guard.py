@@ -1,5 +1,6 @@
 """The Python API from a script without an `if __name__ == "__main__":` guard: verifier workers must not
-re-import (and so re-run) the script. Each script runs in its own interpreter, as a user would run it."""
+re-import (and so re-run) the script. Each script runs in its own interpreter, as a user would run it; the two
+runs of `execute` are one script's, one after the other (a sweep), so one interpreter's imports serve both."""
 
 from __future__ import annotations
 
@@ -15,18 +16,22 @@ from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from tests.cli_helpers import cli_env
 
+# One run of `execute` per (store, extra overrides) in argv[1] (JSON), each in its own store, in this order.
 RUN = """
 import json, os, sys
 from rlvr.flows.config import load_config
 from rlvr.flows.runs import execute
 
 print("script body runs in", os.getpid(), flush=True)
-cfg = load_config(None, ["run_id=noguard", "train.steps=2", "warmstart.steps=0", "select.batch_size=4",
-                         "allocate.n=4", "difficulty.k=2", "evaluate.every=2", "checkpoint.every=2",
-                         "synthesize.source.per_category=4", "label.workers=2", *sys.argv[2:]])
-summary = execute(sys.argv[1], cfg)
-print("SUMMARY " + json.dumps({k: summary[k] for k in ("run_id", "accuracy_init", "accuracy_final", "final_checkpoint")}))
+for case, (root, extra) in enumerate(json.loads(sys.argv[1])):
+    cfg = load_config(None, ["run_id=noguard", "train.steps=2", "warmstart.steps=0", "select.batch_size=4",
+                             "allocate.n=4", "difficulty.k=2", "evaluate.every=2", "checkpoint.every=2",
+                             "synthesize.source.per_category=4", "label.workers=2", *extra])
+    summary = execute(root, cfg)
+    fields = ("run_id", "accuracy_init", "accuracy_final", "final_checkpoint")
+    print(f"SUMMARY{case} " + json.dumps({k: summary[k] for k in fields}), flush=True)
 """
+EXTRAS = [(), ("flow.async_level=1",)]  # the second also starts the sampler process
 
 # A verifier defined in the script itself: its workers would need the script.
 OWN_VERIFIER = """
@@ -73,15 +78,24 @@ def tagged(stdout: str, tag: str) -> dict:
     return json.loads(line[len(tag) + 1 :])
 
 
+@pytest.fixture(scope="module")
+def script_runs(tmp_path_factory, prefect_api) -> tuple[subprocess.CompletedProcess, list[Path]]:
+    """The script of RUN, run once for the module: a run for each of EXTRAS; its process and their stores."""
+    folder = tmp_path_factory.mktemp("noguard")
+    roots = [folder / f"store-{case}" for case in range(len(EXTRAS))]
+    cases = json.dumps([[str(root), list(extra)] for root, extra in zip(roots, EXTRAS, strict=True)])
+    return run_script(folder, RUN, cases, env=cli_env(PREFECT_API_URL=prefect_api), timeout=480), roots
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("flow.async_level=1",)])  # the second also starts the sampler process
-def test_execute_from_a_script_without_main_guard_finishes(tmp_path, prefect_api, extra):
-    root = tmp_path / "store"
-    done = run_script(tmp_path, RUN, str(root), *extra, env=cli_env(PREFECT_API_URL=prefect_api))
+@pytest.mark.parametrize("extra", EXTRAS)
+def test_execute_from_a_script_without_main_guard_finishes(script_runs, extra):
+    done, roots = script_runs
+    root = roots[EXTRAS.index(extra)]
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("script body runs in") == 1  # no worker (nor the sampler) re-ran the script
     assert "bootstrapping phase" not in done.stderr
-    summary = tagged(done.stdout, "SUMMARY")
+    summary = tagged(done.stdout, f"SUMMARY{EXTRAS.index(extra)}")
     assert summary["run_id"] == "noguard"
     assert summary["accuracy_init"] is not None and summary["accuracy_final"] is not None
     store = Store.open(str(root))
