@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
+import multiprocessing
 import re
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -31,6 +34,7 @@ from uuid import UUID
 
 import pyarrow as pa
 from prefect import flow, get_client
+from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.filters import (
     DeploymentFilter,
     DeploymentFilterId,
@@ -52,6 +56,7 @@ from pydantic import ValidationError
 from rlvr.errors import UserError
 from rlvr.flows.runs import final_checkpoint
 from rlvr.flows.ui import sigterm_as_interrupt
+from rlvr.startup_objects import freeze_startup_objects
 from rlvr.storage.ids import artifact_id
 from rlvr.storage.manifest import utc_now
 from rlvr.storage.run_records import run_status
@@ -180,6 +185,7 @@ def pipeline_firing(store: str, name: str, config_json: str) -> dict[str, Any] |
     from rlvr.flows.config import config_from_json
     from rlvr.flows.runs import execute
 
+    _freeze_a_firing_process()
     found = open_store(store)
     when = _scheduled_at()
     run_id = firing_run_id(name, when)
@@ -202,6 +208,19 @@ def pipeline_firing(store: str, name: str, config_json: str) -> dict[str, Any] |
     summary = execute(store, cfg)
     keys = ("run_id", "final_checkpoint", "accuracy_init", "accuracy_final", "seconds")
     return {"start_checkpoint": start, **{k: summary.get(k) for k in keys}}
+
+
+def _freeze_a_firing_process() -> None:
+    """In a process started for this firing alone, keep what a run imports out of every later garbage collection, as
+    `rlvr run` does (rlvr/startup_objects.py): about 1.8 of a small firing's 12 CPU-seconds, most of them at its exit.
+    Prefect's runner starts each firing as `python -m prefect.engine` (or spawns a process for it); a firing called
+    in a program's own process leaves it as it is."""
+    main = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if getattr(main, "name", None) != "prefect.engine" and multiprocessing.parent_process() is None:
+        return
+    for module in ("rlvr.flows.data_run", "rlvr.flows.rl_step", "rlvr.flows.step_loop"):
+        importlib.import_module(module)
+    freeze_startup_objects()
 
 
 # ----- serving, and what the serving process records --------------------------------------------------
@@ -229,12 +248,15 @@ def schedule_deployment(
         raise UserError(f"bad --cron {cron!r}: {detail}; e.g. '0 3 * * *' is 03:00 UTC every day") from None
 
 
-def read_deployment(name: str) -> Any | None:
-    with get_client(sync_client=True) as client:
-        try:
-            return client.read_deployment_by_name(f"{FLOW_NAME}/{name}")
-        except ObjectNotFound:
-            return None
+def read_deployment(name: str, client: SyncPrefectClient | None = None) -> Any | None:
+    """The deployment of schedule `name`, or None; through `client` when given (else a client of its own)."""
+    if client is None:
+        with get_client(sync_client=True) as own:
+            return read_deployment(name, own)
+    try:
+        return client.read_deployment_by_name(f"{FLOW_NAME}/{name}")
+    except ObjectNotFound:
+        return None
 
 
 def check_owner(deployment: Any, store_root: str) -> None:
@@ -281,6 +303,7 @@ def serve_schedule(
         recorder.stop()
     with contextlib.suppress(Exception):  # skips since the last poll; the server may be gone already
         recorder.sweep()
+    recorder.close()
     done = f"stopped serving {name}: " + ("the schedule was deleted" if recorder.deleted else "the schedule is paused")
     for run_id in cancelled:
         done += f"; firing {run_id} in flight was cancelled: `rlvr resume {run_id} --store {store_root}` finishes it"
@@ -376,7 +399,10 @@ def describe_trigger(interval: float | None, cron: str | None) -> str:
 
 class SkipRecorder(threading.Thread):
     """Polls Prefect for firings of the schedule that it cancelled before they started (the concurrency
-    limit) and records each as a skipped firing in the store; also names them NAME-<timestamp> in Prefect."""
+    limit) and records each as a skipped firing in the store; also names them NAME-<timestamp> in Prefect.
+
+    Every sweep goes through one Prefect client: a new client builds an SSL context (about 30 ms of CPU), and
+    two new ones a sweep were most of the serving process's CPU while it polled every second."""
 
     def __init__(self, store_root: str, name: str, every: float) -> None:
         super().__init__(name=f"rlvr-skips-{name}", daemon=True)
@@ -386,6 +412,8 @@ class SkipRecorder(threading.Thread):
         self.seen = False  # the deployment existed at a sweep
         self.deleted = False  # ... and at a later sweep it did not: `rlvr schedule NAME --delete`
         self.on_deleted: Callable[[], None] = lambda: None
+        self._clients = contextlib.ExitStack()
+        self._client: SyncPrefectClient | None = None
 
     def run(self) -> None:
         while not self._stop_event.wait(self.every):
@@ -398,35 +426,46 @@ class SkipRecorder(threading.Thread):
         self._stop_event.set()
         self.join(timeout=10)
 
+    def client(self) -> SyncPrefectClient:
+        """The Prefect client of every sweep, opened at the first."""
+        if self._client is None:
+            self._client = self._clients.enter_context(get_client(sync_client=True))
+        return self._client
+
+    def close(self) -> None:
+        """Close the client (after the last sweep)."""
+        self._clients.close()
+        self._client = None
+
     def sweep(self) -> int:
         """Record the skips not yet recorded; returns how many were new. A deployment gone after it was seen was
         deleted: the serving process is told (`on_deleted`) and stops."""
-        deployment = read_deployment(self.schedule)
+        client = self.client()
+        deployment = read_deployment(self.schedule, client)
         if deployment is None:
             if self.seen and not self.deleted:
                 self.deleted = True
                 self.on_deleted()
             return 0
         self.seen = True
-        with get_client(sync_client=True) as client:
-            runs = client.read_flow_runs(
-                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])),
-                flow_run_filter=FlowRunFilter(
-                    state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=[StateType.SCHEDULED]))
-                ),
-                sort=FlowRunSort.EXPECTED_START_TIME_DESC,
-                limit=200,
-            )
-            new = 0
-            for index, flow_run in enumerate(runs):
-                if flow_run.id in self._done or not skipped(flow_run):
-                    continue
-                firing = self.skip_of(flow_run, runs[index + 1 :])
-                record_firing(self.store, firing)
-                if flow_run.name != firing.run_id:
-                    client.update_flow_run(flow_run.id, name=firing.run_id)
-                self._done.add(flow_run.id)
-                new += 1
+        runs = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])),
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=[StateType.SCHEDULED]))
+            ),
+            sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+            limit=200,
+        )
+        new = 0
+        for index, flow_run in enumerate(runs):
+            if flow_run.id in self._done or not skipped(flow_run):
+                continue
+            firing = self.skip_of(flow_run, runs[index + 1 :])
+            record_firing(self.store, firing)
+            if flow_run.name != firing.run_id:
+                client.update_flow_run(flow_run.id, name=firing.run_id)
+            self._done.add(flow_run.id)
+            new += 1
         return new
 
     def skip_of(self, flow_run: FlowRun, earlier: list[FlowRun]) -> Firing:

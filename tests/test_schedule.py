@@ -11,6 +11,7 @@ import signal
 import subprocess
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -19,7 +20,16 @@ from packaging.version import Version
 from rlvr.errors import UserError
 from rlvr.flows.cli.commands import check_schedule_name
 from rlvr.flows.runs import final_checkpoint
-from rlvr.flows.schedule import Firing, firing_config, firing_run_id, firings, pipeline_runs, record_firing
+from rlvr.flows.schedule import (
+    Firing,
+    SkipRecorder,
+    firing_config,
+    firing_run_id,
+    firings,
+    pipeline_runs,
+    record_firing,
+    schedule_deployment,
+)
 from rlvr.flows.ui import free_port, start_server
 from rlvr.storage.lineage import ancestors
 from rlvr.storage.run_records import run_status
@@ -246,28 +256,40 @@ def test_an_interval_schedule_continues_from_checkpoints_and_skips_overlapping_f
     args = ["schedule", "pipe", "--interval", "4", "--config", str(config), "--store", root]
     with open(log, "wb") as out:
         serving = subprocess.Popen(rlvr_command(*args), env=env, stdout=out, stderr=subprocess.STDOUT)
+    api = httpx.Client(base_url=prefect_server, timeout=30)  # one connection for the polls, not one a poll
     try:
 
-        def progress() -> tuple[int, int]:
-            store = Store.open(root) if (Path(root) / "STORE").exists() else None
-            if store is None:
-                return 0, 0
-            done = [r for r in pipeline_runs(store, "pipe") if r["status"] == "completed"]
-            return len(done), sum(f["outcome"] == "skipped" for f in firings(store, "pipe"))
+        def statuses() -> list[str]:
+            if not (Path(root) / "STORE").exists():
+                return []
+            return [str(r["status"]) for r in pipeline_runs(Store.open(root), "pipe")]
 
-        wait_for(lambda: progress()[0] >= 2 and progress()[1] >= 1, 300, "two runs and a skip", log=log, every=2)
+        def slot_taken() -> int:
+            """How many firings got the schedule's one concurrency slot (the first, then the second, ...)."""
+            body = {
+                "deployments": {"name": {"any_": ["pipe"]}},
+                "flow_runs": {"state": {"type": {"any_": ["PENDING", "RUNNING", "COMPLETED"]}}},
+            }
+            return len(api.post("/flow_runs/filter", json=body).json())
+
+        wait_for(slot_taken, 300, "the first firing", log=log, every=1)
         listed = rlvr("schedule", "--list", "--store", root, env=env)
         assert listed.returncode == 0, listed.stderr
         row = next(line for line in listed.stdout.splitlines() if "pipe" in line)
         assert re.search(r"every 4 s.*active.*yes", row), listed.stdout
+        # Paused once the second firing holds the slot (it has still to start Python and run): that run goes on to
+        # the end, and no third firing starts only to be cancelled by the stop
+        wait_for(lambda: slot_taken() >= 2, 300, "the second firing", log=log, every=1)
         paused = rlvr("schedule", "pipe", "--pause", "--store", root, env=env)
         assert paused.returncode == 0 and "schedule pipe paused" in paused.stdout, paused.stderr
         deployment = httpx.get(f"{prefect_server}/deployments/name/rlvr-pipeline/pipe").json()
         assert deployment["paused"] is True
+        wait_for(lambda: statuses()[:2] == ["completed", "completed"], 300, "two runs", log=log, every=2)
     finally:
+        api.close()
         serving.send_signal(signal.SIGTERM)
         assert serving.wait(timeout=60) == 0, log.read_text()[-3000:]
-    assert "stopped serving pipe" in log.read_text()
+    assert last_line(log) == "stopped serving pipe: the schedule is paused"  # nothing in flight: none cancelled
 
     store = Store.open(root)
     runs = [r for r in pipeline_runs(store, "pipe") if r["status"] == "completed"]
@@ -317,38 +339,62 @@ NEVER_NOW = "0 0 1 1 *"  # 00:00 UTC on January 1st: no firing while the test ru
 
 @pytest.mark.slow
 def test_a_schedule_stopped_with_nothing_in_flight_says_so_and_can_be_deleted(prefect_server, tmp_path):
+    """Refused while served unpaused; paused, deleted: the serving process sees it gone and stops by itself. (The
+    stop by a signal with nothing in flight ends the interval test; the pause on that stop, the busy one.)"""
     root, env = str(tmp_path / "store"), cli_env(PREFECT_API_URL=prefect_server)
     log = tmp_path / "idle.log"
     serving = serve("idle", ["--cron", NEVER_NOW], root, env, log)
     try:
         refused = rlvr("schedule", "idle", "--delete", "--store", root, env=env)
         assert_one_line_error(refused, "schedule idle is being served by an `rlvr schedule idle` process; stop that")
-    finally:
-        serving.send_signal(signal.SIGTERM)
-        assert serving.wait(timeout=60) == 0, log.read_text()[-3000:]
-    assert last_line(log) == "stopped serving idle: the schedule is paused"  # no firing ran: none was cancelled
-
-    deleted = rlvr("schedule", "idle", "--delete", "--store", root, env=env)  # paused: no process serves it
-    assert (deleted.returncode, deleted.stdout) == (
-        0,
-        "schedule idle deleted; its runs and firings stay in the store\n",
-    )
-    assert httpx.get(f"{prefect_server}/deployments/name/rlvr-pipeline/idle").status_code == 404
-    assert "no schedules for store" in rlvr("schedule", "--list", "--store", root, env=env).stdout
-    again = rlvr("schedule", "idle", "--delete", "--store", root, env=env)
-    assert_one_line_error(again, "no schedule 'idle' on this Prefect server; see `rlvr schedule --list`")
-
-    # Served again, paused, deleted: the serving process sees it gone and stops by itself.
-    serving = serve("idle", ["--cron", NEVER_NOW], root, env, log)
-    try:
         assert rlvr("schedule", "idle", "--pause", "--store", root, env=env).returncode == 0
-        assert rlvr("schedule", "idle", "--delete", "--store", root, env=env).returncode == 0
+        deleted = rlvr("schedule", "idle", "--delete", "--store", root, env=env)  # paused: no firing can start
+        assert (deleted.returncode, deleted.stdout) == (
+            0,
+            "schedule idle deleted; its runs and firings stay in the store\n",
+        )
         # it sees the deletion at its next poll (5 s), then Prefect's runner shuts down; deleted before that first
         # poll, it once never saw the deletion and served on for minutes
         assert serving.wait(timeout=60) == 0, log.read_text()[-3000:]
     finally:
         serving.kill()
-    assert last_line(log) == "stopped serving idle: the schedule was deleted"
+    assert last_line(log) == "stopped serving idle: the schedule was deleted"  # no firing ran: none was cancelled
+
+    assert httpx.get(f"{prefect_server}/deployments/name/rlvr-pipeline/idle").status_code == 404
+    assert "no schedules for store" in rlvr("schedule", "--list", "--store", root, env=env).stdout
+    again = rlvr("schedule", "idle", "--delete", "--store", root, env=env)
+    assert_one_line_error(again, "no schedule 'idle' on this Prefect server; see `rlvr schedule --list`")
+
+
+@pytest.mark.slow
+def test_the_skip_recorder_sweeps_through_one_prefect_client(prefect_server, tmp_path, monkeypatch):
+    """A new Prefect client costs about 30 ms of CPU (its SSL context); two a sweep, every second, were most of
+    what a serving process spent. One client serves every sweep, and still sees the schedule deleted."""
+    from prefect import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    import rlvr.flows.schedule as schedules
+
+    opened: list[Any] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        opened.append(get_client(*args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(schedules, "get_client", counted)
+    root = str(tmp_path / "store")
+    Store.open(root, create=True)
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server}):
+        deployment_id = schedule_deployment(root, "swept", "{}", interval=None, cron=NEVER_NOW).apply()
+        recorder = SkipRecorder(root, "swept", every=1)
+        deleted: list[bool] = []
+        recorder.on_deleted = lambda: deleted.append(True)
+        assert [recorder.sweep() for _ in range(3)] == [0, 0, 0] and recorder.seen and not deleted
+        with get_client(sync_client=True) as client:
+            client.delete_deployment(deployment_id)
+        assert (recorder.sweep(), recorder.deleted, deleted) == (0, True, [True])
+        assert len(opened) == 1  # it was 7: one to read the deployment and one to read its flow runs, each sweep
+        recorder.close()
 
 
 BUSY = PIPELINE.replace("train: {steps: 2}", "train: {steps: 400}")  # a firing that is still running when stopped
@@ -378,3 +424,4 @@ def test_stopping_a_schedule_names_the_firing_it_cancelled(prefect_server, tmp_p
         f"`rlvr resume {run_id} --store {root}` finishes it"
     )
     assert run_status(Store.open(root).read_run(run_id)) == "failed"
+    assert httpx.get(f"{prefect_server}/deployments/name/rlvr-pipeline/busy").json()["paused"] is True
