@@ -27,7 +27,6 @@ from rlvr.trainer.remote import OpenAIEngine, OpenAIEngineConfig
 from rlvr.trainer.row_sampling import row_key
 from rlvr.trainer.turn_decoding import engine_seed
 from rlvr.trainer.vllm_engine import VLLMEngineConfig
-from tests.cli_helpers import cli_env, rlvr
 from tests.conftest import TINY_OVERRIDES
 from tests.local_servers import Server, ServerState, completions_answer
 from tests.test_multi_turn import eos_bias
@@ -291,6 +290,15 @@ def test_continuing_rows_needs_prompts_sent_as_token_ids(server, policy) -> None
         engine_at(url, policy, prompt_as="text").continue_rows([[1, 5]], [2], 1.0, 1.0, [0])
 
 
+def run_here(store: str, overrides: list[str]) -> dict[str, Any]:
+    """A whole run in this process, beside the test's server: the tests read the server's requests and the store,
+    not the command line (a subprocess would cost ~7 CPU-s of imports)."""
+    from rlvr.flows.config import load_config
+    from rlvr.flows.runs import execute
+
+    return execute(store, load_config(None, overrides))
+
+
 @pytest.mark.slow
 def test_evaluation_and_difficulty_sample_through_the_runs_engine(server, tmp_path, prefect_api) -> None:
     """A run with rollout.type=openai: its evaluations ask the server for greedy answers, its difficulty pass
@@ -300,11 +308,7 @@ def test_evaluation_and_difficulty_sample_through_the_runs_engine(server, tmp_pa
     overrides = [*TINY_OVERRIDES, "train.steps=3", "rollout.type=openai", f"rollout.base_url={url}"]
     overrides.append("difficulty.temperature=0.7")  # 3 RL steps, not the tiny run's 6: one evaluation after them
     overrides.append("flow.async_level=1")
-    sets = [arg for o in overrides for arg in ("--set", o)]
-    done = rlvr(
-        "run", "--store", str(tmp_path / "store"), "--run-id", "a", *sets, env=cli_env(PREFECT_API_URL=prefect_api)
-    )
-    assert done.returncode == 0, done.stderr
+    run_here(str(tmp_path / "store"), ["run_id=a", *overrides])
     store = Store.open(str(tmp_path / "store"))
     evals = query(store, "SELECT sum(n) AS answered, count(*) AS evals FROM evals").to_pylist()[0]
     difficulty = query(store, "SELECT count(*) AS problems FROM difficulty").to_pylist()[0]["problems"]
@@ -322,13 +326,14 @@ def test_evaluation_and_difficulty_sample_through_the_runs_engine(server, tmp_pa
 def test_a_retry_run_plays_its_episodes_through_the_server(server, tmp_path, prefect_api) -> None:
     """A whole 2-step run of the retry environment on rollout.type=openai, sampled a step ahead (flow.async_level=1):
     every assistant turn of a stored episode was one request of the episode's ids so far, and the log-probs the
-    server does not give are computed from the sampling policy, 0.0 on the environment's tokens."""
+    server does not give are computed from the sampling policy, 0.0 on the environment's tokens. The sampler is a
+    thread of the run (flow.sampler=thread): the test above samples through the server from a sampler process, and
+    test_kill_resume's multi-turn case plays episodes in one; a second process would cost ~8 CPU-s of imports."""
     url, state = server
     overrides = [*TINY_OVERRIDES, "train.steps=2", "evaluate.every=2", "checkpoint.every=2", "flow.async_level=1"]
+    overrides += ["flow.sampler=thread"]
     overrides += ["env.type=retry", "env.max_turns=3", "rollout.type=openai", f"rollout.base_url={url}"]
-    sets = [arg for o in overrides for arg in ("--set", o)]
-    done = rlvr("run", "--store", str(tmp_path / "store"), *sets, env=cli_env(PREFECT_API_URL=prefect_api))
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_here(str(tmp_path / "store"), ["run_id=retry", *overrides])
     store = Store.open(str(tmp_path / "store"))
     episodes = query(
         store, "SELECT prompt_ids, completion_ids, loss_mask, turn_starts, logprobs, staleness, env FROM rollouts"
