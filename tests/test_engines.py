@@ -326,12 +326,10 @@ def test_evaluation_and_difficulty_sample_through_the_runs_engine(server, tmp_pa
 def test_a_retry_run_plays_its_episodes_through_the_server(server, tmp_path, prefect_api) -> None:
     """A whole 2-step run of the retry environment on rollout.type=openai, sampled a step ahead (flow.async_level=1):
     every assistant turn of a stored episode was one request of the episode's ids so far, and the log-probs the
-    server does not give are computed from the sampling policy, 0.0 on the environment's tokens. The sampler is a
-    thread of the run (flow.sampler=thread): the test above samples through the server from a sampler process, and
-    test_kill_resume's multi-turn case plays episodes in one; a second process would cost ~8 CPU-s of imports."""
+    server does not give are computed from the sampling policy, 0.0 on the environment's tokens. The sampler is the
+    default sampler process: the openai engine, environment episodes and that process together are tested here only."""
     url, state = server
     overrides = [*TINY_OVERRIDES, "train.steps=2", "evaluate.every=2", "checkpoint.every=2", "flow.async_level=1"]
-    overrides += ["flow.sampler=thread"]
     overrides += ["env.type=retry", "env.max_turns=3", "rollout.type=openai", f"rollout.base_url={url}"]
     run_here(str(tmp_path / "store"), ["run_id=retry", *overrides])
     store = Store.open(str(tmp_path / "store"))
