@@ -139,18 +139,23 @@ def _run_with_progress(start: Callable[[], dict[str, Any]], cfg: Any) -> None:
 
 
 def _freeze_the_runs_imports() -> None:
-    """Import what a run imports as it starts (torch, transformers and Prefect among it), then keep those objects out
-    of every later garbage collection (rlvr/startup_objects.py), when this process was started as `rlvr` for this
-    run alone: a command invoked in a program's own process (typer's CliRunner, a test) leaves it as it is."""
-    if not _started_as_rlvr:
-        return
-    import importlib
+    """Import what a run imports as it starts (torch, transformers and Prefect among it), then freeze them."""
+    if _started_as_rlvr:
+        import importlib
 
-    from rlvr.startup_objects import freeze_startup_objects
+        for module in ("rlvr.flows.data_run", "rlvr.flows.rl_step", "rlvr.flows.step_loop"):
+            importlib.import_module(module)
+    _freeze_this_process()
 
-    for module in ("rlvr.flows.data_run", "rlvr.flows.rl_step", "rlvr.flows.step_loop"):
-        importlib.import_module(module)
-    freeze_startup_objects()
+
+def _freeze_this_process() -> None:
+    """Keep what the imports made out of every later garbage collection, those at exit included
+    (rlvr/startup_objects.py), when this process was started as `rlvr` for one job (a run, a schedule's serving):
+    a command invoked in a program's own process (typer's CliRunner, a test) leaves it as it is."""
+    if _started_as_rlvr:
+        from rlvr.startup_objects import freeze_startup_objects
+
+        freeze_startup_objects()
 
 
 def _fmt(value: float | None) -> str:
@@ -397,21 +402,10 @@ def schedule(
 
     Serving runs until Ctrl-C. Without PREFECT_API_URL it starts a Prefect server on the store's database.
     """
-    flags = (("--list", list_), ("--pause", pause), ("--resume", resume_), ("--delete", delete))
-    modes = [flag for flag, on in flags if on]
-    if len(modes) > 1:
-        raise UserError(f"choose one of {', '.join(modes)}")
+    modes = _schedule_modes(
+        name, cron, interval, config, set_, list_=list_, pause=pause, resume_=resume_, delete=delete
+    )
     serving = not modes
-    if (interval is None) == (cron is None) and serving:
-        raise UserError(
-            "give one of --interval SECONDS or --cron EXPR (or --list, --pause NAME, --resume NAME, --delete NAME)"
-        )
-    if not serving and (interval is not None or cron is not None or config is not None or set_):
-        raise UserError(f"{modes[0]} takes no --interval, --cron, --config or --set")
-    if name is None and not list_:
-        raise UserError(f"name the schedule: rlvr schedule NAME {modes[0] if modes else '--interval SECONDS'} ...")
-    if name is not None:
-        check_schedule_name(name)
     from rlvr.flows.ui import point_prefect_at_store, ui_url_of  # after the arguments' checks: they import a lot
     from rlvr.storage.store import open_store
 
@@ -436,13 +430,7 @@ def schedule(
         out.print(schedules.set_paused(root, name, paused=pause))
         return
     schedules.schedule_deployment(root, name, config_json, interval=interval, cron=cron)  # a bad cron fails here
-    if _started_as_rlvr:
-        # Serving is this process's one job, as a run is (rlvr/startup_objects.py): what its imports made (torch too,
-        # through the config) stays out of every later collection, and of those at exit (5 s after Ctrl-C on 2 busy
-        # cores, 1.5 s frozen)
-        from rlvr.startup_objects import freeze_startup_objects
-
-        freeze_startup_objects()
+    _freeze_this_process()  # serving is this process's one job, as a run is (Ctrl-C: 5-7 s of collections, 1.5 frozen)
     server = target.start(started_by=f"rlvr schedule {name}")
     _say(f"Prefect server: {ui_url_of(target.api_url or '')} ({target.origin})")
     try:
@@ -450,6 +438,36 @@ def schedule(
     finally:
         if server is not None:
             server.stop()
+
+
+def _schedule_modes(
+    name: str | None,
+    cron: str | None,
+    interval: float | None,
+    config: Path | None,
+    set_: list[str],
+    *,
+    list_: bool,
+    pause: bool,
+    resume_: bool,
+    delete: bool,
+) -> list[str]:
+    """The one mode flag given (none: serve), after refusing, in one line, arguments that do not go together."""
+    flags = (("--list", list_), ("--pause", pause), ("--resume", resume_), ("--delete", delete))
+    modes = [flag for flag, on in flags if on]
+    if len(modes) > 1:
+        raise UserError(f"choose one of {', '.join(modes)}")
+    if (interval is None) == (cron is None) and not modes:
+        raise UserError(
+            "give one of --interval SECONDS or --cron EXPR (or --list, --pause NAME, --resume NAME, --delete NAME)"
+        )
+    if modes and (interval is not None or cron is not None or config is not None or set_):
+        raise UserError(f"{modes[0]} takes no --interval, --cron, --config or --set")
+    if name is None and not list_:
+        raise UserError(f"name the schedule: rlvr schedule NAME {modes[0] if modes else '--interval SECONDS'} ...")
+    if name is not None:
+        check_schedule_name(name)
+    return modes
 
 
 SCHEDULE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,47}")  # NAME-YYYYmmdd-HHMMSS must be a run id
