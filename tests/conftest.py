@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 import os
 import tempfile
 from collections.abc import Iterator
@@ -23,70 +21,18 @@ os.environ.pop("RLVR_STORE", None)
 
 import pytest  # noqa: E402
 
-# Under pytest-xdist the controller starts the one Prefect server its workers share (a server costs 14 CPU-seconds
-# to start, most of it the migrations of its new database, and a CPU-second a minute idle) and hands them its URL.
-SHARED_SERVER_URL = "RLVR_TESTS_PREFECT_API_URL"
-_controller_server = contextlib.ExitStack()
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_configure(config: pytest.Config) -> None:
-    if config.pluginmanager.hasplugin("dsession") and SHARED_SERVER_URL not in os.environ:
-        from prefect.settings import PREFECT_API_URL
-        from prefect.testing.utilities import prefect_test_harness
-
-        _controller_server.enter_context(prefect_test_harness(server_startup_timeout=90))
-        os.environ[SHARED_SERVER_URL] = PREFECT_API_URL.value()  # the workers start after this and inherit it
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    _controller_server.close()
-
 
 @pytest.fixture(scope="session")
 def prefect_api() -> Iterator[str]:
-    """One real Prefect server for the whole session (the controller's under pytest-xdist); yields its API URL
-    (subprocesses can share it) with this process's Prefect client pointed at it."""
+    """One real Prefect server for the whole session (each xdist worker its own); yields its API URL (subprocesses
+    can share it). One server in the controller for both workers was tried and measured slower: its start (about
+    30 s on one core) comes before any worker starts, and a subset of six run-heavy files took 300 s and 411 CPU-s
+    with it against 256 s and 376 with one server a worker (2026-12-02, docs/architecture.md "Testing")."""
     from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
 
-    url = os.environ.get(SHARED_SERVER_URL)
-    if url is None:
-        from prefect.testing.utilities import prefect_test_harness
-
-        with prefect_test_harness(server_startup_timeout=90):
-            yield PREFECT_API_URL.value()
-        return
-    with _client_of(url):
-        yield url
-
-
-@contextlib.contextmanager
-def _client_of(url: str) -> Iterator[None]:
-    """What prefect_test_harness does on the client's side, for a server another process holds: the settings
-    (this context and the process-global one) name its URL, and the log and event workers are drained at the end."""
-    import prefect.context
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-    from prefect.utilities.asyncutils import run_coro_as_sync
-
-    async def drain() -> None:
-        try:
-            drained = APILogWorker.instance().drain()
-            if inspect.isawaitable(drained):
-                await drained
-        except RuntimeError:  # the worker never started
-            pass
-        drained = EventsWorker.drain_all()
-        if inspect.isawaitable(drained):
-            await drained
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(temporary_settings(updates={PREFECT_API_URL: url}))
-        # entered second: it copies the settings context the first made
-        stack.enter_context(prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()))
-        yield
-        run_coro_as_sync(drain())
+    with prefect_test_harness(server_startup_timeout=90):
+        yield PREFECT_API_URL.value()
 
 
 @pytest.fixture(scope="module")
