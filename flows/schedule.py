@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import multiprocessing
 import re
@@ -56,7 +55,7 @@ from pydantic import ValidationError
 from rlvr.errors import UserError
 from rlvr.flows.runs import final_checkpoint
 from rlvr.flows.ui import sigterm_as_interrupt
-from rlvr.startup_objects import freeze_startup_objects
+from rlvr.startup_objects import freeze_after_run_imports
 from rlvr.storage.ids import artifact_id
 from rlvr.storage.manifest import utc_now
 from rlvr.storage.run_records import run_status
@@ -218,9 +217,7 @@ def _freeze_a_firing_process() -> None:
     main = getattr(sys.modules.get("__main__"), "__spec__", None)
     if getattr(main, "name", None) != "prefect.engine" and multiprocessing.parent_process() is None:
         return
-    for module in ("rlvr.flows.data_run", "rlvr.flows.rl_step", "rlvr.flows.step_loop"):
-        importlib.import_module(module)
-    freeze_startup_objects()
+    freeze_after_run_imports()
 
 
 # ----- serving, and what the serving process records --------------------------------------------------
@@ -301,9 +298,10 @@ def serve_schedule(
         pass
     finally:
         recorder.stop()
-    with contextlib.suppress(Exception):  # skips since the last poll; the server may be gone already
-        recorder.sweep()
-    recorder.close()
+        if not recorder.is_alive():  # a sweep still running on its thread would race this one on the same client
+            with contextlib.suppress(Exception):  # skips since the last poll; the server may be gone already
+                recorder.sweep()
+            recorder.close()
     done = f"stopped serving {name}: " + ("the schedule was deleted" if recorder.deleted else "the schedule is paused")
     for run_id in cancelled:
         done += f"; firing {run_id} in flight was cancelled: `rlvr resume {run_id} --store {store_root}` finishes it"

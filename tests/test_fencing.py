@@ -310,11 +310,10 @@ from tests.test_fencing import patch_file_calls
 patch_file_calls()
 import importlib
 from rlvr.flows.cli import main
-for module in ("rlvr.flows.config", "rlvr.flows.runs", "rlvr.trainer.devices", "rlvr.trainer.policy",
-               "rlvr.flows.data_run", "rlvr.flows.rl_step", "rlvr.flows.step_loop", "rich.progress"):
+for module in ("rlvr.flows.config", "rlvr.flows.runs", "rlvr.trainer.devices", "rlvr.trainer.policy", "rich.progress"):
     importlib.import_module(module)
-from rlvr.startup_objects import freeze_startup_objects
-freeze_startup_objects()  # as `rlvr run` does once it imported these: the children's collections skip them
+from rlvr.startup_objects import freeze_after_run_imports
+freeze_after_run_imports()  # as `rlvr run` does: the children's collections skip what the imports made
 
 
 def serve():

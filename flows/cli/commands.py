@@ -139,13 +139,11 @@ def _run_with_progress(start: Callable[[], dict[str, Any]], cfg: Any) -> None:
 
 
 def _freeze_the_runs_imports() -> None:
-    """Import what a run imports as it starts (torch, transformers and Prefect among it), then freeze them."""
+    """In a process started as `rlvr` for a run: import what a run imports as it starts, then freeze it all."""
     if _started_as_rlvr:
-        import importlib
+        from rlvr.startup_objects import freeze_after_run_imports
 
-        for module in ("rlvr.flows.data_run", "rlvr.flows.rl_step", "rlvr.flows.step_loop"):
-            importlib.import_module(module)
-    _freeze_this_process()
+        freeze_after_run_imports()
 
 
 def _freeze_this_process() -> None:
