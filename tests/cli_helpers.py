@@ -11,7 +11,10 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from tests.fork_server import ForkServer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,7 +43,13 @@ def rlvr_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "rlvr.flows.cli", *args]
 
 
-def rlvr(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def rlvr(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300, forks: ForkServer | None = None
+) -> subprocess.CompletedProcess:
+    """`rlvr ARGS` to its end: a new interpreter, or a process forked by `forks` (tests/fork_server.py) in that
+    server's environment (or `env`)."""
+    if forks is not None:
+        return forks.run(list(args), env=env, timeout=timeout)
     return subprocess.run(
         rlvr_command(*args), capture_output=True, text=True, cwd=REPO, env=env or cli_env(), timeout=timeout
     )

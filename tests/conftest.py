@@ -21,6 +21,8 @@ os.environ.pop("RLVR_STORE", None)
 
 import pytest  # noqa: E402
 
+from tests.fork_server import ForkServer, fork_server  # noqa: E402
+
 
 @pytest.fixture(scope="session")
 def prefect_api() -> Iterator[str]:
@@ -33,6 +35,15 @@ def prefect_api() -> Iterator[str]:
 
     with prefect_test_harness(server_startup_timeout=90):
         yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
+def rlvr_forks(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """The worker's `rlvr` processes, forked by one interpreter that paid a run's imports once (tests/fork_server.py),
+    on the session's Prefect server; started at the first test that asks for it."""
+    from tests.cli_helpers import cli_env
+
+    yield from fork_server(cli_env(PREFECT_API_URL=prefect_api), tmp_path_factory.mktemp("rlvr-forks"))
 
 
 @pytest.fixture(scope="module")

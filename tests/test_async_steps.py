@@ -25,7 +25,7 @@ from rlvr.trainer.grpo import (
     grpo_step,
 )
 from rlvr.trainer.policy import PolicyConfig, init_policy, make_optimizer
-from tests.cli_helpers import cli_env, rlvr
+from tests.cli_helpers import rlvr
 from tests.conftest import TINY_OVERRIDES
 from tests.test_distributed import ragged_batch
 
@@ -74,10 +74,10 @@ def test_stored_logprobs_are_the_old_ones():
 
 
 @pytest.mark.slow
-def test_async_level_1_samples_one_step_behind_and_stores_what_it_sampled_with(tmp_path, prefect_api):
+def test_async_level_1_samples_one_step_behind_and_stores_what_it_sampled_with(tmp_path, rlvr_forks):
     store_root = tmp_path / "store"
     sets = [arg for o in (*TINY_OVERRIDES, "flow.async_level=1") for arg in ("--set", o)]
-    done = rlvr("run", "--store", str(store_root), "--run-id", "a", *sets, env=cli_env(PREFECT_API_URL=prefect_api))
+    done = rlvr("run", "--store", str(store_root), "--run-id", "a", *sets, forks=rlvr_forks)
     assert done.returncode == 0, done.stderr
     store = Store.open(str(store_root))
     sql = (

@@ -1,11 +1,11 @@
 """Many runs on one store: started together they all finish and are listed, a cleanup hammering the store
 meanwhile harms none of them, and of two runs started together under one id exactly one runs while the
-other gets one line naming the process that has it. Real `rlvr run` processes, a real Prefect server."""
+other gets one line naming the process that has it. Real `rlvr run` processes (forked by the worker's
+ForkServer, tests/fork_server.py), a real Prefect server."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +15,8 @@ import pytest
 from rlvr.storage.integrity import clean_leftovers
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
-from tests.cli_helpers import REPO, cli_env, rlvr, rlvr_command
+from tests.cli_helpers import rlvr
+from tests.fork_server import Forked, ForkServer
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +37,11 @@ SMALL = [
 ]
 
 
-def start(store: Path, run_id: str, env: dict[str, str], seed: int = 0) -> subprocess.Popen:
+def start(forks: ForkServer, store: Path, run_id: str, seed: int = 0) -> Forked:
     args = ["run", "--store", str(store), "--run-id", run_id, "--set", f"seed={seed}"]
     for override in SMALL:
         args += ["--set", override]
-    return subprocess.Popen(
-        rlvr_command(*args), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    return forks.start(args)
 
 
 def hammer_cleanup(root: str, stop: threading.Event, passes: list[int]) -> None:
@@ -53,10 +52,9 @@ def hammer_cleanup(root: str, stop: threading.Event, passes: list[int]) -> None:
         passes[0] += 1
 
 
-def outcome(proc: subprocess.Popen) -> tuple[int, str]:
+def outcome(proc: Forked) -> tuple[int, str]:
     """A process's exit code and stderr, once it ended."""
-    _, stderr = proc.communicate(timeout=600)
-    return proc.returncode, stderr
+    return proc.wait(timeout=600), proc.stderr_text()
 
 
 def runs_listed(store: Path) -> dict[str, dict]:
@@ -77,12 +75,11 @@ class Race:
 
 
 @pytest.fixture(scope="module")
-def races(tmp_path_factory: pytest.TempPathFactory, prefect_api: str) -> list[Race]:
+def races(tmp_path_factory: pytest.TempPathFactory, rlvr_forks: ForkServer) -> list[Race]:
     """REPEATS times, on a fresh store (every start races on an empty one): four runs started together while a
     cleanup hammers the store, and with them a fifth under the fourth's run id (another seed). The two tests below
     read the same races: a separate pair of runs under one id (the winner a whole run, the loser a start-up)
     cost the suite a whole run a repetition."""
-    env = cli_env(PREFECT_API_URL=prefect_api)
     found = []
     for repetition in range(REPEATS):
         store = tmp_path_factory.mktemp("shared") / f"store-{repetition}"
@@ -92,7 +89,7 @@ def races(tmp_path_factory: pytest.TempPathFactory, prefect_api: str) -> list[Ra
         stop, passes = threading.Event(), [0]
         hammer = threading.Thread(target=hammer_cleanup, args=(str(store), stop, passes))
         hammer.start()
-        procs = {(run_id, seed): start(store, run_id, env, seed=seed) for run_id, seed in starts}
+        procs = {(run_id, seed): start(rlvr_forks, store, run_id, seed=seed) for run_id, seed in starts}
         outcomes = {key: outcome(proc) for key, proc in procs.items()}
         stop.set()
         hammer.join()

@@ -16,7 +16,7 @@ from rlvr.storage.stage import run_stage
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.tasks.synthesize import SYNTHESIZE
-from tests.cli_helpers import cli_env, rlvr
+from tests.cli_helpers import rlvr
 
 GOOD = {"prompt": "What is 2 + 3?", "answer": "5"}
 BIG_PROMPT = "x" * (10 * 1024 * 1024)
@@ -64,7 +64,7 @@ EXPECTED_CHECKS = {
 
 
 @pytest.fixture(scope="module")
-def malformed_run(tmp_path_factory, prefect_api):
+def malformed_run(tmp_path_factory, rlvr_forks):
     """`rlvr data --config` over a malformed JSONL and a malformed CSV (the math verifier by default), on the
     session's Prefect server (a temporary one of its own costs 13 CPU-seconds, mostly its database's migrations)."""
     folder = tmp_path_factory.mktemp("malformed")
@@ -84,7 +84,7 @@ def malformed_run(tmp_path_factory, prefect_api):
     store = folder / "store"
     done = rlvr(
         "data", "--config", str(folder / "data.yaml"), "--store", str(store), "--run-id", "bad",
-        env=cli_env(PREFECT_API_URL=prefect_api),
+        forks=rlvr_forks,
     )  # fmt: skip
     return done, Store.open(str(store))
 
@@ -306,17 +306,16 @@ def test_mixed_domains_train_end_to_end_each_scored_by_its_verifier(tmp_path, pr
 
 
 @pytest.mark.slow
-def test_data_difficulty_export_and_training_on_a_data_run(tmp_path, prefect_api):
+def test_data_difficulty_export_and_training_on_a_data_run(tmp_path, rlvr_forks):
     """`rlvr data --input --policy init`, `rlvr run --data`, `rlvr difficulty` with another checkpoint, `rlvr export`."""
     from datasets import load_dataset
 
-    env = cli_env(PREFECT_API_URL=prefect_api)
     store = str(tmp_path / "store")
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(6)]
     (tmp_path / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     made = rlvr(
         "data", "--input", str(tmp_path / "sums.jsonl"), "--verifier", "arithmetic", "--policy", "init",
-        "--run-id", "sums", "--store", store, "--set", "difficulty.k=2", env=env,
+        "--run-id", "sums", "--store", store, "--set", "difficulty.k=2", forks=rlvr_forks,
     )  # fmt: skip
     assert made.returncode == 0, made.stderr[-2000:]
     assert (
@@ -325,7 +324,7 @@ def test_data_difficulty_export_and_training_on_a_data_run(tmp_path, prefect_api
     )
 
     small = [arg for key in TRAIN_SMALL for arg in ("--set", key)]
-    trained = rlvr("run", "--run-id", "on-sums", "--store", store, "--data", "sums", *small, env=env)
+    trained = rlvr("run", "--run-id", "on-sums", "--store", store, "--data", "sums", *small, forks=rlvr_forks)
     assert trained.returncode == 0, trained.stderr[-2000:]
     opened = Store.open(store)
     problems = query(opened, "SELECT DISTINCT run_id FROM problems").column("run_id").to_pylist()
@@ -334,13 +333,21 @@ def test_data_difficulty_export_and_training_on_a_data_run(tmp_path, prefect_api
         opened, "SELECT artifact_id FROM checkpoints WHERE run_id = 'on-sums' ORDER BY step DESC LIMIT 1"
     )
     again = rlvr(
-        "difficulty", "sums", "--policy", checkpoint.column("artifact_id")[0].as_py(), "--store", store, env=env
+        "difficulty",
+        "sums",
+        "--policy",
+        checkpoint.column("artifact_id")[0].as_py(),
+        "--store",
+        store,
+        forks=rlvr_forks,
     )
     assert again.returncode == 0, again.stderr[-2000:]
     policies = query(opened, "SELECT DISTINCT policy_id FROM difficulty WHERE run_id = 'sums'").to_pylist()
     assert len(policies) == 2  # the new estimate is a new artifact; the old one stays queryable
 
-    exported = rlvr("export", "sums", "--format", "verl", "--out", str(tmp_path / "verl"), "--store", store, env=env)
+    exported = rlvr(
+        "export", "sums", "--format", "verl", "--out", str(tmp_path / "verl"), "--store", store, forks=rlvr_forks
+    )
     assert exported.returncode == 0, exported.stderr[-2000:]
     train = load_dataset("parquet", data_files=str(tmp_path / "verl" / "train.parquet"), split="train")
     assert train.column_names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]

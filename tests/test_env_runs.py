@@ -13,7 +13,7 @@ import torch
 
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
-from tests.cli_helpers import SMALL_RUN, cli_env, rlvr
+from tests.cli_helpers import SMALL_RUN, rlvr
 
 pytestmark = pytest.mark.slow
 
@@ -133,11 +133,11 @@ NO_GEM = importlib.util.find_spec("gem") is None and not os.environ.get("CI")  #
 
 
 @pytest.mark.skipif(NO_GEM, reason="the gem extra is not installed (make envs)")
-def test_a_game_the_policy_cannot_read_is_refused_in_one_line_naming_the_share(tmp_path, prefect_api) -> None:
+def test_a_game_the_policy_cannot_read_is_refused_in_one_line_naming_the_share(tmp_path, rlvr_forks) -> None:
     """The tiny model's vocabulary (digits and + - * =) turns GEM's English into unknown tokens: every episode would
     be one empty turn scored -0.1, and the run would print "completed"."""
     sets = [arg for o in [*SMALL, *GEM] for arg in ("--set", o)]
-    done = rlvr("run", "--store", str(tmp_path / "store"), *sets, env=cli_env(PREFECT_API_URL=prefect_api))
+    done = rlvr("run", "--store", str(tmp_path / "store"), *sets, forks=rlvr_forks)
     assert done.returncode == 2  # the CLI's status for a user's error
     last = done.stderr.strip().splitlines()[-1]
     assert re.fullmatch(

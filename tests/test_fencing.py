@@ -20,8 +20,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +34,8 @@ from rlvr.storage.leases import LeaseLost, claim_run, lease_path, newest_lease_n
 from rlvr.storage.manifest import Manifest
 from rlvr.storage.processes import TMP_RE
 from rlvr.storage.store import Store
-from tests.cli_helpers import REPO, FolderChanges, cli_env, committed, store_folders, wait_for
+from tests.cli_helpers import FolderChanges, cli_env, committed, store_folders, wait_for
+from tests.fork_server import ForkServer, fork_server
 
 RUN_ID = "raced"
 OTHER_HOST = "another-host"
@@ -298,144 +297,13 @@ def patch_file_calls() -> None:
     shutil.rmtree = logged("rmtree", shutil.rmtree)  # type: ignore[assignment]
 
 
-# The processes of the real-process tests: forked by one interpreter that imported what `rlvr run` imports (torch,
-# transformers, Prefect: ~7 CPU-seconds a process) once for the module, with its file calls already wrapped
-# (`patch_file_calls`, dormant until a child names its log). A child is a process of its own (its pid, signals, exit
-# status, stderr file) that runs `rlvr ARGS` as `python -c "...; main()"` would: it leaves the fork loop and ends
-# the script, so a SystemExit or an uncaught exception ends it as it ends any interpreter. Nothing in the imports
-# reads the hostname (it is patched after them). The parent reports "forked PID" and "exited PID STATUS".
-FORK_SERVER = """
-import json, os, select, sys
-from tests.test_fencing import patch_file_calls
-patch_file_calls()
-import importlib
-from rlvr.flows.cli import main
-for module in ("rlvr.flows.config", "rlvr.flows.runs", "rlvr.trainer.devices", "rlvr.trainer.policy", "rich.progress"):
-    importlib.import_module(module)
-from rlvr.startup_objects import freeze_after_run_imports
-freeze_after_run_imports()  # as `rlvr run` does: the children's collections skip what the imports made
-
-
-def serve():
-    pending = b""
-    while True:
-        ready = select.select([0], [], [], 0.1)[0]
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            os.write(1, f"exited {pid} {os.waitstatus_to_exitcode(status)}\\n".encode())
-        if not ready:
-            continue
-        data = os.read(0, 1 << 16)
-        if not data:
-            os._exit(0)
-        pending += data
-        while b"\\n" in pending:
-            line, pending = pending.split(b"\\n", 1)
-            pid = os.fork()
-            if pid == 0:
-                return json.loads(line)
-            os.write(1, f"forked {pid}\\n".encode())
-
-
-spec = serve()
-null = os.open(os.devnull, os.O_RDWR)
-os.dup2(null, 0)
-os.dup2(null, 1)
-os.dup2(os.open(spec["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
-if spec.get("audit"):
-    from tests.test_fencing import install_write_audit
-    install_write_audit(*spec["audit"])
-if spec.get("host"):
-    import socket
-    socket.gethostname = lambda: spec["host"]
-sys.argv = ["-c", *spec["args"]]
-main()
-"""
-
-
-class ForkServer:
-    """The test's side of FORK_SERVER: starts `rlvr` processes and learns how they ended."""
-
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.log = log
-        with log.open("w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", FORK_SERVER],
-                cwd=REPO,
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-            )
-        self.forked: list[int] = []
-        self.exits: dict[int, int] = {}
-        self.gone = False
-        self.changed = threading.Condition()
-        threading.Thread(target=self._hear, daemon=True).start()
-
-    def _hear(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            kind, pid, *status = line.decode().split()
-            with self.changed:
-                if kind == "forked":
-                    self.forked.append(int(pid))
-                else:
-                    self.exits[int(pid)] = int(status[0])
-                self.changed.notify_all()
-        with self.changed:
-            self.gone = True  # no more children, no more exits
-            self.changed.notify_all()
-
-    def start(
-        self, args: list[str], *, stderr: Path, audit: tuple[Path, Path] | None = None, host: str | None = None
-    ) -> Forked:
-        """A new process running `rlvr ARGS`, stdout to /dev/null and stderr to `stderr`; with `audit` (a store's
-        root, a log) its file calls under that root are logged; with `host`, that is its hostname."""
-        spec = {"args": args, "stderr": str(stderr), "host": host, "audit": [str(p) for p in audit or ()]}
-        assert self.proc.stdin is not None
-        with self.changed:
-            self.proc.stdin.write(json.dumps(spec).encode() + b"\n")
-            self.proc.stdin.flush()
-            self.changed.wait_for(lambda: self.forked or self.gone, timeout=300)  # the first waits for the imports
-            assert self.forked, f"no process forked; the server's stderr: {self.log.read_text()}"
-            return Forked(self, self.forked.pop(0))
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-
-
-class Forked:
-    """One process of a ForkServer, with what the tests use of subprocess.Popen."""
-
-    def __init__(self, server: ForkServer, pid: int) -> None:
-        self.server, self.pid = server, pid
-
-    def poll(self) -> int | None:
-        with self.server.changed:
-            return self.server.exits.get(self.pid)
-
-    def wait(self, timeout: float | None = None) -> int:
-        server = self.server
-        with server.changed:
-            if not server.changed.wait_for(lambda: self.pid in server.exits or server.gone, timeout=timeout):
-                raise subprocess.TimeoutExpired(f"rlvr process {self.pid}", timeout or 0)
-            assert self.pid in server.exits, f"the fork server ended first; its stderr: {server.log.read_text()}"
-            return server.exits[self.pid]
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+def child_setup(spec: dict[str, Any]) -> None:
+    """In a forked `rlvr` process (tests/fork_server.py), before it runs: with `audit` (a store's root, a log) its
+    file calls under that root are logged; with `host`, that is its hostname (nothing in the imports read it)."""
+    if spec.get("audit"):
+        install_write_audit(*spec["audit"])
+    if spec.get("host"):
+        socket.gethostname = lambda: spec["host"]
 
 
 STEPS = 4  # the takeovers land in steps 1 and 3; the new owner then finishes the run
@@ -479,11 +347,11 @@ def process_state(pid: int) -> str:
 def rlvr_processes(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
     """The module's ForkServer, on the session's Prefect server, with heartbeats every 0.2 s and the timeout."""
     env = cli_env(PREFECT_API_URL=prefect_api, RLVR_HEARTBEAT_S="0.2", RLVR_HEARTBEAT_TIMEOUT_S=str(TIMEOUT_S))
-    server = ForkServer(env, tmp_path_factory.mktemp("fork-server") / "server.err")
-    try:
-        yield server
-    finally:
-        server.close()
+    folder = tmp_path_factory.mktemp("fork-server")
+    # the file calls wrapped before the run's modules are imported, dormant until a child names its log
+    yield from fork_server(
+        env, folder, prepare="tests.test_fencing:patch_file_calls", child="tests.test_fencing:child_setup"
+    )
 
 
 @pytest.mark.slow
@@ -494,7 +362,7 @@ def test_a_run_taken_over_halfway_through_a_step_writes_nothing_after(
     store, audit = tmp_path / "store", tmp_path / "old-writes.log"
     args = ["run", "--store", str(store), "--run-id", RUN_ID] + [a for o in OVERRIDES for a in ("--set", o)]
     old_err = tmp_path / "old.err"
-    old = rlvr_processes.start(args, stderr=old_err, audit=(store, audit))
+    old = rlvr_processes.start(args, stderr=old_err, audit=[str(store), str(audit)])
     try:
         deadline = time.monotonic() + 300
         with FolderChanges() as changes:  # checked at each change of the folders the moments read: steps are short

@@ -30,7 +30,7 @@ from rlvr.trainer.graph_decoding import (
 )
 from rlvr.trainer.kv_caches import CACHE_ARGUMENT, dynamic_cache, static_cache
 from rlvr.trainer.policy import Policy, PolicyConfig, init_policy
-from tests.cli_helpers import cli_env, rlvr
+from tests.cli_helpers import rlvr
 from tests.conftest import TINY_OVERRIDES
 from tests.test_grpo_memory import QWEN_VOCAB, qwen_policy
 
@@ -337,7 +337,7 @@ def test_smollm2_chat_prompts_of_different_lengths_sample_the_same_tokens():
     assert max(gaps) < 1e-4  # float32 sums over a longer, masked key length
 
 
-def test_a_whole_run_on_the_graph_loop_samples_and_trains_what_the_default_run_does(tmp_path, prefect_api):
+def test_a_whole_run_on_the_graph_loop_samples_and_trains_what_the_default_run_does(tmp_path, rlvr_forks):
     """`rlvr run --set rollout.cache=graph` (difficulty, rollouts and evaluations all through the loop) against the
     default run, same run id and seed, each in its own store: the same completions at every step, so the same
     rewards and updates (3 steps, not the tiny run's 6: each update is checked by the next step's completions)."""
@@ -345,7 +345,7 @@ def test_a_whole_run_on_the_graph_loop_samples_and_trains_what_the_default_run_d
 
     def completions(name: str, *extra: str) -> list[dict]:
         root = str(tmp_path / name)
-        done = rlvr("run", "--store", root, "--run-id", "r", *sets, *extra, env=cli_env(PREFECT_API_URL=prefect_api))
+        done = rlvr("run", "--store", root, "--run-id", "r", *sets, *extra, forks=rlvr_forks)
         assert done.returncode == 0, done.stderr[-3000:]
         sql = "SELECT step, slot, sample_index, completion_ids FROM rollouts ORDER BY step, slot, sample_index"
         return query(Store.open(root), sql).to_pylist()

@@ -33,6 +33,7 @@ from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.verifiers.cache import RewardCache, entry_key
 from tests.cli_helpers import REPO, SMALL_RUN, cli_env, rlvr, rlvr_command
+from tests.fork_server import ForkServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_prefect")]
 
@@ -98,10 +99,12 @@ def judged(url: str, **extra: Any) -> list[str]:
     return [f"reward.judge={json.dumps(endpoint)}", "reward.max_error_rate=1.0"]
 
 
-def run(store: str, run_id: str, overrides: list[str]) -> subprocess.CompletedProcess:
-    """A whole run, the judge's key in KEY_ENV."""
+def run(forks: ForkServer, store: str, run_id: str, overrides: list[str]) -> subprocess.CompletedProcess:
+    """A whole `rlvr run` process, the judge's key in KEY_ENV."""
     sets = [arg for o in [*SMALL, *overrides] for arg in ("--set", o)]
-    result = rlvr("run", "--store", store, "--run-id", run_id, *sets, env=cli_env(**{KEY_ENV: KEY}), timeout=600)
+    result = rlvr(
+        "run", "--store", store, "--run-id", run_id, *sets, env=cli_env(**{KEY_ENV: KEY}), timeout=600, forks=forks
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return result
 
@@ -120,7 +123,7 @@ def rows(store: str, sql: str) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def judged_store(judge, tmp_path_factory) -> tuple[str, dict[str, int], subprocess.CompletedProcess]:
+def judged_store(judge, tmp_path_factory, rlvr_forks) -> tuple[str, dict[str, int], subprocess.CompletedProcess]:
     """One store, three runs of the same config: the judge, the same judge again, then a changed template; with
     the judge's call counts after each, and the first run's output (its warnings, for the key's test). The first is
     `rlvr run` in a subprocess, the key in its environment, as a user runs it; the other two, read only from the
@@ -129,7 +132,7 @@ def judged_store(judge, tmp_path_factory) -> tuple[str, dict[str, int], subproce
     store = str(tmp_path_factory.mktemp("judged") / "store")
     calls: dict[str, int] = {}
     before = rule.calls
-    first = run(store, "first", judged(url))
+    first = run(rlvr_forks, store, "first", judged(url))
     calls["first"] = rule.calls - before
     with pytest.MonkeyPatch.context() as env:
         env.setenv(KEY_ENV, KEY)
@@ -202,13 +205,15 @@ def test_a_changed_template_asks_the_judge_again(judged_store) -> None:
     assert calls["retemplated"] >= sum(1 for v in verdicts if not v["cache_hit"]) > 0
 
 
-def test_a_judge_that_fails_every_call_stops_the_run_at_its_first_stage_in_one_line(judge, tmp_path) -> None:
+def test_a_judge_that_fails_every_call_stops_the_run_at_its_first_stage_in_one_line(
+    judge, tmp_path, rlvr_forks
+) -> None:
     """Its circuit breaker trips on the 21st failure (reward.max_error_rate 0.1 of a 200-verdict window): in the
     first stage that asks, the held-out evaluation before the warm start, not after a stage has asked everything."""
     _, url = judge
     endpoint = {"base_url": f"{url}/down/v1", "model": "rule", "retries": 1, "backoff_s": 0, "timeout_s": 10}
     sets = [arg for o in [*SMALL, f"reward.judge={json.dumps(endpoint)}"] for arg in ("--set", o)]
-    result = rlvr("run", "--store", str(tmp_path / "store"), *sets, env=cli_env(), timeout=600)
+    result = rlvr("run", "--store", str(tmp_path / "store"), *sets, env=cli_env(), timeout=600, forks=rlvr_forks)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]  # after the progress bar's last state
     assert last == (
@@ -295,7 +300,7 @@ def test_a_judge_that_times_out_on_every_call_stops_the_run_within_two_minutes(t
 
 
 def test_a_judge_behind_a_key_works_end_to_end_and_without_the_key_the_run_stops_in_one_line(
-    judge, judged_store, tmp_path
+    judge, judged_store, tmp_path, rlvr_forks
 ) -> None:
     """The module's judge wants KEY: the judged store's first run got it from KEY_ENV (the rule judge's own verdicts,
     never a 401), and the key is nowhere in its output or the store; a run without KEY_ENV stops in one line."""
@@ -322,7 +327,7 @@ def test_a_judge_behind_a_key_works_end_to_end_and_without_the_key_the_run_stops
     stored = [path for path in Path(store).rglob("*") if path.is_file()]
     assert stored and not [path for path in stored if KEY.encode() in path.read_bytes()]
     sets = [arg for o in [*SMALL, *judged(url)] for arg in ("--set", o)]
-    unset = rlvr("run", "--store", str(tmp_path / "other"), *sets, env=cli_env(), timeout=300)
+    unset = rlvr("run", "--store", str(tmp_path / "other"), *sets, env=cli_env(), timeout=300, forks=rlvr_forks)
     assert unset.returncode != 0 and "Traceback" not in unset.stderr
     assert unset.stderr.strip().splitlines()[-1] == (
         f"error: config key 'reward.judge.api_key_env': the environment variable {KEY_ENV} is not set: "
@@ -428,7 +433,7 @@ def test_a_reward_model_rewards_a_run_and_a_dead_one_stops_it(judge, tmp_path) -
     )
 
 
-def test_relabelling_a_judged_run_asks_its_judge_again_only_what_failed(judge, judged_store) -> None:
+def test_relabelling_a_judged_run_asks_its_judge_again_only_what_failed(judge, judged_store, rlvr_forks) -> None:
     """`rlvr relabel` reads the run's reward.judge: the judge's cached verdicts stand, the failed ones are asked
     again with their questions (and fail again: the rule judge fails on every 3), so nothing flips. It reads only
     that section of the run's config, so it never imports torch (the whole config's type imports every stage)."""
@@ -453,7 +458,15 @@ def test_relabelling_a_judged_run_asks_its_judge_again_only_what_failed(judge, j
 
     # scoring them with a model the run was never given: the line a run says, without Prefect's log of the task
     result = rlvr(
-        "relabel", "again", "--verifier", "reward_model", "--store", store, env=cli_env(**{KEY_ENV: KEY}), timeout=300
+        "relabel",
+        "again",
+        "--verifier",
+        "reward_model",
+        "--store",
+        store,
+        env=cli_env(**{KEY_ENV: KEY}),
+        timeout=300,
+        forks=rlvr_forks,
     )
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (

@@ -2,7 +2,8 @@
 
 The killed run and a reference run share seed, config and run id but live in different stores; the reference runs
 in the test's process (the same config and flow as `rlvr run`, without paying its imports again), the killed run
-and its resumes as `rlvr` processes. After three kills (one inside the difficulty stage, between two of its
+and its resumes as `rlvr` processes (forked by the worker's ForkServer, tests/fork_server.py: each a process of its
+own, which a SIGKILL ends, without ~7 CPU-s of imports apiece). After three kills (one inside the difficulty stage, between two of its
 shards, one near the middle of the RL steps and one near their end; five, two more in between, cost the suite about
 two minutes on 2 cores) and the resumes that follow them, both stores hold exactly the same artifact ids, the same
 decisions (SEC's selections and arm values, Knapsack's allocations, the training figures) and final checkpoints
@@ -22,7 +23,6 @@ token span, text and the trajectories' stop reasons) are equal too.
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +31,8 @@ import pytest
 
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
-from tests.cli_helpers import REPO, FolderChanges, cli_env, committed, rlvr_command, store_folders
+from tests.cli_helpers import FolderChanges, committed, store_folders
+from tests.fork_server import Forked, ForkServer
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,7 @@ OVERRIDES = [
 ]
 
 
-def start(command: str, store: Path, env: dict[str, str], extra: tuple[str, ...] = ()) -> subprocess.Popen:
+def start(forks: ForkServer, command: str, store: Path, extra: tuple[str, ...] = ()) -> Forked:
     args = (
         ["run", "--store", str(store), "--run-id", RUN_ID]
         if command == "run"
@@ -60,9 +61,7 @@ def start(command: str, store: Path, env: dict[str, str], extra: tuple[str, ...]
     if command == "run":
         for o in (*OVERRIDES, *extra):
             args += ["--set", o]
-    return subprocess.Popen(
-        rlvr_command(*args), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    return forks.start(args)
 
 
 def run_in_this_process(store: Path, extra: tuple[str, ...]) -> None:
@@ -89,7 +88,7 @@ def between_difficulty_shards(store: Path) -> bool:
     return False
 
 
-def kill_when(proc: subprocess.Popen, condition: Callable[[], bool], store: Path, timeout: float = 240) -> bool:
+def kill_when(proc: Forked, condition: Callable[[], bool], store: Path, timeout: float = 240) -> bool:
     """SIGKILL `proc` as soon as `condition` holds, checked whenever the run changes a folder of `store` that the
     conditions read (a manifest committed, a difficulty shard written); False if the process ended first."""
     deadline = time.monotonic() + timeout
@@ -174,8 +173,7 @@ MULTI_TURN = (
     [(0, SYNC_WITH_HINTS_AND_REWRITES), (1, (*SKILLS, "flow.async_level=1")), (1, MULTI_TURN)],
     ids=["sync", "async", "multi_turn"],
 )
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api, async_level, extra):
-    env = cli_env(PREFECT_API_URL=prefect_api)
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, rlvr_forks, async_level, extra):
     reference, killed = tmp_path / "reference", tmp_path / "killed"
 
     run_in_this_process(reference, extra)
@@ -187,15 +185,15 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, prefect_api, async_l
     if async_level:
         moments.insert(2, lambda: generation_ahead(killed))
     missed = []
-    proc = start("run", killed, env, extra)
+    proc = start(rlvr_forks, "run", killed, extra)
     for index, moment in enumerate(moments):
         if kill_when(proc, moment, killed):
             if index == 0:  # the first kill landed inside the sharded stage: shards on disk, no manifest
                 assert not Store.open(str(killed)).manifests(kind="difficulty")
         else:  # the process ended before the moment came: say how
-            missed.append((index, proc.returncode, proc.stderr.read()[-1000:]))
-        proc = start("resume", killed, env)
-    assert proc.wait(timeout=600) == 0, proc.stderr.read()
+            missed.append((index, proc.returncode, proc.stderr_text()[-1000:]))
+        proc = start(rlvr_forks, "resume", killed)
+    assert proc.wait(timeout=600) == 0, proc.stderr_text()
     assert missed == []
 
     ids = lambda root: sorted(m.artifact_id for m in Store.open(str(root)).manifests())  # noqa: E731

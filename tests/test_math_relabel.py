@@ -17,7 +17,7 @@ from rlvr.storage.stage import rows_to_table
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.verifiers.math import MathVerifier
-from tests.cli_helpers import cli_env, rlvr
+from tests.cli_helpers import rlvr
 
 RUN = "math-v1-run"
 # (family, response, reference, version-1 score, version-1 status, version-1 extracted)
@@ -163,14 +163,12 @@ def test_the_recorded_verdicts_are_what_version_2_changes():
         assert new_status == EXPECTED_FLIPS.get(f"r{i:02d}", (old_status, old_status))[1], (response, new_status)
 
 
-def test_relabel_shows_the_flips_from_version_1(tmp_path, prefect_api):
+def test_relabel_shows_the_flips_from_version_1(tmp_path, rlvr_forks):
     root = str(tmp_path / "store")
     rewards_id = _write_store_labelled_by_version_1(root)
-    # The session's Prefect server: without PREFECT_API_URL `rlvr relabel` starts a temporary one in the store,
-    # about 13 CPU-seconds of start-up this test does not check (test_ui.py checks that path).
-    env = cli_env(PREFECT_API_URL=prefect_api)
-
-    result = rlvr("relabel", rewards_id, "--verifier", "math", "--store", root, "--workers", "1", env=env)
+    # The worker's forked `rlvr` on the session's Prefect server: without PREFECT_API_URL `rlvr relabel` starts a
+    # temporary one in the store, about 13 CPU-seconds of start-up this test does not check (test_ui.py checks it).
+    result = rlvr("relabel", rewards_id, "--verifier", "math", "--store", root, "--workers", "1", forks=rlvr_forks)
 
     assert result.returncode == 0, result.stderr
     up = sum(new == "ok" for _, new in EXPECTED_FLIPS.values())

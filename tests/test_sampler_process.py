@@ -26,8 +26,9 @@ from rlvr.storage.views import query
 from rlvr.trainer import checkpoints
 from rlvr.trainer.checkpoints import _load_in_place, _plain_weights, source_checkpoint
 from rlvr.trainer.policy import PolicyConfig, init_policy, policy_files
-from tests.cli_helpers import REPO, cli_env, rlvr
+from tests.cli_helpers import REPO, rlvr
 from tests.conftest import TINY_OVERRIDES
+from tests.fork_server import ForkServer
 from tests.sampler_jobs import Doubler
 
 
@@ -129,9 +130,9 @@ def test_a_process_sampler_needs_a_store_another_process_can_open():
     assert "sampler" not in load_config(None, ["run_id=a", "flow.sampler=process"]).flow.model_dump()
 
 
-def _run(store: str, prefect_api: str, *extra: str) -> None:
+def _run(store: str, forks: ForkServer, *extra: str) -> None:
     sets = [arg for o in (*TINY_OVERRIDES, *extra) for arg in ("--set", o)]
-    done = rlvr("run", "--store", store, "--run-id", "a", *sets, env=cli_env(PREFECT_API_URL=prefect_api))
+    done = rlvr("run", "--store", store, "--run-id", "a", *sets, forks=forks)
     assert done.returncode == 0, done.stderr
 
 
@@ -142,13 +143,13 @@ def _weights(root: str) -> bytes:
 
 
 @pytest.mark.slow
-def test_process_and_thread_samplers_commit_the_same_run(tmp_path, prefect_api):
+def test_process_and_thread_samplers_commit_the_same_run(tmp_path, rlvr_forks):
     """The process sampler's run through `rlvr run`; the thread sampler's in this process (`execute`, what the
     command calls), which spares a second interpreter's imports (about 8 CPU-seconds)."""
     from rlvr.flows.runs import execute
 
     process, thread = str(tmp_path / "process"), str(tmp_path / "thread")
-    _run(process, prefect_api, "flow.async_level=1")
+    _run(process, rlvr_forks, "flow.async_level=1")
     execute(thread, load_config(None, ["run_id=a", *TINY_OVERRIDES, "flow.async_level=1", "flow.sampler=thread"]))
     ids = lambda root: sorted(m.artifact_id for m in Store.open(root).manifests() if m.kind != "runs")  # noqa: E731
     assert ids(process) == ids(thread)
@@ -156,9 +157,9 @@ def test_process_and_thread_samplers_commit_the_same_run(tmp_path, prefect_api):
 
 
 @pytest.mark.slow
-def test_level_2_samples_two_steps_ahead_within_the_bound(tmp_path, prefect_api, monkeypatch):
+def test_level_2_samples_two_steps_ahead_within_the_bound(tmp_path, rlvr_forks, monkeypatch):
     store = str(tmp_path / "store")
-    _run(store, prefect_api, "flow.async_level=2")
+    _run(store, rlvr_forks, "flow.async_level=2")
     sql = (
         "SELECT r.step, min(r.staleness) AS low, max(r.staleness) AS high, any_value(t.step) AS sampler_step "
         "FROM rollouts r LEFT JOIN train_steps t ON r.policy_id = t.policy_id GROUP BY r.step ORDER BY r.step"

@@ -26,6 +26,7 @@ from rlvr.storage.manifest import Manifest
 from rlvr.storage.store import Store
 from tests.cli_helpers import REPO, cli_env, rlvr
 from tests.conftest import TINY_OVERRIDES
+from tests.fork_server import ForkServer
 
 pytestmark = pytest.mark.slow
 
@@ -50,10 +51,13 @@ def store(made: Path, tmp_path: Path) -> Path:
     return copy
 
 
-def run_cli(*args: str, prefect_api: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = cli_env(PREFECT_API_URL=prefect_api) if prefect_api else cli_env()
-    if prefect_api is None:
-        env.pop("PREFECT_API_URL", None)
+def run_cli(*args: str, forks: ForkServer | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`rlvr ARGS`: forked by `forks` on the session's Prefect server, or without one a new interpreter with a
+    temporary server of its own."""
+    if forks is not None:
+        return rlvr(*args, forks=forks, timeout=timeout)
+    env = cli_env()
+    env.pop("PREFECT_API_URL", None)
     return rlvr(*args, env=env, timeout=timeout)
 
 
@@ -90,7 +94,9 @@ def flip_byte(path: Path, offset: int = 60) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_flipped_bytes_are_found_and_resume_rebuilds_what_it_can(store: Path, made: Path, prefect_api: str) -> None:
+def test_flipped_bytes_are_found_and_resume_rebuilds_what_it_can(
+    store: Path, made: Path, rlvr_forks: ForkServer
+) -> None:
     rewards, rollouts = artifact(store, "rewards", 2), artifact(store, "rollouts", 3)
     flip_byte(part_of(store, rewards))
     flip_byte(part_of(store, rollouts))
@@ -105,7 +111,7 @@ def test_flipped_bytes_are_found_and_resume_rebuilds_what_it_can(store: Path, ma
         and "cannot rebuild it: it needs the weights of the policy after step 2" in report
     )
 
-    resumed = run_cli("resume", RUN, "--store", str(store), prefect_api=prefect_api)
+    resumed = run_cli("resume", RUN, "--store", str(store), forks=rlvr_forks)
     assert resumed.returncode == 0, resumed.stderr
     # stderr is not a terminal here: each progress line, warnings too, starts with its clock ("[0:00:01] ")
     lines = [re.sub(r"^\[\d+:\d\d:\d\d\] ", "", line) for line in resumed.stderr.splitlines()]
@@ -194,18 +200,18 @@ def test_a_missing_model_is_one_line_before_any_stage(tmp_path: Path) -> None:
     assert not (root / "manifests").exists()
 
 
-def test_data_with_no_problems_is_one_line(tmp_path: Path, prefect_api: str) -> None:
+def test_data_with_no_problems_is_one_line(tmp_path: Path, prefect_api: str, rlvr_forks: ForkServer) -> None:
     root = str(tmp_path / "data")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    refused = run_cli("data", "--input", str(empty), "--store", root, "--verifier", "math", prefect_api=prefect_api)
+    refused = run_cli("data", "--input", str(empty), "--store", root, "--verifier", "math", forks=rlvr_forks)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         f"error: input '{empty}' is empty: there is nothing to read"
     ]
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(3)))  # no reference
     made = run_cli("data", "--input", str(bad), "--store", root, "--verifier", "math", "--run-id", "bad",
-                   prefect_api=prefect_api)  # fmt: skip
+                   forks=rlvr_forks)  # fmt: skip
     assert made.returncode == 2
     (line,) = error_lines(made.stderr)
     assert line.startswith("error: run 'bad' has no problems to train on: of 3 rows read, 3 were quarantined")
@@ -226,7 +232,7 @@ def _mount_tmpfs(target: Path, size: str) -> bool:
     return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)]).returncode == 0
 
 
-def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path: Path, prefect_api: str) -> None:
+def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path: Path, rlvr_forks: ForkServer) -> None:
     disk = tmp_path / "disk"
     if not _mount_tmpfs(disk, "1500k"):
         pytest.skip("a small tmpfs could not be mounted (needs root and mount)")
@@ -235,7 +241,7 @@ def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path: Path, prefect_api
         args = ["run", "--store", root, "--run-id", "full"]
         for override in TINY_OVERRIDES:
             args += ["--set", override]
-        stopped = run_cli(*args, prefect_api=prefect_api)
+        stopped = run_cli(*args, forks=rlvr_forks)
         assert stopped.returncode == 2
         (line,) = error_lines(stopped.stderr)
         assert line.startswith("error: run 'full' stopped: no space left on the device")
