@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import subprocess
 from pathlib import Path
 
 import pyarrow as pa
@@ -35,6 +34,7 @@ from rlvr.trainer.rlpr import reference_probabilities
 from rlvr.verifiers.arithmetic import final_number
 from rlvr.verifiers.cache import VerifierConfig
 from rlvr.verifiers.rlpr import ReferenceText, RLPRConfig, answer_span, rlpr_reward
+from tests.fork_server import Forked
 
 # ----- where a response states its answer ---------------------------------------------------------------------
 
@@ -494,8 +494,8 @@ def test_sampler_debiasing_is_once_per_problem_and_policy(tmp_path, prefect_api,
 
 
 @pytest.mark.slow
-def test_killed_rlpr_run_resumes_to_the_uninterrupted_one(tmp_path, prefect_api):
-    from tests.cli_helpers import REPO, cli_env, committed, rlvr_command
+def test_killed_rlpr_run_resumes_to_the_uninterrupted_one(tmp_path, rlvr_forks):
+    from tests.cli_helpers import committed
     from tests.test_kill_resume import final_weights, kill_when
 
     overrides = [
@@ -513,16 +513,13 @@ def test_killed_rlpr_run_resumes_to_the_uninterrupted_one(tmp_path, prefect_api)
         "filter.std.skip_steps=0",
         "filter.std.warmup_steps=1",
     ]
-    env = cli_env(PREFECT_API_URL=prefect_api)
 
-    def start(command: str, store: Path) -> subprocess.Popen:
+    def start(command: str, store: Path) -> Forked:
         if command == "run":
             args = ["run", "--store", str(store), "--run-id", "k", *[a for o in overrides for a in ("--set", o)]]
         else:
             args = ["resume", "k", "--store", str(store)]
-        return subprocess.Popen(
-            rlvr_command(*args), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
+        return rlvr_forks.start(args)  # a process of its own, forked by the worker's ForkServer
 
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     # the uninterrupted run in this process (`execute`, what `rlvr run` calls): a third interpreter's imports spared
@@ -532,9 +529,9 @@ def test_killed_rlpr_run_resumes_to_the_uninterrupted_one(tmp_path, prefect_api)
     execute(str(reference), load_config(None, ["run_id=k", *overrides]))
     proc = start("run", killed)
     for moment in (lambda: committed(killed, "rlpr_debias") >= 2, lambda: committed(killed, "filtered_groups") >= 3):
-        assert kill_when(proc, moment, killed), proc.stderr.read()[-1000:]
+        assert kill_when(proc, moment, killed), proc.stderr_text()[-1000:]
         proc = start("resume", killed)
-    assert proc.wait(timeout=600) == 0, proc.stderr.read()
+    assert proc.wait(timeout=600) == 0, proc.stderr_text()
 
     ids = lambda root: sorted(m.artifact_id for m in Store.open(str(root)).manifests())  # noqa: E731
     assert ids(killed) == ids(reference)

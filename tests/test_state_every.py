@@ -4,7 +4,6 @@ stored states is rebuilt by replaying the committed updates after the older one,
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 from rlvr.storage.policy_chain import PolicyChain, policy_chain, weights_needed
 from rlvr.storage.stage import _replace_transient, prune_transient, rows_to_table
 from rlvr.storage.store import Store
-from tests.cli_helpers import REPO, FolderChanges, cli_env, committed, rlvr_command, store_folders
+from tests.cli_helpers import FolderChanges, committed, store_folders
 
 RUN = "r"
 
@@ -102,10 +101,11 @@ OVERRIDES = [
 
 
 def _command(store: Path, *sets: str) -> list[str]:
+    """The `rlvr` arguments of the run."""
     args = ["run", "--store", str(store), "--run-id", "k"]
     for item in [*OVERRIDES, *sets]:
         args += ["--set", item]
-    return rlvr_command(*args)
+    return args
 
 
 def _run_here(store: Path, *sets: str) -> None:
@@ -128,17 +128,14 @@ def _train_steps(store: Path) -> dict[int, str]:
 
 
 @pytest.mark.slow
-def test_a_run_killed_between_stored_states_resumes_to_the_same_weights(tmp_path, prefect_api):
+def test_a_run_killed_between_stored_states_resumes_to_the_same_weights(tmp_path, rlvr_forks):
     """Killed after step 4 (whose state was not stored), the resumed run rebuilds step 4's policy from step 3's
     state and ends with the weights of an uninterrupted run, and of a run that stored every step. The killed run
-    is an `rlvr run` process; the resume (`resume`, what `rlvr resume` calls) and the other two runs run here."""
+    is an `rlvr run` process (forked by the worker's ForkServer); the resume (`resume`, what `rlvr resume` calls) and the other two runs run here."""
     from rlvr.flows.runs import resume
 
-    env = cli_env(PREFECT_API_URL=prefect_api)
     every_step, reference, killed = tmp_path / "every", tmp_path / "reference", tmp_path / "killed"
-    proc = subprocess.Popen(
-        _command(killed, "train.state_every=3"), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    proc = rlvr_forks.start(_command(killed, "train.state_every=3"))
     deadline = time.monotonic() + 300
     with FolderChanges() as changes:  # checked as each manifest is committed: a tiny step is over in a blink
         changes.watch(store_folders(killed))
