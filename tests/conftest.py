@@ -7,6 +7,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 _HOME = tempfile.mkdtemp(prefix="rlvr-tests-")
 os.environ["PREFECT_HOME"] = os.path.join(_HOME, "prefect")
@@ -21,7 +22,8 @@ os.environ.pop("RLVR_STORE", None)
 
 import pytest  # noqa: E402
 
-from tests.fork_server import ForkServer, fork_server  # noqa: E402
+if TYPE_CHECKING:
+    from tests.fork_server import ForkServer
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +44,7 @@ def rlvr_forks(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> It
     """The worker's `rlvr` processes, forked by one interpreter that paid a run's imports once (tests/fork_server.py),
     on the session's Prefect server; started at the first test that asks for it."""
     from tests.cli_helpers import cli_env
+    from tests.fork_server import fork_server
 
     yield from fork_server(cli_env(PREFECT_API_URL=prefect_api), tmp_path_factory.mktemp("rlvr-forks"))
 
