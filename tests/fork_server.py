@@ -79,7 +79,10 @@ def serve():
 spec = serve()
 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
 for fd, path in ((1, spec["stdout"]), (2, spec["stderr"])):
-    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    if fd == 2 and path == spec["stdout"]:
+        os.dup2(1, 2)  # one file for both, as stderr=subprocess.STDOUT
+    else:
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
 os.chdir(spec["cwd"])
 if spec["env"] is not None:
     os.environ.clear()
@@ -137,13 +140,16 @@ class ForkServer:
         **extra: Any,
     ) -> Forked:
         """A new process running `rlvr ARGS` in `cwd` with `env` (the server's when None), its stdout and stderr in
-        files (new ones in the server's folder unless named); `extra` goes to the child hook in its spec."""
+        files (new ones in the server's folder unless named; both in one when the same); `extra` goes to the child hook in
+        its spec."""
         if env is not None:
             differ = sorted(k for k in {*env, *self.env} if k.startswith("PREFECT_") and env.get(k) != self.env.get(k))
             assert not differ, f"the fork server's imports read {differ} already; start this command as a process"
         name = next(self._names)
         stdout = stdout or self.folder / f"{name}.out"
         stderr = stderr or self.folder / f"{name}.err"
+        for path in (stdout, stderr):
+            path.touch()  # there from now on, as a Popen's redirected files are, though the child opens them later
         spec = {"args": args, "env": env, "cwd": str(cwd), "stdout": str(stdout), "stderr": str(stderr), **extra}
         assert self.proc.stdin is not None
         with self.changed:

@@ -52,8 +52,8 @@ def _contents(store: Path) -> tuple[list[str], list[dict], bytes]:
     return ids, rollouts, s.read_file(final.artifact_id, "model.safetensors")
 
 
-def test_two_nodes_on_localhost_equal_one_node(tmp_path, prefect_api):
-    env = cli_env(PREFECT_API_URL=prefect_api)
+def test_two_nodes_on_localhost_equal_one_node(tmp_path, rlvr_forks):
+    env = cli_env(PREFECT_API_URL=rlvr_forks.env["PREFECT_API_URL"])
     port = _free_port()
     nodes = []
     for node in (0, 1):
@@ -65,7 +65,7 @@ def test_two_nodes_on_localhost_equal_one_node(tmp_path, prefect_api):
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(output[-3000:] for output in outputs)
     assert "run nodes completed" in outputs[0]  # node 0 ran the flow; node 1 only served
 
-    one = rlvr(*_run_arguments(tmp_path / "one-node"), env=env, timeout=900)
+    one = rlvr(*_run_arguments(tmp_path / "one-node"), timeout=900, forks=rlvr_forks)  # forked: imports paid
     assert one.returncode == 0, one.stderr[-3000:]
     two_ids, two_rollouts, two_weights = _contents(tmp_path / "two-nodes")
     one_ids, one_rollouts, one_weights = _contents(tmp_path / "one-node")

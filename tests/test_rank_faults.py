@@ -8,7 +8,7 @@ after the third RL step's update is committed, and states are stored every secon
 step 3 from step 2's sharded state. One run is killed in each rank; each of its two resumes starts from a copy of
 its store.
 
-The kills are of `rlvr run` processes. The uninterrupted run and three of the four resumes run in this process
+The kills are of `rlvr run` processes (forked by the worker's ForkServer, tests/fork_server.py). The uninterrupted run and three of the four resumes run in this process
 (`execute`, `resume`: what `rlvr run` and `rlvr resume` call; this process is then rank 0 and starts the other
 ranks as processes of their own), sparing an interpreter's imports each (about 9 CPU-s); the first resume goes
 through `rlvr resume --set train.data_parallel=2`, the command line's one check here. A run with ranks forgets
@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from rlvr.storage.store import Store
-from tests.cli_helpers import REPO, cli_env, committed, rlvr_command, wait_for
+from tests.cli_helpers import FolderChanges, cli_env, committed, store_folders, wait_for
+from tests.fork_server import Forked, ForkServer
 
 pytestmark = pytest.mark.slow
 
@@ -47,17 +47,15 @@ OVERRIDES = [
 ]
 
 
-def start(store: Path, env: dict[str, str], resume_ranks: int | None = None) -> subprocess.Popen:
-    """`rlvr run`, or with `resume_ranks` `rlvr resume` on that many ranks."""
+def start(forks: ForkServer, store: Path, env: dict[str, str], resume_ranks: int | None = None) -> Forked:
+    """`rlvr run`, or with `resume_ranks` `rlvr resume` on that many ranks: a process forked by `forks`."""
     if resume_ranks is None:
         args, sets = ["run", "--store", str(store), "--run-id", RUN_ID], OVERRIDES
     else:
         args, sets = ["resume", RUN_ID, "--store", str(store)], [f"train.data_parallel={resume_ranks}"]
     for item in sets:
         args += ["--set", item]
-    return subprocess.Popen(
-        rlvr_command(*args), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    return forks.start(args, env=env)
 
 
 def rank_processes(mark: str, parent: int | None = None) -> list[int]:
@@ -102,22 +100,28 @@ def uninterrupted(tmp_path_factory, prefect_api) -> Path:
     return store
 
 
-def kill_a_rank(root: Path, prefect_api: str, victim: str) -> Path:
+def kill_a_rank(root: Path, forks: ForkServer, victim: str) -> Path:
     """A store whose two-rank run was SIGKILLed in `victim` (rank 0: the run's own process) after its third
     committed update, checked to have ended as it should: within 30 s, with one line naming a killed rank 1, and
     leaving no rank process behind."""
     mark = f"rank-faults-{root.name}"
-    env = cli_env(PREFECT_API_URL=prefect_api, RLVR_TEST_MARK=mark)
+    env = cli_env(PREFECT_API_URL=forks.env["PREFECT_API_URL"], RLVR_TEST_MARK=mark)
     store = root / "s"
-    proc = start(store, env)
-    wait_for(lambda: committed(store, "train_steps") >= 3 or proc.poll() is not None, 600, "three committed updates")
-    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    proc = start(forks, store, env)
+    deadline = time.monotonic() + 600
+    with FolderChanges() as changes:  # checked as each manifest is committed: a tiny step is over in a blink
+        changes.watch(store_folders(store))
+        while committed(store, "train_steps") < 3:
+            assert proc.poll() is None, proc.stderr_text()[-3000:]
+            assert time.monotonic() < deadline, "three committed updates never came"
+            changes.wait(every=0.05)
+            changes.watch(store_folders(store))
     (worker,) = rank_processes(mark, parent=proc.pid)
     killed_at = time.monotonic()
     os.kill(worker if victim == "rank 1" else proc.pid, signal.SIGKILL)
     if victim == "rank 1":
         code = proc.wait(timeout=30)
-        stderr = proc.stderr.read()
+        stderr = proc.stderr_text()
         lines = [line for line in stderr.splitlines() if "data-parallel rank 1" in line]
         assert len(lines) == 1, stderr
         assert f"run 'ranks' stopped: data-parallel rank 1 (pid {worker}) was killed by SIGKILL; " in lines[0]
@@ -132,14 +136,14 @@ def kill_a_rank(root: Path, prefect_api: str, victim: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory, prefect_api) -> Callable[[str], Path]:
+def killed(tmp_path_factory, rlvr_forks) -> Callable[[str], Path]:
     """The store of a run killed in rank 0 or rank 1 (`kill_a_rank`), made once per victim: each resume below
     starts from a copy, so the two resumes after one victim's kill cost one killed run, not two."""
     made: dict[str, Path] = {}
 
     def store_killed_in(victim: str) -> Path:
         if victim not in made:
-            made[victim] = kill_a_rank(tmp_path_factory.mktemp(victim.replace(" ", "")), prefect_api, victim)
+            made[victim] = kill_a_rank(tmp_path_factory.mktemp(victim.replace(" ", "")), rlvr_forks, victim)
         return made[victim]
 
     return store_killed_in
@@ -150,7 +154,7 @@ RESUMED_BY_THE_CLI = ("rank 1", 2)  # `rlvr resume --set train.data_parallel=2`;
 
 @pytest.mark.parametrize(("victim", "resume_ranks"), [("rank 1", 2), ("rank 0", 2), ("rank 1", 1), ("rank 0", 4)])
 def test_a_killed_rank_ends_the_run_and_resume_gives_the_uninterrupted_artifacts(
-    tmp_path, monkeypatch, prefect_api, uninterrupted, killed, victim, resume_ranks
+    tmp_path, monkeypatch, rlvr_forks, uninterrupted, killed, victim, resume_ranks
 ):
     """Resumed at 1 or 4 ranks, the sharded training state saved by 2 is read at the new count (each rank the
     slices it needs): the same artifact ids; the weights then differ from the 2-rank run's by float sums only.
@@ -161,8 +165,9 @@ def test_a_killed_rank_ends_the_run_and_resume_gives_the_uninterrupted_artifacts
     assert 3 <= committed(store, "train_steps") < 5  # killed between its third update and its last
 
     if (victim, resume_ranks) == RESUMED_BY_THE_CLI:
-        resumed = start(store, cli_env(PREFECT_API_URL=prefect_api, RLVR_TEST_MARK=mark), resume_ranks)
-        assert resumed.wait(timeout=900) == 0, resumed.stderr.read()[-3000:]
+        env = cli_env(PREFECT_API_URL=rlvr_forks.env["PREFECT_API_URL"], RLVR_TEST_MARK=mark)
+        resumed = start(rlvr_forks, store, env, resume_ranks)
+        assert resumed.wait(timeout=900) == 0, resumed.stderr_text()[-3000:]
     else:
         from rlvr.flows.runs import resume
 

@@ -8,7 +8,7 @@ import importlib.metadata
 import json
 import re
 import signal
-import subprocess
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,8 @@ from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from rlvr.tasks.initialize import INITIALIZE
 from rlvr.trainer.policy import PolicyConfig
-from tests.cli_helpers import cli_env, rlvr, rlvr_command, wait_for
+from tests.cli_helpers import cli_env, rlvr, wait_for
+from tests.fork_server import Forked, ForkServer, fork_server
 from tests.test_cli import assert_one_line_error
 
 WEIGHTS = "model.safetensors"
@@ -168,22 +169,30 @@ def test_firings_are_recorded_once_per_flow_run_and_outcome(tmp_path):
     assert firings(store, "other") == []
 
 
-def test_schedule_arguments_are_checked_before_anything_starts(tmp_path):
+def test_schedule_arguments_are_checked_before_anything_starts(tmp_path, schedule_forks):
     store = str(tmp_path / "s")
-    assert_one_line_error(rlvr("schedule", "p", "--store", store), "give one of --interval SECONDS or --cron EXPR")
-    both = rlvr("schedule", "p", "--interval", "5", "--cron", "0 3 * * *", "--store", store)
-    assert_one_line_error(both, "give one of --interval SECONDS or --cron EXPR")
-    assert_one_line_error(rlvr("schedule", "--list", "--pause", "--store", store), "choose one of --list, --pause")
-    assert_one_line_error(rlvr("schedule", "--pause", "--store", store), "name the schedule")
-    assert_one_line_error(rlvr("schedule", "p", "--pause", "--interval", "5", "--store", store), "--pause takes no")
-    too_often = rlvr("schedule", "p", "--interval", "0.5", "--store", store)
-    assert too_often.returncode == 2 and "greater than or equal to 1" in too_often.stderr
-    assert_one_line_error(rlvr("schedule", "--delete", "--store", store), "name the schedule")
     assert_one_line_error(
-        rlvr("schedule", "p", "--delete", "--pause", "--store", store), "choose one of --pause, --delete"
+        rlvr("schedule", "p", "--store", store, forks=schedule_forks), "give one of --interval SECONDS or --cron EXPR"
+    )
+    both = rlvr("schedule", "p", "--interval", "5", "--cron", "0 3 * * *", "--store", store, forks=schedule_forks)
+    assert_one_line_error(both, "give one of --interval SECONDS or --cron EXPR")
+    assert_one_line_error(
+        rlvr("schedule", "--list", "--pause", "--store", store, forks=schedule_forks), "choose one of --list, --pause"
+    )
+    assert_one_line_error(rlvr("schedule", "--pause", "--store", store, forks=schedule_forks), "name the schedule")
+    assert_one_line_error(
+        rlvr("schedule", "p", "--pause", "--interval", "5", "--store", store, forks=schedule_forks), "--pause takes no"
+    )
+    too_often = rlvr("schedule", "p", "--interval", "0.5", "--store", store, forks=schedule_forks)
+    assert too_often.returncode == 2 and "greater than or equal to 1" in too_often.stderr
+    assert_one_line_error(rlvr("schedule", "--delete", "--store", store, forks=schedule_forks), "name the schedule")
+    assert_one_line_error(
+        rlvr("schedule", "p", "--delete", "--pause", "--store", store, forks=schedule_forks),
+        "choose one of --pause, --delete",
     )
     assert_one_line_error(
-        rlvr("schedule", "p", "--delete", "--cron", "0 3 * * *", "--store", store), "--delete takes no"
+        rlvr("schedule", "p", "--delete", "--cron", "0 3 * * *", "--store", store, forks=schedule_forks),
+        "--delete takes no",
     )
 
 
@@ -219,6 +228,13 @@ def prefect_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def schedule_forks(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """The module's `rlvr` processes, forked by one interpreter on its Prefect server (tests/fork_server.py): about
+    7 CPU-s of imports paid once, not by each `rlvr schedule`."""
+    yield from fork_server(cli_env(PREFECT_API_URL=prefect_server), tmp_path_factory.mktemp("schedule-forks"))
+
+
 def assert_continues(store: Store, first: str, second: str, first_final: str) -> None:
     """The second run's initial checkpoint is the first run's final one: same weights, linked by lineage; and
     the second run re-synthesized its data and re-estimated difficulty with that checkpoint."""
@@ -247,15 +263,15 @@ def blocked_skips(skips: list[dict], last_started: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_an_interval_schedule_continues_from_checkpoints_and_skips_overlapping_firings(prefect_server, tmp_path):
+def test_an_interval_schedule_continues_from_checkpoints_and_skips_overlapping_firings(
+    prefect_server, schedule_forks, tmp_path
+):
     root = str(tmp_path / "store")
     config = tmp_path / "pipeline.yaml"
     config.write_text(PIPELINE)
-    env = cli_env(PREFECT_API_URL=prefect_server)
     log = tmp_path / "schedule.log"
     args = ["schedule", "pipe", "--interval", "4", "--config", str(config), "--store", root]
-    with open(log, "wb") as out:
-        serving = subprocess.Popen(rlvr_command(*args), env=env, stdout=out, stderr=subprocess.STDOUT)
+    serving = schedule_forks.start(args, stdout=log, stderr=log)
     api = httpx.Client(base_url=prefect_server, timeout=30)  # one connection for the polls, not one a poll
     try:
 
@@ -273,14 +289,14 @@ def test_an_interval_schedule_continues_from_checkpoints_and_skips_overlapping_f
             return len(api.post("/flow_runs/filter", json=body).json())
 
         wait_for(slot_taken, 300, "the first firing", log=log, every=1)
-        listed = rlvr("schedule", "--list", "--store", root, env=env)
+        listed = rlvr("schedule", "--list", "--store", root, forks=schedule_forks)
         assert listed.returncode == 0, listed.stderr
         row = next(line for line in listed.stdout.splitlines() if "pipe" in line)
         assert re.search(r"every 4 s.*active.*yes", row), listed.stdout
         # Paused once the second firing holds the slot (it has still to start Python and run): that run goes on to
         # the end, and no third firing starts only to be cancelled by the stop
         wait_for(lambda: slot_taken() >= 2, 300, "the second firing", log=log, every=1)
-        paused = rlvr("schedule", "pipe", "--pause", "--store", root, env=env)
+        paused = rlvr("schedule", "pipe", "--pause", "--store", root, forks=schedule_forks)
         assert paused.returncode == 0 and "schedule pipe paused" in paused.stdout, paused.stderr
         deployment = httpx.get(f"{prefect_server}/deployments/name/rlvr-pipeline/pipe").json()
         assert deployment["paused"] is True
@@ -314,12 +330,10 @@ def test_an_interval_schedule_continues_from_checkpoints_and_skips_overlapping_f
     assert [(r["state_type"], r["run_count"]) for r in named] == [("CANCELLED", 0)]
 
 
-def serve(name: str, args: list[str], root: str, env: dict[str, str], log: Path) -> subprocess.Popen:
-    """`rlvr schedule NAME ARGS` in the background, once it says it serves (its output in `log`)."""
-    with open(log, "wb") as out:
-        serving = subprocess.Popen(
-            rlvr_command("schedule", name, *args, "--store", root), env=env, stdout=out, stderr=subprocess.STDOUT
-        )
+def serve(name: str, args: list[str], root: str, forks: ForkServer, log: Path) -> Forked:
+    """`rlvr schedule NAME ARGS` in the background (forked by `forks`), once it says it serves (its output in
+    `log`)."""
+    serving = forks.start(["schedule", name, *args, "--store", root], stdout=log, stderr=log)
 
     def up() -> bool:
         if serving.poll() is not None:
@@ -338,17 +352,19 @@ NEVER_NOW = "0 0 1 1 *"  # 00:00 UTC on January 1st: no firing while the test ru
 
 
 @pytest.mark.slow
-def test_a_schedule_stopped_with_nothing_in_flight_says_so_and_can_be_deleted(prefect_server, tmp_path):
+def test_a_schedule_stopped_with_nothing_in_flight_says_so_and_can_be_deleted(prefect_server, schedule_forks, tmp_path):
     """Refused while served unpaused; paused, deleted: the serving process sees it gone and stops by itself. (The
     stop by a signal with nothing in flight ends the interval test; the pause on that stop, the busy one.)"""
-    root, env = str(tmp_path / "store"), cli_env(PREFECT_API_URL=prefect_server)
+    root = str(tmp_path / "store")
     log = tmp_path / "idle.log"
-    serving = serve("idle", ["--cron", NEVER_NOW], root, env, log)
+    serving = serve("idle", ["--cron", NEVER_NOW], root, schedule_forks, log)
     try:
-        refused = rlvr("schedule", "idle", "--delete", "--store", root, env=env)
+        refused = rlvr("schedule", "idle", "--delete", "--store", root, forks=schedule_forks)
         assert_one_line_error(refused, "schedule idle is being served by an `rlvr schedule idle` process; stop that")
-        assert rlvr("schedule", "idle", "--pause", "--store", root, env=env).returncode == 0
-        deleted = rlvr("schedule", "idle", "--delete", "--store", root, env=env)  # paused: no firing can start
+        assert rlvr("schedule", "idle", "--pause", "--store", root, forks=schedule_forks).returncode == 0
+        deleted = rlvr(
+            "schedule", "idle", "--delete", "--store", root, forks=schedule_forks
+        )  # paused: no firing can start
         assert (deleted.returncode, deleted.stdout) == (
             0,
             "schedule idle deleted; its runs and firings stay in the store\n",
@@ -361,8 +377,8 @@ def test_a_schedule_stopped_with_nothing_in_flight_says_so_and_can_be_deleted(pr
     assert last_line(log) == "stopped serving idle: the schedule was deleted"  # no firing ran: none was cancelled
 
     assert httpx.get(f"{prefect_server}/deployments/name/rlvr-pipeline/idle").status_code == 404
-    assert "no schedules for store" in rlvr("schedule", "--list", "--store", root, env=env).stdout
-    again = rlvr("schedule", "idle", "--delete", "--store", root, env=env)
+    assert "no schedules for store" in rlvr("schedule", "--list", "--store", root, forks=schedule_forks).stdout
+    again = rlvr("schedule", "idle", "--delete", "--store", root, forks=schedule_forks)
     assert_one_line_error(again, "no schedule 'idle' on this Prefect server; see `rlvr schedule --list`")
 
 
@@ -401,12 +417,12 @@ BUSY = PIPELINE.replace("train: {steps: 2}", "train: {steps: 400}")  # a firing 
 
 
 @pytest.mark.slow
-def test_stopping_a_schedule_names_the_firing_it_cancelled(prefect_server, tmp_path):
-    root, env = str(tmp_path / "store"), cli_env(PREFECT_API_URL=prefect_server)
+def test_stopping_a_schedule_names_the_firing_it_cancelled(prefect_server, schedule_forks, tmp_path):
+    root = str(tmp_path / "store")
     config = tmp_path / "busy.yaml"
     config.write_text(BUSY)
     log = tmp_path / "busy.log"
-    serving = serve("busy", ["--interval", "2", "--config", str(config)], root, env, log)
+    serving = serve("busy", ["--interval", "2", "--config", str(config)], root, schedule_forks, log)
     try:
 
         def running() -> str | None:
