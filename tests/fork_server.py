@@ -109,7 +109,8 @@ class ForkServer:
                 stdout=subprocess.PIPE,
                 stderr=err,
             )
-        self.forked: list[int] = []
+        self.forked: list[int] = []  # forked, not yet handed to the `start` that asked
+        self.started: list[int] = []
         self.exits: dict[int, int] = {}
         self.gone = False
         self.changed = threading.Condition()
@@ -157,7 +158,8 @@ class ForkServer:
             self.proc.stdin.flush()
             self.changed.wait_for(lambda: self.forked or self.gone, timeout=300)  # the first waits for the imports
             assert self.forked, f"no process forked; the server's stderr: {self.log.read_text()}"
-            return Forked(self, self.forked.pop(0), stdout, stderr)
+            self.started.append(self.forked.pop(0))
+            return Forked(self, self.started[-1], stdout, stderr)
 
     def run(
         self, args: list[str], *, env: dict[str, str] | None = None, timeout: float = 300
@@ -172,6 +174,14 @@ class ForkServer:
         return subprocess.CompletedProcess(args, status, child.stdout_text(), child.stderr_text())
 
     def close(self) -> None:
+        """Kill the children still running (a failed test leaves none behind), then end the server."""
+        with self.changed:
+            running = [pid for pid in self.started if pid not in self.exits]
+        for pid in running:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         assert self.proc.stdin is not None
         self.proc.stdin.close()
         self.proc.wait(timeout=60)

@@ -83,9 +83,9 @@ def test_defaults_are_auto_and_float32():
     assert (cfg.device, cfg.dtype) == ("auto", "float32")
 
 
-def test_rlvr_run_asking_for_a_missing_gpu_fails_before_any_work(tmp_path):
+def test_rlvr_run_asking_for_a_missing_gpu_fails_before_any_work(tmp_path, rlvr_forks):
     """cuda:99 exists on no machine, so the command fails the same way with or without GPUs."""
-    done = rlvr("run", "--store", str(tmp_path / "s"), "--set", "policy.device=cuda:99")
+    done = rlvr("run", "--store", str(tmp_path / "s"), "--set", "policy.device=cuda:99", forks=rlvr_forks)
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "policy.device is 'cuda:99' but this machine has" in lines[0], done.stderr

