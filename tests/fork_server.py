@@ -140,9 +140,9 @@ class ForkServer:
         stderr: Path | None = None,
         **extra: Any,
     ) -> Forked:
-        """A new process running `rlvr ARGS` in `cwd` with `env` (the server's when None), its stdout and stderr in
-        files (new ones in the server's folder unless named; both in one when the same); `extra` goes to the child hook in
-        its spec."""
+        """A new process running `rlvr ARGS` in `cwd` with `env` (the server's when None). Its stdout and stderr go
+        to files: new ones in the server's folder unless named, one file for both when the two are the same.
+        `extra` goes to the child hook in its spec."""
         if env is not None:
             differ = sorted(k for k in {*env, *self.env} if k.startswith("PREFECT_") and env.get(k) != self.env.get(k))
             assert not differ, f"the fork server's imports read {differ} already; start this command as a process"

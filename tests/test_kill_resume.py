@@ -1,14 +1,14 @@
 """Fault injection: SIGKILL a real run at several moments, resume it, and get the uninterrupted result.
 
-The killed run and a reference run share seed, config and run id but live in different stores; the reference runs
-in the test's process (the same config and flow as `rlvr run`, without paying its imports again), the killed run
-and its resumes as `rlvr` processes (forked by the worker's ForkServer, tests/fork_server.py: each a process of its
-own, which a SIGKILL ends, without ~7 CPU-s of imports apiece). After three kills (one inside the difficulty stage, between two of its
-shards, one near the middle of the RL steps and one near their end; five, two more in between, cost the suite about
-two minutes on 2 cores) and the resumes that follow them, both stores hold exactly the same artifact ids, the same
-decisions (SEC's selections and arm values, Knapsack's allocations, the training figures) and final checkpoints
-with byte-identical weights. The run is the default task with SEC and Knapsack RL on, and in the synchronous case
-GHPO's hints and CLPO's rewrites too (their levels and rewrites must survive a kill).
+The killed run and a reference run share seed, config and run id but live in different stores; the reference runs in
+the test's process (the same config and flow as `rlvr run`, without paying its imports again), the killed run and
+its resumes as `rlvr` processes (forked by the worker's ForkServer, tests/fork_server.py: each a process of its own,
+which a SIGKILL ends, without ~7 CPU-s of imports apiece). After three kills (one inside the difficulty stage,
+between two of its shards, one near the middle of the RL steps and one near their end; five, two more in between,
+cost the suite about two minutes on 2 cores) and the resumes that follow them, both stores hold exactly the same
+artifact ids, the same decisions (SEC's selections and arm values, Knapsack's allocations, the training figures) and
+final checkpoints with byte-identical weights. The run is the default task with SEC and Knapsack RL on, and in the
+synchronous case GHPO's hints and CLPO's rewrites too (their levels and rewrites must survive a kill).
 
 With flow.async_level=1 (sampling a step beside training the one before) the same holds, with a fourth kill
 while generation is ahead of training: a step's rollouts committed, its update not, and the next step's

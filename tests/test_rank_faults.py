@@ -8,12 +8,13 @@ after the third RL step's update is committed, and states are stored every secon
 step 3 from step 2's sharded state. One run is killed in each rank; each of its two resumes starts from a copy of
 its store.
 
-The kills are of `rlvr run` processes (forked by the worker's ForkServer, tests/fork_server.py). The uninterrupted run and three of the four resumes run in this process
-(`execute`, `resume`: what `rlvr run` and `rlvr resume` call; this process is then rank 0 and starts the other
-ranks as processes of their own), sparing an interpreter's imports each (about 9 CPU-s); the first resume goes
-through `rlvr resume --set train.data_parallel=2`, the command line's one check here. A run with ranks forgets
-its live policy when it stops them (flows/rl_run.py, `end_rank_group`), so no resume here starts from another
-run's weights in memory, and the resume at 1 rank must stop the ranks its replay started to pass."""
+The kills are of `rlvr run` processes (forked by the worker's ForkServer, tests/fork_server.py). The uninterrupted
+run and three of the four resumes run in this process (`execute`, `resume`: what `rlvr run` and `rlvr resume` call;
+this process is then rank 0 and starts the other ranks as processes of their own), sparing an interpreter's imports
+each (about 9 CPU-s); the first resume goes through `rlvr resume --set train.data_parallel=2`, the command line's
+one check here. A run with ranks forgets its live policy when it stops them (flows/rl_run.py, `end_rank_group`), so
+no resume here starts from another run's weights in memory, and the resume at 1 rank must stop the ranks its replay
+started to pass."""
 
 from __future__ import annotations
 

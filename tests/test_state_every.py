@@ -130,8 +130,9 @@ def _train_steps(store: Path) -> dict[int, str]:
 @pytest.mark.slow
 def test_a_run_killed_between_stored_states_resumes_to_the_same_weights(tmp_path, rlvr_forks):
     """Killed after step 4 (whose state was not stored), the resumed run rebuilds step 4's policy from step 3's
-    state and ends with the weights of an uninterrupted run, and of a run that stored every step. The killed run
-    is an `rlvr run` process (forked by the worker's ForkServer); the resume (`resume`, what `rlvr resume` calls) and the other two runs run here."""
+    state and ends with the weights of an uninterrupted run, and of a run that stored every step. The killed run is
+    an `rlvr run` process (forked by the worker's ForkServer); the resume (`resume`, what `rlvr resume` calls) and
+    the other two runs run here."""
     from rlvr.flows.runs import resume
 
     every_step, reference, killed = tmp_path / "every", tmp_path / "reference", tmp_path / "killed"
