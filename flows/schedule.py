@@ -303,7 +303,7 @@ def serve_schedule(
                 recorder.sweep()
             recorder.close()
     done = f"stopped serving {name}: " + ("the schedule was deleted" if recorder.deleted else "the schedule is paused")
-    for run_id in cancelled:
+    for run_id in unfinished(recorder.store, cancelled):
         done += f"; firing {run_id} in flight was cancelled: `rlvr resume {run_id} --store {store_root}` finishes it"
     say(done)
 
@@ -389,6 +389,13 @@ async def _cancelled_firings(name: str, flow_run_ids: list[UUID]) -> list[str]:
             if flow_run.state_type in (StateType.CANCELLED, StateType.CANCELLING):
                 cancelled.append(firing_run_id(name, expected_start(flow_run)))
     return cancelled
+
+
+def unfinished(store: Store, run_ids: list[str]) -> list[str]:
+    """Those of the cancelled firings whose runs have not completed. A firing whose run record says completed had
+    done its work: the stop caught only its process's last moments (its flow run not yet marked completed), and
+    `rlvr resume` would have nothing to finish."""
+    return [r for r in run_ids if (record := store.read_run(r)) is None or run_status(record) != "completed"]
 
 
 def describe_trigger(interval: float | None, cron: str | None) -> str:

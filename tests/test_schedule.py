@@ -29,6 +29,7 @@ from rlvr.flows.schedule import (
     pipeline_runs,
     record_firing,
     schedule_deployment,
+    unfinished,
 )
 from rlvr.flows.ui import free_port, start_server
 from rlvr.storage.lineage import ancestors
@@ -167,6 +168,17 @@ def test_firings_are_recorded_once_per_flow_run_and_outcome(tmp_path):
     ]
     assert store.manifest(record_firing(store, started)).parents == [start]
     assert firings(store, "other") == []
+
+
+def test_a_stop_names_as_cancelled_only_the_firings_whose_runs_had_not_completed(tmp_path):
+    """A stop can catch a firing whose run has completed and whose process is still ending (its flow run not yet
+    marked completed): that one had nothing left for `rlvr resume` to finish (a fresh clone's test_schedule once
+    reported it so); a running one, or one that never wrote its record, is named."""
+    store = Store.open(str(tmp_path / "store"), create=True)
+    store.write_run({"run_id": "p-20261203-005313", "status": "completed"})
+    store.write_run({"run_id": "p-20261203-005317", "status": "running"})  # this process's pid: alive
+    fired = ["p-20261203-005313", "p-20261203-005317", "p-20261203-005321"]
+    assert unfinished(store, fired) == ["p-20261203-005317", "p-20261203-005321"]
 
 
 def test_schedule_arguments_are_checked_before_anything_starts(tmp_path, schedule_forks):
