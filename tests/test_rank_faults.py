@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from rlvr.storage.store import Store
-from tests.cli_helpers import FolderChanges, cli_env, committed, store_folders, wait_for
+from tests.cli_helpers import FolderChanges, committed, store_folders, wait_for
 from tests.fork_server import Forked, ForkServer
 
 pytestmark = pytest.mark.slow
@@ -106,7 +106,7 @@ def kill_a_rank(root: Path, forks: ForkServer, victim: str) -> Path:
     committed update, checked to have ended as it should: within 30 s, with one line naming a killed rank 1, and
     leaving no rank process behind."""
     mark = f"rank-faults-{root.name}"
-    env = cli_env(PREFECT_API_URL=forks.env["PREFECT_API_URL"], RLVR_TEST_MARK=mark)
+    env = {**forks.env, "RLVR_TEST_MARK": mark}  # the server's environment, marked for rank_processes
     store = root / "s"
     proc = start(forks, store, env)
     deadline = time.monotonic() + 600
@@ -166,7 +166,7 @@ def test_a_killed_rank_ends_the_run_and_resume_gives_the_uninterrupted_artifacts
     assert 3 <= committed(store, "train_steps") < 5  # killed between its third update and its last
 
     if (victim, resume_ranks) == RESUMED_BY_THE_CLI:
-        env = cli_env(PREFECT_API_URL=rlvr_forks.env["PREFECT_API_URL"], RLVR_TEST_MARK=mark)
+        env = {**rlvr_forks.env, "RLVR_TEST_MARK": mark}
         resumed = start(rlvr_forks, store, env, resume_ranks)
         assert resumed.wait(timeout=900) == 0, resumed.stderr_text()[-3000:]
     else:
