@@ -15,7 +15,11 @@ venv: $(STAMP)
 # so that nothing replaces it; where uv cannot reach an index (one only pip's config names), pip does the install.
 MAIN_EXTRAS := ".[test,lint,docs]"
 ENV_EXTRAS := ".[gem,textarena]"
-install = $(BIN)/uv pip install --quiet --python $(BIN)/python --native-tls $(1) || $(BIN)/python -m pip install --quiet $(1)
+# uv compiles what it installs to bytecode as pip does (it does not by default): where PYTHONDONTWRITEBYTECODE is set
+# (this machine's image sets it), nothing would ever be compiled, and every process would compile transformers,
+# Prefect and the rest again on import: 8.1 CPU-s for a run's imports instead of 4.4 (docs/architecture.md, Testing).
+install = $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python --native-tls $(1) || \
+	$(BIN)/python -m pip install --quiet $(1)
 
 $(STAMP): pyproject.toml
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
@@ -61,6 +65,9 @@ envs: $(ENVS_STAMP)
 TEST_WORKERS ?= 2
 SERIAL_FILES = $(shell grep -l "pytest.mark.serial" tests/test_*.py)
 
+# The suite starts hundreds of Python processes: they may write bytecode caches (ignored by git) for the project's
+# own modules and pytest's rewritten test files, whatever PYTHONDONTWRITEBYTECODE says outside.
+test: export PYTHONDONTWRITEBYTECODE =
 test: lint docs $(SMOLLM2_STAMP) $(ENVS_STAMP)
 	status=0; \
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "not serial" \
