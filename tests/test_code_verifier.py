@@ -367,6 +367,26 @@ def test_limits_and_uid_as_the_program_sees_them(isolation, launcher, monkeypatc
         assert lines[0].endswith("[]")
 
 
+@pytest.mark.skipif(not IS_ROOT, reason="per-run uids exist only when running as root")
+def test_a_uid_is_swept_without_forking_this_interpreter(monkeypatch):
+    """The sweep's helper is the `kill` program exec'd as the uid: a Python fork from one thread of a process with
+    others clears their thread states in the child, where a destructor (a torch gloo group another thread held)
+    waited forever and hung a pytest worker (2026-12-03)."""
+    import subprocess
+
+    uid = sandbox.UID_BASE + sandbox.UID_SLOTS - 2
+    victim = subprocess.Popen(["sleep", "30"], user=uid, group=uid, extra_groups=[], start_new_session=True)
+
+    def no_fork() -> int:
+        raise AssertionError("os.fork called")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    sandbox._kill_uid(uid)
+    assert victim.wait(timeout=2) == -signal.SIGKILL  # this process's child: a zombie until reaped here
+    running, zombies = sandbox._processes_of_uid(uid)
+    assert (running, zombies) == ([], 0)
+
+
 def test_probe_reports_unavailable_without_bwrap(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert sandbox.bubblewrap_available.__wrapped__() is False

@@ -188,25 +188,27 @@ def _tasks_of_uid(uid: int) -> int:
     return total
 
 
+@functools.cache
+def _kill_program() -> str:
+    found = shutil.which("kill")
+    if found is None:
+        raise RuntimeError("the sandbox needs the `kill` program (procps or util-linux) to end a uid's processes")
+    return found
+
+
 def _kill_uid(uid: int) -> int:
     """SIGKILL every running process of `uid`; returns how many zombies of it remain.
 
     A helper becomes that uid and calls kill(-1), which reaches exactly the processes that uid may
-    signal, i.e. its own, in whatever process group, session or PID namespace they are."""
+    signal, i.e. its own, in whatever process group, session or PID namespace they are. The helper is the
+    `kill` program, which subprocess switches to the uid before exec, not a Python fork: a fork from one
+    thread of a process with others clears their thread states in the child, and a destructor there can
+    wait forever (a torch gloo process group held by another thread did, and hung a test worker)."""
     for _ in range(SWEEP_ROUNDS):
         running, zombies = _processes_of_uid(uid)
         if not running:
             return zombies
-        helper = os.fork()
-        if helper == 0:
-            try:
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
-                os.kill(-1, signal.SIGKILL)
-            finally:
-                os._exit(0)
-        os.waitpid(helper, 0)
+        subprocess.run([_kill_program(), "-9", "-1"], user=uid, group=uid, extra_groups=[], check=False)
         time.sleep(0.01)
     running, zombies = _processes_of_uid(uid)
     log.error("processes of sandbox uid %d survived %d kill rounds: %s", uid, SWEEP_ROUNDS, running)
