@@ -171,8 +171,9 @@ def test_a_gem_environment_runs_unmodified_through_a_whole_run(tmp_path, prefect
         "evaluate.max_new_tokens=8",
         "train.state_every=2",
     ]
+    config = load_config(None, ["run_id=gem", *SMALL, *small, *GEM])
     try:
-        execute(str(store), load_config(None, ["run_id=gem", *SMALL, *small, *GEM]))
+        execute(str(store), config)
     finally:  # the run leaves its live model (and optimizer) for a next run in this process: 1.6 GB here
         RESIDENTS.clear()
         reference_policy.cache_clear()
@@ -187,9 +188,17 @@ def test_a_gem_environment_runs_unmodified_through_a_whole_run(tmp_path, prefect
     verdicts = rows(s, "SELECT env_reward, json_extract_string(env_verdict, '$.status') AS status FROM rollouts")
     assert all(v["status"] == ("ok" if v["env_reward"] >= 1.0 else "wrong") for v in verdicts)
     assert rows(s, "SELECT count(*) AS n FROM train_steps")[0]["n"] == 2
-    # the evaluation scored the game's own outcome: every held-out problem's episode has a verdict of its own
-    evals = rows(s, "SELECT phase, correct, n FROM evals ORDER BY step, phase")
-    assert evals and all(0 <= e["correct"] <= e["n"] for e in evals)
+    # the evaluation's accuracy is the game's own success: the last one's greedy episodes, played again, each end
+    # with GEM's verdict (none scored by the synthesized problem's verifier), and `correct` counts GEM's wins
+    from rlvr.tasks.evaluate import greedy_episodes
+    from rlvr.trainer.checkpoints import load_policy
+
+    last = rows(s, "SELECT correct, n, policy_id FROM evals WHERE phase = 'rl' ORDER BY step DESC LIMIT 1")[0]
+    held_out = rows(s, f"SELECT * FROM problems WHERE split = '{config.evaluate.split}' ORDER BY problem_id")
+    policy = load_policy(s, last["policy_id"], device=torch.device("cpu"))
+    _, verdicts_again = greedy_episodes(policy, config.env, held_out, config.evaluate)
+    assert last["n"] == len(held_out) and all(v is not None for v in verdicts_again)
+    assert last["correct"] == sum(v.status == "ok" for v in verdicts_again)
 
 
 def test_evaluation_plays_one_greedy_episode_a_problem_whose_first_turn_is_the_one_turn_answer(retry_run) -> None:
