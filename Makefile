@@ -58,7 +58,11 @@ envs: $(ENVS_STAMP)
 
 # Two parts: the suite on TEST_WORKERS pytest-xdist workers (a file stays on one worker, so its fixtures start
 # once; files go out in tests/conftest.py's order, longest first), then the tests marked `serial` alone.
-# Both parts run even when the first fails; either failing fails. The first lists its 15 slowest tests (CI's log
+# `make lint docs` runs beside the first part, its output in build/checks.log (printed when it fails): mypy holds one
+# core for about a minute and a half on a cold cache, and the suite leaves about an eighth of the two cores idle,
+# so run one after the other they cost about 80 s more (docs/architecture.md, "Testing"); they end long before the
+# serial part, which runs alone. tests/conftest.py hands out test_config_typing.py (mypy again, on lint's cache) last.
+# Every part runs even when another fails; any failing fails. The first lists its 15 slowest tests (CI's log
 # then says where the suite's time goes); each part writes every test's time to build/test-reports/.
 # The serial part collects only the files that mark tests `pytest.mark.serial` (collecting all of tests/ costs
 # 16 CPU-seconds); tests/conftest.py refuses a serial test whose file does not say so in those words.
@@ -68,10 +72,13 @@ SERIAL_FILES = $(shell grep -l "pytest.mark.serial" tests/test_*.py)
 # The suite starts hundreds of Python processes: they may write bytecode caches (ignored by git) for the project's
 # own modules and pytest's rewritten test files, whatever PYTHONDONTWRITEBYTECODE says outside.
 test: export PYTHONDONTWRITEBYTECODE =
-test: lint docs $(SMOLLM2_STAMP) $(ENVS_STAMP)
+test: $(STAMP) $(SMOLLM2_STAMP) $(ENVS_STAMP)
+	@mkdir -p build
+	$(MAKE) --no-print-directory lint docs > build/checks.log 2>&1 & checks=$$!; \
 	status=0; \
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "not serial" \
 		--junitxml=build/test-reports/parallel.xml tests || status=1; \
+	if wait $$checks; then echo "make lint docs: passed"; else cat build/checks.log; echo "make lint docs: failed"; status=1; fi; \
 	$(BIN)/python -m pytest -m serial --junitxml=build/test-reports/serial.xml $(SERIAL_FILES) || status=1; \
 	exit $$status
 

@@ -298,7 +298,7 @@ def complete_chat(
     eos = _eos_ids(served)
     seeded = seeded_rng(seed, served.model.device) if seed is not None else nullcontext()
     with served.lock, torch.no_grad(), seeded:
-        output = served.model.generate(  # type: ignore[operator]  # GenerationMixin, not a module attribute
+        output = served.model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=max_tokens,

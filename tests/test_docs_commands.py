@@ -18,7 +18,8 @@ from rlvr.flows.cli import app
 from rlvr.flows.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# docs/index.md is the README copied by `make docs`, which runs beside the suite (it may be half written)
+PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "index.md")]
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 
 

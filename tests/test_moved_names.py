@@ -16,7 +16,12 @@ import pytest
 from rlvr.moved import MOVED
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = [*sorted((REPO / "docs").rglob("*.md")), REPO / "CONTRIBUTING.md"]
+# docs/index.md is the README copied by `make docs`, which runs beside the suite (it may be half written)
+DOCS = [
+    *sorted(p for p in (REPO / "docs").rglob("*.md") if p.name != "index.md"),
+    REPO / "CONTRIBUTING.md",
+    REPO / "README.md",
+]
 
 # Dotted names the docs show that are not import paths: entry-point groups (docs/verifiers.md, pyproject.toml) and
 # OpenLineage job names (docs/audit.md: the job of stage S is `rlvr.S`).

@@ -218,7 +218,7 @@ def _transformers_generate(
     processors: list[transformers.LogitsProcessor] = [recorder] if recorder else []
     if row_sampler is not None:
         processors.append(RowSampledScores(row_sampler, prompt_width))
-    output = policy.model.generate(  # type: ignore[operator]  # GenerationMixin, not a module attribute
+    output = policy.model.generate(
         **encoded,
         max_new_tokens=max_new_tokens,
         pad_token_id=policy.tokenizer.pad_token_id,

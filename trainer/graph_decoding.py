@@ -323,7 +323,7 @@ def sampler(temperature: float, top_p: float) -> Callable[[Tensor], Tensor]:
         warpers.append(transformers.TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
 
     def choose(scores: Tensor) -> Tensor:
-        probs = torch.softmax(warpers(None, scores), dim=-1)  # type: ignore[arg-type]  # these warpers ignore the ids
+        probs = torch.softmax(warpers(None, scores), dim=-1)
         return torch.multinomial(probs, num_samples=1)[:, 0]
 
     return choose

@@ -138,7 +138,7 @@ class RowSampler:
         if scores.device not in self._keys_on:
             self._keys_on[scores.device] = torch.tensor(self.keys, dtype=torch.int64, device=scores.device)
         keys = self._keys_on[scores.device]
-        warped = self.warpers(None, scores)  # type: ignore[arg-type]  # these warpers ignore the ids
+        warped = self.warpers(None, scores)
         if vocab_size <= BLOCK:  # one block: its draw alone (the same draw, without the block stage's work)
             return gumbel(keys, position, torch.arange(vocab_size, device=scores.device)).add_(warped).argmax(dim=-1)
         masses = block_masses(warped, BLOCK)
