@@ -60,10 +60,10 @@ envs: $(ENVS_STAMP)
 
 # Two parts: the suite on TEST_WORKERS pytest-xdist workers (a file stays on one worker, so its fixtures start
 # once; files go out in tests/conftest.py's order, longest first), then the tests marked `serial` alone.
-# `make lint docs` runs beside the first part, its output in build/checks.log (printed when it fails): mypy holds one
-# core for about a minute and a half on a cold cache, and the suite leaves about an eighth of the two cores idle,
-# so run one after the other they cost about 80 s more (docs/architecture.md, "Testing"); they end long before the
-# serial part, which runs alone. tests/conftest.py hands out test_config_typing.py (mypy again, on lint's cache) last.
+# `make lint docs` runs beside the first part, its output in build/checks.log (printed when it fails): its cold mypy
+# holds one core for 45-90 s, and the suite leaves about an eighth of the two cores idle (docs/architecture.md,
+# "Testing"); it ends long before the serial part, which runs alone. tests/conftest.py hands out
+# test_config_typing.py (mypy again, on lint's cache) last.
 # Every part runs even when another fails; any failing fails. The first lists its 15 slowest tests (CI's log
 # then says where the suite's time goes); each part writes every test's time to build/test-reports/.
 # The serial part collects only the files that mark tests `pytest.mark.serial` (collecting all of tests/ costs
