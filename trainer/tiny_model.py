@@ -54,12 +54,9 @@ class TinyModelConfig(BaseModel):
     max_positions: int = 64
 
 
-def build_tiny_model(cfg: TinyModelConfig, seed: int) -> Qwen2ForCausalLM:
-    """A freshly initialised float32 Qwen2 with tied embeddings over VOCAB.
-
-    The initial weights depend only on `seed`; the caller's global RNG state is left as it was.
-    """
-    config = Qwen2Config(
+def tiny_config(cfg: TinyModelConfig) -> Qwen2Config:
+    """The built-in model's transformers config: a float32 Qwen2 with tied embeddings over VOCAB."""
+    return Qwen2Config(
         vocab_size=len(VOCAB),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -73,6 +70,14 @@ def build_tiny_model(cfg: TinyModelConfig, seed: int) -> Qwen2ForCausalLM:
         eos_token_id=VOCAB.index(EOS),
         dtype="float32",
     )
+
+
+def build_tiny_model(cfg: TinyModelConfig, seed: int) -> Qwen2ForCausalLM:
+    """A freshly initialised float32 Qwen2 with tied embeddings over VOCAB (`tiny_config`).
+
+    The initial weights depend only on `seed`; the caller's global RNG state is left as it was.
+    """
+    config = tiny_config(cfg)
     with seeded_rng(seed):
         model = Qwen2ForCausalLM(config)
     model.float()

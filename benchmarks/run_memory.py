@@ -1,0 +1,160 @@
+"""Every process's peak memory over a whole `rlvr run`: the largest process under each sharding, and the ratio.
+
+Each configuration is one `rlvr run` in a fresh store (a child of this script), with the given config and
+overrides plus `train.data_parallel=N` and `train.sharding=S`. Every 0.2 s this script reads, from /proc, the
+high-water mark of resident memory (VmHWM) of every process descended from the run, so a process's last reading is
+its peak up to 0.2 s before it ended. Processes are named by role: the run itself (rank 0), a rank
+(`rlvr.trainer.ranks.launch`), a sampler, a verifier worker, Prefect's server, other.
+
+It prints one table row per configuration (the largest process's peak, rank 0's and the other ranks' peaks, the
+wall time) and, when both shardings ran at the same N, fsdp's largest peak over replicate's: the figure of
+issue 53 (target at most 0.75x at N = 2, with gradient checkpointing and `micro_batch_tokens=512` on both).
+
+    python benchmarks/run_memory.py [--config examples/smollm2-arithmetic.yaml] [--ranks 2] \
+        [--shardings replicate fsdp] [--repeats 1] [--set KEY=VALUE ...] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MB = 1e6
+ROLES = (
+    ("rlvr.trainer.ranks.launch", "rank"),
+    ("prefect.server", "prefect"),
+    ("child_guard", "prefect"),
+    ("forkserver", "verifier"),
+    ("multiprocessing.spawn", "spawned"),
+)
+
+
+def children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def descendants(root: int) -> list[int]:
+    todo, seen = [root], []
+    while todo:
+        pid = todo.pop()
+        seen.append(pid)
+        todo += children(pid)
+    return seen
+
+
+def peak_and_command(pid: int) -> tuple[int, str] | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024, command
+    return None
+
+
+def role(pid: int, root: int, command: str) -> str:
+    if pid == root:
+        return "run"
+    return next((name for marker, name in ROLES if marker in command), "other")
+
+
+def measure(config: str, ranks: int, sharding: str, extra: list[str]) -> dict[str, object]:
+    """One whole run; the peak of every process it started, by pid, with its role."""
+    store = tempfile.mkdtemp(prefix="rlvr-run-memory-")
+    command = [
+        sys.executable,
+        "-m",
+        "rlvr.flows.cli",
+        "run",
+        "--store",
+        store,
+        "--config",
+        config,
+        "--set",
+        f"train.data_parallel={ranks}",
+        "--set",
+        f"train.sharding={sharding}",
+    ]
+    for item in extra:
+        command += ["--set", item]
+    started = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peaks: dict[int, tuple[int, str]] = {}
+    while proc.poll() is None:
+        for pid in descendants(proc.pid):
+            found = peak_and_command(pid)
+            if found is not None:
+                peaks[pid] = (max(found[0], peaks.get(pid, (0, ""))[0]), role(pid, proc.pid, found[1]))
+        time.sleep(0.2)
+    stderr = proc.stderr.read() if proc.stderr else ""
+    if proc.returncode != 0:
+        raise SystemExit(f"the run failed ({proc.returncode}):\n{stderr[-3000:]}")
+    by_role: dict[str, list[int]] = {}
+    for peak, name in peaks.values():
+        by_role.setdefault(name, []).append(peak)
+    return {
+        "ranks": ranks,
+        "sharding": sharding,
+        "seconds": round(time.monotonic() - started, 1),
+        "largest_mb": round(max(peak for peak, _ in peaks.values()) / MB),
+        "run_mb": round(max(by_role.get("run", [0])) / MB),
+        "other_ranks_mb": [round(p / MB) for p in sorted(by_role.get("rank", []), reverse=True)],
+        "by_role_mb": {name: round(max(values) / MB) for name, values in sorted(by_role.items())},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="examples/smollm2-arithmetic.yaml")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2])
+    parser.add_argument("--shardings", nargs="+", default=["replicate", "fsdp"])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    rows = []
+    print("| N | sharding | run | largest process MB | rank 0 (the run) MB | other ranks MB | seconds |")
+    print("|---|---|---|---|---|---|---|")
+    for repeat in range(args.repeats):
+        for ranks in args.ranks:
+            for sharding in args.shardings if ranks > 1 else ["fsdp"]:
+                row = measure(args.config, ranks, sharding, args.extra)
+                rows.append(row)
+                others = " / ".join(f"{mb:,}" for mb in row["other_ranks_mb"]) or "-"  # type: ignore[attr-defined]
+                print(
+                    f"| {ranks} | {sharding if ranks > 1 else 'one process'} | {repeat + 1} | "
+                    f"{row['largest_mb']:,} | {row['run_mb']:,} | {others} | {row['seconds']} |",
+                    flush=True,
+                )
+    for ranks in args.ranks:
+        for repeat in range(args.repeats):
+            pick = {
+                r["sharding"]: r
+                for r in rows[repeat * len(rows) // args.repeats :][: len(rows) // args.repeats]
+                if r["ranks"] == ranks
+            }
+            if ranks > 1 and {"fsdp", "replicate"} <= pick.keys():
+                ratio = pick["fsdp"]["largest_mb"] / pick["replicate"]["largest_mb"]  # type: ignore[operator]
+                print(
+                    f"N = {ranks}, run {repeat + 1}: fsdp's largest process / replicate's = {ratio:.3f}x "
+                    "(issue 53's target at N = 2: <= 0.75x)"
+                )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

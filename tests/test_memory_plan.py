@@ -1,0 +1,114 @@
+"""`rlvr plan` (trainer/memory_plan.py): what each rank holds, counted on the real model built on the meta device and
+sharded over a fake group of N ranks; the stages that hold the whole model on rank 0; the fit against a device."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from rlvr.errors import UserError
+from rlvr.flows.cli import app
+from rlvr.flows.config import load_config
+from rlvr.trainer.memory_plan import (
+    DTYPE_BYTES,
+    kv_cache_bytes,
+    make_plan,
+    meta_model,
+    model_config,
+    saved_bytes,
+    shape_of,
+    state_bytes,
+)
+from rlvr.trainer.tiny_model import TinyModelConfig, tiny_config
+
+
+def run_cli(args: list[str]):
+    return CliRunner().invoke(app, args)
+
+
+QWEN_7B = Path(__file__).parents[1] / "examples" / "models" / "qwen2.5-7b-instruct.json"
+
+
+def padded_shard_bytes(model: torch.nn.Module, ranks: int) -> int:
+    """FSDP2 splits each parameter along dim 0 into `ranks` equal (padded) parts: ceil(rows / N) rows a rank."""
+    return sum(math.ceil(p.shape[0] / ranks) * math.prod(p.shape[1:]) * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("ranks", [2, 7])
+def test_fsdp_shards_are_counted_as_fsdp2_pads_them(ranks):
+    config = tiny_config(TinyModelConfig(hidden_size=36, intermediate_size=100, num_heads=3, num_kv_heads=1))
+    expected = padded_shard_bytes(meta_model(config, torch.float32), ranks)
+    counted = state_bytes(meta_model(config, torch.float32), ranks, "fsdp")
+    assert counted == {"weights": expected, "gradients": expected, "optimizer": 2 * expected}
+    whole = sum(p.numel() * 4 for p in meta_model(config, torch.float32).parameters())
+    assert expected > whole / ranks if ranks == 7 else expected == whole / 2  # 7 splits 100 and 36 rows unevenly
+    assert state_bytes(meta_model(config, torch.float32), ranks, "replicate")["weights"] == whole
+
+
+def test_the_7b_example_has_the_model_cards_parameters_and_an_eighth_a_rank():
+    cfg = load_config(Path(__file__).parents[1] / "examples" / "qwen2.5-7b-8gpu.yaml")
+    config = model_config(cfg.policy, QWEN_7B)
+    model = meta_model(config, torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == 7_615_616_512  # docs/scale-out.md's count by hand
+    weights = state_bytes(model, 8, "fsdp")["weights"]
+    assert weights == padded_shard_bytes(meta_model(config, torch.float32), 8)
+    assert round(weights / 1e9, 2) == 3.81
+    shape = shape_of(config)
+    # 2 (keys, values) x 28 layers x 4 KV heads x 128 x 2 bytes = 57,344 bytes a token a row, plus a step's logits
+    assert kv_cache_bytes(shape, 64, 1280, torch.bfloat16) == 64 * 1280 * 57_344 + 2 * 64 * 152_064 * 4
+
+
+def test_saved_activations_grow_with_rows_and_checkpointing_keeps_less():
+    from rlvr.trainer.grpo import set_activation_checkpointing
+
+    model = meta_model(tiny_config(TinyModelConfig()), torch.float32)
+    two, three, four = (saved_bytes(model, rows, 24, 9) for rows in (2, 3, 4))
+    # affine in rows: each row saves the same, beside what rows share (one row's tensors are partly views)
+    assert four - three == three - two > 0
+    set_activation_checkpointing(model, True)
+    checkpointed = saved_bytes(model, 2, 24, 9)
+    assert 0 < checkpointed < two / 2
+    # with checkpointing, each decoder layer keeps its input alone: 2 rows x 24 tokens x 64 wide, float32, a layer
+    assert checkpointed >= 2 * (2 * 24 * 64 * DTYPE_BYTES[torch.float32])
+
+
+def test_a_sharded_run_holds_the_whole_model_on_rank_0_only_before_adoption_and_at_checkpoints():
+    cfg = load_config(
+        None, ["train.data_parallel=2", "synthesize.source.type=arithmetic", "synthesize.source.count=50"]
+    )
+    plan = make_plan(cfg, 2, "cpu")
+    whole = sum(p.numel() * 4 for p in meta_model(tiny_config(cfg.policy.tiny), torch.float32).parameters())
+    holding_whole = [
+        (s.stage, s.rank) for s in plan.stages if s.terms.get("weights") == whole or "whole weights" in s.terms
+    ]
+    assert holding_whole == [
+        ("evaluate (first)", "0"),
+        ("warm start", "0"),
+        ("adopt", "0"),
+        ("checkpoint", "0"),
+    ]
+    assert plan.peak("1").total < plan.peak("0").total
+    evaluate = next(s for s in plan.stages if s.stage == "evaluate (later)" and s.rank == "1")
+    shape = shape_of(tiny_config(cfg.policy.tiny))
+    assert evaluate.terms["KV cache"] == kv_cache_bytes(shape, 5, 128 + cfg.evaluate.max_new_tokens, torch.float32)
+
+
+def test_plan_says_whether_a_device_fits_and_exits_1_when_not(tmp_path):
+    fits = run_cli(["plan", "--set", "train.data_parallel=2", "--device", "cpu", "--device-gb", "1000"])
+    assert fits.exit_code == 0, fits.output
+    assert "peak on rank 0:" in fits.output and "fits 1000 GB: every stage on every rank" in fits.output
+    tight = run_cli(["plan", "--set", "train.data_parallel=2", "--device", "cpu", "--device-gb", "0.1"])
+    assert tight.exit_code == 1
+    assert "does not fit 0.1 GB: checkpoint on rank 0 needs" in tight.output
+
+
+def test_a_model_not_on_this_machine_asks_for_its_config_in_one_line():
+    cfg = load_config(None, ["policy.model=/nowhere/Qwen2.5-7B-Instruct"])
+    with pytest.raises(UserError, match="give the model's config.json with --model-config"):
+        model_config(cfg.policy)
+    with pytest.raises(UserError, match="is not a file"):
+        model_config(cfg.policy, Path("/nowhere/config.json"))
