@@ -93,11 +93,13 @@ def measure(config: str, ranks: int, sharding: str, extra: list[str]) -> dict[st
     started = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peaks: dict[int, tuple[int, str]] = {}
+    grew_at: dict[int, float] = {}  # when each process's high-water mark last rose (seconds into the run)
     while proc.poll() is None:
         for pid in descendants(proc.pid):
             found = peak_and_command(pid)
-            if found is not None:
-                peaks[pid] = (max(found[0], peaks.get(pid, (0, ""))[0]), role(pid, proc.pid, found[1]))
+            if found is not None and found[0] > peaks.get(pid, (0, ""))[0]:
+                peaks[pid] = (found[0], role(pid, proc.pid, found[1]))
+                grew_at[pid] = round(time.monotonic() - started, 1)
         time.sleep(0.2)
     stderr = proc.stderr.read() if proc.stderr else ""
     if proc.returncode != 0:
@@ -110,6 +112,7 @@ def measure(config: str, ranks: int, sharding: str, extra: list[str]) -> dict[st
         "sharding": sharding,
         "seconds": round(time.monotonic() - started, 1),
         "largest_mb": round(max(peak for peak, _ in peaks.values()) / MB),
+        "largest_at_s": grew_at[max(peaks, key=lambda pid: peaks[pid][0])],
         "run_mb": round(max(by_role.get("run", [0])) / MB),
         "other_ranks_mb": [round(p / MB) for p in sorted(by_role.get("rank", []), reverse=True)],
         "by_role_mb": {name: round(max(values) / MB) for name, values in sorted(by_role.items())},
@@ -126,8 +129,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     rows = []
-    print("| N | sharding | run | largest process MB | rank 0 (the run) MB | other ranks MB | seconds |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| N | sharding | run | largest process MB | its peak at s | rank 0 (the run) MB | other ranks MB | seconds |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for repeat in range(args.repeats):
         for ranks in args.ranks:
             for sharding in args.shardings if ranks > 1 else ["fsdp"]:
@@ -136,7 +141,7 @@ def main() -> None:
                 others = " / ".join(f"{mb:,}" for mb in row["other_ranks_mb"]) or "-"  # type: ignore[attr-defined]
                 print(
                     f"| {ranks} | {sharding if ranks > 1 else 'one process'} | {repeat + 1} | "
-                    f"{row['largest_mb']:,} | {row['run_mb']:,} | {others} | {row['seconds']} |",
+                    f"{row['largest_mb']:,} | {row['largest_at_s']} | {row['run_mb']:,} | {others} | {row['seconds']} |",
                     flush=True,
                 )
     for ranks in args.ranks:

@@ -60,6 +60,8 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     announce_model_calls(store, cfg, problems)
     initial = initial_policy(store, cfg, config_id)
     refs = StepRefs(problems=(problems,), difficulty="", policy_ref=initial, start_ref=initial)
+    if cfg.train.data_parallel > 1 and not cfg.warmstart.steps:  # the ranks evaluate it too, from their slices
+        share_policy(store, cfg, refs.policy_ref)
     report("eval", step=0, phase="init", accuracy=evaluate(store, cfg, 0, "init", refs))
     if cfg.warmstart.steps:
         report("stage", name="warmstart")
@@ -68,8 +70,8 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
         warm = run(WARMSTART, cfg.warmstart, at, inputs=inputs, params={"device": cfg.policy.device})
         refs = replace(refs, policy_ref=warm["checkpoints"], start_ref=warm["checkpoints"])
         report("eval", step=0, phase="warmstart", accuracy=evaluate(store, cfg, 0, "warmstart", refs))
-    if cfg.train.data_parallel > 1:  # from here on the ranks sample too: difficulty, rollouts, evaluations
-        share_policy(store, cfg, refs.policy_ref)
+    if cfg.train.data_parallel > 1 and cfg.warmstart.steps:  # from here on the ranks sample too: difficulty,
+        share_policy(store, cfg, refs.policy_ref)  # rollouts, evaluations (the warm start trains whole on rank 0)
     refs = replace(refs, difficulty=estimate_difficulty(store, cfg, problems, refs.policy_ref))
     report("stage", name="rl")
     size = cfg.flow.steps_per_subflow

@@ -6,13 +6,14 @@ the layout and the fencing rules are in its docstring.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import socket
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -231,11 +232,46 @@ class StoreFiles:
         self._write_atomic(f"{self.artifact_dir(kind, artifact_id)}/{relative}", data, batch, run_id)
         return {"path": relative, "rows": None, "bytes": len(data), "sha256": sha256_hex(data)}
 
-    def place_file(self, kind: str, artifact_id: str, name: str, data: bytes) -> dict[str, Any]:
+    def place_file(self, kind: str, artifact_id: str, name: str, data: bytes | Iterable[bytes]) -> dict[str, Any]:
         """Write binary file `name` of an artifact that another process commits (`write_artifact(placed=...)`),
-        durably, and return its manifest entry. Until that commit the file belongs to an uncommitted folder."""
+        durably, and return its manifest entry. Until that commit the file belongs to an uncommitted folder.
+        `data` may come in chunks (an iterable of bytes), so a file larger than memory is written a piece at a time
+        (a checkpoint streamed from the ranks' shards); it appears whole or not at all, as any other file."""
         check_kind(kind)
-        return self._write_binary(kind, artifact_id, name, data, None, None)
+        if isinstance(data, bytes):
+            return self._write_binary(kind, artifact_id, name, data, None, None)
+        check_name("file name", name)
+        relative = f"files/{name}"
+        size, digest = self._write_chunks(f"{self.artifact_dir(kind, artifact_id)}/{relative}", data)
+        return {"path": relative, "rows": None, "bytes": size, "sha256": digest}
+
+    def _write_chunks(self, path: str, chunks: Iterable[bytes]) -> tuple[int, str]:
+        """`_write_atomic` for data that comes in chunks: (bytes written, their sha256). Locally through a temp file
+        renamed into place; on object storage one upload, which the object store shows only once it is complete."""
+        digest, size = hashlib.sha256(), 0
+        self._check_lease([None], listing=False)
+        if not self.is_local:
+            with self.fs.open(path, "wb") as handle:
+                for chunk in chunks:
+                    handle.write(chunk)
+                    digest.update(chunk)
+                    size += len(chunk)
+            return size, digest.hexdigest()
+        tmp = f"{path}{TMP_MARK}{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            with open_new(tmp) as handle:
+                for chunk in chunks:
+                    handle.write(chunk)
+                    digest.update(chunk)
+                    size += len(chunk)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        self._publish_temp(tmp, path, None)
+        return size, digest.hexdigest()
 
     def create_new(self, path: str, data: bytes) -> bool:
         """Write `path` only if it does not exist yet, atomically; False when it already did."""

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext
-from rlvr.trainer.checkpoints import checkpoint_built, policy_files_of
+from rlvr.trainer.checkpoints import checkpoint_built, policy_files_of, streamed_checkpoint
 
 
 class CheckpointConfig(BaseModel):
@@ -18,9 +18,15 @@ class CheckpointConfig(BaseModel):
 
 
 def build(inputs: Inputs, cfg: CheckpointConfig, ctx: StageContext) -> Built:
-    """Copy the weights named by the `policy` input (a train_steps id) into a permanent checkpoint."""
-    files = inputs.load("policy", policy_files_of)
-    return checkpoint_built(ctx, files, inputs.manifest("policy").extra.get("n_params", 0), inputs.id("policy"))
+    """Copy the weights named by the `policy` input (a train_steps id) into a permanent checkpoint: streamed by the
+    data-parallel ranks from their shards when they hold it, else written whole from this process."""
+    n_params, policy_id = inputs.manifest("policy").extra.get("n_params", 0), inputs.id("policy")
+    if inputs.store is not None:
+        streamed = streamed_checkpoint(inputs.store, inputs.require_id("policy"), ctx.output_ids["checkpoints"])
+        if streamed is not None:
+            files, placed = streamed
+            return checkpoint_built(ctx, files, n_params, policy_id, placed=placed)
+    return checkpoint_built(ctx, inputs.load("policy", policy_files_of), n_params, policy_id)
 
 
 def identity(cfg: CheckpointConfig, params: Mapping[str, Any]) -> dict[str, Any]:

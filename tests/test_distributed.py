@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlvr.storage.manifest import sha256_hex
+from rlvr.storage.store import Store
 from rlvr.trainer.distributed import distributed_grpo_step, shard_plan
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step
@@ -213,7 +215,7 @@ def _assert_ranks_play_what_one_process_plays(sharded: Policy, whole: Policy) ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", SHARDINGS)
-def test_the_rank_group_trains_as_one_process_does(sharding):
+def test_the_rank_group_trains_as_one_process_does(sharding, tmp_path):
     """`train.data_parallel=2` (trainer/ranks/launch.py): this process is rank 0 and adopts a whole policy; one
     worker rank lives across updates. Three AdamW updates (with a KL reference) give one process's losses
     within 1e-5 and its weights within 2e-2 x lr; with fsdp each rank holds half the parameters and optimizer
@@ -236,7 +238,22 @@ def test_the_rank_group_trains_as_one_process_does(sharding):
             assert got["updates"] == 2.0
             assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
             assert got["ref_kl"] == pytest.approx(expected["ref_kl"], abs=1e-5)
-        gathered = policy_from_files(group.whole_files())  # what a checkpoint holds
+        whole_files = group.whole_files()
+        gathered = policy_from_files(whole_files)  # what a checkpoint held, gathered whole on rank 0
+        store = Store.open(
+            str(tmp_path / "store"), create=True
+        )  # what it holds now: streamed from the shards a tensor at a time
+        entry = group.write_weights(str(store.root), "checkpoints", "checkpoints-streamed")
+        streamed = (
+            tmp_path / "store" / "artifacts" / "checkpoints" / "checkpoints-streamed" / entry["path"]
+        ).read_bytes()
+        assert streamed == whole_files["model.safetensors"]
+        assert entry == {
+            "path": "files/model.safetensors",
+            "rows": None,
+            "bytes": len(streamed),
+            "sha256": sha256_hex(streamed),
+        }
         _assert_same_parameters(gathered.model.state_dict(), single.model.state_dict(), atol=2e-2 * cfg.lr)
         steps = {float(state["step"]) for state in optimizer.state.values()}
         assert steps == {6.0} and single_optimizer.state_dict()["state"][0]["step"] == 6
@@ -254,6 +271,73 @@ def test_the_rank_group_trains_as_one_process_does(sharding):
         launch.close_group()
     assert worker.wait(timeout=30) == 0
     assert launch.current_group() is None
+
+
+def test_buffers_no_state_dict_holds_are_computed_again_from_the_config():
+    """A model built on the meta device and materialised empty (`to_empty`) gets the rotary frequencies a model
+    built with weights has, exactly (sharding.rebuild_buffers; left empty, every rank would decode garbage)."""
+    from rlvr.trainer.memory_plan import meta_model
+    from rlvr.trainer.sharding import rebuild_buffers
+    from rlvr.trainer.tiny_model import TinyModelConfig, build_tiny_model, tiny_config
+
+    empty = meta_model(tiny_config(TinyModelConfig()), torch.float32)
+    empty.to_empty(device="cpu")
+    for buffer in empty.buffers():
+        buffer.fill_(float("nan"))
+    rebuild_buffers(empty)
+    built = dict(build_tiny_model(TinyModelConfig(), seed=0).named_buffers())
+    assert built.keys() == {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
+    for name, buffer in empty.named_buffers():
+        assert torch.equal(buffer, built[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_a_stored_checkpoint_is_adopted_by_slices_without_the_whole_policy_on_rank_0(sharding, tmp_path, monkeypatch):
+    """A checkpoint stored whole (one model.safetensors) becomes the rank group's with each rank reading only its
+    slices of the file: no code path that loads the whole policy runs on rank 0, the rotary frequencies are
+    computed again on every rank, and the group samples and gathers exactly the stored weights."""
+    from rlvr.storage.stage import rows_to_table
+    from rlvr.trainer import checkpoints
+    from rlvr.trainer.policy import policy_files
+    from rlvr.trainer.ranks import launch
+
+    stored = init_policy(PolicyConfig(), seed=3)
+    files = policy_files(stored)
+    store = Store.open(str(tmp_path / "store"), create=True)
+    row = {
+        "run_id": "r",
+        "step": 0,
+        "artifact_id": "checkpoints-c0",
+        "stage": "initialize",
+        "policy_id": None,
+        "n_params": 1,
+    }
+    store.write_artifact(
+        "checkpoints",
+        "checkpoints-c0",
+        rows_to_table("checkpoints", [row]),
+        run_id="r",
+        stage="initialize",
+        parents=[],
+        code_version="1",
+        config={},
+        files=files,
+    )
+    whole_loads = []
+    monkeypatch.setattr(checkpoints, "load_policy", lambda *a, **k: whole_loads.append(a) or stored)
+    monkeypatch.setattr(checkpoints, "policy_from_files", lambda *a, **k: whole_loads.append(a) or stored)
+    try:
+        ranks = checkpoints.Ranks(2, sharding)
+        state = checkpoints.take_trainer_state(
+            store, "checkpoints-c0", 1e-3, 0.0, device=torch.device("cpu"), ranks=ranks
+        )
+        assert whole_loads == [] and state.policy.ranks is launch.current_group()
+        assert not state.optimizer.state  # a checkpoint holds no optimizer state: fresh moments
+        _assert_ranks_sample_what_one_process_samples(state.policy, stored)  # rotary buffers rebuilt on each rank
+        assert state.policy.ranks.whole_files()["model.safetensors"] == files["model.safetensors"]
+    finally:
+        launch.close_group()
 
 
 @pytest.mark.slow

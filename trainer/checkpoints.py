@@ -17,33 +17,41 @@ before it by replaying the updates between (`rebuilt_state`; storage/policy_chai
 from __future__ import annotations
 
 import copy
+import json
+import struct
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 from safetensors.torch import load as safetensors_load
 
 from rlvr.errors import UserError
+from rlvr.storage.errors import DamagedArtifact
+from rlvr.storage.files import damage_message, file_problem
 from rlvr.storage.policy_chain import holds_weights, policy_chain
 from rlvr.storage.stage import RESIDENTS, Built, Inputs, StageContext, rows_to_table
 from rlvr.storage.store import Store
 from rlvr.trainer.devices import model_device
 from rlvr.trainer.grpo import GRPOConfig
-from rlvr.trainer.lora import ADAPTER_FILE
+from rlvr.trainer.lora import ADAPTER_FILE, has_lora
 from rlvr.trainer.policy import (
     MODEL_BUILD_LOCK,
+    WEIGHTS_FILE,
     Policy,
     load_optimizer_state,
     make_optimizer,
     policy_files,
     policy_from_files,
+    static_files,
 )
 from rlvr.trainer.ranks.launch import rank_group
 from rlvr.trainer.ranks.operations import ready, skeleton
 from rlvr.trainer.ranks.state import fetch_state_files
 from rlvr.trainer.sharding import Sharding, load_sharded, scratch_dir, stored_name
+from rlvr.trainer.streamed_weights import SAFETENSORS_DTYPES
 from rlvr.trainer.updates import step_batch, update_policy
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -257,11 +265,17 @@ def _load_in_place(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> 
 
 
 def checkpoint_built(
-    ctx: StageContext, files: Mapping[str, bytes], n_params: int, policy_id: str | None, live: Policy | None = None
+    ctx: StageContext,
+    files: Mapping[str, bytes],
+    n_params: int,
+    policy_id: str | None,
+    live: Policy | None = None,
+    placed: Sequence[Mapping[str, Any]] = (),
 ) -> Built:
     """The `checkpoints` output of the stage in `ctx`: one row naming the checkpoint and where it came
-    from, its model directory as files, the parameter count (later checkpoints copy it from the manifest),
-    and the live policy to keep in memory when the stage has one."""
+    from, its model directory as files (and `placed`: the entries of files already written into its folder, the
+    weights the ranks streamed), the parameter count (later checkpoints copy it from the manifest), and the live
+    policy to keep in memory when the stage has one."""
     row = {
         "run_id": ctx.run_id,
         "step": ctx.step or 0,
@@ -271,7 +285,21 @@ def checkpoint_built(
         "n_params": n_params,
     }
     resident = TrainerState(live, None) if live is not None else None
-    return Built(rows_to_table("checkpoints", [row]), files=files, extra={"n_params": n_params}, resident=resident)
+    table = rows_to_table("checkpoints", [row])
+    return Built(table, files=files, extra={"n_params": n_params}, resident=resident, placed=placed)
+
+
+def streamed_checkpoint(
+    store: Store, policy_ref: str, artifact_id: str
+) -> tuple[dict[str, bytes], list[dict[str, Any]]] | None:
+    """When `policy_ref` is live on the run's data-parallel ranks: its static files, and the entry of its weights,
+    which the ranks stream into checkpoint `artifact_id`'s folder a tensor at a time (nothing whole in any process,
+    the same bytes as a whole gather); None otherwise (LoRA, whose files merge the adapters, included)."""
+    live = RESIDENTS.get(policy_ref)
+    if not isinstance(live, TrainerState) or live.policy.ranks is None or has_lora(live.policy.model):
+        return None
+    entry = live.policy.ranks.write_weights(str(store.root), "checkpoints", artifact_id)
+    return static_files(live.policy), [entry]
 
 
 def parameter_count(policy: Policy) -> int:
@@ -325,6 +353,9 @@ def take_trainer_state(
         return distributed(rebuilt, ranks, device, lr, weight_decay)
     if holds_sharded_state(store, weights_artifact(store, policy_ref)):
         return sharded_state(store, policy_ref, ranks, device, lr, weight_decay)
+    if ranks.data_parallel > 1 and one_weights_file(store, policy_ref):
+        live = None  # a whole copy in memory is let go before the ranks read their slices
+        return adopted_by_slices(store, policy_ref, ranks, device, lr, weight_decay)
     policy = live.policy if live is not None else load_policy(store, policy_ref, device=device)
     state = TrainerState(policy, stored_optimizer(store, policy_ref, policy, lr, weight_decay))
     return distributed(state, ranks, device, lr, weight_decay)
@@ -341,6 +372,45 @@ def sharded_state(
     group = rank_group(ranks.data_parallel, ranks.sharding, device, threads=torch.get_num_threads())
     policy, optimizer = group.load_state(static, dtype, str(store.root), artifact, lr, weight_decay)
     return TrainerState(policy, optimizer)
+
+
+def one_weights_file(store: Store, policy_ref: str) -> bool:
+    """Whether `policy_ref` is a checkpoint whose weights are one safetensors file and nothing else trained (no
+    optimizer state, no LoRA adapters): what the ranks can read by slices (`adopted_by_slices`)."""
+    if weights_artifact(store, policy_ref) != policy_ref or store.manifest(policy_ref).kind != "checkpoints":
+        return False
+    names = {entry["path"].removeprefix("files/") for entry in store.manifest(policy_ref).binary_files}
+    return {name for name in names if is_weights_file(name)} == {WEIGHTS_FILE} and OPTIMIZER_FILE not in names
+
+
+def adopted_by_slices(
+    store: Store, policy_ref: str, ranks: Ranks, device: torch.device, lr: float, weight_decay: float
+) -> TrainerState:
+    """Checkpoint `policy_ref` adopted by the run's rank group without its whole weights in any process: rank 0
+    checks the file against its manifest (hashed in chunks), then every rank reads the slices its shards need."""
+    manifest, path = store.manifest(policy_ref), store.file_path(policy_ref, WEIGHTS_FILE)
+    entry = next(e for e in manifest.binary_files if e["path"] == f"files/{WEIGHTS_FILE}")
+    problem = file_problem(store.fs, path, entry)
+    if problem is not None:
+        raise DamagedArtifact(damage_message(manifest, path, problem), policy_ref, path)
+    static = _files(store, policy_ref, lambda name: not is_weights_file(name))
+    group = rank_group(ranks.data_parallel, ranks.sharding, device, threads=torch.get_num_threads())
+    policy, optimizer = group.adopt_stored(
+        static, stored_file_dtype(store, path), str(store.root), policy_ref, lr, weight_decay
+    )
+    return TrainerState(policy, optimizer)
+
+
+def stored_file_dtype(store: Store, path: str) -> torch.dtype:
+    """The dtype of a safetensors file's tensors, read from its header alone."""
+    with store.fs.open(path, "rb") as handle:
+        length = struct.unpack("<Q", handle.read(8))[0]
+        header = json.loads(handle.read(length))
+    dtypes = {value["dtype"] for name, value in header.items() if name != "__metadata__"}
+    names = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in names:
+        raise ValueError(f"{path}: weights of dtypes {sorted(dtypes)}, not one floating dtype")
+    return names[next(iter(dtypes))]
 
 
 def distributed(

@@ -298,6 +298,7 @@ class Counted:
     root: int  # the root unit gathered
     activations: int  # one micro-batch
     whole_compute: int  # the whole model in the compute dtype (decoding from gathered weights)
+    largest_tensor: int  # the largest parameter whole, in its dtype (a streamed checkpoint gathers one at a time)
     floor: int  # the process itself
 
 
@@ -330,6 +331,7 @@ def make_plan(
         root=root,
         activations=activations,
         whole_compute=whole * DTYPE_BYTES[compute] // DTYPE_BYTES[dtype],
+        largest_tensor=max(p.numel() * p.element_size() for p in model.parameters()),
         floor=CUDA_ALLOWANCE if device == "cuda" else process_bytes(),
     )
     plan = MemoryPlan(
@@ -345,7 +347,12 @@ def make_plan(
     else:
         gathers = sharding == "fsdp" or compute != dtype  # replicate gathers nothing, unless it casts to compute
         decode_copy = counted.whole_compute if gathers else 0
-        plan.stages = _on_ranks(counted, work, shape, compute, ranks, gathers, decode_copy, device == "cuda")
+        plan.stages = _on_ranks(counted, work, shape, compute, ranks, gathers, decode_copy)
+    if device == "cuda":  # a file's bytes are serialised in the host's memory, not the GPU's
+        for stage in plan.stages:
+            files = stage.terms.pop("files", 0)
+            if files:
+                stage.note = f"{stage.note}; and {files / 1e9:.2f} GB of host memory (the file's bytes)"
     if work.eval_rows is None:
         plan.notes.append("held-out rows unknown before synthesis (a source without `count`): evaluations not planned")
     plan.notes.append(
@@ -378,7 +385,7 @@ def _one_process(c: Counted, work: Workload, shape: dict[str, int], compute: tor
     reference = {"KL reference": w} if work.kl_reference else {}
     kv = _decoding(work, shape, compute, 1)
     rank = "0 (one process)"
-    stages = []
+    stages = [Stage("initialize", rank, {"weights": w, "files": w, **floor}, "the initial checkpoint, written whole")]
     if work.warmstart_steps:
         stages.append(
             Stage(
@@ -413,18 +420,16 @@ BEFORE_ADOPTION = "before the ranks adopt the policy: whole on rank 0"
 
 
 def _before_adoption(c: Counted, work: Workload, whole_kv: dict[str, int]) -> list[Stage]:
-    """Rank 0's stages before the group adopts the policy (flows/rl_run.py, `share_policy`): the first evaluation
-    and the warm start, with the whole model in the run's process."""
+    """Rank 0's stages with the whole model (flows/rl_run.py): writing the initial checkpoint, and with a warm
+    start, the first evaluation and the warm start itself (the policy is adopted after it)."""
     w, floor = c.whole, {"process": c.floor}
-    stages = []
-    if "evaluate" in whole_kv:
-        first = {"weights": w, "KV cache": whole_kv["evaluate"], **floor}
-        stages.append(Stage("evaluate (first)", "0", first, BEFORE_ADOPTION))
+    stages = [Stage("initialize", "0", {"weights": w, "files": w, **floor}, "the initial checkpoint, written whole")]
     if work.warmstart_steps:
+        if "evaluate" in whole_kv:
+            first = {"weights": w, "KV cache": whole_kv["evaluate"], **floor}
+            stages.append(Stage("evaluate (first)", "0", first, BEFORE_ADOPTION))
         sft = {"weights": w, "gradients": w, "optimizer": 2 * w, "activations": c.activations, **floor}
         stages.append(Stage("warm start", "0", sft, BEFORE_ADOPTION))
-    adopting = {"whole weights": w, "weights": c.shards["weights"], **floor}
-    stages.append(Stage("adopt", "0", adopting, "rank 0 holds the whole policy while the ranks take their shards"))
     return stages
 
 
@@ -436,12 +441,11 @@ def _on_ranks(
     ranks: int,
     gathers: bool,
     decode_copy: int,
-    host: bool,
 ) -> list[Stage]:
-    """N > 1 as the code runs it: the stages before adoption (the first evaluation, the warm start) and a
-    checkpoint hold the whole model on rank 0; the others (difficulty on) are each rank's share. `host`: a checkpoint is
-    gathered into the host's memory (cpu_offload), not the device's."""
-    s, floor, w = c.shards, {"process": c.floor}, c.whole
+    """N > 1 as the code runs it: the initial checkpoint (and a warm start) whole on rank 0; then every rank reads
+    its slices of the stored policy, and each stage is each rank's share. Decoding gathers the whole weights once
+    on every rank (`whole_weights`); a checkpoint is streamed from the shards a tensor at a time."""
+    s, floor = c.shards, {"process": c.floor}
     held = {"weights": s["weights"], "optimizer": s["optimizer"]}
     reference = {"KL reference": s["weights"]} if work.kl_reference else {}
     gathered = {"gathered units": c.root + 2 * c.layer} if gathers else {}
@@ -449,19 +453,18 @@ def _on_ranks(
     kv = _decoding(work, shape, compute, ranks)
     stages = _before_adoption(c, work, _decoding(work, shape, compute, 1))
     others = "1" if ranks == 2 else f"1..{ranks - 1}"
-    for rank in ("0", others):  # difficulty: before the first update, so no optimizer moments yet
-        sampling = {"weights": s["weights"], **decoding, "KV cache": kv["difficulty"], **floor}
-        stages.append(Stage("difficulty", rank, sampling))
+    for rank in ("0", others):
+        adopting = {"weights": s["weights"], **floor}
+        stages.append(Stage("adopt", rank, adopting, "each rank reads its slices of the stored file"))
+        fresh = {"weights": s["weights"], **decoding, **floor}  # no optimizer moments before the first update
+        if "evaluate" in kv and not work.warmstart_steps:
+            stages.append(Stage("evaluate (first)", rank, {**fresh, "KV cache": kv["evaluate"]}))
+        stages.append(Stage("difficulty", rank, {**fresh, "KV cache": kv["difficulty"]}))
         training = {**held, "gradients": s["gradients"], **reference, **gathered, "activations": c.activations}
         stages.append(Stage("rollout", rank, {**held, **reference, **decoding, "KV cache": kv["rollout"], **floor}))
         stages.append(Stage("update", rank, {**training, **floor}))
         if "evaluate" in kv:
             stages.append(Stage("evaluate (later)", rank, {**held, **decoding, "KV cache": kv["evaluate"], **floor}))
-    if host:
-        note = f"gathered whole into rank 0's host memory ({2 * w / 1e9:.2f} GB), then serialised"
-        stages.append(Stage("checkpoint", "0", {**held, "gathered unit": c.layer, **floor}, note))
-    else:
-        whole = {**held, "whole weights": w, "files": w, **floor}
-        stages.append(Stage("checkpoint", "0", whole, "gathered whole on rank 0, then serialised"))
-    stages.append(Stage("checkpoint", others, {**held, "gathered unit": c.layer, **floor}))
+        streamed = {**held, "gathered tensor": c.largest_tensor, **floor}
+        stages.append(Stage("checkpoint", rank, streamed, "streamed from the shards a tensor at a time"))
     return stages

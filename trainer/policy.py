@@ -52,6 +52,8 @@ from rlvr.trainer.lora import (
 )
 from rlvr.trainer.tiny_model import TinyModelConfig, build_tiny_model, build_tiny_tokenizer
 
+WEIGHTS_FILE = "model.safetensors"  # a single-file model's weights, as save_pretrained names them
+
 # Checkpoints are written and read every RL step; per-call progress bars would flood the console.
 transformers_logging.disable_progress_bar()
 
@@ -304,13 +306,13 @@ def policy_files(policy: Policy) -> dict[str, bytes]:
     static = _static_files.get(policy.model)
     if static is None:
         saved = _saved_files(policy)
-        if not lora and "model.safetensors" not in saved:
+        if not lora and WEIGHTS_FILE not in saved:
             return saved  # sharded weights: what save_pretrained wrote, every time
         static = {name: data for name, data in saved.items() if not name.endswith(".safetensors")}
         if lora:
             static[SETTINGS_FILE] = settings_bytes(settings_of(policy.model))
         _static_files[policy.model] = static
-    files = {**static, "model.safetensors": weights_bytes(policy.model)}
+    files = {**static, WEIGHTS_FILE: weights_bytes(policy.model)}
     if lora:
         files[ADAPTER_FILE] = safetensors_save({name: t.to(CPU) for name, t in adapter_state(policy.model).items()})
     return files

@@ -207,6 +207,44 @@ def load_sharded(
         module._buffers[leaf] = value
 
 
+def load_hf_weights(model: torch.nn.Module, directory: Path) -> None:
+    """The weights of the Hugging Face safetensors files in `directory` into a sharded model built without them
+    (`to_empty`), each rank reading only the slices its shards need (DCP's Hugging Face reader opens the files with
+    safetensors' `safe_open` and reads slices: no rank, rank 0 included, holds a whole copy). Tied tensors are read
+    under their first name, as the file stores them, and the model's non-persistent buffers (rotary frequencies)
+    are computed again from its config on the device."""
+    state = get_model_state_dict(model)
+    seen: set[int] = set()
+    unique = {}
+    for name, tensor in state.items():
+        pointer = local(tensor).untyped_storage().data_ptr()
+        if pointer not in seen:
+            seen.add(pointer)
+            unique[name] = tensor
+    dcp.load(unique, storage_reader=dcp.HuggingFaceStorageReader(str(directory)))
+    set_model_state_dict(model, unique, options=StateDictOptions(strict=False))
+    rebuild_buffers(model)
+
+
+def rebuild_buffers(model: torch.nn.Module) -> None:
+    """Compute the buffers no state dict holds (each module's non-persistent buffers, left empty by `to_empty`)
+    by building that module again from the model's config on the buffers' device; a module whose class is not
+    built from a config alone (transformers' rotary embeddings are) raises ValueError."""
+    kept = set(model.state_dict())
+    owners = {name.rpartition(".")[0] for name, _ in model.named_buffers() if name not in kept}
+    for owner in sorted(owners):
+        module = model.get_submodule(owner) if owner else model
+        device = next(module.buffers()).device
+        try:
+            with torch.device(device):
+                fresh = type(module)(getattr(module, "config", None) or model.config)
+        except TypeError as refused:
+            raise ValueError(f"{type(module).__name__} is not built from a config alone: {refused}") from None
+        for leaf, buffer in fresh.named_buffers(recurse=False):
+            if f"{owner}.{leaf}".lstrip(".") not in kept:
+                module._buffers[leaf] = buffer
+
+
 def unsaved_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The buffers a state dict leaves out (non-persistent: computed at build time, which the meta device
     skips), by name."""

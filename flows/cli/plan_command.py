@@ -27,7 +27,7 @@ TERMS = (
     "KL reference",
     "whole weights",
     "gathered units",
-    "gathered unit",
+    "gathered tensor",
     "gathered weights",
     "activations",
     "KV cache",

@@ -61,7 +61,7 @@ from rlvr.trainer.ranks.operations import (
     sample_share,
 )
 from rlvr.trainer.ranks.serve import serve
-from rlvr.trainer.ranks.state import load_share, save_share
+from rlvr.trainer.ranks.state import adopt_share, load_share, save_share, write_weights_share
 from rlvr.trainer.ranks.transport import broadcast_bytes, gather_bytes, pack_files
 from rlvr.trainer.sharding import Sharding, full_state, held_bytes, plain_optimizer_state
 
@@ -241,6 +241,27 @@ class RankGroup:
         sharded.ranks = self
         return sharded, sharded_optimizer
 
+    def adopt_stored(
+        self,
+        static: dict[str, bytes],
+        dtype: torch.dtype,
+        store_root: str,
+        artifact_id: str,
+        lr: float,
+        weight_decay: float,
+    ) -> tuple[Policy, torch.optim.Optimizer]:
+        """The group's sharded copy of the policy stored whole in checkpoint `artifact_id` (its `model.safetensors`),
+        each rank reading only its slices of the file (rank 0 never holds the whole policy), with a fresh optimizer;
+        `static`: the checkpoint's config and tokenizer files."""
+        header = {"dtype": str(dtype).removeprefix("torch."), "lr": lr, "weight_decay": weight_decay}
+        header.update(sharding=self.state.sharding, root=store_root, artifact_id=artifact_id)
+        with self.op("adopt_stored", header, pack_files(static)):
+            sharded, optimizer = adopt_share(self.state, static, header)
+        self.state.policy, self.state.optimizer, self.state.static = sharded, optimizer, static
+        self._guard(sharded)
+        sharded.ranks = self
+        return sharded, optimizer
+
     def adopt_reference(self, reference: Policy) -> Policy:
         """The group's sharded, frozen copy of the KL reference."""
         static = static_files(reference)
@@ -295,6 +316,15 @@ class RankGroup:
             weights = full_state(policy.model)
         dtype = next(policy.model.parameters()).dtype
         return policy_files(plain_policy(self.state.static, weights, policy, dtype))
+
+    def write_weights(self, store_root: str, kind: str, artifact_id: str) -> dict[str, Any]:
+        """The policy's weights as `model.safetensors` in artifact `artifact_id`'s folder of the store at
+        `store_root`, streamed from the shards a tensor at a time (no process holds the whole model; the bytes are
+        those `whole_files` would give); the file's manifest entry, for rank 0 to commit."""
+        self._held()
+        header = {"root": store_root, "kind": kind, "artifact_id": artifact_id}
+        with self.op("write_weights", header):
+            return write_weights_share(self.state, header)
 
     def save_state(self, store_root: str, kind: str, artifact_id: str) -> list[dict[str, Any]]:
         """The sharded weights and optimizer state with torch.distributed.checkpoint: every rank writes its own

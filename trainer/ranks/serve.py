@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from rlvr.trainer.distributed import distributed_grpo_step, parse_payload
 from rlvr.trainer.ranks.operations import RankState, build_sharded, episodes_share, greedy_share, sample_share
-from rlvr.trainer.ranks.state import load_share, save_share
+from rlvr.trainer.ranks.state import adopt_share, load_share, save_share, write_weights_share
 from rlvr.trainer.ranks.transport import broadcast_bytes, gather_bytes, unpack_files
 from rlvr.trainer.sharding import full_state, held_bytes
 
@@ -57,6 +57,13 @@ def serve_one(state: RankState, header: dict[str, Any]) -> None:
         greedy_share(state, request["prompts"], request["settings"])
     elif op == "save_state":
         save_share(state, header)
+    elif op == "write_weights":
+        write_weights_share(state, header)
+    elif op == "adopt_stored":
+        static = unpack_files(broadcast_bytes(None, device))
+        state.sharding = header["sharding"]
+        state.policy, state.optimizer = adopt_share(state, static, header)
+        state.static = static
     elif op == "load_state":
         static = unpack_files(broadcast_bytes(None, device))
         state.sharding = header["sharding"]

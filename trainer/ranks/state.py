@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rlvr.storage.store import Store, open_store
-from rlvr.trainer.policy import Policy, make_optimizer
+from rlvr.trainer.policy import WEIGHTS_FILE, Policy, make_optimizer
 from rlvr.trainer.ranks.operations import RankState, ready, skeleton
 from rlvr.trainer.ranks.transport import gather_bytes
-from rlvr.trainer.sharding import dcp_name, load_sharded, save_sharded, scratch_dir, shard, stored_name
+from rlvr.trainer.sharding import dcp_name, load_hf_weights, load_sharded, save_sharded, scratch_dir, shard, stored_name
+from rlvr.trainer.streamed_weights import safetensors_chunks
 
 
 def save_share(state: RankState, header: dict[str, Any]) -> list[dict[str, Any]]:
@@ -30,6 +32,41 @@ def save_share(state: RankState, header: dict[str, Any]) -> list[dict[str, Any]]
         ]
     parts = gather_bytes(json.dumps(entries).encode(), state.device)
     return [entry for part in parts for entry in json.loads(part)]
+
+
+def write_weights_share(state: RankState, header: dict[str, Any]) -> dict[str, Any]:
+    """Every rank: the policy's weights streamed, a tensor at a time, into `model.safetensors` of the artifact
+    `header` names (rank 0 writes the file; the others gather each tensor with it); the file's manifest entry on
+    rank 0, an empty dict elsewhere."""
+    assert state.policy is not None
+    chunks = safetensors_chunks(state.policy.model)
+    if dist.get_rank() != 0:
+        for _ in chunks:
+            pass
+        return {}
+    store = open_store(header["root"])
+    return store.place_file(header["kind"], header["artifact_id"], WEIGHTS_FILE, chunks)
+
+
+def adopt_share(
+    state: RankState, static: dict[str, bytes], header: dict[str, Any]
+) -> tuple[Policy, torch.optim.Optimizer]:
+    """Every rank: the model built empty and sharded, its shards read as slices of the stored weights file that
+    `header` names (a Hugging Face checkpoint's `model.safetensors`), and a fresh optimizer over them."""
+    policy = skeleton(static, getattr(torch, header["dtype"]), state.threads)
+    shard(policy.model, state.sharding, state.device)
+    policy.model.to_empty(device=state.device)
+    optimizer = make_optimizer(policy, header["lr"], header["weight_decay"])
+    store = open_store(header["root"])
+    with scratch_dir() as directory:
+        source = store.local_file_path(header["artifact_id"], WEIGHTS_FILE)
+        if source is not None:  # read in place: each rank maps the slices it needs
+            (directory / WEIGHTS_FILE).symlink_to(source)
+        else:  # object storage: a copy on this machine's disk (never in memory), read the same way
+            store.fs.get_file(store.file_path(header["artifact_id"], WEIGHTS_FILE), str(directory / WEIGHTS_FILE))
+        load_hf_weights(policy.model, directory)
+    policy.model.tie_weights()
+    return ready(policy), optimizer
 
 
 def load_share(
