@@ -6,8 +6,8 @@ high-water mark of resident memory (VmHWM) of every process descended from the r
 its peak up to 0.2 s before it ended. Processes are named by role: the run itself (rank 0), a rank
 (`rlvr.trainer.ranks.launch`), a sampler, a verifier worker, Prefect's server, other.
 
-It prints one table row per configuration (the largest process's peak, rank 0's and the other ranks' peaks, the
-wall time) and, when both shardings ran at the same N, fsdp's largest peak over replicate's: the figure of
+It prints one table row per configuration (the largest process's peak and when it came, rank 0's and the other
+ranks' peaks, the wall time, and `rlvr plan`'s peaks for rank 0 and the other ranks, with --prompt-tokens) and, when both shardings ran at the same N, fsdp's largest peak over replicate's: the figure of
 issue 53 (target at most 0.75x at N = 2, with gradient checkpointing and `micro_batch_tokens=512` on both).
 
     python benchmarks/run_memory.py [--config examples/smollm2-arithmetic.yaml] [--ranks 2] \
@@ -119,6 +119,16 @@ def measure(config: str, ranks: int, sharding: str, extra: list[str]) -> dict[st
     }
 
 
+def planned(config: str, ranks: int, sharding: str, extra: list[str], prompt_tokens: int) -> dict[str, int]:
+    """`rlvr plan`'s peak per rank name ("0", "1", "1..3", "0 (one process)") for the same run, in MB."""
+    from rlvr.flows.config import load_config
+    from rlvr.trainer.memory_plan import make_plan
+
+    cfg = load_config(config, [*extra, f"train.data_parallel={ranks}", f"train.sharding={sharding}"])
+    plan = make_plan(cfg, ranks, "cpu", prompt_tokens=prompt_tokens)
+    return {rank: round(plan.peak(rank).total / MB) for rank in plan.rank_names()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="examples/smollm2-arithmetic.yaml")
@@ -127,21 +137,30 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=48, help="rlvr plan's prompt length (SmolLM2's chat prompts: 45)"
+    )
     args = parser.parse_args()
     rows = []
     print(
-        "| N | sharding | run | largest process MB | its peak at s | rank 0 (the run) MB | other ranks MB | seconds |"
+        "| N | sharding | run | largest process MB | its peak at s | rank 0 (the run) MB | other ranks MB | seconds "
+        "| planned rank 0 MB | planned other ranks MB |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for repeat in range(args.repeats):
         for ranks in args.ranks:
             for sharding in args.shardings if ranks > 1 else ["fsdp"]:
                 row = measure(args.config, ranks, sharding, args.extra)
+                plan = planned(args.config, ranks, sharding, args.extra, args.prompt_tokens)
+                row["planned_mb"] = plan
                 rows.append(row)
                 others = " / ".join(f"{mb:,}" for mb in row["other_ranks_mb"]) or "-"  # type: ignore[attr-defined]
+                plan_0 = next(mb for rank, mb in plan.items() if rank.startswith("0"))
+                plan_others = next((f"{mb:,}" for rank, mb in plan.items() if not rank.startswith("0")), "-")
                 print(
                     f"| {ranks} | {sharding if ranks > 1 else 'one process'} | {repeat + 1} | "
-                    f"{row['largest_mb']:,} | {row['largest_at_s']} | {row['run_mb']:,} | {others} | {row['seconds']} |",
+                    f"{row['largest_mb']:,} | {row['largest_at_s']} | {row['run_mb']:,} | {others} | {row['seconds']} "
+                    f"| {plan_0:,} | {plan_others} |",
                     flush=True,
                 )
     for ranks in args.ranks:

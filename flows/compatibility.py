@@ -114,15 +114,6 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        "RLPR on ranks",
-        ("label.reward", "train.data_parallel"),
-        lambda cfg: _rlpr(cfg) and _ranks(cfg),
-        lambda cfg: (
-            "label.reward=rlpr does not combine with train.data_parallel > 1: the rlpr stage reads the policy whole "
-            "in one process; set one of them off"
-        ),
-    ),
-    Rule(
         "async sampling with CLPO",
         ("flow.async_level", "restructure.enabled"),
         lambda cfg: cfg.flow.async_level > 0 and cfg.restructure.enabled,
@@ -165,15 +156,6 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        "fused LM head on ranks",
-        ("train.grpo.fused_head", "train.data_parallel"),
-        lambda cfg: _ranks(cfg) and cfg.train.grpo.fused_head,
-        lambda cfg: (
-            "train.grpo.fused_head is not supported with train.data_parallel > 1 (FSDP2 gathers the LM head only "
-            "inside the model's own forward); leave it unset"
-        ),
-    ),
-    Rule(
         "hints the tiny model cannot read",
         ("select.hints.template", "policy.model"),
         lambda cfg: (
@@ -212,11 +194,9 @@ EXAMPLES: dict[str, list[str]] = {
     "hints the tiny model cannot read": ["select.hints.enabled=true"],
     "RLPR with CLPO": ["label.reward=rlpr", "restructure.enabled=true"],
     "RLPR with GHPO": ["label.reward=rlpr", "select.hints.enabled=true"],
-    "RLPR on ranks": ["label.reward=rlpr", "train.data_parallel=2"],
     "async sampling with CLPO": ["flow.async_level=1", "restructure.enabled=true"],
     "async sampling on ranks": ["flow.async_level=1", "train.data_parallel=2"],
     "episodes sent as text": ["env.type=retry", "rollout.type=openai", "rollout.prompt_as=text"],
     "vLLM on ranks": ["rollout.type=vllm", "train.data_parallel=2"],
     "batch seeding on ranks": ["rollout.seeding=batch", "train.data_parallel=2"],
-    "fused LM head on ranks": ["train.grpo.fused_head=true", "train.data_parallel=2"],
 }

@@ -262,12 +262,11 @@ def test_every_pair_is_covered_by_a_row_or_refused_alone_by_a_rule() -> None:
     assert covered.isdisjoint(refused)
     assert len(covered) + len(refused) == len(ARRAY.pairs) == 301
     # what the rules say today: a model's reward (judge, reward model, RLPR) is for one-turn rollouts only (9), GHPO
-    # changes a prompt the GEM game never shows, RLPR takes neither GHPO nor ranks, nor does async sampling take ranks
+    # changes a prompt the GEM game never shows, RLPR does not take GHPO, nor does async sampling take ranks
     assert by_rule == {
         "environment with a model-given reward": 9,
         "hints or rewrites on an environment that hides the prompt": 1,
         "RLPR with GHPO": 1,
-        "RLPR on ranks": 1,
         "async sampling on ranks": 1,
     }
 

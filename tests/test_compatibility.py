@@ -66,6 +66,6 @@ def test_what_no_rule_names_loads(overrides):
 
 
 def test_a_resume_that_moves_a_run_onto_ranks_is_refused_by_the_same_rules():
-    cfg = load_config(None, ["run_id=a", "label.reward=rlpr"])
-    with pytest.raises(ConfigError, match="label.reward=rlpr does not combine with train.data_parallel > 1"):
+    cfg = load_config(None, ["run_id=a", "flow.async_level=1"])
+    with pytest.raises(ConfigError, match="flow.async_level > 0 needs train.data_parallel = 1"):
         with_placement(cfg, ["train.data_parallel=2"])

@@ -119,7 +119,6 @@ def test_keys_added_later_leave_the_ids_of_earlier_runs_as_they_were():
     [
         (["rollout.seeding=batch"], "rollout.seeding=batch cannot be split over train.data_parallel ranks"),
         (["rollout.type=vllm"], "rollout.type=vllm is not split over train.data_parallel ranks yet"),
-        (["train.grpo.fused_head=true"], "train.grpo.fused_head is not supported with train.data_parallel > 1"),
     ],
 )
 def test_what_data_parallel_ranks_do_not_combine_with_is_one_line(overrides, message):

@@ -73,6 +73,8 @@ SCENARIOS: dict[str, tuple[RolloutBatch, GRPOConfig]] = {
     "idle-rank": (ONE_GROUP, GRPOConfig(lr=1e-2, minibatches=2)),
     # micro-batches of one row each (the budget is below a row's padded width) inside each rank's shard
     "micro-batched": (BATCH, GRPOConfig(lr=1e-2, minibatches=2, aggregation="token-mean", micro_batch_tokens=1)),
+    # the LM head applied block by block over the root's gathered weight (trainer/fused_head.py), forced on the CPU
+    "fused-head": (BATCH, GRPOConfig(lr=1e-2, minibatches=2, aggregation="token-mean", fused_head=True)),
 }
 
 
@@ -271,6 +273,32 @@ def test_the_rank_group_trains_as_one_process_does(sharding, tmp_path):
         launch.close_group()
     assert worker.wait(timeout=30) == 0
     assert launch.current_group() is None
+
+
+@pytest.mark.slow
+def test_rlpr_scores_on_the_ranks_are_the_bits_one_process_gives():
+    """RLPR's reference probabilities of a sharded policy (label.reward=rlpr with train.data_parallel=2): each rank
+    scores whole micro-batches of the one-process split from the gathered weights, so every term, the end token's
+    included, equals one process's exactly."""
+    from rlvr.trainer.ranks import launch
+    from rlvr.trainer.rlpr import reference_probabilities
+    from rlvr.verifiers.rlpr import ReferenceText
+
+    whole = init_policy(PolicyConfig(), seed=4)
+    texts = [
+        ReferenceText(prompt=f"{a}+{b}=", before=f"{a}+{b} is ", reference=str(a + b), after=" ok", stopped=k % 2 == 0)
+        for k, (a, b) in enumerate([(1, 2), (12, 30), (7, 8), (45, 5), (3, 3), (60, 21), (9, 90)])
+    ]
+    texts.append(ReferenceText(prompt="1+1=", before="two", reference=""))  # no reference tokens: mean 0
+    expected = reference_probabilities(whole, texts, temperature=0.9, micro_batch_tokens=40, end_cap=0.5)
+    group = launch.rank_group(2, "fsdp", torch.device("cpu"))
+    try:
+        policy, _ = group.adopt(init_policy(PolicyConfig(), seed=4), None, 1e-3, 0.0)
+        got = reference_probabilities(policy, texts, temperature=0.9, micro_batch_tokens=40, end_cap=0.5)
+    finally:
+        launch.close_group()
+    assert got == expected
+    assert expected[-1].mean == 0.0 and all(term.tokens > 0 for term in expected[:-1])
 
 
 def test_buffers_no_state_dict_holds_are_computed_again_from_the_config():

@@ -433,7 +433,6 @@ def test_defaults_stay_out_of_dumps():
         ("env.type=retry", "scores its episodes itself"),
         ("restructure.enabled=true", "CLPO"),
         ("select.hints.enabled=true", "GHPO"),
-        ("train.data_parallel=2", "data_parallel"),
     ],
 )
 def test_what_rlpr_refuses(tiny_config, override, words):

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from rlvr.trainer.sharding import is_sharded
 from rlvr.trainer.vocab_blocks import block_log_probs, block_positions, position_blocks
 
 FUSABLE = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"})
@@ -30,7 +31,8 @@ FUSABLE = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
 def head_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     """(decoder, LM head) of a model whose logits are the head applied to the decoder's output; None otherwise
     (a LoRA wrapper, another architecture, a head with a bias)."""
-    if type(model).__name__ not in FUSABLE or not isinstance(model, PreTrainedModel):
+    fusable = any(base.__name__ in FUSABLE for base in type(model).__mro__)  # FSDP2 subclasses the model's class
+    if not fusable or not isinstance(model, PreTrainedModel):
         return None
     decoder, head = getattr(model, "model", None), model.get_output_embeddings()
     if decoder is None or not isinstance(head, nn.Linear) or head.bias is not None:
@@ -64,6 +66,22 @@ def completion_hidden(decoder: nn.Module, prompt_ids: Tensor, completion_ids: Te
     hidden = decoder(**causal_inputs(prompt_ids, completion_ids, pad_id)).last_hidden_state
     start = prompt_ids.shape[1] - 1
     return hidden[:, start : start + completion_ids.shape[1]]
+
+
+def sharded_completion_hidden(
+    model: nn.Module, head: nn.Linear, prompt_ids: Tensor, completion_ids: Tensor, pad_id: int
+) -> Tensor:
+    """`completion_hidden` of a model sharded with FSDP2, whose root unit (embeddings, final norm, LM head) is
+    gathered only by the model's own forward: that forward runs with the head set aside (an identity), so its
+    "logits" are the last hidden states, and FSDP2 keeps the root gathered from its forward to the end of its
+    backward, so `head.weight` is then the whole gathered weight, whose gradient FSDP2 reduces with the root's."""
+    model.set_output_embeddings(nn.Identity())
+    try:
+        keep = completion_ids.shape[1] + 1  # from the prompt's last token to the end
+        hidden = model(**causal_inputs(prompt_ids, completion_ids, pad_id), logits_to_keep=keep).logits
+    finally:
+        model.set_output_embeddings(head)
+    return hidden[:, : completion_ids.shape[1]]
 
 
 def _block(hidden: Tensor, dtype: torch.dtype | None) -> Tensor:
@@ -152,7 +170,10 @@ def fused_logprobs_and_entropy(
     if parts is None:
         raise ValueError(f"the fused LM head needs one of {sorted(FUSABLE)}, got {type(model).__name__}")
     decoder, head = parts
-    hidden = completion_hidden(decoder, prompt_ids, completion_ids, pad_id)
+    if is_sharded(model):
+        hidden = sharded_completion_hidden(model, head, prompt_ids, completion_ids, pad_id)
+    else:
+        hidden = completion_hidden(decoder, prompt_ids, completion_ids, pad_id)
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     logp, entropy = _FusedSelectiveLogSoftmax.apply(

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
 
 from rlvr.errors import UserError
+from rlvr.trainer.fused_head import FUSABLE
 from rlvr.trainer.sharding import Sharding, decoder_layers, local, shard
 from rlvr.trainer.vocab_blocks import block_positions
 
@@ -228,7 +229,9 @@ def activation_bytes(model: torch.nn.Module, rows: int, work: Workload, compute:
             set_activation_checkpointing(model, False)
         saved += (whole - saved) // len(decoder_layers(model))  # the layer its backward recomputes
     vocab = model.config.get_text_config().vocab_size
-    logits = 0 if work.fused_head else 2 * rows * keep * vocab * DTYPE_BYTES[compute]
+    hidden = model.config.get_text_config().hidden_size
+    # the logits the loss keeps and their gradient; the fused head keeps none, but sums the head's gradient in float32
+    logits = vocab * hidden * 4 if work.fused_head else 2 * rows * keep * vocab * DTYPE_BYTES[compute]
     blocks = 3 * block_positions(vocab, device) * vocab * 4
     return saved + logits + blocks
 
@@ -246,7 +249,7 @@ def per_rank(rows: int, ranks: int) -> int:
 # --- the plan ------------------------------------------------------------------------------------------------
 
 
-def workload_of(cfg: Any, prompt_tokens: int) -> Workload:
+def workload_of(cfg: Any, prompt_tokens: int, fused_head: bool = False) -> Workload:
     """A run config's shapes. Held-out rows are known before synthesis only when every source gives its `count`
     (or `synthesize.size` is set)."""
     synth = cfg.synthesize
@@ -266,7 +269,7 @@ def workload_of(cfg: Any, prompt_tokens: int) -> Workload:
         checkpointing=grpo.gradient_checkpointing,
         kl_reference=grpo.kl_beta > 0,
         warmstart_steps=cfg.warmstart.steps,
-        fused_head=bool(grpo.fused_head),
+        fused_head=fused_head,
     )
 
 
@@ -319,7 +322,10 @@ def make_plan(
     mixed = device == "cuda" and dtype == torch.float32 and (ranks > 1 or cfg.train.grpo.autocast == "bf16")
     compute = torch.bfloat16 if mixed else dtype
     config = model_config(cfg.policy, model_config_path)
-    work = workload_of(cfg, prompt_tokens)
+    fused = cfg.train.grpo.fused_head  # None: on CUDA for the architectures the fused head supports
+    if fused is None:
+        fused = device == "cuda" and bool(set(getattr(config, "architectures", None) or ()) & FUSABLE)
+    work = workload_of(cfg, prompt_tokens, fused)
     model = meta_model(config, dtype)
     whole = tensor_bytes(list(model.parameters()))
     layer, root = unit_bytes(model, compute)

@@ -58,17 +58,37 @@ def reference_probabilities(
     end_cap: float | None = None,
 ) -> list[ReferenceProbability]:
     """The reference's mean per-token probability for each of `texts`, in order (logits / `temperature`); with
-    `end_cap`, the token after the reference joins the mean, counting at most `end_cap`."""
+    `end_cap`, the token after the reference joins the mean, counting at most `end_cap`. A policy sharded over
+    data-parallel ranks scores through its group, each rank whole micro-batches of the one-process split."""
+    if policy.ranks is not None and not policy.ranks.in_op:
+        return list(policy.ranks.reference_probabilities(list(texts), temperature, micro_batch_tokens, end_cap))
+    found = reference_probabilities_share(policy, texts, temperature, micro_batch_tokens, end_cap, 0, 1)
+    return [found[i] for i in range(len(texts))]
+
+
+def reference_probabilities_share(
+    policy: Policy,
+    texts: Sequence[ReferenceText],
+    temperature: float,
+    micro_batch_tokens: int,
+    end_cap: float | None,
+    rank: int,
+    world_size: int,
+) -> dict[int, ReferenceProbability]:
+    """`reference_probabilities` of the micro-batches numbered `rank` modulo `world_size` (and of the texts
+    without reference tokens, on rank 0), by text index. The micro-batches are those one process makes, so every
+    text is scored with the same neighbours, the same padding and so the same bits at any rank count."""
     rows = _rows(policy, texts, end_cap is not None)
-    found: dict[int, ReferenceProbability] = {
-        i: ReferenceProbability(0.0, 0, 1.0) for i, row in enumerate(rows) if not row.reference_positions
-    }
-    todo = [i for i in range(len(rows)) if i not in found]
-    for chunk in _micro_batches([rows[i] for i in todo], micro_batch_tokens):
+    empty = [i for i, row in enumerate(rows) if not row.reference_positions]
+    found = {i: ReferenceProbability(0.0, 0, 1.0) for i in empty} if rank == 0 else {}
+    todo = [i for i in range(len(rows)) if i not in set(empty)]
+    for number, chunk in enumerate(_micro_batches([rows[i] for i in todo], micro_batch_tokens)):
+        if number % world_size != rank:
+            continue
         chosen = [todo[k] for k in chunk]
         for i, probabilities in zip(chosen, _forward(policy, [rows[i] for i in chosen], temperature), strict=True):
             found[i] = _term(rows[i], probabilities, end_cap)
-    return [found[i] for i in range(len(rows))]
+    return found
 
 
 def _term(row: _Row, probabilities: torch.Tensor, end_cap: float | None) -> ReferenceProbability:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import ctypes
+import dataclasses
 import json
 import os
 import signal
@@ -58,12 +59,15 @@ from rlvr.trainer.ranks.operations import (
     episodes_share,
     greedy_share,
     plain_policy,
+    rlpr_share,
     sample_share,
 )
 from rlvr.trainer.ranks.serve import serve
 from rlvr.trainer.ranks.state import adopt_share, load_share, save_share, write_weights_share
 from rlvr.trainer.ranks.transport import broadcast_bytes, gather_bytes, pack_files
+from rlvr.trainer.rlpr import ReferenceProbability
 from rlvr.trainer.sharding import Sharding, full_state, held_bytes, plain_optimizer_state
+from rlvr.verifiers.rlpr import ReferenceText
 
 TIMEOUT = timedelta(minutes=30)  # a collective waits this long for a rank (rank 0 verifying a large step)
 WATCH_S = 0.5  # how often rank 0 looks at the ranks it started
@@ -301,6 +305,16 @@ class RankGroup:
         rank playing its share of the tasks; on rank 0 every trajectory in the one-process order."""
         with self.op("episodes", {}, json.dumps(request).encode()):
             return episodes_share(self.state, request)
+
+    def reference_probabilities(
+        self, texts: list[ReferenceText], temperature: float, micro_batch_tokens: int, end_cap: float | None
+    ) -> list[ReferenceProbability]:
+        """RLPR's `reference_probabilities` over the ranks: each rank scores whole micro-batches of the one-process
+        split (so every term has the bits one process gives), rank 0 gathers them in order."""
+        request = {"texts": [dataclasses.asdict(t) for t in texts], "temperature": temperature}
+        request.update(micro_batch_tokens=micro_batch_tokens, end_cap=end_cap)
+        with self.op("rlpr", {}, json.dumps(request).encode()):
+            return rlpr_share(self.state, request)
 
     def greedy(self, prompts: list[str], settings: dict[str, Any]) -> list[str]:
         """`generation.greedy` over the ranks (`settings`: max_new_tokens, cache), each rank its share."""

@@ -24,7 +24,9 @@ from rlvr.trainer.generation import Sample, greedy, sample
 from rlvr.trainer.lora import SETTINGS_FILE, LoraSettings, add_lora
 from rlvr.trainer.policy import MODEL_BUILD_LOCK, Policy, load_tokenizer, make_optimizer, set_threads
 from rlvr.trainer.ranks.transport import gather_bytes
+from rlvr.trainer.rlpr import ReferenceProbability, reference_probabilities_share
 from rlvr.trainer.sharding import Sharding, load_whole, shard, whole_weights
+from rlvr.verifiers.rlpr import ReferenceText
 
 
 @dataclass
@@ -187,6 +189,20 @@ def episodes_share(state: RankState, request: dict[str, Any]) -> list[Trajectory
     by_rank = [[trajectory_from_dict(raw) for raw in json.loads(part)] for part in parts]
     state.sampled = [len(trajectories) for trajectories in by_rank]
     return sorted((t for part in by_rank for t in part), key=lambda t: (t.prompt_index, t.sample_index))
+
+
+def rlpr_share(state: RankState, request: dict[str, Any]) -> list[ReferenceProbability]:
+    """This rank's micro-batches of an RLPR scoring operation (`rlpr.reference_probabilities`), read from the whole
+    weights; on rank 0 every text's term in order, on the others none."""
+    assert state.policy is not None
+    texts = [ReferenceText(**raw) for raw in request["texts"]]
+    settings = (request["temperature"], request["micro_batch_tokens"], request["end_cap"])
+    with whole_weights(state.policy.model):
+        mine = reference_probabilities_share(state.policy, texts, *settings, dist.get_rank(), dist.get_world_size())
+    encoded = json.dumps([[i, dataclasses.asdict(term)] for i, term in mine.items()]).encode()
+    parts = gather_bytes(encoded, state.device)
+    found = {int(i): ReferenceProbability(**term) for part in parts for i, term in json.loads(part)}
+    return [found[i] for i in range(len(texts))] if parts else []
 
 
 def greedy_share(state: RankState, prompts: list[str], settings: dict[str, Any]) -> list[str]:

@@ -11,7 +11,14 @@ import torch
 import torch.distributed as dist
 
 from rlvr.trainer.distributed import distributed_grpo_step, parse_payload
-from rlvr.trainer.ranks.operations import RankState, build_sharded, episodes_share, greedy_share, sample_share
+from rlvr.trainer.ranks.operations import (
+    RankState,
+    build_sharded,
+    episodes_share,
+    greedy_share,
+    rlpr_share,
+    sample_share,
+)
 from rlvr.trainer.ranks.state import adopt_share, load_share, save_share, write_weights_share
 from rlvr.trainer.ranks.transport import broadcast_bytes, gather_bytes, unpack_files
 from rlvr.trainer.sharding import full_state, held_bytes
@@ -52,6 +59,8 @@ def serve_one(state: RankState, header: dict[str, Any]) -> None:
         sample_share(state, request["prompts"], request["counts"], request["settings"], request["keys"])
     elif op == "episodes":
         episodes_share(state, json.loads(broadcast_bytes(None, device)))
+    elif op == "rlpr":
+        rlpr_share(state, json.loads(broadcast_bytes(None, device)))
     elif op == "greedy":
         request = json.loads(broadcast_bytes(None, device))
         greedy_share(state, request["prompts"], request["settings"])
