@@ -188,13 +188,14 @@ class StoreFiles:
         os.replace(tmp, path)
 
     @staticmethod
-    def _write_temp(path: str, data: bytes, sync: bool) -> str:
-        """`data` in a temp file beside `path` (fsynced when `sync`); the caller renames it into place.
-        The name says which host and process wrote it (`temp_writer_gone`)."""
+    def _write_temp(path: str, data: bytes | Iterable[bytes], sync: bool) -> str:
+        """`data` (bytes, or chunks of them) in a temp file beside `path` (fsynced when `sync`); the caller renames
+        it into place. The name says which host and process wrote it (`temp_writer_gone`)."""
         tmp = f"{path}{TMP_MARK}{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             with open_new(tmp) as handle:
-                handle.write(data)
+                for chunk in (data,) if isinstance(data, bytes) else data:
+                    handle.write(chunk)
                 if sync:
                     handle.flush()
                     os.fsync(handle.fileno())
@@ -248,30 +249,22 @@ class StoreFiles:
     def _write_chunks(self, path: str, chunks: Iterable[bytes]) -> tuple[int, str]:
         """`_write_atomic` for data that comes in chunks: (bytes written, their sha256). Locally through a temp file
         renamed into place; on object storage one upload, which the object store shows only once it is complete."""
-        digest, size = hashlib.sha256(), 0
+        digest, size = hashlib.sha256(), [0]
+
+        def tallied() -> Iterator[bytes]:
+            for chunk in chunks:
+                digest.update(chunk)
+                size[0] += len(chunk)
+                yield chunk
+
         self._check_lease([None], listing=False)
         if not self.is_local:
             with self.fs.open(path, "wb") as handle:
-                for chunk in chunks:
+                for chunk in tallied():
                     handle.write(chunk)
-                    digest.update(chunk)
-                    size += len(chunk)
-            return size, digest.hexdigest()
-        tmp = f"{path}{TMP_MARK}{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            with open_new(tmp) as handle:
-                for chunk in chunks:
-                    handle.write(chunk)
-                    digest.update(chunk)
-                    size += len(chunk)
-                handle.flush()
-                os.fsync(handle.fileno())
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        self._publish_temp(tmp, path, None)
-        return size, digest.hexdigest()
+        else:
+            self._publish_temp(self._write_temp(path, tallied(), sync=True), path, None)
+        return size[0], digest.hexdigest()
 
     def create_new(self, path: str, data: bytes) -> bool:
         """Write `path` only if it does not exist yet, atomically; False when it already did."""

@@ -18,8 +18,9 @@ class CheckpointConfig(BaseModel):
 
 
 def build(inputs: Inputs, cfg: CheckpointConfig, ctx: StageContext) -> Built:
-    """Copy the weights named by the `policy` input (a train_steps id) into a permanent checkpoint: streamed by the
-    data-parallel ranks from their shards when they hold it, else written whole from this process."""
+    """Copy the weights named by the `policy` input (a train_steps id) into a permanent checkpoint: streamed a tensor
+    at a time from the live policy (by the data-parallel ranks from their shards when they hold it), else read from
+    the store and written whole."""
     n_params, policy_id = inputs.manifest("policy").extra.get("n_params", 0), inputs.id("policy")
     if inputs.store is not None:
         streamed = streamed_checkpoint(inputs.store, inputs.require_id("policy"), ctx.output_ids["checkpoints"])

@@ -10,7 +10,13 @@ from typing import Any
 from rlvr.errors import UserError
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext
 from rlvr.storage.store import Store
-from rlvr.trainer.checkpoints import checkpoint_built, parameter_count, policy_files_of, require_policy
+from rlvr.trainer.checkpoints import (
+    checkpoint_built,
+    parameter_count,
+    policy_files_of,
+    require_policy,
+    streamed_files,
+)
 from rlvr.trainer.devices import WEIGHTS_DTYPES, stage_device, usage
 from rlvr.trainer.lora import SETTINGS_FILE, add_lora
 from rlvr.trainer.policy import (
@@ -27,14 +33,16 @@ from rlvr.trainer.policy import (
 def build(inputs: Inputs, cfg: PolicyConfig, ctx: StageContext) -> Built:
     """The policy lands on `policy.device` in `policy.dtype` and stays there as the run's live policy."""
     device = stage_device(cfg.device)  # a GPU this machine lacks is a one-line error before any work
+    placed: list[dict[str, Any]] = []
     if cfg.checkpoint is not None:
         policy, files = _from_checkpoint(inputs, cfg, cfg.checkpoint, ctx)
     else:
         policy = init_policy(cfg, ctx.seed)
-        files = policy_files(policy)
+        streamed = streamed_files(inputs.store, policy, ctx.output_ids["checkpoints"]) if inputs.store else None
+        files, placed = streamed if streamed is not None else (policy_files(policy), [])
     place(policy, device)
     ctx.usage.update(usage(policy.model))
-    return checkpoint_built(ctx, files, parameter_count(policy), cfg.checkpoint, live=policy)
+    return checkpoint_built(ctx, files, parameter_count(policy), cfg.checkpoint, live=policy, placed=placed)
 
 
 def _from_checkpoint(

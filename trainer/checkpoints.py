@@ -51,7 +51,7 @@ from rlvr.trainer.ranks.launch import rank_group
 from rlvr.trainer.ranks.operations import ready, skeleton
 from rlvr.trainer.ranks.state import fetch_state_files
 from rlvr.trainer.sharding import Sharding, load_sharded, scratch_dir, stored_name
-from rlvr.trainer.streamed_weights import SAFETENSORS_DTYPES
+from rlvr.trainer.streamed_weights import SAFETENSORS_DTYPES, safetensors_chunks
 from rlvr.trainer.updates import step_batch, update_policy
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -292,14 +292,25 @@ def checkpoint_built(
 def streamed_checkpoint(
     store: Store, policy_ref: str, artifact_id: str
 ) -> tuple[dict[str, bytes], list[dict[str, Any]]] | None:
-    """When `policy_ref` is live on the run's data-parallel ranks: its static files, and the entry of its weights,
-    which the ranks stream into checkpoint `artifact_id`'s folder a tensor at a time (nothing whole in any process,
-    the same bytes as a whole gather); None otherwise (LoRA, whose files merge the adapters, included)."""
+    """`streamed_files` of `policy_ref`'s live policy into checkpoint `artifact_id`; None when none is live."""
     live = RESIDENTS.get(policy_ref)
-    if not isinstance(live, TrainerState) or live.policy.ranks is None or has_lora(live.policy.model):
+    return streamed_files(store, live.policy, artifact_id) if isinstance(live, TrainerState) else None
+
+
+def streamed_files(
+    store: Store, policy: Policy, artifact_id: str
+) -> tuple[dict[str, bytes], list[dict[str, Any]]] | None:
+    """A checkpoint's model directory without the whole weights' bytes in memory: its static files (config,
+    tokenizer), and the entry of its `model.safetensors`, streamed into checkpoint `artifact_id`'s folder a tensor
+    at a time (by the data-parallel ranks from their shards when they hold the policy; nothing whole in any
+    process), the bytes `policy_files` would give. None under LoRA, whose files merge the adapters."""
+    if has_lora(policy.model):
         return None
-    entry = live.policy.ranks.write_weights(str(store.root), "checkpoints", artifact_id)
-    return static_files(live.policy), [entry]
+    if policy.ranks is not None:
+        entry = policy.ranks.write_weights(str(store.root), "checkpoints", artifact_id)
+    else:
+        entry = store.place_file("checkpoints", artifact_id, WEIGHTS_FILE, safetensors_chunks(policy.model))
+    return static_files(policy), [entry]
 
 
 def parameter_count(policy: Policy) -> int:
@@ -395,9 +406,8 @@ def adopted_by_slices(
         raise DamagedArtifact(damage_message(manifest, path, problem), policy_ref, path)
     static = _files(store, policy_ref, lambda name: not is_weights_file(name))
     group = rank_group(ranks.data_parallel, ranks.sharding, device, threads=torch.get_num_threads())
-    policy, optimizer = group.adopt_stored(
-        static, stored_file_dtype(store, path), str(store.root), policy_ref, lr, weight_decay
-    )
+    dtype = stored_file_dtype(store, path)
+    policy, optimizer = group.load_state(static, dtype, str(store.root), policy_ref, lr, weight_decay, whole_file=True)
     return TrainerState(policy, optimizer)
 
 

@@ -291,6 +291,19 @@ def process_bytes() -> int:
     return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
 
 
+def process_floors(device: str) -> dict[str, int]:
+    """What a process holds before any model: on the CPU this one's resident memory once it has imported what a
+    rank imports (`floor`), then what the run's process imports (`floor_run`); on a GPU `CUDA_ALLOWANCE`."""
+    if device == "cuda":
+        return {"floor": CUDA_ALLOWANCE, "floor_run": CUDA_ALLOWANCE}
+    import rlvr.trainer.ranks.launch
+
+    rank = process_bytes()
+    import rlvr.flows.runs  # noqa: F401
+
+    return {"floor": rank, "floor_run": max(rank, process_bytes())}
+
+
 @dataclass(frozen=True)
 class Counted:
     """What the stages are assembled from."""
@@ -302,7 +315,8 @@ class Counted:
     activations: int  # one micro-batch
     whole_compute: int  # the whole model in the compute dtype (decoding from gathered weights)
     largest_tensor: int  # the largest parameter whole, in its dtype (a streamed checkpoint gathers one at a time)
-    floor: int  # the process itself
+    floor: int  # a rank's process itself
+    floor_run: int  # the run's process (rank 0): the flow's modules (Prefect, DuckDB, the store) too
 
 
 def make_plan(
@@ -338,7 +352,7 @@ def make_plan(
         activations=activations,
         whole_compute=whole * DTYPE_BYTES[compute] // DTYPE_BYTES[dtype],
         largest_tensor=max(p.numel() * p.element_size() for p in model.parameters()),
-        floor=CUDA_ALLOWANCE if device == "cuda" else process_bytes(),
+        **process_floors(device),
     )
     plan = MemoryPlan(
         model=str(model_config_path or cfg.policy.model),
@@ -351,9 +365,8 @@ def make_plan(
     if ranks == 1:
         plan.stages = _one_process(counted, work, shape, compute)
     else:
-        gathers = sharding == "fsdp" or compute != dtype  # replicate gathers nothing, unless it casts to compute
-        decode_copy = counted.whole_compute if gathers else 0
-        plan.stages = _on_ranks(counted, work, shape, compute, ranks, gathers, decode_copy)
+        # replicate too: FSDP2 gathers a unit into buffers of its own whatever the shard size (here 1)
+        plan.stages = _on_ranks(counted, work, shape, compute, ranks, True, counted.whole_compute)
     if device == "cuda":  # a file's bytes are serialised in the host's memory, not the GPU's
         for stage in plan.stages:
             files = stage.terms.pop("files", 0)
@@ -387,7 +400,7 @@ def _decoding(work: Workload, shape: dict[str, int], compute: torch.dtype, ranks
 def _one_process(c: Counted, work: Workload, shape: dict[str, int], compute: torch.dtype) -> list[Stage]:
     """N = 1: the whole model in the run's process for every stage; the optimizer's moments stay from the first
     update on."""
-    w, moments, floor = c.whole, 2 * c.whole, {"process": c.floor}
+    w, moments, floor = c.whole, 2 * c.whole, {"process": c.floor_run}
     reference = {"KL reference": w} if work.kl_reference else {}
     kv = _decoding(work, shape, compute, 1)
     rank = "0 (one process)"
@@ -428,7 +441,7 @@ BEFORE_ADOPTION = "before the ranks adopt the policy: whole on rank 0"
 def _before_adoption(c: Counted, work: Workload, whole_kv: dict[str, int]) -> list[Stage]:
     """Rank 0's stages with the whole model (flows/rl_run.py): writing the initial checkpoint, and with a warm
     start, the first evaluation and the warm start itself (the policy is adopted after it)."""
-    w, floor = c.whole, {"process": c.floor}
+    w, floor = c.whole, {"process": c.floor_run}
     stages = [Stage("initialize", "0", {"weights": w, "files": w, **floor}, "the initial checkpoint, written whole")]
     if work.warmstart_steps:
         if "evaluate" in whole_kv:
@@ -451,7 +464,7 @@ def _on_ranks(
     """N > 1 as the code runs it: the initial checkpoint (and a warm start) whole on rank 0; then every rank reads
     its slices of the stored policy, and each stage is each rank's share. Decoding gathers the whole weights once
     on every rank (`whole_weights`); a checkpoint is streamed from the shards a tensor at a time."""
-    s, floor = c.shards, {"process": c.floor}
+    s = c.shards
     held = {"weights": s["weights"], "optimizer": s["optimizer"]}
     reference = {"KL reference": s["weights"]} if work.kl_reference else {}
     gathered = {"gathered units": c.root + 2 * c.layer} if gathers else {}
@@ -460,6 +473,7 @@ def _on_ranks(
     stages = _before_adoption(c, work, _decoding(work, shape, compute, 1))
     others = "1" if ranks == 2 else f"1..{ranks - 1}"
     for rank in ("0", others):
+        floor = {"process": c.floor_run if rank == "0" else c.floor}
         adopting = {"weights": s["weights"], **floor}
         stages.append(Stage("adopt", rank, adopting, "each rank reads its slices of the stored file"))
         fresh = {"weights": s["weights"], **decoding, **floor}  # no optimizer moments before the first update

@@ -245,27 +245,6 @@ class RankGroup:
         sharded.ranks = self
         return sharded, sharded_optimizer
 
-    def adopt_stored(
-        self,
-        static: dict[str, bytes],
-        dtype: torch.dtype,
-        store_root: str,
-        artifact_id: str,
-        lr: float,
-        weight_decay: float,
-    ) -> tuple[Policy, torch.optim.Optimizer]:
-        """The group's sharded copy of the policy stored whole in checkpoint `artifact_id` (its `model.safetensors`),
-        each rank reading only its slices of the file (rank 0 never holds the whole policy), with a fresh optimizer;
-        `static`: the checkpoint's config and tokenizer files."""
-        header = {"dtype": str(dtype).removeprefix("torch."), "lr": lr, "weight_decay": weight_decay}
-        header.update(sharding=self.state.sharding, root=store_root, artifact_id=artifact_id)
-        with self.op("adopt_stored", header, pack_files(static)):
-            sharded, optimizer = adopt_share(self.state, static, header)
-        self.state.policy, self.state.optimizer, self.state.static = sharded, optimizer, static
-        self._guard(sharded)
-        sharded.ranks = self
-        return sharded, optimizer
-
     def adopt_reference(self, reference: Policy) -> Policy:
         """The group's sharded, frozen copy of the KL reference."""
         static = static_files(reference)
@@ -357,13 +336,29 @@ class RankGroup:
         artifact_id: str,
         lr: float,
         weight_decay: float,
+        whole_file: bool = False,
     ) -> tuple[Policy, torch.optim.Optimizer]:
         """The group's sharded policy and optimizer loaded from a state `save_state` wrote (at any rank count),
-        built from the policy's static files (config, tokenizer) in `dtype`."""
+        built from the policy's static files (config, tokenizer) in `dtype`. With `whole_file`, artifact_id is
+        instead a checkpoint stored whole (its `model.safetensors`), which each rank reads by the slices its shards
+        need (no process holds the whole policy), with a fresh optimizer."""
+        header = {**self._reading(dtype, store_root, artifact_id, lr, weight_decay), "whole_file": whole_file}
+        with self.op("load_state", header, pack_files(static)):
+            sharded, optimizer = (adopt_share if whole_file else load_share)(self.state, static, header)
+        return self._hold(sharded, optimizer, static)
+
+    def _reading(
+        self, dtype: torch.dtype, store_root: str, artifact_id: str, lr: float, weight_decay: float
+    ) -> dict[str, Any]:
+        """The header of an operation in which every rank builds the policy and reads its shards from the store."""
         header = {"dtype": str(dtype).removeprefix("torch."), "lr": lr, "weight_decay": weight_decay}
         header.update(sharding=self.state.sharding, root=store_root, artifact_id=artifact_id)
-        with self.op("load_state", header, pack_files(static)):
-            sharded, optimizer = load_share(self.state, static, header)
+        return header
+
+    def _hold(
+        self, sharded: Policy, optimizer: torch.optim.Optimizer, static: dict[str, bytes]
+    ) -> tuple[Policy, torch.optim.Optimizer]:
+        """The group's policy from now on: kept by rank 0's state, refusing a forward outside an operation."""
         self.state.policy, self.state.optimizer, self.state.static = sharded, optimizer, static
         self._guard(sharded)
         sharded.ranks = self

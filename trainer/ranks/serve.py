@@ -68,15 +68,11 @@ def serve_one(state: RankState, header: dict[str, Any]) -> None:
         save_share(state, header)
     elif op == "write_weights":
         write_weights_share(state, header)
-    elif op == "adopt_stored":
-        static = unpack_files(broadcast_bytes(None, device))
-        state.sharding = header["sharding"]
-        state.policy, state.optimizer = adopt_share(state, static, header)
-        state.static = static
     elif op == "load_state":
         static = unpack_files(broadcast_bytes(None, device))
         state.sharding = header["sharding"]
-        state.policy, state.optimizer = load_share(state, static, header)
+        read = adopt_share if header.get("whole_file") else load_share
+        state.policy, state.optimizer = read(state, static, header)
         state.static = static
     elif op == "whole":
         assert state.policy is not None
