@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import import_module
 from pathlib import Path
 
 MB = 1e6
@@ -125,7 +126,7 @@ def planned(config: str, ranks: int, sharding: str, extra: list[str], prompt_tok
     from rlvr.trainer.memory_plan import make_plan
 
     cfg = load_config(config, [*extra, f"train.data_parallel={ranks}", f"train.sharding={sharding}"])
-    plan = make_plan(cfg, ranks, "cpu", prompt_tokens=prompt_tokens)
+    plan = make_plan(cfg, ranks, "cpu", prompt_tokens, run_modules=lambda: import_module("rlvr.flows.runs"))
     return {rank: round(plan.peak(rank).total / MB) for rank in plan.rank_names()}
 
 

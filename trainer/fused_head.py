@@ -75,12 +75,13 @@ def sharded_completion_hidden(
     gathered only by the model's own forward: that forward runs with the head set aside (an identity), so its
     "logits" are the last hidden states, and FSDP2 keeps the root gathered from its forward to the end of its
     backward, so `head.weight` is then the whole gathered weight, whose gradient FSDP2 reduces with the root's."""
-    model.set_output_embeddings(nn.Identity())
+    causal_lm: Any = model  # a PreTrainedModel (head_parts checked): its output embeddings can be set
+    causal_lm.set_output_embeddings(nn.Identity())
     try:
         keep = completion_ids.shape[1] + 1  # from the prompt's last token to the end
-        hidden = model(**causal_inputs(prompt_ids, completion_ids, pad_id), logits_to_keep=keep).logits
+        hidden = causal_lm(**causal_inputs(prompt_ids, completion_ids, pad_id), logits_to_keep=keep).logits
     finally:
-        model.set_output_embeddings(head)
+        causal_lm.set_output_embeddings(head)
     return hidden[:, : completion_ids.shape[1]]
 
 

@@ -21,9 +21,10 @@ context and the caching allocator (`CUDA_ALLOWANCE`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -200,12 +201,11 @@ def saved_bytes(model: torch.nn.Module, rows: int, length: int, keep: int) -> in
             saved[storage._cdata] = storage.nbytes()
         return tensor
 
-    meta = {"device": "meta", "dtype": torch.long}
     with saved_tensors_hooks(pack, lambda tensor: tensor):
         model(
-            input_ids=torch.zeros(rows, length, **meta),
+            input_ids=torch.zeros(rows, length, device="meta", dtype=torch.long),
             attention_mask=torch.ones(rows, 1, length, length, device="meta", dtype=torch.bool),
-            position_ids=torch.zeros(rows, length, **meta),
+            position_ids=torch.zeros(rows, length, device="meta", dtype=torch.long),
             use_cache=False,
             logits_to_keep=keep,
         )
@@ -228,8 +228,9 @@ def activation_bytes(model: torch.nn.Module, rows: int, work: Workload, compute:
         finally:
             set_activation_checkpointing(model, False)
         saved += (whole - saved) // len(decoder_layers(model))  # the layer its backward recomputes
-    vocab = model.config.get_text_config().vocab_size
-    hidden = model.config.get_text_config().hidden_size
+    config: Any = model.config
+    text = config.get_text_config()
+    vocab, hidden = text.vocab_size, text.hidden_size
     # the logits the loss keeps and their gradient; the fused head keeps none, but sums the head's gradient in float32
     logits = vocab * hidden * 4 if work.fused_head else 2 * rows * keep * vocab * DTYPE_BYTES[compute]
     blocks = 3 * block_positions(vocab, device) * vocab * 4
@@ -253,8 +254,9 @@ def workload_of(cfg: Any, prompt_tokens: int, fused_head: bool = False) -> Workl
     """A run config's shapes. Held-out rows are known before synthesis only when every source gives its `count`
     (or `synthesize.size` is set)."""
     synth = cfg.synthesize
-    counts = [getattr(source, "count", None) for source in synth.sources]
-    raw = synth.size if synth.size is not None else (sum(counts) if None not in counts else None)
+    counts: list[int | None] = [getattr(source, "count", None) for source in synth.sources]
+    known = [count for count in counts if count is not None]
+    raw = synth.size if synth.size is not None else (sum(known) if len(known) == len(counts) else None)
     grpo = cfg.train.grpo
     return Workload(
         prompt_tokens=prompt_tokens,
@@ -291,16 +293,17 @@ def process_bytes() -> int:
     return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
 
 
-def process_floors(device: str) -> dict[str, int]:
+def process_floors(device: str, run_modules: Callable[[], object] | None) -> dict[str, int]:
     """What a process holds before any model: on the CPU this one's resident memory once it has imported what a
-    rank imports (`floor`), then what the run's process imports (`floor_run`); on a GPU `CUDA_ALLOWANCE`."""
+    rank imports (`floor`), then once `run_modules` has imported what the run's process imports (`floor_run`: the
+    flows, a layer above this one, name them); on a GPU `CUDA_ALLOWANCE`."""
     if device == "cuda":
         return {"floor": CUDA_ALLOWANCE, "floor_run": CUDA_ALLOWANCE}
-    import rlvr.trainer.ranks.launch
+    import_module("rlvr.trainer.ranks.launch")  # what a rank process imports
 
     rank = process_bytes()
-    import rlvr.flows.runs  # noqa: F401
-
+    if run_modules is not None:
+        run_modules()
     return {"floor": rank, "floor_run": max(rank, process_bytes())}
 
 
@@ -325,8 +328,10 @@ def make_plan(
     device: str,
     prompt_tokens: int = 128,
     model_config_path: Path | None = None,
+    run_modules: Callable[[], object] | None = None,
 ) -> MemoryPlan:
-    """Each stage's peak memory per rank for run config `cfg` at `ranks` ranks on a `device` ("cpu" or "cuda")."""
+    """Each stage's peak memory per rank for run config `cfg` at `ranks` ranks on a `device` ("cpu" or "cuda").
+    `run_modules` imports what the run's own process imports (on the CPU its memory is measured after)."""
     from rlvr.trainer.devices import WEIGHTS_DTYPES
 
     if cfg.policy.lora is not None:
@@ -352,7 +357,7 @@ def make_plan(
         activations=activations,
         whole_compute=whole * DTYPE_BYTES[compute] // DTYPE_BYTES[dtype],
         largest_tensor=max(p.numel() * p.element_size() for p in model.parameters()),
-        **process_floors(device),
+        **process_floors(device, run_modules),
     )
     plan = MemoryPlan(
         model=str(model_config_path or cfg.policy.model),

@@ -215,8 +215,9 @@ def load_hf_weights(model: torch.nn.Module, directory: Path) -> None:
     are computed again from its config on the device."""
     state = get_model_state_dict(model)
     seen: set[int] = set()
-    unique = {}
+    unique: dict[str, Any] = {}
     for name, tensor in state.items():
+        assert isinstance(tensor, torch.Tensor), name
         pointer = local(tensor).untyped_storage().data_ptr()
         if pointer not in seen:
             seen.add(pointer)

@@ -6,6 +6,7 @@ stage does not fit.
 
 from __future__ import annotations
 
+from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,9 @@ def plan(
     cfg = load_config(config, set_)
     n = ranks or cfg.train.data_parallel
     target = _device(device or cfg.policy.device)
-    result = make_plan(cfg, n, target, prompt_tokens=prompt_tokens, model_config_path=model_config)
+    result = make_plan(
+        cfg, n, target, prompt_tokens, model_config, run_modules=lambda: import_module("rlvr.flows.runs")
+    )
     _print(result)
     if device_gb is not None and not _fits(result, device_gb):
         raise typer.Exit(1)
