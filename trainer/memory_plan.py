@@ -40,6 +40,8 @@ from rlvr.trainer.vocab_blocks import block_positions
 CUDA_ALLOWANCE = 3 * 10**9  # bytes a GPU rank spends outside tensors: CUDA context, NCCL and cuBLAS buffers,
 # the caching allocator's fragmentation (assumed, as in docs/scale-out.md; never measured here)
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+BEFORE_ADOPTION = "before the ranks adopt the policy: whole on rank 0"
+INITIAL = "the whole model built or loaded, its checkpoint streamed a tensor at a time"
 
 
 @dataclass(frozen=True)
@@ -372,11 +374,6 @@ def make_plan(
     else:
         # replicate too: FSDP2 gathers a unit into buffers of its own whatever the shard size (here 1)
         plan.stages = _on_ranks(counted, work, shape, compute, ranks, True, counted.whole_compute)
-    if device == "cuda":  # a file's bytes are serialised in the host's memory, not the GPU's
-        for stage in plan.stages:
-            files = stage.terms.pop("files", 0)
-            if files:
-                stage.note = f"{stage.note}; and {files / 1e9:.2f} GB of host memory (the file's bytes)"
     if work.eval_rows is None:
         plan.notes.append("held-out rows unknown before synthesis (a source without `count`): evaluations not planned")
     plan.notes.append(
@@ -409,7 +406,7 @@ def _one_process(c: Counted, work: Workload, shape: dict[str, int], compute: tor
     reference = {"KL reference": w} if work.kl_reference else {}
     kv = _decoding(work, shape, compute, 1)
     rank = "0 (one process)"
-    stages = [Stage("initialize", rank, {"weights": w, "files": w, **floor}, "the initial checkpoint, written whole")]
+    stages = [Stage("initialize", rank, {"weights": w, "file chunk": c.largest_tensor, **floor}, INITIAL)]
     if work.warmstart_steps:
         stages.append(
             Stage(
@@ -433,21 +430,18 @@ def _one_process(c: Counted, work: Workload, shape: dict[str, int], compute: tor
         Stage(
             "checkpoint",
             rank,
-            {"weights": w, "optimizer": moments, "files": w, **floor},
-            "the safetensors bytes, whole",
+            {"weights": w, "optimizer": moments, "file chunk": c.largest_tensor, **floor},
+            "streamed from the live policy a tensor at a time",
         ),
     ]
     return stages
-
-
-BEFORE_ADOPTION = "before the ranks adopt the policy: whole on rank 0"
 
 
 def _before_adoption(c: Counted, work: Workload, whole_kv: dict[str, int]) -> list[Stage]:
     """Rank 0's stages with the whole model (flows/rl_run.py): writing the initial checkpoint, and with a warm
     start, the first evaluation and the warm start itself (the policy is adopted after it)."""
     w, floor = c.whole, {"process": c.floor_run}
-    stages = [Stage("initialize", "0", {"weights": w, "files": w, **floor}, "the initial checkpoint, written whole")]
+    stages = [Stage("initialize", "0", {"weights": w, "file chunk": c.largest_tensor, **floor}, INITIAL)]
     if work.warmstart_steps:
         if "evaluate" in whole_kv:
             first = {"weights": w, "KV cache": whole_kv["evaluate"], **floor}

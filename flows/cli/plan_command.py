@@ -32,7 +32,7 @@ TERMS = (
     "gathered weights",
     "activations",
     "KV cache",
-    "files",
+    "file chunk",
     "process",
 )
 
