@@ -278,13 +278,18 @@ def test_the_rank_group_trains_as_one_process_does(sharding, tmp_path):
 @pytest.mark.slow
 def test_rlpr_scores_on_the_ranks_are_the_bits_one_process_gives():
     """RLPR's reference probabilities of a sharded policy (label.reward=rlpr with train.data_parallel=2): each rank
-    scores whole micro-batches of the one-process split from the gathered weights, so every term, the end token's
-    included, equals one process's exactly."""
+    scores whole micro-batches of the one-process split, so every term, the end token's included, equals one
+    process's exactly; each forward gathers the decoder layers one at a time (at most two of four whole at once)."""
+    from torch.distributed.tensor import DTensor
+
     from rlvr.trainer.ranks import launch
     from rlvr.trainer.rlpr import reference_probabilities
+    from rlvr.trainer.sharding import decoder_layers
+    from rlvr.trainer.tiny_model import TinyModelConfig
     from rlvr.verifiers.rlpr import ReferenceText
 
-    whole = init_policy(PolicyConfig(), seed=4)
+    four_layers = PolicyConfig(tiny=TinyModelConfig(num_layers=4))
+    whole = init_policy(four_layers, seed=4)
     texts = [
         ReferenceText(prompt=f"{a}+{b}=", before=f"{a}+{b} is ", reference=str(a + b), after=" ok", stopped=k % 2 == 0)
         for k, (a, b) in enumerate([(1, 2), (12, 30), (7, 8), (45, 5), (3, 3), (60, 21), (9, 90)])
@@ -292,12 +297,20 @@ def test_rlpr_scores_on_the_ranks_are_the_bits_one_process_gives():
     texts.append(ReferenceText(prompt="1+1=", before="two", reference=""))  # no reference tokens: mean 0
     expected = reference_probabilities(whole, texts, temperature=0.9, micro_batch_tokens=40, end_cap=0.5)
     group = launch.rank_group(2, "fsdp", torch.device("cpu"))
+    gathered_layers: list[int] = []  # on rank 0, at each decoder layer's forward: how many layers are whole
     try:
-        policy, _ = group.adopt(init_policy(PolicyConfig(), seed=4), None, 1e-3, 0.0)
+        policy, _ = group.adopt(init_policy(four_layers, seed=4), None, 1e-3, 0.0)
+        layers = decoder_layers(policy.model)
+        for layer in layers:
+            whole_now = lambda *_: gathered_layers.append(  # noqa: E731
+                sum(not isinstance(next(m.parameters()), DTensor) for m in layers)
+            )
+            layer.register_forward_pre_hook(whole_now)
         got = reference_probabilities(policy, texts, temperature=0.9, micro_batch_tokens=40, end_cap=0.5)
     finally:
         launch.close_group()
     assert got == expected
+    assert gathered_layers and max(gathered_layers) <= 2  # the layer computing and the one prefetched, of 4
     assert expected[-1].mean == 0.0 and all(term.tokens > 0 for term in expected[:-1])
 
 

@@ -10,7 +10,7 @@ minibatch, up to float32 summation order.
 
 A forward through a sharded unit gathers its weights from every rank, so every pass (old log-probs, the
 reference's, each micro-batch of the loss) runs the same number of times on every rank: a rank with fewer
-micro-batches (or none) runs zero-weight passes on a one-token row (`_aligned`).
+micro-batches (or none) runs zero-weight passes on a one-token row (`_aligned`, `idle_pass`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _aligned(parts: list[Tensor], device: torch.device) -> list[Tensor | None]:
     return [*parts, *[None] * (int(count.item()) - len(parts))]
 
 
-def _idle_pass(model: torch.nn.Module, pad_id: int, device: torch.device) -> Tensor:
+def idle_pass(model: torch.nn.Module, pad_id: int, device: torch.device) -> Tensor:
     """A forward on one one-token row that gathers every unit as a real pass does; its zero sum is a loss whose
     backward reduces (zero) gradients as a real one does."""
     token = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
@@ -122,7 +122,7 @@ def _no_grad_logprobs(
     with torch.no_grad():
         for part in _aligned(parts, device):
             if part is None:
-                _idle_pass(model, pad_id, device)
+                idle_pass(model, pad_id, device)
                 continue
             assert rows is not None and logp is not None and entropy is not None
             prompt_ids, completion_ids = rows.prompt_ids[part], rows.completion_ids[part]
@@ -192,7 +192,7 @@ def _accumulate(
         last = index == len(aligned) - 1
         with nullcontext() if last else accumulating(model):
             if part is None:
-                _idle_pass(model, policy.tokenizer.pad_token_id, device).backward()
+                idle_pass(model, policy.tokenizer.pad_token_id, device).backward()
                 continue
             assert shard is not None
             loss, kl_term, stats = minibatch_loss(

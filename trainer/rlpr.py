@@ -14,7 +14,7 @@ the inputs alone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,20 +74,26 @@ def reference_probabilities_share(
     end_cap: float | None,
     rank: int,
     world_size: int,
+    idle: Callable[[], object] | None = None,
 ) -> dict[int, ReferenceProbability]:
     """`reference_probabilities` of the micro-batches numbered `rank` modulo `world_size` (and of the texts
     without reference tokens, on rank 0), by text index. The micro-batches are those one process makes, so every
-    text is scored with the same neighbours, the same padding and so the same bits at any rank count."""
+    text is scored with the same neighbours, the same padding and so the same bits at any rank count. `idle`: a
+    pass run in place of each batch this rank lacks, so that every rank of a sharded model (whose every forward
+    is a collective) runs as many forwards."""
     rows = _rows(policy, texts, end_cap is not None)
     empty = [i for i, row in enumerate(rows) if not row.reference_positions]
     found = {i: ReferenceProbability(0.0, 0, 1.0) for i in empty} if rank == 0 else {}
     todo = [i for i in range(len(rows)) if i not in set(empty)]
-    for number, chunk in enumerate(_micro_batches([rows[i] for i in todo], micro_batch_tokens)):
-        if number % world_size != rank:
-            continue
+    batches = _micro_batches([rows[i] for i in todo], micro_batch_tokens)
+    mine = batches[rank::world_size]
+    for chunk in mine:
         chosen = [todo[k] for k in chunk]
         for i, probabilities in zip(chosen, _forward(policy, [rows[i] for i in chosen], temperature), strict=True):
             found[i] = _term(rows[i], probabilities, end_cap)
+    for _ in range(-(-len(batches) // world_size) - len(mine)):
+        if idle is not None:
+            idle()
     return found
 
 

@@ -48,7 +48,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's decoder layers, the FSDP units: the modules of the classes its `_no_split_modules` names
     (every transformers decoder declares them)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [module for module in model.modules() if type(module).__name__ in names]
+    # by class name through the class's bases too: once sharded, a layer's class is FSDP2's subclass of it
+    layers = [m for m in model.modules() if any(base.__name__ in names for base in type(m).__mro__)]
     if not layers:
         raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules) to shard by")
     return layers
@@ -106,6 +107,18 @@ def whole_weights(model: torch.nn.Module) -> Iterator[None]:
         for unit, setting in zip(found, before):
             unit.reshard()
             unit.set_reshard_after_forward(setting, recurse=False)
+
+
+@contextmanager
+def resharded(model: torch.nn.Module) -> Iterator[None]:
+    """Forwards inside gather each unit for its own pass only (FSDP2's default), and on exit every unit is
+    resharded, the root too (which FSDP2 otherwise keeps gathered after a forward, for the backward that follows;
+    a pass without one would leave it so). No collective of its own."""
+    try:
+        yield
+    finally:
+        for unit in units(model):
+            unit.reshard()
 
 
 def _reshards_after_forward(unit: FSDPModule) -> bool:

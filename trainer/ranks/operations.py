@@ -19,13 +19,14 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rlvr.environments.base import EnvConfig
+from rlvr.trainer.distributed import idle_pass
 from rlvr.trainer.episodes import Budgets, Trajectory, play_episodes, trajectory_from_dict
 from rlvr.trainer.generation import Sample, greedy, sample
 from rlvr.trainer.lora import SETTINGS_FILE, LoraSettings, add_lora
 from rlvr.trainer.policy import MODEL_BUILD_LOCK, Policy, load_tokenizer, make_optimizer, set_threads
 from rlvr.trainer.ranks.transport import gather_bytes
 from rlvr.trainer.rlpr import ReferenceProbability, reference_probabilities_share
-from rlvr.trainer.sharding import Sharding, load_whole, shard, whole_weights
+from rlvr.trainer.sharding import Sharding, load_whole, resharded, shard, whole_weights
 from rlvr.verifiers.rlpr import ReferenceText
 
 
@@ -192,13 +193,21 @@ def episodes_share(state: RankState, request: dict[str, Any]) -> list[Trajectory
 
 
 def rlpr_share(state: RankState, request: dict[str, Any]) -> list[ReferenceProbability]:
-    """This rank's micro-batches of an RLPR scoring operation (`rlpr.reference_probabilities`), read from the whole
-    weights; on rank 0 every text's term in order, on the others none."""
+    """This rank's micro-batches of an RLPR scoring operation (`rlpr.reference_probabilities`), every rank running
+    as many forwards (idle ones where it has no batch left), each gathering the units one at a time; on rank 0 every
+    text's term in order, on the others none."""
     assert state.policy is not None
     texts = [ReferenceText(**raw) for raw in request["texts"]]
     settings = (request["temperature"], request["micro_batch_tokens"], request["end_cap"])
-    with whole_weights(state.policy.model):
-        mine = reference_probabilities_share(state.policy, texts, *settings, dist.get_rank(), dist.get_world_size())
+    model, pad_id = state.policy.model, state.policy.tokenizer.pad_token_id
+
+    def idle() -> None:
+        idle_pass(model, pad_id, state.device)
+
+    with torch.no_grad(), resharded(model):  # each forward gathers one unit at a time: no rank holds the whole
+        mine = reference_probabilities_share(
+            state.policy, texts, *settings, dist.get_rank(), dist.get_world_size(), idle
+        )
     encoded = json.dumps([[i, dataclasses.asdict(term)] for i, term in mine.items()]).encode()
     parts = gather_bytes(encoded, state.device)
     found = {int(i): ReferenceProbability(**term) for part in parts for i, term in json.loads(part)}
