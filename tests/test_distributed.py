@@ -422,15 +422,17 @@ def test_a_rank_dead_after_the_last_operation_lets_the_group_close(monkeypatch):
     assert worker.returncode == -signal.SIGKILL
 
 
-def _rank_processes() -> list[int]:
-    """Pids of live worker ranks (their command line names the module)."""
+def _rank_processes(mark: str) -> list[int]:
+    """Pids of live worker ranks (their command line names the module) of runs whose environment holds `mark`:
+    this test's own, not another job's on the same machine."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             command = (entry / "cmdline").read_bytes()
+            environment = (entry / "environ").read_bytes()
         except OSError:
             continue
-        if entry.name.isdigit() and b"rlvr.trainer.ranks.launch" in command:
+        if entry.name.isdigit() and b"rlvr.trainer.ranks.launch" in command and mark.encode() in environment:
             found.append(int(entry.name))
     return found
 
@@ -441,17 +443,18 @@ def test_a_data_parallel_run_keeps_one_rank_process_and_leaves_none(tmp_path, pr
     rank process behind when it ends."""
     from tests.cli_helpers import cli_env, rlvr
 
-    before = set(_rank_processes())
+    mark = f"RLVR_TEST_MARK=dp-{tmp_path.name}"
     sets = ["train.steps=3", "train.data_parallel=2", "warmstart.steps=5", "difficulty.k=2", "evaluate.every=3"]
     sets += ["select.batch_size=4", "allocate.n=4"]  # not the defaults' 64 x 8 rollouts a step
     args = ["run", "--store", str(tmp_path / "s"), "--run-id", "dp"]
     for item in [*sets, "synthesize.source.per_category=6"]:
         args += ["--set", item]
-    done = rlvr(*args, env=cli_env(PREFECT_API_URL=prefect_api), timeout=600)
+    env = cli_env(PREFECT_API_URL=prefect_api, RLVR_TEST_MARK=mark.partition("=")[2])
+    done = rlvr(*args, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     from rlvr.storage.store import Store
     from rlvr.storage.views import query
 
     rows = query(Store.open(str(tmp_path / "s")), "SELECT step, updates FROM train_steps ORDER BY step").to_pylist()
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert set(_rank_processes()) - before == set()
+    assert _rank_processes(mark) == []
