@@ -239,11 +239,10 @@ class StoreFiles:
         `data` may come in chunks (an iterable of bytes), so a file larger than memory is written a piece at a time
         (a checkpoint streamed from the ranks' shards); it appears whole or not at all, as any other file."""
         check_kind(kind)
-        if isinstance(data, bytes):
-            return self._write_binary(kind, artifact_id, name, data, None, None)
         check_name("file name", name)
         relative = f"files/{name}"
-        size, digest = self._write_chunks(f"{self.artifact_dir(kind, artifact_id)}/{relative}", data)
+        chunks = (data,) if isinstance(data, bytes) else data
+        size, digest = self._write_chunks(f"{self.artifact_dir(kind, artifact_id)}/{relative}", chunks)
         return {"path": relative, "rows": None, "bytes": size, "sha256": digest}
 
     def _write_chunks(self, path: str, chunks: Iterable[bytes]) -> tuple[int, str]:

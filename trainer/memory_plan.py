@@ -372,8 +372,7 @@ def make_plan(
     if ranks == 1:
         plan.stages = _one_process(counted, work, shape, compute)
     else:
-        # replicate too: FSDP2 gathers a unit into buffers of its own whatever the shard size (here 1)
-        plan.stages = _on_ranks(counted, work, shape, compute, ranks, True, counted.whole_compute)
+        plan.stages = _on_ranks(counted, work, shape, compute, ranks)
     if work.eval_rows is None:
         plan.notes.append("held-out rows unknown before synthesis (a source without `count`): evaluations not planned")
     plan.notes.append(
@@ -457,8 +456,6 @@ def _on_ranks(
     shape: dict[str, int],
     compute: torch.dtype,
     ranks: int,
-    gathers: bool,
-    decode_copy: int,
 ) -> list[Stage]:
     """N > 1 as the code runs it: the initial checkpoint (and a warm start) whole on rank 0; then every rank reads
     its slices of the stored policy, and each stage is each rank's share. Decoding gathers the whole weights once
@@ -466,8 +463,9 @@ def _on_ranks(
     s = c.shards
     held = {"weights": s["weights"], "optimizer": s["optimizer"]}
     reference = {"KL reference": s["weights"]} if work.kl_reference else {}
-    gathered = {"gathered units": c.root + 2 * c.layer} if gathers else {}
-    decoding = {"gathered weights": decode_copy} if decode_copy else {}
+    # FSDP2 gathers a unit into buffers of its own under replicate too (a shard of size 1)
+    gathered = {"gathered units": c.root + 2 * c.layer}
+    decoding = {"gathered weights": c.whole_compute}  # decoding gathers every unit once (`whole_weights`)
     kv = _decoding(work, shape, compute, ranks)
     stages = _before_adoption(c, work, _decoding(work, shape, compute, 1))
     others = "1" if ranks == 2 else f"1..{ranks - 1}"

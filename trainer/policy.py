@@ -50,6 +50,7 @@ from rlvr.trainer.lora import (
     settings_bytes,
     settings_of,
 )
+from rlvr.trainer.state_tensors import first_names
 from rlvr.trainer.tiny_model import TinyModelConfig, build_tiny_model, build_tiny_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"  # a single-file model's weights, as save_pretrained names them
@@ -258,14 +259,8 @@ def plain_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
 def stored_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """`plain_state` with each shared (tied) tensor once, under its first name: what `save_pretrained` writes,
     on the CPU (a checkpoint loads on any machine)."""
-    seen: set[int] = set()
-    tensors = {}
-    for name, tensor in plain_state(model).items():
-        pointer = tensor.untyped_storage().data_ptr()
-        if pointer not in seen:
-            seen.add(pointer)
-            tensors[name] = tensor.detach().to(CPU).contiguous()  # the same tensor when it is on the CPU
-    return tensors
+    # the same tensor when it is on the CPU
+    return {name: tensor.detach().to(CPU).contiguous() for name, tensor in first_names(plain_state(model)).items()}
 
 
 def weights_bytes(model: PreTrainedModel) -> bytes:

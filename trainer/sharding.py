@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+
+from rlvr.trainer.state_tensors import first_names, local
 
 Sharding = Literal["fsdp", "replicate"]
 SHARDINGS: tuple[Sharding, ...] = ("fsdp", "replicate")
@@ -142,11 +143,6 @@ def accumulating(model: torch.nn.Module) -> Iterator[None]:
             unit.set_requires_gradient_sync(True, recurse=False)
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly distributed) tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
     """The bytes of parameters, gradients and optimizer state this rank holds (its shards only), counted."""
     params = [p for p in model.parameters()]
@@ -226,15 +222,7 @@ def load_hf_weights(model: torch.nn.Module, directory: Path) -> None:
     safetensors' `safe_open` and reads slices: no rank, rank 0 included, holds a whole copy). Tied tensors are read
     under their first name, as the file stores them, and the model's non-persistent buffers (rotary frequencies)
     are computed again from its config on the device."""
-    state = get_model_state_dict(model)
-    seen: set[int] = set()
-    unique: dict[str, Any] = {}
-    for name, tensor in state.items():
-        assert isinstance(tensor, torch.Tensor), name
-        pointer = local(tensor).untyped_storage().data_ptr()
-        if pointer not in seen:
-            seen.add(pointer)
-            unique[name] = tensor
+    unique = first_names(get_model_state_dict(model))
     dcp.load(unique, storage_reader=dcp.HuggingFaceStorageReader(str(directory)))
     set_model_state_dict(model, unique, options=StateDictOptions(strict=False))
     rebuild_buffers(model)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from rlvr.trainer.sharding import local
+from rlvr.trainer.state_tensors import first_names
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
@@ -25,13 +25,7 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
 def file_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The model's state tensors (sharded ones as DTensors), each shared tensor once under its first name, in the
     order safetensors lays them out."""
-    seen: set[int] = set()
-    found = []
-    for name, tensor in model.state_dict().items():
-        pointer = local(tensor).untyped_storage().data_ptr()
-        if pointer not in seen:
-            seen.add(pointer)
-            found.append((name, tensor))
+    found = list(first_names(model.state_dict()).items())
     sizes = {t.dtype: t.element_size() for _, t in found}
     if len({(sizes[dtype], dtype) for dtype in sizes}) != len({sizes[dtype] for dtype in sizes}):
         raise ValueError(f"weights of two dtypes of one size ({sorted(map(str, sizes))}): not streamed")

@@ -48,15 +48,23 @@ def write_weights_share(state: RankState, header: dict[str, Any]) -> dict[str, A
     return store.place_file(header["kind"], header["artifact_id"], WEIGHTS_FILE, chunks)
 
 
+def empty_sharded(
+    state: RankState, static: dict[str, bytes], header: dict[str, Any]
+) -> tuple[Policy, torch.optim.Optimizer]:
+    """The policy built from its static files in `header`'s dtype, sharded, materialised without values
+    (`to_empty`), and an optimizer over its shards: what a rank then reads its slices into."""
+    policy = skeleton(static, getattr(torch, header["dtype"]), state.threads)
+    shard(policy.model, state.sharding, state.device)
+    policy.model.to_empty(device=state.device)
+    return policy, make_optimizer(policy, header["lr"], header["weight_decay"])
+
+
 def adopt_share(
     state: RankState, static: dict[str, bytes], header: dict[str, Any]
 ) -> tuple[Policy, torch.optim.Optimizer]:
     """Every rank: the model built empty and sharded, its shards read as slices of the stored weights file that
     `header` names (a Hugging Face checkpoint's `model.safetensors`), and a fresh optimizer over them."""
-    policy = skeleton(static, getattr(torch, header["dtype"]), state.threads)
-    shard(policy.model, state.sharding, state.device)
-    policy.model.to_empty(device=state.device)
-    optimizer = make_optimizer(policy, header["lr"], header["weight_decay"])
+    policy, optimizer = empty_sharded(state, static, header)
     store = open_store(header["root"])
     with scratch_dir() as directory:
         source = store.local_file_path(header["artifact_id"], WEIGHTS_FILE)
@@ -74,10 +82,7 @@ def load_share(
 ) -> tuple[Policy, torch.optim.Optimizer]:
     """Every rank: the model built empty and sharded, and its shards (and the optimizer's) read from the state
     files of artifact `header["artifact_id"]`."""
-    policy = skeleton(static, getattr(torch, header["dtype"]), state.threads)
-    shard(policy.model, state.sharding, state.device)
-    policy.model.to_empty(device=state.device)
-    optimizer = make_optimizer(policy, header["lr"], header["weight_decay"])
+    policy, optimizer = empty_sharded(state, static, header)
     with scratch_dir() as directory:
         fetch_state_files(open_store(header["root"]), header["artifact_id"], directory)
         load_sharded(policy.model, optimizer, directory, alone=False)
