@@ -276,6 +276,34 @@ def test_the_rank_group_trains_as_one_process_does(sharding, tmp_path):
 
 
 @pytest.mark.slow
+def test_fsdp_ranks_decode_in_lockstep_one_unit_whole_at_a_time():
+    """Sampling, greedy decoding and multi-turn episodes of a policy sharded with fsdp over two ranks
+    (trainer/lockstep_decoding.py): the tokens one process draws, while no rank gathers the whole weights. The
+    ranks' shares differ in length and in turns, so ranks whose share ends first run idle rounds."""
+    from torch.distributed.tensor import DTensor
+
+    from rlvr.trainer.ranks import launch
+    from rlvr.trainer.sharding import decoder_layers
+    from rlvr.trainer.tiny_model import TinyModelConfig
+
+    four_layers = PolicyConfig(tiny=TinyModelConfig(num_layers=4))
+    group = launch.rank_group(2, "fsdp", torch.device("cpu"))
+    gathered_layers: list[int] = []  # on rank 0, at each decoder layer's forward: how many layers are whole
+    try:
+        policy, _ = group.adopt(init_policy(four_layers, seed=4), None, 1e-3, 0.0)
+        layers = decoder_layers(policy.model)
+        for layer in layers:
+            whole_now = lambda *_: gathered_layers.append(  # noqa: E731
+                sum(not isinstance(next(m.parameters()), DTensor) for m in layers)
+            )
+            layer.register_forward_pre_hook(whole_now)
+        _assert_ranks_sample_what_one_process_samples(policy, init_policy(four_layers, seed=4))
+    finally:
+        launch.close_group()
+    assert len(gathered_layers) > 40 and max(gathered_layers) <= 2  # the layer computing and one prefetched, of 4
+
+
+@pytest.mark.slow
 def test_rlpr_scores_on_the_ranks_are_the_bits_one_process_gives():
     """RLPR's reference probabilities of a sharded policy (label.reward=rlpr with train.data_parallel=2): each rank
     scores whole micro-batches of the one-process split, so every term, the end token's included, equals one

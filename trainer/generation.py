@@ -13,6 +13,7 @@ import transformers
 
 from rlvr.trainer.graph_decoding import decode, packed_attention, sampler
 from rlvr.trainer.kv_caches import CACHE_ARGUMENT, dynamic_cache, static_cache
+from rlvr.trainer.lockstep_decoding import Lockstep, Round
 from rlvr.trainer.logprobs import keeps_last_logits
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.prompts import distinct_prompts, padded_positions, prompt_ids
@@ -180,6 +181,8 @@ def _generate_ids(
     encoded = policy.tokenizer.pad({"input_ids": rows}, return_tensors="pt")
     encoded = encoded.to(policy.model.device)
     with torch.no_grad(), sampling_autocast(policy, precision), packed_attention(policy.model):
+        if policy.lockstep is not None and cache == "graph":
+            raise ValueError("rollout.cache=graph decodes from whole weights, not in lockstep over sharded units")
         if cache == "graph":
             generated, token_logprobs = _graph_generate(
                 policy, encoded, max_new_tokens, recorder, row_sampler, **sampling
@@ -208,12 +211,18 @@ def _transformers_generate(
     row_sampler: RowSampler | None,
     **sampling: Any,
 ) -> torch.Tensor:
-    """`generate`'s new tokens [B, T] (pad after each row's eos) for the padded prompts `encoded`."""
-    if cache == "static":
-        length = encoded["input_ids"].shape[1] + max_new_tokens
-        caching: dict[str, Any] = {CACHE_ARGUMENT: static_cache(policy.model, length)}
+    """`generate`'s new tokens [B, T] (pad after each row's eos) for the padded prompts `encoded`; for a policy
+    decoding in lockstep with other ranks (`policy.lockstep`), in one round with them."""
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    agreed = Round(prefills=False, new_tokens=max_new_tokens)
+    if policy.lockstep is not None:
+        agreed = policy.lockstep.open_round(_prefills(policy, ids, mask, cache), max_new_tokens)
+        if agreed.prefills and not _prefills(policy, ids, mask, cache):
+            policy.lockstep.idle_forward()
+    if cache == "static":  # sized for the round: a rank's forwards run on while any rank decodes
+        caching: dict[str, Any] = {CACHE_ARGUMENT: static_cache(policy.model, ids.shape[1] + agreed.new_tokens)}
     else:
-        caching = {CACHE_ARGUMENT: _shared_prompt_cache(policy, encoded["input_ids"], encoded["attention_mask"])}
+        caching = {CACHE_ARGUMENT: _shared_prompt_cache(policy, ids, mask)}
     prompt_width = encoded["input_ids"].shape[1]
     processors: list[transformers.LogitsProcessor] = [recorder] if recorder else []
     if row_sampler is not None:
@@ -223,10 +232,9 @@ def _transformers_generate(
         max_new_tokens=max_new_tokens,
         pad_token_id=policy.tokenizer.pad_token_id,
         eos_token_id=sorted(_eos_ids(policy)),
-        # Never in lockstep with other ranks: transformers syncs every token step across the process group when the
-        # model is FSDP-managed, which ranks decoding different numbers of calls (multi-turn episodes) would
-        # deadlock on; each rank decodes from whole weights, with no collective of its own.
-        synced_gpus=False,
+        # Each token step synced over the ranks only in a lockstep round (trainer/lockstep_decoding.py); else never,
+        # not even for an FSDP-managed model decoding from whole weights (transformers would sync it by default).
+        synced_gpus=policy.lockstep is not None,
         **caching,
         **({"logits_processor": transformers.LogitsProcessorList(processors)} if processors else {}),
         **POLICY_ONLY,
@@ -300,11 +308,9 @@ def _shared_prompt_cache(policy: Policy, input_ids: torch.Tensor, attention_mask
     if not policy.model.config.use_cache:
         return None
     cache = dynamic_cache(policy.model)
-    if input_ids.shape[1] < 2:
+    if not _prefills(policy, input_ids, attention_mask, "shared_prompt"):
         return cache
     first_row, row_to_distinct = distinct_prompts(input_ids, attention_mask)
-    if first_row.shape[0] == input_ids.shape[0]:
-        return cache
     mask = attention_mask[first_row, :-1]
     positions = padded_positions(mask)
     keep_last = {"logits_to_keep": 1} if keeps_last_logits(policy.model) else {}  # its logits are not used
@@ -319,6 +325,33 @@ def _shared_prompt_cache(policy: Policy, input_ids: torch.Tensor, attention_mask
     prefix = getattr(output, CACHE_ARGUMENT)
     prefix.batch_select_indices(row_to_distinct)
     return prefix
+
+
+def _prefills(policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: Cache) -> bool:
+    """Whether `_shared_prompt_cache` runs a forward of its own for these rows: some prompt, of two tokens or more,
+    repeats."""
+    if cache != "shared_prompt" or not policy.model.config.use_cache or input_ids.shape[1] < 2:
+        return False
+    return bool(distinct_prompts(input_ids, attention_mask)[0].shape[0] < input_ids.shape[0])
+
+
+def lockstep_for(policy: Policy) -> Lockstep:
+    """The rounds of a decoding operation over a sharded `policy`, its idle passes on one pad token (trainer/
+    lockstep_decoding.py). Set it as `policy.lockstep` for the operation, under `torch.no_grad()`."""
+    model, pad_id = policy.model, policy.tokenizer.pad_token_id
+    token = torch.full((1, 1), pad_id, dtype=torch.long, device=model.device)
+
+    def idle_forward() -> None:
+        model(input_ids=token, use_cache=False)
+
+    def idle_generate() -> None:
+        model.generate(
+            input_ids=token, attention_mask=torch.ones_like(token), max_new_tokens=1,
+            do_sample=False, pad_token_id=pad_id, eos_token_id=sorted(_eos_ids(policy)), synced_gpus=True,
+            **POLICY_ONLY,
+        )  # fmt: skip
+
+    return Lockstep(model.device, idle_forward, idle_generate)
 
 
 def _decode(policy: Policy, ids: list[int]) -> str:

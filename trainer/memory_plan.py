@@ -61,6 +61,7 @@ class Workload:
     kl_reference: bool
     warmstart_steps: int
     fused_head: bool
+    rollout_graph: bool = False  # rollout.cache=graph: rollouts decode from whole weights even under fsdp
 
 
 @dataclass
@@ -274,6 +275,7 @@ def workload_of(cfg: Any, prompt_tokens: int, fused_head: bool = False) -> Workl
         kl_reference=grpo.kl_beta > 0,
         warmstart_steps=cfg.warmstart.steps,
         fused_head=fused_head,
+        rollout_graph=getattr(cfg.rollout, "cache", None) == "graph",
     )
 
 
@@ -372,7 +374,7 @@ def make_plan(
     if ranks == 1:
         plan.stages = _one_process(counted, work, shape, compute)
     else:
-        plan.stages = _on_ranks(counted, work, shape, compute, ranks)
+        plan.stages = _on_ranks(counted, work, shape, compute, ranks, sharding)
     if work.eval_rows is None:
         plan.notes.append("held-out rows unknown before synthesis (a source without `count`): evaluations not planned")
     plan.notes.append(
@@ -456,16 +458,20 @@ def _on_ranks(
     shape: dict[str, int],
     compute: torch.dtype,
     ranks: int,
+    sharding: Sharding,
 ) -> list[Stage]:
     """N > 1 as the code runs it: the initial checkpoint (and a warm start) whole on rank 0; then every rank reads
-    its slices of the stored policy, and each stage is each rank's share. Decoding gathers the whole weights once
-    on every rank (`whole_weights`); a checkpoint is streamed from the shards a tensor at a time."""
+    its slices of the stored policy, and each stage is each rank's share. Under fsdp decoding gathers a unit at a
+    time (trainer/lockstep_decoding.py), but rollout.cache=graph and replicate gather the whole weights once
+    (`whole_weights`); a checkpoint is streamed from the shards a tensor at a time."""
     s = c.shards
     held = {"weights": s["weights"], "optimizer": s["optimizer"]}
     reference = {"KL reference": s["weights"]} if work.kl_reference else {}
     # FSDP2 gathers a unit into buffers of its own under replicate too (a shard of size 1)
     gathered = {"gathered units": c.root + 2 * c.layer}
-    decoding = {"gathered weights": c.whole_compute}  # decoding gathers every unit once (`whole_weights`)
+    whole = {"gathered weights": c.whole_compute}
+    decoding = gathered if sharding == "fsdp" else whole
+    rollout_decoding = whole if work.rollout_graph else decoding
     kv = _decoding(work, shape, compute, ranks)
     stages = _before_adoption(c, work, _decoding(work, shape, compute, 1))
     others = "1" if ranks == 2 else f"1..{ranks - 1}"
@@ -478,7 +484,8 @@ def _on_ranks(
             stages.append(Stage("evaluate (first)", rank, {**fresh, "KV cache": kv["evaluate"]}))
         stages.append(Stage("difficulty", rank, {**fresh, "KV cache": kv["difficulty"]}))
         training = {**held, "gradients": s["gradients"], **reference, **gathered, "activations": c.activations}
-        stages.append(Stage("rollout", rank, {**held, **reference, **decoding, "KV cache": kv["rollout"], **floor}))
+        rolling = {**held, **reference, **rollout_decoding, "KV cache": kv["rollout"], **floor}
+        stages.append(Stage("rollout", rank, rolling))
         stages.append(Stage("update", rank, {**training, **floor}))
         if "evaluate" in kv:
             stages.append(Stage("evaluate (later)", rank, {**held, **decoding, "KV cache": kv["evaluate"], **floor}))

@@ -107,6 +107,8 @@ class Policy:
     tokenizer: PreTrainedTokenizerBase
     source: str
     ranks: Any = field(default=None, repr=False, compare=False)
+    # on a rank, during a decoding operation over fsdp shards: its rounds (trainer/lockstep_decoding.py)
+    lockstep: Any = field(default=None, repr=False, compare=False)
 
 
 def set_threads(threads: int) -> None:

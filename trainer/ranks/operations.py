@@ -1,7 +1,8 @@
 """What every data-parallel rank does for rank 0's requests (trainer/ranks/launch.py announces them, serve.py's loop
 answers them on the other ranks): what a rank holds (`RankState`), the sharded policy built from rank 0's whole one
-(`build_sharded`), and each rank's share of a sampling, episodes or greedy request, decoded from the whole weights
-with row-seeded sampling so that the tokens do not depend on the rank count; rank 0 gathers every share.
+(`build_sharded`), and each rank's share of a sampling, episodes or greedy request (under fsdp in lockstep rounds, a
+unit gathered at a time; `decoding`) with row-seeded sampling so that the tokens do not depend on the rank count;
+rank 0 gathers every share.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from rlvr.environments.base import EnvConfig
 from rlvr.trainer.distributed import idle_pass
 from rlvr.trainer.episodes import Budgets, Trajectory, play_episodes, trajectory_from_dict
-from rlvr.trainer.generation import Sample, greedy, sample
+from rlvr.trainer.generation import Cache, Sample, greedy, lockstep_for, sample
 from rlvr.trainer.lora import SETTINGS_FILE, LoraSettings, add_lora
 from rlvr.trainer.policy import MODEL_BUILD_LOCK, Policy, load_tokenizer, make_optimizer, set_threads
 from rlvr.trainer.ranks.transport import gather_bytes
@@ -148,15 +150,37 @@ def shares(counts: Sequence[int], world_size: int) -> list[list[int]]:
     return owned
 
 
+@contextmanager
+def decoding(state: RankState, cache: Cache) -> Iterator[None]:
+    """Every rank decodes its share inside. Under fsdp in lockstep rounds, each forward gathering one unit at a
+    time (trainer/lockstep_decoding.py), so that no rank holds the whole weights; the rank drains the others'
+    rounds once its own share is done. Replicated weights are whole already; `rollout.cache=graph` replays its
+    captured token step, which cannot gather, so it decodes from the whole weights (`whole_weights`: every unit
+    gathered once, then no collective)."""
+    assert state.policy is not None
+    policy = state.policy
+    if state.sharding != "fsdp" or cache == "graph":
+        with whole_weights(policy.model):
+            yield
+        return
+    policy.lockstep = lockstep_for(policy)
+    try:
+        with torch.no_grad(), resharded(policy.model):
+            yield
+            policy.lockstep.drain()
+    finally:
+        policy.lockstep = None
+
+
 def sample_share(
     state: RankState, prompts: list[str], counts: list[int], settings: dict[str, Any], keys: list[int]
 ) -> list[Sample]:
-    """This rank's share of a sampling operation, decoded from the whole weights; on rank 0 every rank's samples
+    """This rank's share of a sampling operation (`decoding`); on rank 0 every rank's samples
     in the one-process order (by prompt, then sample), on the others an empty list."""
     assert state.policy is not None
     mine = shares(counts, dist.get_world_size())[dist.get_rank()]
     found: list[Sample] = []
-    with whole_weights(state.policy.model):
+    with decoding(state, settings.get("cache", "shared_prompt")):
         if mine:
             share_prompts, share_counts = [prompts[i] for i in mine], [counts[i] for i in mine]
             drawn = sample(state.policy, share_prompts, share_counts, row_keys=[keys[i] for i in mine], **settings)
@@ -168,13 +192,14 @@ def sample_share(
 
 
 def episodes_share(state: RankState, request: dict[str, Any]) -> list[Trajectory]:
-    """This rank's share of an episodes operation (whole tasks: a group's episodes stay on one rank), played from
-    the whole weights; on rank 0 every rank's trajectories in the one-process order, on the others none."""
+    """This rank's share of an episodes operation (whole tasks: a group's episodes stay on one rank), played with
+    its own environments (`decoding`: its turns in rounds with the other ranks' under fsdp); on rank 0 every rank's
+    trajectories in the one-process order, on the others none."""
     assert state.policy is not None
     counts = request["counts"]
     mine = shares(counts, dist.get_world_size())[dist.get_rank()]
     found: list[Trajectory] = []
-    with whole_weights(state.policy.model):
+    with decoding(state, request["settings"].get("cache", "shared_prompt")):
         if mine:
             played = play_episodes(
                 state.policy,
@@ -219,7 +244,7 @@ def greedy_share(state: RankState, prompts: list[str], settings: dict[str, Any])
     assert state.policy is not None
     mine = shares([1] * len(prompts), dist.get_world_size())[dist.get_rank()]
     texts: list[str] = []
-    with whole_weights(state.policy.model):
+    with decoding(state, settings.get("cache", "shared_prompt")):
         if mine:
             texts = greedy(state.policy, [prompts[i] for i in mine], **settings)
     parts = gather_bytes(json.dumps(list(zip(mine, texts))).encode(), state.device)
