@@ -60,8 +60,8 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     announce_model_calls(store, cfg, problems)
     initial = initial_policy(store, cfg, config_id)
     refs = StepRefs(problems=(problems,), difficulty="", policy_ref=initial, start_ref=initial)
-    if cfg.train.data_parallel > 1 and not cfg.warmstart.steps:  # the ranks evaluate it too, from their slices
-        share_policy(store, cfg, refs.policy_ref)
+    if cfg.train.data_parallel > 1:  # from here on every model use is the ranks': evaluations, the warm start,
+        share_policy(store, cfg, refs.policy_ref)  # difficulty, rollouts, updates
     report("eval", step=0, phase="init", accuracy=evaluate(store, cfg, 0, "init", refs))
     if cfg.warmstart.steps:
         report("stage", name="warmstart")
@@ -69,9 +69,9 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
         at = run_context(store, cfg, 0)
         warm = run(WARMSTART, cfg.warmstart, at, inputs=inputs, params={"device": cfg.policy.device})
         refs = replace(refs, policy_ref=warm["checkpoints"], start_ref=warm["checkpoints"])
+        if cfg.train.data_parallel > 1:  # live on the ranks when they trained it; read by slices on a resume
+            share_policy(store, cfg, refs.policy_ref)
         report("eval", step=0, phase="warmstart", accuracy=evaluate(store, cfg, 0, "warmstart", refs))
-    if cfg.train.data_parallel > 1 and cfg.warmstart.steps:  # from here on the ranks sample too: difficulty,
-        share_policy(store, cfg, refs.policy_ref)  # rollouts, evaluations (the warm start trains whole on rank 0)
     refs = replace(refs, difficulty=estimate_difficulty(store, cfg, problems, refs.policy_ref))
     report("stage", name="rl")
     size = cfg.flow.steps_per_subflow
@@ -87,9 +87,9 @@ def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
 
 
 def share_policy(store: str, cfg: RunConfigBase, policy_ref: str) -> None:
-    """With train.data_parallel > 1: the policy the RL steps start from, adopted by the run's rank group and kept
-    in memory under its id, so that the difficulty estimate and the first step's rollouts are sampled on every
-    rank as the later ones are."""
+    """With train.data_parallel > 1: the run's policy, adopted by the run's rank group (with a fresh optimizer for
+    the RL phase) and kept in memory under its id, so that the evaluations, the warm start, the difficulty estimate
+    and the rollouts run on every rank. A policy the group holds already (the warm start's) is taken as it is."""
     from rlvr.trainer.checkpoints import Ranks, take_trainer_state
     from rlvr.trainer.devices import resolve_device
 

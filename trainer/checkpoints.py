@@ -271,11 +271,13 @@ def checkpoint_built(
     policy_id: str | None,
     live: Policy | None = None,
     placed: Sequence[Mapping[str, Any]] = (),
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> Built:
     """The `checkpoints` output of the stage in `ctx`: one row naming the checkpoint and where it came
     from, its model directory as files (and `placed`: the entries of files already written into its folder, the
     weights the ranks streamed), the parameter count (later checkpoints copy it from the manifest), and the live
-    policy to keep in memory when the stage has one."""
+    policy to keep in memory when the stage has one, with `optimizer` (the next training's, when it is already
+    made: a policy on the data-parallel ranks is then taken as it is, never read again from the store)."""
     row = {
         "run_id": ctx.run_id,
         "step": ctx.step or 0,
@@ -284,7 +286,7 @@ def checkpoint_built(
         "policy_id": policy_id,
         "n_params": n_params,
     }
-    resident = TrainerState(live, None) if live is not None else None
+    resident = TrainerState(live, optimizer) if live is not None else None
     table = rows_to_table("checkpoints", [row])
     return Built(table, files=files, extra={"n_params": n_params}, resident=resident, placed=placed)
 

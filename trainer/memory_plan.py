@@ -12,8 +12,8 @@ backend: collectives do nothing, shapes are real). What a rank holds is then cou
   logits the loss keeps and their gradient;
 - a decoding stage's key/value cache and one token step's logits, from the model's shape and the stage's rows.
 
-Which stage holds what is the code's as it stands (docs/scale-out.md): a stage that runs before the ranks adopt
-the policy, or a checkpoint, holds the whole model on rank 0. The process's own memory (the interpreter with
+Which stage holds what is the code's as it stands (docs/scale-out.md): only the initial checkpoint, written before
+the ranks adopt the policy, holds the whole model (on rank 0). The process's own memory (the interpreter with
 torch and transformers) is measured in this process on the CPU; on a GPU it is an assumed allowance for the CUDA
 context and the caching allocator (`CUDA_ALLOWANCE`).
 """
@@ -40,7 +40,6 @@ from rlvr.trainer.vocab_blocks import block_positions
 CUDA_ALLOWANCE = 3 * 10**9  # bytes a GPU rank spends outside tensors: CUDA context, NCCL and cuBLAS buffers,
 # the caching allocator's fragmentation (assumed, as in docs/scale-out.md; never measured here)
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-BEFORE_ADOPTION = "before the ranks adopt the policy: whole on rank 0"
 INITIAL = "the whole model built or loaded, its checkpoint streamed a tensor at a time"
 
 
@@ -438,18 +437,12 @@ def _one_process(c: Counted, work: Workload, shape: dict[str, int], compute: tor
     return stages
 
 
-def _before_adoption(c: Counted, work: Workload, whole_kv: dict[str, int]) -> list[Stage]:
-    """Rank 0's stages with the whole model (flows/rl_run.py): writing the initial checkpoint, and with a warm
-    start, the first evaluation and the warm start itself (the policy is adopted after it)."""
+def _before_adoption(c: Counted) -> list[Stage]:
+    """Rank 0's one stage with the whole model (flows/rl_run.py): building or loading it and writing the initial
+    checkpoint. The ranks adopt the policy from that file right after, before the first evaluation and the warm
+    start."""
     w, floor = c.whole, {"process": c.floor_run}
-    stages = [Stage("initialize", "0", {"weights": w, "file chunk": c.largest_tensor, **floor}, INITIAL)]
-    if work.warmstart_steps:
-        if "evaluate" in whole_kv:
-            first = {"weights": w, "KV cache": whole_kv["evaluate"], **floor}
-            stages.append(Stage("evaluate (first)", "0", first, BEFORE_ADOPTION))
-        sft = {"weights": w, "gradients": w, "optimizer": 2 * w, "activations": c.activations, **floor}
-        stages.append(Stage("warm start", "0", sft, BEFORE_ADOPTION))
-    return stages
+    return [Stage("initialize", "0", {"weights": w, "file chunk": c.largest_tensor, **floor}, INITIAL)]
 
 
 def _on_ranks(
@@ -460,8 +453,10 @@ def _on_ranks(
     ranks: int,
     sharding: Sharding,
 ) -> list[Stage]:
-    """N > 1 as the code runs it: the initial checkpoint (and a warm start) whole on rank 0; then every rank reads
-    its slices of the stored policy, and each stage is each rank's share. Under fsdp decoding gathers a unit at a
+    """N > 1 as the code runs it: the initial checkpoint whole on rank 0; then every rank reads its slices of the
+    stored policy, and each stage is each rank's share (the warm start: its shards, their gradients, the SFT
+    optimizer's moments over them, the gathered units and one micro-batch's activations, as the update; the RL
+    optimizer is made then but holds nothing before the first update). Under fsdp decoding gathers a unit at a
     time (trainer/lockstep_decoding.py), but rollout.cache=graph and replicate gather the whole weights once
     (`whole_weights`); a checkpoint is streamed from the shards a tensor at a time."""
     s = c.shards
@@ -473,15 +468,19 @@ def _on_ranks(
     decoding = gathered if sharding == "fsdp" else whole
     rollout_decoding = whole if work.rollout_graph else decoding
     kv = _decoding(work, shape, compute, ranks)
-    stages = _before_adoption(c, work, _decoding(work, shape, compute, 1))
+    stages = _before_adoption(c)
     others = "1" if ranks == 2 else f"1..{ranks - 1}"
     for rank in ("0", others):
         floor = {"process": c.floor_run if rank == "0" else c.floor}
         adopting = {"weights": s["weights"], **floor}
         stages.append(Stage("adopt", rank, adopting, "each rank reads its slices of the stored file"))
         fresh = {"weights": s["weights"], **decoding, **floor}  # no optimizer moments before the first update
-        if "evaluate" in kv and not work.warmstart_steps:
+        if "evaluate" in kv:
             stages.append(Stage("evaluate (first)", rank, {**fresh, "KV cache": kv["evaluate"]}))
+        if work.warmstart_steps:
+            sft = {"weights": s["weights"], "gradients": s["gradients"], "SFT optimizer": s["optimizer"], **gathered}
+            note = "its checkpoint streamed from the shards"
+            stages.append(Stage("warm start", rank, {**sft, "activations": c.activations, **floor}, note))
         stages.append(Stage("difficulty", rank, {**fresh, "KV cache": kv["difficulty"]}))
         training = {**held, "gradients": s["gradients"], **reference, **gathered, "activations": c.activations}
         rolling = {**held, **reference, **rollout_decoding, "KV cache": kv["rollout"], **floor}

@@ -10,7 +10,7 @@ tokens only, so the warm start trains on the very sequences GRPO later samples a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,8 +25,10 @@ from rlvr.trainer.grpo import completion_logprobs
 from rlvr.trainer.policy import Policy
 
 __all__ = [
+    "SftBatch",
     "SftSequence",
     "Transcript",
+    "sft_batches",
     "sft_steps",
     "sft_warmstart",
     "transcript_sequence",
@@ -93,24 +95,24 @@ def sft_steps(
     """`steps` updates of mean token cross-entropy on the completions' masked tokens (prompt tokens are context
     only; prompts left-padded, completions right-padded, as the train stage scores rollouts). Each batch is
     `batch_size` sequences drawn with replacement by a generator seeded with `seed`, so the run is reproducible
-    and independent of the global RNG. Returns the loss of each step."""
+    and independent of the global RNG. Returns the loss of each step.
+
+    A policy sharded over data-parallel ranks (`policy.ranks`) trains on all of them, each a share of every batch
+    (trainer/ranks/sft.py), so no process holds the whole model; `optimizer` must then be a fresh AdamW over rank
+    0's shards (`make_optimizer`), which the other ranks make alike."""
     if not sequences:
         raise ValueError("sft_steps needs at least one sequence")
     if any(not any(s.loss_mask) or len(s.loss_mask) != len(s.completion_ids) for s in sequences):
         raise ValueError("every sequence needs a loss mask as long as its completion, with a token to train")
+    if policy.ranks is not None and not policy.ranks.in_op:
+        settings = {"steps": steps, "batch_size": batch_size, "seed": seed}
+        return list(policy.ranks.sft_steps(optimizer, list(sequences), settings))
     model, pad_id = policy.model, policy.tokenizer.pad_token_id
-    generator = torch.Generator().manual_seed(seed)  # on the CPU, so the batches are the same on every device
     device = model_device(model)
     losses = []
-    for _ in range(steps):
-        picks = [sequences[i] for i in torch.randint(len(sequences), (batch_size,), generator=generator).tolist()]
-        prompt_width = max(len(s.prompt_ids) for s in picks)
-        width = max(len(s.completion_ids) for s in picks)
-        prompt_ids = torch.tensor([[pad_id] * (prompt_width - len(s.prompt_ids)) + s.prompt_ids for s in picks])
-        completion_ids = torch.tensor([s.completion_ids + [pad_id] * (width - len(s.completion_ids)) for s in picks])
-        mask = torch.tensor([s.loss_mask + [0] * (width - len(s.loss_mask)) for s in picks], dtype=torch.bool)
+    for batch in sft_batches(sequences, steps=steps, batch_size=batch_size, seed=seed, pad_id=pad_id):
         logp, token_mask = completion_logprobs(
-            model, prompt_ids.to(device), completion_ids.to(device), pad_id, mask.to(device)
+            model, batch.prompt_ids.to(device), batch.completion_ids.to(device), pad_id, batch.mask.to(device)
         )
         loss = -(logp * token_mask).sum() / token_mask.sum()
         optimizer.zero_grad(set_to_none=True)
@@ -119,6 +121,33 @@ def sft_steps(
         losses.append(loss.item())
     optimizer.zero_grad(set_to_none=True)
     return losses
+
+
+@dataclass(frozen=True)
+class SftBatch:
+    """One step's sequences as tensors on the CPU: prompts left-padded [B, P], completions right-padded [B, T], and
+    the loss mask [B, T] (bool)."""
+
+    prompt_ids: torch.Tensor
+    completion_ids: torch.Tensor
+    mask: torch.Tensor
+
+
+def sft_batches(
+    sequences: Sequence[SftSequence], *, steps: int, batch_size: int, seed: int, pad_id: int
+) -> Iterator[SftBatch]:
+    """The batch of each of `steps` steps: `batch_size` sequences drawn with replacement by a generator seeded with
+    `seed` on the CPU, so every device and every data-parallel rank draws the same ones."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        picks = [sequences[i] for i in torch.randint(len(sequences), (batch_size,), generator=generator).tolist()]
+        prompt_width = max(len(s.prompt_ids) for s in picks)
+        width = max(len(s.completion_ids) for s in picks)
+        yield SftBatch(
+            torch.tensor([[pad_id] * (prompt_width - len(s.prompt_ids)) + s.prompt_ids for s in picks]),
+            torch.tensor([s.completion_ids + [pad_id] * (width - len(s.completion_ids)) for s in picks]),
+            torch.tensor([s.loss_mask + [0] * (width - len(s.loss_mask)) for s in picks], dtype=torch.bool),
+        )
 
 
 def transcript_sequence(

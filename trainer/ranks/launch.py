@@ -11,6 +11,7 @@ bytes it announces), then does its own share like any rank. Operations:
   without weights (meta device), shards it, and takes its shards of rank 0's weights (torch's
   `set_model_state_dict(broadcast_from_rank0=True)`); the policy's `ranks` then names the group.
 - `update`: one GRPO step (trainer/distributed.py).
+- `sft`: supervised steps (the warm start), each rank training on its share of every batch (sft.py).
 - `sample`, `greedy`: each rank decodes its share of the prompts from the whole weights (gathered once,
   `whole_weights`), with row-seeded sampling, so the tokens do not depend on the rank count; rank 0 gathers.
 - `whole_files`: the whole model as a Hugging Face directory, on rank 0.
@@ -63,9 +64,11 @@ from rlvr.trainer.ranks.operations import (
     sample_share,
 )
 from rlvr.trainer.ranks.serve import serve
+from rlvr.trainer.ranks.sft import sft_share
 from rlvr.trainer.ranks.state import adopt_share, load_share, save_share, write_weights_share
 from rlvr.trainer.ranks.transport import broadcast_bytes, gather_bytes, pack_files
 from rlvr.trainer.rlpr import ReferenceProbability
+from rlvr.trainer.sft import SftSequence
 from rlvr.trainer.sharding import Sharding, full_state, held_bytes, plain_optimizer_state
 from rlvr.verifiers.rlpr import ReferenceText
 
@@ -266,6 +269,21 @@ class RankGroup:
             self.adopt_reference(reference)
         with self.op("step", {"reference": use_reference}, payload_text(batch, cfg).encode()):
             return distributed_grpo_step(policy, optimizer, batch, cfg, self.state.reference if use_reference else None)
+
+    def sft_steps(
+        self, optimizer: torch.optim.Optimizer, sequences: list[SftSequence], settings: dict[str, int]
+    ) -> list[float]:
+        """`sft.sft_steps` of the group's policy over the ranks (`settings`: steps, batch_size, seed), each rank
+        training on its share of every batch: rank 0 steps `optimizer`, a fresh AdamW over its shards, and every
+        other rank one it makes alike, dropped after (the policy's own optimizer is left untouched). Returns each
+        step's loss over the whole batch."""
+        self._held()
+        if not isinstance(optimizer, torch.optim.AdamW) or optimizer.state:
+            raise ValueError("sft steps on the ranks need a fresh AdamW (make_optimizer): the other ranks make theirs")
+        hyper = {name: optimizer.param_groups[0][name] for name in ("lr", "weight_decay")}
+        request = {"sequences": [dataclasses.asdict(s) for s in sequences], **settings, **hyper}
+        with self.op("sft", {}, json.dumps(request).encode()):
+            return sft_share(self.state, request, optimizer)
 
     def sample(
         self, prompts: list[str], counts: list[int], settings: dict[str, Any], keys: list[int] | None = None

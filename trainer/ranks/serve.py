@@ -1,5 +1,5 @@
 """A data-parallel rank's loop (every rank but 0): it waits for rank 0's next announced operation and does its share
-(trainer/ranks/operations.py, state.py, and trainer/distributed.py for a GRPO step), until rank 0 says stop.
+(trainer/ranks/operations.py, state.py, sft.py, and trainer/distributed.py for a GRPO step), until rank 0 says stop.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from rlvr.trainer.ranks.operations import (
     rlpr_share,
     sample_share,
 )
+from rlvr.trainer.ranks.sft import sft_share
 from rlvr.trainer.ranks.state import adopt_share, load_share, save_share, write_weights_share
 from rlvr.trainer.ranks.transport import broadcast_bytes, gather_bytes, unpack_files
 from rlvr.trainer.sharding import full_state, held_bytes
@@ -54,6 +55,8 @@ def serve_one(state: RankState, header: dict[str, Any]) -> None:
         distributed_grpo_step(
             state.policy, state.optimizer, batch, cfg, state.reference if header["reference"] else None
         )
+    elif op == "sft":
+        sft_share(state, json.loads(broadcast_bytes(None, device)))
     elif op == "sample":
         request = json.loads(broadcast_bytes(None, device))
         sample_share(state, request["prompts"], request["counts"], request["settings"], request["keys"])
