@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from importlib import import_module
 from pathlib import Path
@@ -92,7 +94,11 @@ def measure(config: str, ranks: int, sharding: str, extra: list[str]) -> dict[st
     for item in extra:
         command += ["--set", item]
     started = time.monotonic()
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    unbuffered = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line as it is printed
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=unbuffered)
+    said: list[tuple[float, str]] = []  # the run's output lines, stamped: what it was doing when a peak came
+    reader = threading.Thread(target=_stamp_lines, args=(proc, started, said), daemon=True)
+    reader.start()
     peaks: dict[int, tuple[int, str]] = {}
     grew_at: dict[int, float] = {}  # when each process's high-water mark last rose (seconds into the run)
     while proc.poll() is None:
@@ -103,21 +109,33 @@ def measure(config: str, ranks: int, sharding: str, extra: list[str]) -> dict[st
                 grew_at[pid] = round(time.monotonic() - started, 1)
         time.sleep(0.2)
     stderr = proc.stderr.read() if proc.stderr else ""
+    reader.join(timeout=5)
     if proc.returncode != 0:
         raise SystemExit(f"the run failed ({proc.returncode}):\n{stderr[-3000:]}")
     by_role: dict[str, list[int]] = {}
     for peak, name in peaks.values():
         by_role.setdefault(name, []).append(peak)
+    largest_at = grew_at[max(peaks, key=lambda pid: peaks[pid][0])]
     return {
         "ranks": ranks,
         "sharding": sharding,
         "seconds": round(time.monotonic() - started, 1),
         "largest_mb": round(max(peak for peak, _ in peaks.values()) / MB),
-        "largest_at_s": grew_at[max(peaks, key=lambda pid: peaks[pid][0])],
+        "largest_at_s": largest_at,
+        "largest_during": next((line for at, line in reversed(said) if at <= largest_at), ""),
+        "run_at_s": max((grew_at[pid] for pid, (_, name) in peaks.items() if name == "run"), default=None),
         "run_mb": round(max(by_role.get("run", [0])) / MB),
         "other_ranks_mb": [round(p / MB) for p in sorted(by_role.get("rank", []), reverse=True)],
         "by_role_mb": {name: round(max(values) / MB) for name, values in sorted(by_role.items())},
     }
+
+
+def _stamp_lines(proc: subprocess.Popen[str], started: float, said: list[tuple[float, str]]) -> None:
+    """Each line the run prints, with the seconds into the run when it came."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.strip():
+            said.append((round(time.monotonic() - started, 1), line.strip()[:100]))
 
 
 def planned(config: str, ranks: int, sharding: str, extra: list[str], prompt_tokens: int) -> dict[str, int]:
@@ -164,6 +182,7 @@ def main() -> None:
                     f"| {plan_0:,} | {plan_others} |",
                     flush=True,
                 )
+                print(f"    the largest peak came after the run printed: {row['largest_during']!r}", flush=True)
     for ranks in args.ranks:
         for repeat in range(args.repeats):
             pick = {
