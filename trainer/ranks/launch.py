@@ -80,7 +80,7 @@ EXIT_GRACE_S = 15.0  # after a rank died: how long the run may take to stop befo
 
 # --- memory ---------------------------------------------------------------------------------------------------
 
-MMAP_THRESHOLD = 4 << 20  # bytes: glibc maps allocations this large on their own and unmaps them when freed
+MMAP_THRESHOLD = 1 << 20  # bytes: glibc maps allocations this large on their own and unmaps them when freed
 
 
 def return_freed_memory() -> None:
@@ -89,8 +89,10 @@ def return_freed_memory() -> None:
     32 MiB, and serves later large tensors from its heap, which it rarely returns: a rank's resident memory then
     keeps the high-water mark of every step's transient buffers (about 1 GB more per rank at SmolLM2-135M:
     docs/benchmarks.md), the memory sharding is meant to save, and a single-process SmolLM2 RLPR run held 12.8 GB
-    (with this threshold: peaks of 9.8-10.3 GB, under 5.5 GB half the time; docs/rewards.md). Elsewhere (no glibc)
-    nothing changes."""
+    (with a 4 MiB threshold: peaks of 9.8-10.3 GB, under 5.5 GB half the time; docs/rewards.md). At 4 MiB most of
+    SmolLM2's per-layer tensors (1.3-3.5 MB) still came from the heap; 1 MiB took a further 240 MB (11%) off a
+    two-rank fsdp update's peak and 190 MB off replicate's (docs/benchmarks.md). Elsewhere (no glibc) nothing
+    changes."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
