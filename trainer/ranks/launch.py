@@ -12,8 +12,9 @@ bytes it announces), then does its own share like any rank. Operations:
   `set_model_state_dict(broadcast_from_rank0=True)`); the policy's `ranks` then names the group.
 - `update`: one GRPO step (trainer/distributed.py).
 - `sft`: supervised steps (the warm start), each rank training on its share of every batch (sft.py).
-- `sample`, `greedy`: each rank decodes its share of the prompts from the whole weights (gathered once,
-  `whole_weights`), with row-seeded sampling, so the tokens do not depend on the rank count; rank 0 gathers.
+- `sample`, `greedy`, `episodes`: each rank decodes its share of the prompts (under fsdp in lockstep rounds, one unit
+  gathered at a time: operations.py `decoding`), with row-seeded sampling, so the tokens do not depend on the rank
+  count; rank 0 gathers.
 - `whole_files`: the whole model as a Hugging Face directory, on rank 0.
 - `save_state`, `load_state`: the sharded weights and optimizer state with torch.distributed.checkpoint.
 
