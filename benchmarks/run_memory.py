@@ -26,6 +26,7 @@ import threading
 import time
 from importlib import import_module
 from pathlib import Path
+from typing import IO
 
 MB = 1e6
 ROLES = (
@@ -97,8 +98,12 @@ def measure(config: str, ranks: int, sharding: str, extra: list[str]) -> dict[st
     unbuffered = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line as it is printed
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=unbuffered)
     said: list[tuple[float, str]] = []  # the run's output lines, stamped: what it was doing when a peak came
-    reader = threading.Thread(target=_stamp_lines, args=(proc, started, said), daemon=True)
-    reader.start()
+    readers = [
+        threading.Thread(target=_stamp_lines, args=(stream, started, said), daemon=True)
+        for stream in (proc.stdout, proc.stderr)
+    ]
+    for reader in readers:
+        reader.start()
     peaks: dict[int, tuple[int, str]] = {}
     grew_at: dict[int, float] = {}  # when each process's high-water mark last rose (seconds into the run)
     while proc.poll() is None:
@@ -108,10 +113,11 @@ def measure(config: str, ranks: int, sharding: str, extra: list[str]) -> dict[st
                 peaks[pid] = (found[0], role(pid, proc.pid, found[1]))
                 grew_at[pid] = round(time.monotonic() - started, 1)
         time.sleep(0.2)
-    stderr = proc.stderr.read() if proc.stderr else ""
-    reader.join(timeout=5)
+    for reader in readers:
+        reader.join(timeout=5)
     if proc.returncode != 0:
-        raise SystemExit(f"the run failed ({proc.returncode}):\n{stderr[-3000:]}")
+        printed = "\n".join(line for _, line in said[-40:])
+        raise SystemExit(f"the run failed ({proc.returncode}):\n{printed}")
     by_role: dict[str, list[int]] = {}
     for peak, name in peaks.values():
         by_role.setdefault(name, []).append(peak)
@@ -122,7 +128,7 @@ def measure(config: str, ranks: int, sharding: str, extra: list[str]) -> dict[st
         "seconds": round(time.monotonic() - started, 1),
         "largest_mb": round(max(peak for peak, _ in peaks.values()) / MB),
         "largest_at_s": largest_at,
-        "largest_during": next((line for at, line in reversed(said) if at <= largest_at), ""),
+        "largest_during": max(((at, line) for at, line in said if at <= largest_at), default=(0.0, ""))[1],
         "run_at_s": max((grew_at[pid] for pid, (_, name) in peaks.items() if name == "run"), default=None),
         "run_mb": round(max(by_role.get("run", [0])) / MB),
         "other_ranks_mb": [round(p / MB) for p in sorted(by_role.get("rank", []), reverse=True)],
@@ -130,10 +136,10 @@ def measure(config: str, ranks: int, sharding: str, extra: list[str]) -> dict[st
     }
 
 
-def _stamp_lines(proc: subprocess.Popen[str], started: float, said: list[tuple[float, str]]) -> None:
-    """Each line the run prints, with the seconds into the run when it came."""
-    assert proc.stdout is not None
-    for line in proc.stdout:
+def _stamp_lines(stream: IO[str] | None, started: float, said: list[tuple[float, str]]) -> None:
+    """Each line the run prints on `stream`, with the seconds into the run when it came."""
+    assert stream is not None
+    for line in stream:
         if line.strip():
             said.append((round(time.monotonic() - started, 1), line.strip()[:100]))
 

@@ -6,7 +6,8 @@ backend: collectives do nothing, shapes are real). What a rank holds is then cou
 
 - weights, gradients and AdamW's two moments: the bytes of this rank's shards (a DTensor by its local part);
 - the largest gathered unit: a decoder layer's or the root's (embeddings, final norm, LM head) whole weights in
-  the dtype the units compute in (bf16 on a GPU over float32 weights, as FSDP2's mixed precision gathers them);
+  the dtype the units compute in (bf16 on a GPU over float32 weights, as FSDP2's mixed precision gathers them),
+  and in a backward the root's whole gradient beside the reduce-scatter input FSDP2 copies it into;
 - activations of one micro-batch: the tensors autograd saves in a forward of the real model on the meta device
   (counted through `saved_tensors_hooks`, parameters left out), with and without gradient checkpointing, plus the
   logits the loss keeps and their gradient;
@@ -318,6 +319,7 @@ class Counted:
     shards: dict[str, int]  # one rank's weights, gradients, optimizer
     layer: int  # the largest decoder layer gathered, in the compute dtype
     root: int  # the root unit gathered
+    reduce: int  # the root's gradient whole and FSDP2's reduce-scatter input beside it, when the backward reduces it
     activations: int  # one micro-batch
     whole_compute: int  # the whole model in the compute dtype (decoding from gathered weights)
     largest_tensor: int  # the largest parameter whole, in its dtype (a streamed checkpoint gathers one at a time)
@@ -357,6 +359,7 @@ def make_plan(
         shards=state_bytes(model, ranks, sharding),
         layer=layer,
         root=root,
+        reduce=root // DTYPE_BYTES[compute] * (DTYPE_BYTES[compute] + DTYPE_BYTES[torch.float32 if mixed else dtype]),
         activations=activations,
         whole_compute=whole * DTYPE_BYTES[compute] // DTYPE_BYTES[dtype],
         largest_tensor=max(p.numel() * p.element_size() for p in model.parameters()),
@@ -464,6 +467,9 @@ def _on_ranks(
     reference = {"KL reference": s["weights"]} if work.kl_reference else {}
     # FSDP2 gathers a unit into buffers of its own under replicate too (a shard of size 1)
     gathered = {"gathered units": c.root + 2 * c.layer}
+    # FSDP2 copies a unit's whole gradients into a reduce-scatter input of their size before it frees them: the
+    # largest, the root's, counted twice while the backward reduces it (torch's `foreach_reduce`)
+    reducing = {"gradient reduction": c.reduce}
     whole = {"gathered weights": c.whole_compute}
     decoding = gathered if sharding == "fsdp" else whole
     rollout_decoding = whole if work.rollout_graph else decoding
@@ -479,10 +485,12 @@ def _on_ranks(
             stages.append(Stage("evaluate (first)", rank, {**fresh, "KV cache": kv["evaluate"]}))
         if work.warmstart_steps:
             sft = {"weights": s["weights"], "gradients": s["gradients"], "SFT optimizer": s["optimizer"], **gathered}
+            sft |= reducing
             note = "its checkpoint streamed from the shards"
             stages.append(Stage("warm start", rank, {**sft, "activations": c.activations, **floor}, note))
         stages.append(Stage("difficulty", rank, {**fresh, "KV cache": kv["difficulty"]}))
-        training = {**held, "gradients": s["gradients"], **reference, **gathered, "activations": c.activations}
+        training = {**held, "gradients": s["gradients"], **reference, **gathered, **reducing}
+        training["activations"] = c.activations
         rolling = {**held, **reference, **rollout_decoding, "KV cache": kv["rollout"], **floor}
         stages.append(Stage("rollout", rank, rolling))
         stages.append(Stage("update", rank, {**training, **floor}))
