@@ -196,6 +196,7 @@ class StoreFiles:
             with open_new(tmp) as handle:
                 for chunk in (data,) if isinstance(data, bytes) else data:
                     handle.write(chunk)
+                    del chunk  # not held while the next chunk is made (a streamed checkpoint's next tensor)
                 if sync:
                     handle.flush()
                     os.fsync(handle.fileno())
@@ -255,12 +256,14 @@ class StoreFiles:
                 digest.update(chunk)
                 size[0] += len(chunk)
                 yield chunk
+                del chunk
 
         self._check_lease([None], listing=False)
         if not self.is_local:
             with self.fs.open(path, "wb") as handle:
                 for chunk in tallied():
                     handle.write(chunk)
+                    del chunk
         else:
             self._publish_temp(self._write_temp(path, tallied(), sync=True), path, None)
         return size[0], digest.hexdigest()

@@ -486,3 +486,49 @@ def test_a_data_parallel_run_keeps_one_rank_process_and_leaves_none(tmp_path, pr
     rows = query(Store.open(str(tmp_path / "s")), "SELECT step, updates FROM train_steps ORDER BY step").to_pylist()
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert _rank_processes(mark) == []
+
+
+def _whole_copies(shapes: set[tuple[int, ...]]) -> int:
+    """Storages of plain tensors alive in this process whose shape is one of a model's whole parameters', with
+    memory behind them (FSDP2 keeps each parameter's unsharded tensor over an empty storage between gathers)."""
+    import gc
+
+    from torch.distributed.tensor import DTensor
+
+    tensors = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]  # type(): no lazy attributes
+    found = {
+        t.untyped_storage().data_ptr()
+        for t in tensors
+        if not isinstance(t, (DTensor, torch.nn.Parameter))
+        and tuple(t.shape) in shapes
+        and t.untyped_storage().nbytes() >= t.numel() * t.element_size() > 0
+    }
+    return len(found)
+
+
+def test_a_streamed_checkpoint_holds_at_most_one_tensor_whole(monkeypatch):
+    """trainer/streamed_weights.py over a model sharded on a fake group of 2 ranks in this process (collectives do
+    nothing, shapes are real): when each tensor is gathered whole, the one before it is gone, so a rank holds at
+    most one whole tensor beyond its shards; the file's chunks are the header and one per tensor."""
+    from rlvr.trainer import streamed_weights
+    from rlvr.trainer.memory_plan import fake_group
+    from rlvr.trainer.tiny_model import TinyModelConfig
+
+    policy = init_policy(PolicyConfig(tiny=TinyModelConfig(num_layers=4)), seed=0)
+    whole_shapes = {tuple(p.shape) for p in policy.model.parameters()}
+    real, most = streamed_weights.whole_tensors, []
+
+    def watched(model: torch.nn.Module):
+        for item in real(model):
+            most.append(_whole_copies(shapes))
+            yield item
+            del item
+
+    monkeypatch.setattr(streamed_weights, "whole_tensors", watched)
+    with fake_group(2):
+        shard(policy.model, "fsdp", torch.device("cpu"))
+        shapes = whole_shapes - {tuple(p.to_local().shape) for p in policy.model.parameters()}  # a shard's is not
+        assert len(shapes) >= 3 and _whole_copies(shapes) == 0  # the shards only
+        chunks = [len(chunk) for chunk in streamed_weights.safetensors_chunks(policy.model)]
+    assert len(chunks) == 1 + len(streamed_weights.file_tensors(policy.model)) and len(most) == len(chunks) - 1
+    assert max(most) == 1

@@ -107,6 +107,9 @@ def test_plan_says_whether_a_device_fits_and_exits_1_when_not(tmp_path):
     fits = run_cli(["plan", "--set", "train.data_parallel=2", "--device", "cpu", "--device-gb", "1000"])
     assert fits.exit_code == 0, fits.output
     assert "peak on rank 0:" in fits.output and "fits 1000 GB: every stage on every rank" in fits.output
+    shown = " ".join(fits.output.replace("│", " ").split())  # the table's cells wrap over lines
+    for term in ("SFT optimizer", "gradient reduction", "gathered units", "activations"):  # every term is shown
+        assert f"{term} " in shown, term
     tight = run_cli(["plan", "--set", "train.data_parallel=2", "--device", "cpu", "--device-gb", "0.1"])
     assert tight.exit_code == 1
     assert "does not fit 0.1 GB: initialize on rank 0 needs" in tight.output

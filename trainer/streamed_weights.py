@@ -66,5 +66,8 @@ def safetensors_chunks(model: torch.nn.Module) -> Iterator[bytes]:
     if rank == 0:
         yield header_bytes(file_tensors(model), {"format": "pt"})
     for _, whole in whole_tensors(model):
+        data = whole.view(torch.uint8).numpy().tobytes() if rank == 0 and whole.numel() else b""
+        del whole  # gone before the next tensor is gathered, as its bytes are once written (Store.place_file)
         if rank == 0:
-            yield whole.view(torch.uint8).numpy().tobytes() if whole.numel() else b""
+            yield data
+        del data

@@ -25,9 +25,11 @@ TERMS = (
     "weights",
     "gradients",
     "optimizer",
+    "SFT optimizer",
     "KL reference",
     "whole weights",
     "gathered units",
+    "gradient reduction",
     "gathered tensor",
     "gathered weights",
     "activations",
@@ -86,7 +88,7 @@ def _print(result: MemoryPlan) -> None:
     )
     table = Table("stage", "rank", "GB", "of which (GB)", "note")
     for stage in result.stages:
-        parts = ", ".join(f"{term} {stage.terms[term] / GB:.2f}" for term in TERMS if term in stage.terms)
+        parts = ", ".join(f"{term} {stage.terms[term] / GB:.2f}" for term in _in_order(stage.terms))
         table.add_row(stage.stage, stage.rank, f"{stage.total / GB:.2f}", parts, stage.note)
     out.print(table)
     for rank in result.rank_names():
@@ -94,6 +96,11 @@ def _print(result: MemoryPlan) -> None:
         out.print(f"peak on rank {rank}: {peak.total / GB:.2f} GB ({peak.stage})")
     for note in result.notes:
         out.print(f"note: {note}", markup=False)
+
+
+def _in_order(terms: dict[str, int]) -> list[str]:
+    """A stage's terms in TERMS's order, any other after it: every term the total adds is shown."""
+    return [term for term in TERMS if term in terms] + [term for term in terms if term not in TERMS]
 
 
 def _fits(result: MemoryPlan, device_gb: float) -> bool:
