@@ -275,15 +275,26 @@ def test_the_rank_group_trains_as_one_process_does(sharding, tmp_path):
     assert launch.current_group() is None
 
 
+def _count_whole_layers(policy: Policy, counts: list[int]) -> None:
+    """At each forward of a decoder layer of `policy` (sharded, in this process: rank 0), how many of its layers are
+    whole (gathered, not DTensors), appended to `counts`."""
+    from torch.distributed.tensor import DTensor
+
+    from rlvr.trainer.sharding import decoder_layers
+
+    layers = decoder_layers(policy.model)
+    for layer in layers:
+        layer.register_forward_pre_hook(
+            lambda *_: counts.append(sum(not isinstance(next(m.parameters()), DTensor) for m in layers))
+        )
+
+
 @pytest.mark.slow
 def test_fsdp_ranks_decode_in_lockstep_one_unit_whole_at_a_time():
     """Sampling, greedy decoding and multi-turn episodes of a policy sharded with fsdp over two ranks
     (trainer/lockstep_decoding.py): the tokens one process draws, while no rank gathers the whole weights. The
     ranks' shares differ in length and in turns, so ranks whose share ends first run idle rounds."""
-    from torch.distributed.tensor import DTensor
-
     from rlvr.trainer.ranks import launch
-    from rlvr.trainer.sharding import decoder_layers
     from rlvr.trainer.tiny_model import TinyModelConfig
 
     four_layers = PolicyConfig(tiny=TinyModelConfig(num_layers=4))
@@ -291,12 +302,7 @@ def test_fsdp_ranks_decode_in_lockstep_one_unit_whole_at_a_time():
     gathered_layers: list[int] = []  # on rank 0, at each decoder layer's forward: how many layers are whole
     try:
         policy, _ = group.adopt(init_policy(four_layers, seed=4), None, 1e-3, 0.0)
-        layers = decoder_layers(policy.model)
-        for layer in layers:
-            whole_now = lambda *_: gathered_layers.append(  # noqa: E731
-                sum(not isinstance(next(m.parameters()), DTensor) for m in layers)
-            )
-            layer.register_forward_pre_hook(whole_now)
+        _count_whole_layers(policy, gathered_layers)
         _assert_ranks_sample_what_one_process_samples(policy, init_policy(four_layers, seed=4))
     finally:
         launch.close_group()
@@ -308,11 +314,8 @@ def test_rlpr_scores_on_the_ranks_are_the_bits_one_process_gives():
     """RLPR's reference probabilities of a sharded policy (label.reward=rlpr with train.data_parallel=2): each rank
     scores whole micro-batches of the one-process split, so every term, the end token's included, equals one
     process's exactly; each forward gathers the decoder layers one at a time (at most two of four whole at once)."""
-    from torch.distributed.tensor import DTensor
-
     from rlvr.trainer.ranks import launch
     from rlvr.trainer.rlpr import reference_probabilities
-    from rlvr.trainer.sharding import decoder_layers
     from rlvr.trainer.tiny_model import TinyModelConfig
     from rlvr.verifiers.rlpr import ReferenceText
 
@@ -328,12 +331,7 @@ def test_rlpr_scores_on_the_ranks_are_the_bits_one_process_gives():
     gathered_layers: list[int] = []  # on rank 0, at each decoder layer's forward: how many layers are whole
     try:
         policy, _ = group.adopt(init_policy(four_layers, seed=4), None, 1e-3, 0.0)
-        layers = decoder_layers(policy.model)
-        for layer in layers:
-            whole_now = lambda *_: gathered_layers.append(  # noqa: E731
-                sum(not isinstance(next(m.parameters()), DTensor) for m in layers)
-            )
-            layer.register_forward_pre_hook(whole_now)
+        _count_whole_layers(policy, gathered_layers)
         got = reference_probabilities(policy, texts, temperature=0.9, micro_batch_tokens=40, end_cap=0.5)
     finally:
         launch.close_group()
