@@ -93,7 +93,7 @@ def share_policy(store: str, cfg: RunConfigBase, policy_ref: str) -> None:
     from rlvr.trainer.checkpoints import Ranks, take_trainer_state
     from rlvr.trainer.devices import resolve_device
 
-    ranks = Ranks(cfg.train.data_parallel, cfg.train.sharding)
+    ranks = Ranks(cfg.train.data_parallel, cfg.train.sharding, cfg.train.decode_weights)
     grpo, device = cfg.train.grpo, resolve_device(cfg.policy.device)
     state = take_trainer_state(open_store(store), policy_ref, grpo.lr, grpo.weight_decay, device=device, ranks=ranks)
     RESIDENTS.keep(policy_ref, state)

@@ -35,7 +35,7 @@ from rlvr.trainer.checkpoints import (
 from rlvr.trainer.devices import reset_peak_memory, stage_device, usage
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch
 from rlvr.trainer.policy import optimizer_state_bytes, policy_files
-from rlvr.trainer.sharding import Sharding
+from rlvr.trainer.sharding import DecodeWeights, Sharding
 from rlvr.trainer.updates import step_batch, update_policy
 
 RUN_MINIBATCHES = 2  # a run's updates per step unless its config says otherwise (GRPOConfig alone: 1)
@@ -60,6 +60,16 @@ class TrainConfig(BaseModel):
         description=(
             "with data_parallel > 1: fsdp splits parameters, gradients and optimizer state over the ranks (FSDP2, "
             "each decoder layer a unit); replicate keeps a whole copy on every rank (FSDP2 over a ranks x 1 mesh)"
+        ),
+    )
+    decode_weights: DecodeWeights = Field(
+        "units",
+        exclude_if=lambda value: value == "units",
+        description=(
+            "with data_parallel > 1 and fsdp: units decodes (evaluations, difficulty, rollouts) in lockstep, every "
+            "token step gathering one unit at a time, so no rank holds the whole model; whole gathers the whole "
+            "weights once a decoding call, then each rank decodes alone: faster (5x on gloo at 135M), when the "
+            "whole model fits on each device (rlvr plan shows both)"
         ),
     )
     state_every: int = Field(
@@ -120,7 +130,7 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
 
     def take(store: Store, policy_ref: str) -> TrainerState:
         lr, weight_decay = cfg.grpo.lr, cfg.grpo.weight_decay
-        ranks = Ranks(cfg.data_parallel, cfg.sharding)
+        ranks = Ranks(cfg.data_parallel, cfg.sharding, cfg.decode_weights)
         return take_trainer_state(store, policy_ref, lr=lr, weight_decay=weight_decay, device=device, ranks=ranks)
 
     state: TrainerState = inputs.load("policy", take)

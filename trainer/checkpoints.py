@@ -50,7 +50,7 @@ from rlvr.trainer.policy import (
 from rlvr.trainer.ranks.launch import rank_group
 from rlvr.trainer.ranks.operations import ready, skeleton
 from rlvr.trainer.ranks.state import fetch_state_files
-from rlvr.trainer.sharding import Sharding, load_sharded, scratch_dir, stored_name
+from rlvr.trainer.sharding import DecodeWeights, Sharding, load_sharded, scratch_dir, stored_name
 from rlvr.trainer.streamed_weights import SAFETENSORS_DTYPES, safetensors_chunks
 from rlvr.trainer.updates import step_batch, update_policy
 
@@ -335,6 +335,7 @@ class Ranks:
 
     data_parallel: int = 1
     sharding: Sharding = "fsdp"
+    decode: DecodeWeights = "units"  # how fsdp ranks decode (train.decode_weights)
 
 
 ONE_PROCESS = Ranks()
@@ -382,7 +383,7 @@ def sharded_state(
     if ranks.data_parallel == 1:
         return plain_from_state(store, policy_ref, device=device, lr=lr, weight_decay=weight_decay)
     artifact, static, dtype = _sharded_state_of(store, policy_ref)
-    group = rank_group(ranks.data_parallel, ranks.sharding, device, threads=torch.get_num_threads())
+    group = rank_group(ranks.data_parallel, ranks.sharding, device, torch.get_num_threads(), ranks.decode)
     policy, optimizer = group.load_state(static, dtype, str(store.root), artifact, lr, weight_decay)
     return TrainerState(policy, optimizer)
 
@@ -407,7 +408,7 @@ def adopted_by_slices(
     if problem is not None:
         raise DamagedArtifact(damage_message(manifest, path, problem), policy_ref, path)
     static = _files(store, policy_ref, lambda name: not is_weights_file(name))
-    group = rank_group(ranks.data_parallel, ranks.sharding, device, threads=torch.get_num_threads())
+    group = rank_group(ranks.data_parallel, ranks.sharding, device, torch.get_num_threads(), ranks.decode)
     dtype = stored_file_dtype(store, path)
     policy, optimizer = group.load_state(static, dtype, str(store.root), policy_ref, lr, weight_decay, whole_file=True)
     return TrainerState(policy, optimizer)
@@ -432,7 +433,7 @@ def distributed(
     process's rank group (the whole policy and optimizer state go to the ranks, which shard them)."""
     if ranks.data_parallel == 1 or state.policy.ranks is not None:
         return state
-    group = rank_group(ranks.data_parallel, ranks.sharding, device, threads=torch.get_num_threads())
+    group = rank_group(ranks.data_parallel, ranks.sharding, device, torch.get_num_threads(), ranks.decode)
     policy, optimizer = group.adopt(state.policy, state.optimizer, lr, weight_decay)
     return TrainerState(policy, optimizer)
 

@@ -62,6 +62,7 @@ class Workload:
     warmstart_steps: int
     fused_head: bool
     rollout_graph: bool = False  # rollout.cache=graph: rollouts decode from whole weights even under fsdp
+    decode_weights: str = "units"  # train.decode_weights
 
 
 @dataclass
@@ -276,6 +277,7 @@ def workload_of(cfg: Any, prompt_tokens: int, fused_head: bool = False) -> Workl
         warmstart_steps=cfg.warmstart.steps,
         fused_head=fused_head,
         rollout_graph=getattr(cfg.rollout, "cache", None) == "graph",
+        decode_weights=cfg.train.decode_weights,
     )
 
 
@@ -471,7 +473,7 @@ def _on_ranks(
     # largest, the root's, counted twice while the backward reduces it (torch's `foreach_reduce`)
     reducing = {"gradient reduction": c.reduce}
     whole = {"gathered weights": c.whole_compute}
-    decoding = gathered if sharding == "fsdp" else whole
+    decoding = gathered if sharding == "fsdp" and work.decode_weights == "units" else whole
     rollout_decoding = whole if work.rollout_graph else decoding
     kv = _decoding(work, shape, compute, ranks)
     stages = _before_adoption(c)

@@ -42,6 +42,9 @@ from rlvr.trainer.state_tensors import first_names, local
 
 Sharding = Literal["fsdp", "replicate"]
 SHARDINGS: tuple[Sharding, ...] = ("fsdp", "replicate")
+# how fsdp ranks decode: a unit gathered at a time in lockstep (trainer/lockstep_decoding.py), or from the whole
+# weights gathered once a call (`whole_weights`): faster, when the whole model fits on each device
+DecodeWeights = Literal["units", "whole"]
 DCP_PREFIX = "dcp"  # a state file's name in the store: "dcp" + DCP's own name (".metadata", "__0_0.distcp")
 
 

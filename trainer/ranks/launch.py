@@ -70,7 +70,7 @@ from rlvr.trainer.ranks.state import adopt_share, load_share, save_share, write_
 from rlvr.trainer.ranks.transport import broadcast_bytes, gather_bytes, pack_files
 from rlvr.trainer.rlpr import ReferenceProbability
 from rlvr.trainer.sft import SftSequence
-from rlvr.trainer.sharding import Sharding, full_state, held_bytes, plain_optimizer_state
+from rlvr.trainer.sharding import DecodeWeights, Sharding, full_state, held_bytes, plain_optimizer_state
 from rlvr.verifiers.rlpr import ReferenceText
 
 TIMEOUT = timedelta(minutes=30)  # a collective waits this long for a rank (rank 0 verifying a large step)
@@ -116,9 +116,16 @@ class RankLost(Stopped):
 class RankGroup:
     """Rank 0's side: the process group, the ranks it started (none under torchrun), and its own RankState."""
 
-    def __init__(self, world_size: int, sharding: Sharding, device: torch.device, threads: int = 1) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        sharding: Sharding,
+        device: torch.device,
+        threads: int = 1,
+        decode: DecodeWeights = "units",
+    ) -> None:
         self.world_size, self.device = world_size, device
-        self.state = RankState(device, sharding, threads)
+        self.state = RankState(device, sharding, threads, decode)
         self.workers: list[subprocess.Popen[bytes]] = []
         self.lost: str | None = None
         self.broken = False  # an operation failed part way: the ranks are out of step
@@ -297,13 +304,13 @@ class RankGroup:
         precision, logprob_temperature)."""
         keys = list(range(len(prompts))) if keys is None else keys
         request = json.dumps({"prompts": prompts, "counts": counts, "settings": settings, "keys": keys}).encode()
-        with self.op("sample", {}, request):
+        with self.op("sample", {"decode": self.state.decode}, request):
             return sample_share(self.state, prompts, counts, settings, keys)
 
     def episodes(self, request: dict[str, Any]) -> list[Trajectory]:
         """`episodes.play_episodes` over the ranks (`request`: env, tasks, counts, budgets, settings, keys), each
         rank playing its share of the tasks; on rank 0 every trajectory in the one-process order."""
-        with self.op("episodes", {}, json.dumps(request).encode()):
+        with self.op("episodes", {"decode": self.state.decode}, json.dumps(request).encode()):
             return episodes_share(self.state, request)
 
     def reference_probabilities(
@@ -319,7 +326,7 @@ class RankGroup:
     def greedy(self, prompts: list[str], settings: dict[str, Any]) -> list[str]:
         """`generation.greedy` over the ranks (`settings`: max_new_tokens, cache), each rank its share."""
         request = json.dumps({"prompts": prompts, "settings": settings}).encode()
-        with self.op("greedy", {}, request):
+        with self.op("greedy", {"decode": self.state.decode}, request):
             return greedy_share(self.state, prompts, settings)
 
     def whole_files(self) -> dict[str, bytes]:
@@ -444,16 +451,19 @@ def torchrun_rank() -> int | None:
     )
 
 
-def rank_group(world_size: int, sharding: Sharding, device: torch.device, threads: int = 1) -> RankGroup:
+def rank_group(
+    world_size: int, sharding: Sharding, device: torch.device, threads: int = 1, decode: DecodeWeights = "units"
+) -> RankGroup:
     """This process's group of `world_size` ranks on `device`, started on first use (and started anew when its
-    shape changes)."""
+    shape changes); `decode` is how its fsdp ranks decode from then on (sent with each decoding request)."""
     global _group
     if _group is not None and (
         _group.world_size != world_size or _group.device != device or _group.state.sharding != sharding
     ):
         close_group()
     if _group is None:
-        _group = RankGroup(world_size, sharding, device, threads)
+        _group = RankGroup(world_size, sharding, device, threads, decode)
+    _group.state.decode = decode
     return _group
 
 

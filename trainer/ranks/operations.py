@@ -28,7 +28,7 @@ from rlvr.trainer.lora import SETTINGS_FILE, LoraSettings, add_lora
 from rlvr.trainer.policy import MODEL_BUILD_LOCK, Policy, load_tokenizer, make_optimizer, set_threads
 from rlvr.trainer.ranks.transport import gather_bytes
 from rlvr.trainer.rlpr import ReferenceProbability, reference_probabilities_share
-from rlvr.trainer.sharding import Sharding, load_whole, resharded, shard, whole_weights
+from rlvr.trainer.sharding import DecodeWeights, Sharding, load_whole, resharded, shard, whole_weights
 from rlvr.verifiers.rlpr import ReferenceText
 
 
@@ -39,6 +39,7 @@ class RankState:
     device: torch.device
     sharding: Sharding
     threads: int
+    decode: DecodeWeights = "units"  # train.decode_weights, sent with each decoding request
     policy: Policy | None = None
     optimizer: torch.optim.Optimizer | None = None
     reference: Policy | None = None
@@ -154,12 +155,12 @@ def shares(counts: Sequence[int], world_size: int) -> list[list[int]]:
 def decoding(state: RankState, cache: Cache) -> Iterator[None]:
     """Every rank decodes its share inside. Under fsdp in lockstep rounds, each forward gathering one unit at a
     time (trainer/lockstep_decoding.py), so that no rank holds the whole weights; the rank drains the others'
-    rounds once its own share is done. Replicated weights are whole already; `rollout.cache=graph` replays its
-    captured token step, which cannot gather, so it decodes from the whole weights (`whole_weights`: every unit
-    gathered once, then no collective)."""
+    rounds once its own share is done. From the whole weights (`whole_weights`: every unit gathered once, then no
+    collective) when they are whole already (replicate), when `train.decode_weights=whole` asks (faster), and for
+    `rollout.cache=graph`, which replays its captured token step and cannot gather."""
     assert state.policy is not None
     policy = state.policy
-    if state.sharding != "fsdp" or cache == "graph":
+    if state.sharding != "fsdp" or state.decode == "whole" or cache == "graph":
         with whole_weights(policy.model):
             yield
         return

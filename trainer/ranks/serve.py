@@ -37,6 +37,7 @@ def serve(state: RankState) -> None:
 
 def serve_one(state: RankState, header: dict[str, Any]) -> None:
     device, op = state.device, header["op"]
+    state.decode = header.get("decode", state.decode)  # a decoding request says how
     if op in ("adopt", "reference"):
         static = unpack_files(broadcast_bytes(None, device))
         dtype = getattr(torch, header["dtype"])
