@@ -101,6 +101,12 @@ def test_a_sharded_run_holds_the_whole_model_on_rank_0_only_for_the_initial_chec
     evaluate = next(s for s in plan.stages if s.stage == "evaluate (later)" and s.rank == "1")
     shape = shape_of(tiny_config(cfg.policy.tiny))
     assert evaluate.terms["KV cache"] == kv_cache_bytes(shape, 5, 128 + cfg.evaluate.max_new_tokens, torch.float32)
+    assert not any("gathered weights" in s.terms for s in plan.stages)  # decoding gathers a unit at a time
+    faster = make_plan(
+        cfg.model_copy(update={"train": cfg.train.model_copy(update={"decode_weights": "whole"})}), 2, "cpu"
+    )
+    decoding_whole = {s.stage for s in faster.stages if s.terms.get("gathered weights") == whole}
+    assert decoding_whole == {"evaluate (first)", "difficulty", "rollout", "evaluate (later)"}
 
 
 def test_plan_says_whether_a_device_fits_and_exits_1_when_not(tmp_path):
