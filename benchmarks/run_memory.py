@@ -129,7 +129,6 @@ def measure(config: str, ranks: int, sharding: str, extra: list[str]) -> dict[st
         "largest_mb": round(max(peak for peak, _ in peaks.values()) / MB),
         "largest_at_s": largest_at,
         "largest_during": max(((at, line) for at, line in said if at <= largest_at), default=(0.0, ""))[1],
-        "run_at_s": max((grew_at[pid] for pid, (_, name) in peaks.items() if name == "run"), default=None),
         "run_mb": round(max(by_role.get("run", [0])) / MB),
         "other_ranks_mb": [round(p / MB) for p in sorted(by_role.get("rank", []), reverse=True)],
         "by_role_mb": {name: round(max(values) / MB) for name, values in sorted(by_role.items())},

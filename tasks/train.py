@@ -68,8 +68,8 @@ class TrainConfig(BaseModel):
         description=(
             "with data_parallel > 1 and fsdp: units decodes (evaluations, difficulty, rollouts) in lockstep, every "
             "token step gathering one unit at a time, so no rank holds the whole model; whole gathers the whole "
-            "weights once a decoding call, then each rank decodes alone: faster (5x on gloo at 135M), when the "
-            "whole model fits on each device (rlvr plan shows both)"
+            "weights once a decoding call, then each rank decodes alone, as replicate does (its rollouts were 5x "
+            "faster on gloo at 135M), when the whole model fits on each device (rlvr plan shows both)"
         ),
     )
     state_every: int = Field(

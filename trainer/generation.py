@@ -216,8 +216,9 @@ def _transformers_generate(
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     agreed = Round(prefills=False, new_tokens=max_new_tokens)
     if policy.lockstep is not None:
-        agreed = policy.lockstep.open_round(_prefills(policy, ids, mask, cache), max_new_tokens)
-        if agreed.prefills and not _prefills(policy, ids, mask, cache):
+        prefills = _prefills(policy, ids, mask, cache)
+        agreed = policy.lockstep.open_round(prefills, max_new_tokens)
+        if agreed.prefills and not prefills:  # another rank's prefill forward, matched
             policy.lockstep.idle_forward()
     if cache == "static":  # sized for the round: a rank's forwards run on while any rank decodes
         caching: dict[str, Any] = {CACHE_ARGUMENT: static_cache(policy.model, ids.shape[1] + agreed.new_tokens)}

@@ -37,12 +37,10 @@ class Lockstep:
     device: torch.device
     idle_forward: Callable[[], None]
     idle_generate: Callable[[], None]
-    rounds: int = 0  # rounds this rank took part in, its own and idle ones
 
     def _agree(self, decodes: bool, prefills: bool, new_tokens: int) -> tuple[bool, Round]:
         flags = torch.tensor([int(decodes), int(prefills), new_tokens], dtype=torch.long, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        self.rounds += int(flags[0].item())
         return bool(flags[0].item()), Round(prefills=bool(flags[1].item()), new_tokens=int(flags[2].item()))
 
     def open_round(self, prefills: bool, new_tokens: int) -> Round:

@@ -107,14 +107,11 @@ def sft_steps(
     if policy.ranks is not None and not policy.ranks.in_op:
         settings = {"steps": steps, "batch_size": batch_size, "seed": seed}
         return list(policy.ranks.sft_steps(optimizer, list(sequences), settings))
-    model, pad_id = policy.model, policy.tokenizer.pad_token_id
-    device = model_device(model)
     losses = []
-    for batch in sft_batches(sequences, steps=steps, batch_size=batch_size, seed=seed, pad_id=pad_id):
-        logp, token_mask = completion_logprobs(
-            model, batch.prompt_ids.to(device), batch.completion_ids.to(device), pad_id, batch.mask.to(device)
-        )
-        loss = -(logp * token_mask).sum() / token_mask.sum()
+    for batch in sft_batches(
+        sequences, steps=steps, batch_size=batch_size, seed=seed, pad_id=policy.tokenizer.pad_token_id
+    ):
+        loss = summed_nll(policy, batch) / float(batch.mask.sum())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -131,6 +128,19 @@ class SftBatch:
     prompt_ids: torch.Tensor
     completion_ids: torch.Tensor
     mask: torch.Tensor
+
+
+def summed_nll(policy: Policy, batch: SftBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The negative log-likelihood of the masked completion tokens of `batch` (of its `rows` only, when given),
+    summed: a step divides it by the whole batch's token count, on one process or summed over the ranks."""
+    picked = slice(None) if rows is None else rows
+    device = model_device(policy.model)
+    prompt_ids, completion_ids = batch.prompt_ids[picked].to(device), batch.completion_ids[picked].to(device)
+    mask = batch.mask[picked].to(device)
+    logp, token_mask = completion_logprobs(
+        policy.model, prompt_ids, completion_ids, policy.tokenizer.pad_token_id, mask
+    )
+    return -(logp * token_mask).sum()
 
 
 def sft_batches(

@@ -116,16 +116,9 @@ class RankLost(Stopped):
 class RankGroup:
     """Rank 0's side: the process group, the ranks it started (none under torchrun), and its own RankState."""
 
-    def __init__(
-        self,
-        world_size: int,
-        sharding: Sharding,
-        device: torch.device,
-        threads: int = 1,
-        decode: DecodeWeights = "units",
-    ) -> None:
+    def __init__(self, world_size: int, sharding: Sharding, device: torch.device, threads: int = 1) -> None:
         self.world_size, self.device = world_size, device
-        self.state = RankState(device, sharding, threads, decode)
+        self.state = RankState(device, sharding, threads)
         self.workers: list[subprocess.Popen[bytes]] = []
         self.lost: str | None = None
         self.broken = False  # an operation failed part way: the ranks are out of step
@@ -462,7 +455,7 @@ def rank_group(
     ):
         close_group()
     if _group is None:
-        _group = RankGroup(world_size, sharding, device, threads, decode)
+        _group = RankGroup(world_size, sharding, device, threads)
     _group.state.decode = decode
     return _group
 

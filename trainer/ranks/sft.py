@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 
 from rlvr.trainer.distributed import idle_pass
-from rlvr.trainer.grpo import completion_logprobs
 from rlvr.trainer.policy import Policy, make_optimizer
 from rlvr.trainer.ranks.operations import RankState
-from rlvr.trainer.sft import SftBatch, SftSequence, sft_batches
+from rlvr.trainer.sft import SftBatch, SftSequence, sft_batches, summed_nll
 from rlvr.trainer.sharding import resharded
 
 
@@ -42,16 +41,13 @@ def sft_share(state: RankState, request: dict[str, Any], optimizer: torch.optim.
 
 def sft_step_share(policy: Policy, optimizer: torch.optim.Optimizer, batch: SftBatch, device: torch.device) -> float:
     """One update from this rank's share of `batch`; the loss of the whole batch (the ranks' sums added)."""
-    model, pad_id = policy.model, policy.tokenizer.pad_token_id
     rows = torch.tensor_split(torch.arange(batch.mask.shape[0]), dist.get_world_size())[dist.get_rank()]
     tokens = float(batch.mask.sum())  # the whole batch's: what one process divides by
     optimizer.zero_grad(set_to_none=True)
     if rows.numel():
-        prompt_ids, completion_ids = batch.prompt_ids[rows].to(device), batch.completion_ids[rows].to(device)
-        logp, token_mask = completion_logprobs(model, prompt_ids, completion_ids, pad_id, batch.mask[rows].to(device))
-        summed = -(logp * token_mask).sum()
+        summed = summed_nll(policy, batch, rows)
     else:
-        summed = idle_pass(model, pad_id, device)
+        summed = idle_pass(policy.model, policy.tokenizer.pad_token_id, device)
     (summed / tokens).backward()
     optimizer.step()
     total = summed.detach().reshape(1).clone()
