@@ -55,9 +55,11 @@ def synthesized_problems(store: str, cfg: RunConfigBase, config_id: str) -> str:
 
 def initial_policy(store: str, cfg: RunConfigBase, config_id: str) -> str:
     """The run's starting policy as its step-0 checkpoint (`initialize`): built, loaded, or taken from
-    `policy.checkpoint` (a checkpoint of an earlier run, or None)."""
+    `policy.checkpoint` (a checkpoint of an earlier run, or None). With data-parallel ranks a model directory's
+    weights are copied a tensor at a time, and the ranks read their slices."""
     inputs = {"config": config_id, "checkpoint": cfg.policy.checkpoint}
-    return run(INITIALIZE, cfg.policy, run_context(store, cfg, 0), inputs=inputs, params={"seed": cfg.seed}).id
+    params = {"seed": cfg.seed, "ranks": cfg.train.data_parallel}  # the ranks read it by slices: never whole here
+    return run(INITIALIZE, cfg.policy, run_context(store, cfg, 0), inputs=inputs, params=params).id
 
 
 def estimate_difficulty(store: str, cfg: RunConfigBase, problems: str, policy: str) -> str:

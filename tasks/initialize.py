@@ -18,14 +18,18 @@ from rlvr.trainer.checkpoints import (
     streamed_files,
 )
 from rlvr.trainer.devices import WEIGHTS_DTYPES, stage_device, usage
+from rlvr.trainer.directory_weights import weights_chunks
 from rlvr.trainer.lora import SETTINGS_FILE, add_lora
 from rlvr.trainer.policy import (
+    WEIGHTS_FILE,
     Policy,
     PolicyConfig,
     init_policy,
+    meta_policy,
     place,
     policy_files,
     policy_from_files,
+    static_files,
     stored_dtype,
 )
 
@@ -34,6 +38,10 @@ def build(inputs: Inputs, cfg: PolicyConfig, ctx: StageContext) -> Built:
     """The policy lands on `policy.device` in `policy.dtype` and stays there as the run's live policy."""
     device = stage_device(cfg.device)  # a GPU this machine lacks is a one-line error before any work
     placed: list[dict[str, Any]] = []
+    if ctx.params.get("ranks", 1) > 1 and cfg.checkpoint is None and inputs.store is not None:
+        sliced = _read_by_the_ranks(inputs.store, cfg, ctx)
+        if sliced is not None:
+            return sliced
     if cfg.checkpoint is not None:
         policy, files = _from_checkpoint(inputs, cfg, cfg.checkpoint, ctx)
     else:
@@ -43,6 +51,21 @@ def build(inputs: Inputs, cfg: PolicyConfig, ctx: StageContext) -> Built:
     place(policy, device)
     ctx.usage.update(usage(policy.model))
     return checkpoint_built(ctx, files, parameter_count(policy), cfg.checkpoint, live=policy, placed=placed)
+
+
+def _read_by_the_ranks(store: Store, cfg: PolicyConfig, ctx: StageContext) -> Built | None:
+    """With data-parallel ranks, which read their slices of the checkpoint themselves: the checkpoint written from
+    the model directory a tensor at a time (trainer/directory_weights.py), the model never whole in this process
+    and none kept live. None when the starting weights must be built (the tiny model, GGUF, LoRA) or loaded."""
+    found = meta_policy(cfg)
+    if found is None:
+        return None
+    policy, directory = found
+    chunks = weights_chunks(policy.model, directory, WEIGHTS_DTYPES[cfg.dtype])
+    if chunks is None:
+        return None
+    entry = store.place_file("checkpoints", ctx.output_ids["checkpoints"], WEIGHTS_FILE, chunks)
+    return checkpoint_built(ctx, static_files(policy), parameter_count(policy), None, placed=[entry])
 
 
 def _from_checkpoint(

@@ -28,8 +28,8 @@ from rlvr.trainer.checkpoints import (
     Ranks,
     TrainerState,
     is_weights_file,
+    kl_reference,
     parameter_count,
-    reference_policy,
     take_trainer_state,
 )
 from rlvr.trainer.devices import reset_peak_memory, stage_device, usage
@@ -122,11 +122,8 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
     data_parallel > 1 that of this process, rank 0)."""
     batch = step_batch(inputs, cfg.grpo)
     device = stage_device(ctx.params.get("device"))
-    reference = None
-    if cfg.grpo.kl_beta > 0:
-        if not inputs.ids.get("reference"):
-            raise ValueError("train.grpo.kl_beta > 0 needs a reference policy (the run's starting checkpoint)")
-        reference = inputs.load("reference", partial(reference_policy, device=device))
+    if cfg.grpo.kl_beta > 0 and not inputs.ids.get("reference"):
+        raise ValueError("train.grpo.kl_beta > 0 needs a reference policy (the run's starting checkpoint)")
 
     def take(store: Store, policy_ref: str) -> TrainerState:
         lr, weight_decay = cfg.grpo.lr, cfg.grpo.weight_decay
@@ -135,6 +132,9 @@ def build(inputs: Inputs, cfg: TrainConfig, ctx: StageContext) -> dict[str, Buil
 
     state: TrainerState = inputs.load("policy", take)
     assert state.optimizer is not None
+    reference = None  # on data-parallel ranks the group reads it by slices and holds it
+    if cfg.grpo.kl_beta > 0:
+        reference = inputs.load("reference", partial(kl_reference, device=device, group=state.policy.ranks))
     reset_peak_memory(device)  # the step's peak: the update's, with the model, optimizer and reference in place
     started = time.perf_counter()
     stats = update_policy(state.policy, state.optimizer, batch, cfg.grpo, reference)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr.trainer.policy import Policy, PolicyConfig, init_policy, make_optimizer, policy_from_files
+from rlvr.trainer.policy import Policy, PolicyConfig, init_policy, make_optimizer, policy_files, policy_from_files
 from rlvr.trainer.sft import SftSequence, sft_steps
 from rlvr.trainer.sharding import SHARDINGS
 from rlvr.trainer.tiny_model import TinyModelConfig
@@ -92,24 +92,45 @@ OVERRIDES = [
     "difficulty.k=2",
     "evaluate.every=2",
     "synthesize.source.per_category=6",
+    "train.grpo.kl_beta=0.1",  # against the warm start's checkpoint, which the ranks read by slices
 ]
 
 
-def _run(store: Path, ranks: int) -> None:
+def _run(store: Path, model: Path, ranks: int) -> None:
     from rlvr.flows.config import load_config
     from rlvr.flows.runs import execute
 
-    execute(str(store), load_config(None, ["run_id=warm", *OVERRIDES, f"train.data_parallel={ranks}"]), new=True)
+    overrides = ["run_id=warm", *OVERRIDES, f"policy.model={model}", f"train.data_parallel={ranks}"]
+    execute(str(store), load_config(None, overrides), new=True)
+
+
+def _model_directory(directory: Path) -> Path:
+    """The four-layer tiny model saved as a Hugging Face directory: a pretrained model to start from."""
+    for name, data in policy_files(init_policy(FOUR_LAYERS, seed=0)).items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(data)
+    return directory
+
+
+class _NoWholeModel:
+    """What the run's process finds in place of transformers' model class: a whole model built there fails."""
+
+    @staticmethod
+    def from_pretrained(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run's process loaded the whole model")
 
 
 def test_a_two_rank_run_warm_starts_on_the_ranks_with_one_process_ids_and_losses(tmp_path, prefect_api, monkeypatch):
-    """A whole run (in this process, rank 0) with a warm start and `train.data_parallel=2`: the ranks adopt the
-    initial policy before the first evaluation, which they run, then train the warm start (one `sft` operation),
-    stream its checkpoint from the shards, and keep it with a fresh optimizer for the RL phase: the group reads no
-    policy from the store again and never gathers the whole weights. The run commits the one-process run's artifact
-    ids, and its warmstart losses are one process's within 1e-5."""
+    """A whole run (in this process, rank 0) from a model directory, with a warm start and `train.data_parallel=2`:
+    `initialize` writes the checkpoint from the directory a tensor at a time, the ranks adopt it by slices before the
+    first evaluation, which they run, then train the warm start (one `sft` operation), stream its checkpoint from
+    the shards, and keep it with a fresh optimizer for the RL phase: the run's process never loads the whole model,
+    the group reads no policy from the store again and never gathers the whole weights; the KL reference (the warm
+    start's checkpoint) is read by the ranks as slices too. The run commits the one-process run's artifact ids and
+    checkpoint bytes, and its warmstart and update losses are one process's within 1e-5."""
     from rlvr.storage.store import Store
     from rlvr.storage.views import query
+    from rlvr.trainer import policy as policy_module
     from rlvr.trainer.ranks.launch import RankGroup
 
     operations: list[str] = []
@@ -119,17 +140,30 @@ def test_a_two_rank_run_warm_starts_on_the_ranks_with_one_process_ids_and_losses
         operations.append(name)
         return announce(self, name, header, *blobs)
 
-    _run(tmp_path / "one", 1)
+    model = _model_directory(tmp_path / "model")
+    _run(tmp_path / "one", model, 1)
     monkeypatch.setattr(RankGroup, "op", recorded)
-    _run(tmp_path / "two", 2)
+    monkeypatch.setattr(policy_module, "AutoModelForCausalLM", _NoWholeModel)
+    _run(tmp_path / "two", model, 2)
     stores = {name: Store.open(str(tmp_path / name)) for name in ("one", "two")}
     ids = {name: sorted(m.artifact_id for m in store.manifests()) for name, store in stores.items()}
     assert ids["two"] == ids["one"]
+    initial = {
+        name: [m for m in store.manifests(kind="checkpoints") if m.stage == "initialize"]
+        for name, store in stores.items()
+    }
+    assert [m.binary_files for m in initial["two"]] == [m.binary_files for m in initial["one"]]  # names and sha256
     sft = operations.index("sft")
     assert operations[0] == "load_state" and operations.count("load_state") == 1  # the initial policy, by slices
     assert operations[1:sft] and set(operations[1:sft]) <= {"greedy", "episodes"}  # the first evaluation's decoding
     assert operations.count("sft") == 1 and operations[sft + 1] == "write_weights"
     assert "step" in operations and "whole" not in operations
+    assert operations.count("read_reference") == 1 and "reference" not in operations  # never adopted whole
+    trained = {
+        name: [r["loss"] for r in query(store, "SELECT loss FROM train_steps ORDER BY step").to_pylist()]
+        for name, store in stores.items()
+    }
+    assert len(trained["one"]) == 2 and trained["two"] == pytest.approx(trained["one"], abs=1e-5)
     losses = {
         name: [r["loss"] for r in query(store, "SELECT loss FROM warmstart ORDER BY step").to_pylist()]
         for name, store in stores.items()

@@ -47,7 +47,7 @@ from rlvr.trainer.policy import (
     policy_from_files,
     static_files,
 )
-from rlvr.trainer.ranks.launch import rank_group
+from rlvr.trainer.ranks.launch import RankGroup, rank_group
 from rlvr.trainer.ranks.operations import ready, skeleton
 from rlvr.trainer.ranks.state import fetch_state_files
 from rlvr.trainer.sharding import DecodeWeights, Sharding, load_sharded, scratch_dir, stored_name
@@ -402,16 +402,33 @@ def adopted_by_slices(
 ) -> TrainerState:
     """Checkpoint `policy_ref` adopted by the run's rank group without its whole weights in any process: rank 0
     checks the file against its manifest (hashed in chunks), then every rank reads the slices its shards need."""
+    static, dtype = _checked_weights_file(store, policy_ref)
+    group = rank_group(ranks.data_parallel, ranks.sharding, device, torch.get_num_threads(), ranks.decode)
+    policy, optimizer = group.load_state(static, dtype, str(store.root), policy_ref, lr, weight_decay, whole_file=True)
+    return TrainerState(policy, optimizer)
+
+
+def _checked_weights_file(store: Store, policy_ref: str) -> tuple[dict[str, bytes], torch.dtype]:
+    """The static files and weights dtype of checkpoint `policy_ref`, whose one weights file is checked against its
+    manifest (hashed in chunks, never whole in memory)."""
     manifest, path = store.manifest(policy_ref), store.file_path(policy_ref, WEIGHTS_FILE)
     entry = next(e for e in manifest.binary_files if e["path"] == f"files/{WEIGHTS_FILE}")
     problem = file_problem(store.fs, path, entry)
     if problem is not None:
         raise DamagedArtifact(damage_message(manifest, path, problem), policy_ref, path)
-    static = _files(store, policy_ref, lambda name: not is_weights_file(name))
-    group = rank_group(ranks.data_parallel, ranks.sharding, device, torch.get_num_threads(), ranks.decode)
-    dtype = stored_file_dtype(store, path)
-    policy, optimizer = group.load_state(static, dtype, str(store.root), policy_ref, lr, weight_decay, whole_file=True)
-    return TrainerState(policy, optimizer)
+    return _files(store, policy_ref, lambda name: not is_weights_file(name)), stored_file_dtype(store, path)
+
+
+def kl_reference(store: Store, policy_ref: str, *, device: torch.device, group: RankGroup | None) -> Policy | None:
+    """The frozen KL reference of an update: whole in this process (`reference_policy`), or, for a policy held by a
+    data-parallel rank `group`, read by its ranks as slices of the checkpoint's weights file (None here: the group
+    holds it)."""
+    if group is None or not one_weights_file(store, policy_ref):
+        return reference_policy(store, policy_ref, device=device)
+    if group.reference_id != policy_ref:
+        static, dtype = _checked_weights_file(store, policy_ref)
+        group.read_reference(static, dtype, str(store.root), policy_ref)
+    return None
 
 
 def stored_file_dtype(store: Store, path: str) -> torch.dtype:
@@ -491,11 +508,13 @@ def replay_update(store: Store, state: TrainerState, train_steps_id: str, device
     manifest = store.manifest(train_steps_id)
     grpo = GRPOConfig.model_validate(_grpo_settings(store, train_steps_id))
     inputs = Inputs(store, manifest.extra["stage_run"]["inputs"])
-    reference = reference_policy(store, inputs.require_id("reference"), device=device) if grpo.kl_beta > 0 else None
     assert state.optimizer is not None
     ranks = _recorded_ranks(store, train_steps_id)
     if ranks.data_parallel > 1 and state.policy.ranks is None:  # replayed on the ranks that made it: same sums
         adopted = distributed(state, ranks, device, grpo.lr, grpo.weight_decay)
         state.policy, state.optimizer = adopted.policy, adopted.optimizer
     assert state.optimizer is not None
+    reference = None
+    if grpo.kl_beta > 0:
+        reference = kl_reference(store, inputs.require_id("reference"), device=device, group=state.policy.ranks)
     update_policy(state.policy, state.optimizer, step_batch(inputs, grpo), grpo, reference)

@@ -227,6 +227,31 @@ def _in_hub_cache(repo_id: str) -> bool:
     return isinstance(found, str)
 
 
+def meta_policy(cfg: PolicyConfig) -> tuple[Policy, Path] | None:
+    """The policy `init_policy` would load from a model directory (or the hub cache), built on the meta device:
+    its config, tokenizer and generation settings, no weights; and the directory. None for the tiny model and
+    LoRA, whose starting weights are made, not read."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from rlvr.trainer.directory_weights import meta_model
+
+    source = check_policy_source(cfg)
+    if source == "tiny" or cfg.lora is not None:
+        return None
+    path = Path(source).expanduser()
+    if source.endswith(".gguf"):  # dequantised once into a cached directory (whole, the first time only)
+        directory, named = dequantised_directory(path), cfg.model
+    elif path.is_dir():
+        directory, named = path, str(path.resolve())
+    else:
+        directory, named = Path(str(try_to_load_from_cache(source, "config.json"))).parent, source
+    dtype = WEIGHTS_DTYPES[cfg.dtype]
+    with MODEL_BUILD_LOCK:
+        model = meta_model(directory, dtype)
+        tokenizer = load_tokenizer(str(directory))
+        return _prepare(model, tokenizer, named, dtype), directory
+
+
 def _base_policy(cfg: PolicyConfig, seed: int) -> Policy:
     set_threads(cfg.threads)
     source = check_policy_source(cfg)

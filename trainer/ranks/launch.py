@@ -66,7 +66,7 @@ from rlvr.trainer.ranks.operations import (
 )
 from rlvr.trainer.ranks.serve import serve
 from rlvr.trainer.ranks.sft import sft_share
-from rlvr.trainer.ranks.state import adopt_share, load_share, save_share, write_weights_share
+from rlvr.trainer.ranks.state import adopt_share, load_share, reference_share, save_share, write_weights_share
 from rlvr.trainer.ranks.transport import broadcast_bytes, gather_bytes, pack_files
 from rlvr.trainer.rlpr import ReferenceProbability
 from rlvr.trainer.sft import SftSequence
@@ -123,6 +123,7 @@ class RankGroup:
         self.lost: str | None = None
         self.broken = False  # an operation failed part way: the ranks are out of step
         self.closing = False  # the ranks are being stopped: their exits are expected
+        self.reference_id: str | None = None  # the checkpoint the group's KL reference was read from
         self._losing = threading.Lock()
         self._in_op = threading.local()
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -263,10 +264,22 @@ class RankGroup:
         self._guard(sharded)
         return sharded
 
+    def read_reference(self, static: dict[str, bytes], dtype: torch.dtype, store_root: str, artifact_id: str) -> None:
+        """The KL reference read by every rank as slices of checkpoint `artifact_id`'s weights file (no process
+        holds it whole), frozen, and kept by the group for the updates that follow."""
+        if self.reference_id == artifact_id:
+            return
+        header = self._reading(dtype, store_root, artifact_id, None, 0.0)
+        with self.op("read_reference", header, pack_files(static)):
+            self.state.reference = reference_share(self.state, static, header)
+        self.reference_id = artifact_id
+        self._guard(self.state.reference)
+
     def update(self, batch: RolloutBatch, cfg: GRPOConfig, reference: Policy | None) -> dict[str, float]:
-        """One GRPO step of the group's policy (rank 0 passes the whole reference; the group keeps it sharded)."""
+        """One GRPO step of the group's policy, against the reference the group holds (`read_reference`) or rank
+        0's whole `reference`, which the group then keeps sharded."""
         policy, optimizer = self._held()
-        use_reference = reference is not None and cfg.kl_beta > 0
+        use_reference = cfg.kl_beta > 0 and (reference is not None or self.state.reference is not None)
         if use_reference and self.state.reference is None:
             assert reference is not None
             self.adopt_reference(reference)

@@ -20,7 +20,7 @@ from rlvr.trainer.ranks.operations import (
     sample_share,
 )
 from rlvr.trainer.ranks.sft import sft_share
-from rlvr.trainer.ranks.state import adopt_share, load_share, save_share, write_weights_share
+from rlvr.trainer.ranks.state import adopt_share, load_share, reference_share, save_share, write_weights_share
 from rlvr.trainer.ranks.transport import broadcast_bytes, gather_bytes, unpack_files
 from rlvr.trainer.sharding import full_state, held_bytes
 
@@ -78,6 +78,8 @@ def serve_one(state: RankState, header: dict[str, Any]) -> None:
         read = adopt_share if header.get("whole_file") else load_share
         state.policy, state.optimizer = read(state, static, header)
         state.static = static
+    elif op == "read_reference":
+        state.reference = reference_share(state, unpack_files(broadcast_bytes(None, device)), header)
     elif op == "whole":
         assert state.policy is not None
         full_state(state.policy.model)

@@ -48,14 +48,20 @@ def write_weights_share(state: RankState, header: dict[str, Any]) -> dict[str, A
     return store.place_file(header["kind"], header["artifact_id"], WEIGHTS_FILE, chunks)
 
 
-def empty_sharded(
-    state: RankState, static: dict[str, bytes], header: dict[str, Any]
-) -> tuple[Policy, torch.optim.Optimizer]:
+def empty_model(state: RankState, static: dict[str, bytes], header: dict[str, Any]) -> Policy:
     """The policy built from its static files in `header`'s dtype, sharded, materialised without values
-    (`to_empty`), and an optimizer over its shards: what a rank then reads its slices into."""
+    (`to_empty`): what a rank then reads its slices into."""
     policy = skeleton(static, getattr(torch, header["dtype"]), state.threads)
     shard(policy.model, state.sharding, state.device)
     policy.model.to_empty(device=state.device)
+    return policy
+
+
+def empty_sharded(
+    state: RankState, static: dict[str, bytes], header: dict[str, Any]
+) -> tuple[Policy, torch.optim.Optimizer]:
+    """`empty_model`, and an optimizer over its shards."""
+    policy = empty_model(state, static, header)
     return policy, make_optimizer(policy, header["lr"], header["weight_decay"])
 
 
@@ -65,6 +71,17 @@ def adopt_share(
     """Every rank: the model built empty and sharded, its shards read as slices of the stored weights file that
     `header` names (a Hugging Face checkpoint's `model.safetensors`), and a fresh optimizer over them."""
     policy, optimizer = empty_sharded(state, static, header)
+    return _read_slices(policy, header), optimizer
+
+
+def reference_share(state: RankState, static: dict[str, bytes], header: dict[str, Any]) -> Policy:
+    """Every rank: the KL reference, frozen, its shards read as slices of the stored weights file `header` names."""
+    policy = empty_model(state, static, header)
+    policy.model.requires_grad_(False)
+    return _read_slices(policy, header)
+
+
+def _read_slices(policy: Policy, header: dict[str, Any]) -> Policy:
     store = open_store(header["root"])
     with scratch_dir() as directory:
         source = store.local_file_path(header["artifact_id"], WEIGHTS_FILE)
@@ -74,7 +91,7 @@ def adopt_share(
             store.fs.get_file(store.file_path(header["artifact_id"], WEIGHTS_FILE), str(directory / WEIGHTS_FILE))
         load_hf_weights(policy.model, directory)
     policy.model.tie_weights()
-    return ready(policy), optimizer
+    return ready(policy)
 
 
 def load_share(
