@@ -109,6 +109,26 @@ def test_a_sharded_run_holds_the_whole_model_on_rank_0_only_for_the_initial_chec
     assert decoding_whole == {"evaluate (first)", "difficulty", "rollout", "evaluate (later)"}
 
 
+def test_a_model_directory_is_never_whole_on_the_ranks(tmp_path):
+    """From a model directory the first checkpoint is copied a tensor at a time (trainer/directory_weights.py):
+    with the warm start and the KL reference read by slices too, no stage on any rank holds the whole model."""
+    from rlvr.trainer.policy import PolicyConfig, init_policy, policy_files
+
+    four_layers = TinyModelConfig(num_layers=4)
+    for name, data in policy_files(init_policy(PolicyConfig(tiny=four_layers), seed=0)).items():
+        (tmp_path / name).write_bytes(data)
+    overrides = ["train.data_parallel=2", f"policy.model={tmp_path}", "train.grpo.kl_beta=0.1"]
+    plan = make_plan(load_config(None, [*overrides, "synthesize.source.type=arithmetic"]), 2, "cpu")
+    model = meta_model(tiny_config(four_layers), torch.float32)
+    whole, largest = (f(p.numel() * 4 for p in model.parameters()) for f in (sum, max))
+    initialize = next(s for s in plan.stages if s.stage == "initialize")
+    assert initialize.rank == "0" and "weights" not in initialize.terms
+    assert initialize.terms["file chunk"] == largest
+    for stage in plan.stages:
+        assert stage.terms.get("weights", 0) < 0.55 * whole and "gathered weights" not in stage.terms, stage
+        assert stage.terms.get("KL reference", 0) in (0, stage.terms.get("weights")), stage  # its shards only
+
+
 def test_plan_says_whether_a_device_fits_and_exits_1_when_not(tmp_path):
     fits = run_cli(["plan", "--set", "train.data_parallel=2", "--device", "cpu", "--device-gb", "1000"])
     assert fits.exit_code == 0, fits.output

@@ -13,8 +13,9 @@ backend: collectives do nothing, shapes are real). What a rank holds is then cou
   logits the loss keeps and their gradient;
 - a decoding stage's key/value cache and one token step's logits, from the model's shape and the stage's rows.
 
-Which stage holds what is the code's as it stands (docs/scale-out.md): only the initial checkpoint, written before
-the ranks adopt the policy, holds the whole model (on rank 0). The process's own memory (the interpreter with
+Which stage holds what is the code's as it stands (docs/scale-out.md): with ranks, no stage holds the whole model
+but the initial checkpoint of a model that is built (the tiny one, LoRA) or taken from an earlier run's checkpoint
+(on rank 0); a model directory's is copied a tensor at a time. The process's own memory (the interpreter with
 torch and transformers) is measured in this process on the CPU; on a GPU it is an assumed allowance for the CUDA
 context and the caching allocator (`CUDA_ALLOWANCE`).
 """
@@ -42,6 +43,7 @@ CUDA_ALLOWANCE = 3 * 10**9  # bytes a GPU rank spends outside tensors: CUDA cont
 # the caching allocator's fragmentation (assumed, as in docs/scale-out.md; never measured here)
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 INITIAL = "the whole model built or loaded, its checkpoint streamed a tensor at a time"
+COPIED = "the model directory's weights copied into the checkpoint a tensor at a time"
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Workload:
     fused_head: bool
     rollout_graph: bool = False  # rollout.cache=graph: rollouts decode from whole weights even under fsdp
     decode_weights: str = "units"  # train.decode_weights
+    read_from_directory: bool = False  # the model comes from a directory, not built (tiny) nor given LoRA
 
 
 @dataclass
@@ -278,6 +281,7 @@ def workload_of(cfg: Any, prompt_tokens: int, fused_head: bool = False) -> Workl
         fused_head=fused_head,
         rollout_graph=getattr(cfg.rollout, "cache", None) == "graph",
         decode_weights=cfg.train.decode_weights,
+        read_from_directory=cfg.policy.model != "tiny" and cfg.policy.lora is None and cfg.policy.checkpoint is None,
     )
 
 
@@ -442,12 +446,15 @@ def _one_process(c: Counted, work: Workload, shape: dict[str, int], compute: tor
     return stages
 
 
-def _before_adoption(c: Counted) -> list[Stage]:
-    """Rank 0's one stage with the whole model (flows/rl_run.py): building or loading it and writing the initial
-    checkpoint. The ranks adopt the policy from that file right after, before the first evaluation and the warm
-    start."""
-    w, floor = c.whole, {"process": c.floor_run}
-    return [Stage("initialize", "0", {"weights": w, "file chunk": c.largest_tensor, **floor}, INITIAL)]
+def _before_adoption(c: Counted, work: Workload) -> list[Stage]:
+    """Rank 0's initial checkpoint (tasks/initialize.py): a model directory's weights copied a tensor at a time
+    (trainer/directory_weights.py), or, for a model that is built (the tiny one, LoRA's adapters) or taken from an
+    earlier checkpoint, the whole model. The ranks adopt the policy from that file right after, before the first
+    evaluation and the warm start."""
+    floor = {"process": c.floor_run}
+    if work.read_from_directory:
+        return [Stage("initialize", "0", {"file chunk": c.largest_tensor, **floor}, COPIED)]
+    return [Stage("initialize", "0", {"weights": c.whole, "file chunk": c.largest_tensor, **floor}, INITIAL)]
 
 
 def _on_ranks(
@@ -458,9 +465,9 @@ def _on_ranks(
     ranks: int,
     sharding: Sharding,
 ) -> list[Stage]:
-    """N > 1 as the code runs it: the initial checkpoint whole on rank 0; then every rank reads its slices of the
-    stored policy, and each stage is each rank's share (the warm start: its shards, their gradients, the SFT
-    optimizer's moments over them, the gathered units and one micro-batch's activations, as the update; the RL
+    """N > 1 as the code runs it: the initial checkpoint on rank 0 (`_before_adoption`); then every rank reads its
+    slices of the stored policy, and each stage is each rank's share (the warm start: its shards, their gradients,
+    the SFT optimizer's moments over them, the gathered units and one micro-batch's activations, as the update; the RL
     optimizer is made then but holds nothing before the first update). Under fsdp decoding gathers a unit at a
     time (trainer/lockstep_decoding.py), but rollout.cache=graph and replicate gather the whole weights once
     (`whole_weights`); a checkpoint is streamed from the shards a tensor at a time."""
@@ -476,7 +483,7 @@ def _on_ranks(
     decoding = gathered if sharding == "fsdp" and work.decode_weights == "units" else whole
     rollout_decoding = whole if work.rollout_graph else decoding
     kv = _decoding(work, shape, compute, ranks)
-    stages = _before_adoption(c)
+    stages = _before_adoption(c, work)
     others = "1" if ranks == 2 else f"1..{ranks - 1}"
     for rank in ("0", others):
         floor = {"process": c.floor_run if rank == "0" else c.floor}
