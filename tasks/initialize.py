@@ -11,7 +11,10 @@ from rlvr.errors import UserError
 from rlvr.storage.stage import Built, Inputs, Output, Stage, StageContext
 from rlvr.storage.store import Store
 from rlvr.trainer.checkpoints import (
+    checked_weights_file,
     checkpoint_built,
+    file_chunks,
+    one_weights_file,
     parameter_count,
     policy_files_of,
     require_policy,
@@ -38,8 +41,8 @@ def build(inputs: Inputs, cfg: PolicyConfig, ctx: StageContext) -> Built:
     """The policy lands on `policy.device` in `policy.dtype` and stays there as the run's live policy."""
     device = stage_device(cfg.device)  # a GPU this machine lacks is a one-line error before any work
     placed: list[dict[str, Any]] = []
-    if ctx.params.get("ranks", 1) > 1 and cfg.checkpoint is None and inputs.store is not None:
-        sliced = _read_by_the_ranks(inputs.store, cfg, ctx)
+    if ctx.params.get("ranks", 1) > 1 and inputs.store is not None:
+        sliced = _read_by_the_ranks(inputs, cfg, ctx)
         if sliced is not None:
             return sliced
     if cfg.checkpoint is not None:
@@ -53,10 +56,15 @@ def build(inputs: Inputs, cfg: PolicyConfig, ctx: StageContext) -> Built:
     return checkpoint_built(ctx, files, parameter_count(policy), cfg.checkpoint, live=policy, placed=placed)
 
 
-def _read_by_the_ranks(store: Store, cfg: PolicyConfig, ctx: StageContext) -> Built | None:
+def _read_by_the_ranks(inputs: Inputs, cfg: PolicyConfig, ctx: StageContext) -> Built | None:
     """With data-parallel ranks, which read their slices of the checkpoint themselves: the checkpoint written from
-    the model directory a tensor at a time (trainer/directory_weights.py), the model never whole in this process
-    and none kept live. None when the starting weights must be built (the tiny model, GGUF, LoRA) or loaded."""
+    the model directory a tensor at a time (trainer/directory_weights.py), or `policy.checkpoint`'s files copied in
+    chunks, the model never whole in this process and none kept live. None when the starting weights must be built
+    (the tiny model, LoRA's adapters) or loaded (a checkpoint to cast or to give adapters)."""
+    store = inputs.store
+    assert store is not None
+    if cfg.checkpoint is not None:
+        return _copied_checkpoint(inputs, cfg, cfg.checkpoint, ctx)
     found = meta_policy(cfg)
     if found is None:
         return None
@@ -68,17 +76,39 @@ def _read_by_the_ranks(store: Store, cfg: PolicyConfig, ctx: StageContext) -> Bu
     return checkpoint_built(ctx, static_files(policy), parameter_count(policy), None, placed=[entry])
 
 
+def _copied_checkpoint(inputs: Inputs, cfg: PolicyConfig, checkpoint: str, ctx: StageContext) -> Built | None:
+    """`policy.checkpoint`'s model directory as this run's step-0 checkpoint, its weights file copied in chunks
+    (checked against its manifest first); None when it must be loaded: adapters to add or keep, or another dtype."""
+    store = inputs.store
+    assert store is not None
+    _require_checkpoint_input(inputs, checkpoint)
+    require_policy(store, checkpoint, "policy.checkpoint")
+    if cfg.lora is not None or not one_weights_file(store, checkpoint):
+        return None
+    static, dtype = checked_weights_file(store, checkpoint)
+    if dtype != WEIGHTS_DTYPES[cfg.dtype]:
+        return None
+    chunks = file_chunks(store, checkpoint, WEIGHTS_FILE)
+    entry = store.place_file("checkpoints", ctx.output_ids["checkpoints"], WEIGHTS_FILE, chunks)
+    n_params = int(store.manifest(checkpoint).extra["n_params"])
+    return checkpoint_built(ctx, static, n_params, checkpoint, placed=[entry])
+
+
+def _require_checkpoint_input(inputs: Inputs, checkpoint: str) -> None:
+    if inputs.id("checkpoint") != checkpoint:
+        raise UserError(
+            "policy.checkpoint is set, but this command does not start from checkpoints; use `rlvr run`, "
+            f"or `rlvr difficulty RUN_ID --policy {checkpoint}` to estimate difficulty with it"
+        )
+
+
 def _from_checkpoint(
     inputs: Inputs, cfg: PolicyConfig, checkpoint: str, ctx: StageContext
 ) -> tuple[Policy, dict[str, bytes]]:
     """The checkpoint's policy and model directory, byte for byte, as this run's step-0 checkpoint. Its LoRA
     adapters, if it has any, come with it; a checkpoint without adapters gets fresh ones when `policy.lora`
     asks, and one stored in another dtype than `policy.dtype` is cast (both then write the directory anew)."""
-    if inputs.id("checkpoint") != checkpoint:
-        raise UserError(
-            "policy.checkpoint is set, but this command does not start from checkpoints; use `rlvr run`, "
-            f"or `rlvr difficulty RUN_ID --policy {checkpoint}` to estimate difficulty with it"
-        )
+    _require_checkpoint_input(inputs, checkpoint)
     files = inputs.load("checkpoint", _checkpoint_files)
     dtype = WEIGHTS_DTYPES[cfg.dtype]
     policy = policy_from_files(files, source=checkpoint, threads=cfg.threads, dtype=dtype)

@@ -74,3 +74,30 @@ def test_a_directory_whose_tensors_are_not_the_models_is_left_to_a_whole_load(tm
 def test_the_tiny_model_and_lora_are_built_not_read(tmp_path):
     assert meta_policy(PolicyConfig()) is None
     assert meta_policy(PolicyConfig(model=str(_directory(tmp_path / "model")), lora={})) is None
+
+
+def test_with_ranks_an_earlier_checkpoint_is_copied_not_loaded(tmp_path, monkeypatch):
+    """`policy.checkpoint` with data-parallel ranks: its files copied (the weights in chunks), the same bytes as
+    the one-process copy, no model built in this process; one to cast to another dtype is still loaded."""
+    from rlvr.storage.stage import run_stage
+    from rlvr.storage.store import Store
+    from rlvr.tasks import initialize
+    from rlvr.tasks.initialize import INITIALIZE
+
+    store = Store.open(str(tmp_path / "s"), create=True)
+    earlier = run_stage(store, INITIALIZE, PolicyConfig(), run_id="earlier", seed=3, step=0, params={"seed": 3}).id
+
+    def start(run_id: str, ranks: int, dtype: str = "float32") -> str:
+        cfg = PolicyConfig(checkpoint=earlier, dtype=dtype)
+        params = {"seed": 5, "ranks": ranks}
+        at = {"run_id": run_id, "seed": 5, "step": 0, "inputs": {"checkpoint": earlier}, "params": params}
+        return run_stage(store, INITIALIZE, cfg, **at).id
+
+    one = start("one", 1)
+    monkeypatch.setattr(initialize, "policy_from_files", lambda *a, **k: pytest.fail("loaded the whole model"))
+    two = start("two", 2)
+    files = {aid: {e["path"]: e["sha256"] for e in store.manifest(aid).binary_files} for aid in (one, two, earlier)}
+    assert files[two] == files[one] == files[earlier]
+    assert store.manifest(two).parents == [earlier] and store.manifest(two).extra["n_params"] > 0
+    with pytest.raises(pytest.fail.Exception, match="loaded the whole model"):  # a cast needs the model
+        start("cast", 2, dtype="bfloat16")

@@ -20,7 +20,7 @@ import copy
 import json
 import struct
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -402,13 +402,13 @@ def adopted_by_slices(
 ) -> TrainerState:
     """Checkpoint `policy_ref` adopted by the run's rank group without its whole weights in any process: rank 0
     checks the file against its manifest (hashed in chunks), then every rank reads the slices its shards need."""
-    static, dtype = _checked_weights_file(store, policy_ref)
+    static, dtype = checked_weights_file(store, policy_ref)
     group = rank_group(ranks.data_parallel, ranks.sharding, device, torch.get_num_threads(), ranks.decode)
     policy, optimizer = group.load_state(static, dtype, str(store.root), policy_ref, lr, weight_decay, whole_file=True)
     return TrainerState(policy, optimizer)
 
 
-def _checked_weights_file(store: Store, policy_ref: str) -> tuple[dict[str, bytes], torch.dtype]:
+def checked_weights_file(store: Store, policy_ref: str) -> tuple[dict[str, bytes], torch.dtype]:
     """The static files and weights dtype of checkpoint `policy_ref`, whose one weights file is checked against its
     manifest (hashed in chunks, never whole in memory)."""
     manifest, path = store.manifest(policy_ref), store.file_path(policy_ref, WEIGHTS_FILE)
@@ -419,6 +419,13 @@ def _checked_weights_file(store: Store, policy_ref: str) -> tuple[dict[str, byte
     return _files(store, policy_ref, lambda name: not is_weights_file(name)), stored_file_dtype(store, path)
 
 
+def file_chunks(store: Store, artifact_id: str, name: str, size: int = 64 << 20) -> Iterator[bytes]:
+    """A stored file's bytes, `size` at a time (a checkpoint copied without its weights whole in memory)."""
+    with store.fs.open(store.file_path(artifact_id, name), "rb") as handle:
+        while chunk := handle.read(size):
+            yield chunk
+
+
 def kl_reference(store: Store, policy_ref: str, *, device: torch.device, group: RankGroup | None) -> Policy | None:
     """The frozen KL reference of an update: whole in this process (`reference_policy`), or, for a policy held by a
     data-parallel rank `group`, read by its ranks as slices of the checkpoint's weights file (None here: the group
@@ -426,7 +433,7 @@ def kl_reference(store: Store, policy_ref: str, *, device: torch.device, group: 
     if group is None or not one_weights_file(store, policy_ref):
         return reference_policy(store, policy_ref, device=device)
     if group.reference_id != policy_ref:
-        static, dtype = _checked_weights_file(store, policy_ref)
+        static, dtype = checked_weights_file(store, policy_ref)
         group.read_reference(static, dtype, str(store.root), policy_ref)
     return None
 
