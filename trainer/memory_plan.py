@@ -65,7 +65,7 @@ class Workload:
     fused_head: bool
     rollout_graph: bool = False  # rollout.cache=graph: rollouts decode from whole weights even under fsdp
     decode_weights: str = "units"  # train.decode_weights
-    read_from_directory: bool = False  # the model comes from a directory, not built (tiny) nor given LoRA
+    copied_start: bool = False  # the first checkpoint is copied (a model directory, an earlier checkpoint), not built
 
 
 @dataclass
@@ -281,7 +281,7 @@ def workload_of(cfg: Any, prompt_tokens: int, fused_head: bool = False) -> Workl
         fused_head=fused_head,
         rollout_graph=getattr(cfg.rollout, "cache", None) == "graph",
         decode_weights=cfg.train.decode_weights,
-        read_from_directory=cfg.policy.model != "tiny" and cfg.policy.lora is None and cfg.policy.checkpoint is None,
+        copied_start=cfg.policy.lora is None and (cfg.policy.model != "tiny" or cfg.policy.checkpoint is not None),
     )
 
 
@@ -448,11 +448,11 @@ def _one_process(c: Counted, work: Workload, shape: dict[str, int], compute: tor
 
 def _before_adoption(c: Counted, work: Workload) -> list[Stage]:
     """Rank 0's initial checkpoint (tasks/initialize.py): a model directory's weights copied a tensor at a time
-    (trainer/directory_weights.py), or, for a model that is built (the tiny one, LoRA's adapters) or taken from an
-    earlier checkpoint, the whole model. The ranks adopt the policy from that file right after, before the first
+    (trainer/directory_weights.py) or an earlier checkpoint's in chunks, or, for a model that is built (the tiny
+    one, LoRA's adapters), the whole model. The ranks adopt the policy from that file right after, before the first
     evaluation and the warm start."""
     floor = {"process": c.floor_run}
-    if work.read_from_directory:
+    if work.copied_start:
         return [Stage("initialize", "0", {"file chunk": c.largest_tensor, **floor}, COPIED)]
     return [Stage("initialize", "0", {"weights": c.whole, "file chunk": c.largest_tensor, **floor}, INITIAL)]
 
