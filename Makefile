@@ -61,14 +61,17 @@ envs: $(ENVS_STAMP)
 # Two parts: the suite on TEST_WORKERS pytest-xdist workers (a file stays on one worker, so its fixtures start
 # once; files go out in tests/conftest.py's order, longest first), then the tests marked `serial` alone.
 # `make lint docs` runs beside the first part, its output in build/checks.log (printed when it fails): its cold mypy
-# holds one core for 45-90 s, and the suite leaves about an eighth of the two cores idle (docs/architecture.md,
+# holds one core for 45-90 s, and two workers left about an eighth of the two cores idle (docs/architecture.md,
 # "Testing"); it ends long before the serial part, which runs alone. tests/conftest.py hands out
 # test_config_typing.py (mypy again, on lint's cache) last.
 # Every part runs even when another fails; any failing fails. The first lists its 15 slowest tests (CI's log
 # then says where the suite's time goes); each part writes every test's time to build/test-reports/.
 # The serial part collects only the files that mark tests `pytest.mark.serial` (collecting all of tests/ costs
 # 16 CPU-seconds); tests/conftest.py refuses a serial test whose file does not say so in those words.
-TEST_WORKERS ?= 2
+# One worker more than the 2-core machine's cores: a worker waiting (on a subprocess's start, a kill's poll, a
+# server) leaves its core to the others. The whole parallel part in one checkout, back to back (2026-12-03):
+# 1,404 s on 2 workers, 1,317 s on 3 (docs/architecture.md, "Testing").
+TEST_WORKERS ?= 3
 SERIAL_FILES = $(shell grep -l "pytest.mark.serial" tests/test_*.py)
 
 # The suite starts hundreds of Python processes: they may write bytecode caches (ignored by git) for the project's
