@@ -4,7 +4,8 @@ gives exactly the artifact ids (and, at the same rank count, final weights) of t
 resumed at another rank count.
 
 Both runs share seed, config and run id in different stores, as in tests/test_kill_resume.py; the kill lands
-after the third RL step's update is committed, and states are stored every second step, so the resume replays
+after the third RL step's update is committed (and, in two more runs, in rank 1 while the ranks train the warm
+start or decode the difficulty estimate's shards, each resumed at 2 ranks), and states are stored every second step, so the resume replays
 step 3 from step 2's sharded state. One run is killed in each rank; each of its two resumes starts from a copy of
 its store.
 
@@ -42,6 +43,7 @@ OVERRIDES = [
     "allocate.n=4",
     "warmstart.steps=10",
     "difficulty.k=2",
+    "difficulty.shard_size=16",  # three shards on the ranks: a kill can land between two
     "evaluate.every=5",
     "checkpoint.every=5",
     "synthesize.source.per_category=6",
@@ -101,22 +103,41 @@ def uninterrupted(tmp_path_factory, prefect_api) -> Path:
     return store
 
 
-def kill_a_rank(root: Path, forks: ForkServer, victim: str) -> Path:
-    """A store whose two-rank run was SIGKILLed in `victim` (rank 0: the run's own process) after its third
-    committed update, checked to have ended as it should: within 30 s, with one line naming a killed rank 1, and
-    leaving no rank process behind."""
+def after_three_updates(store: Path) -> bool:
+    return committed(store, "train_steps") >= 3
+
+
+def in_the_warm_start(store: Path) -> bool:
+    """The first evaluation committed, the warm start's checkpoint not: the ranks are training it (sft)."""
+    return committed(store, "evals") >= 1 and committed(store, "warmstart") == 0
+
+
+def between_difficulty_shards(store: Path) -> bool:
+    """Some shards of the difficulty stage (decoded on the ranks in lockstep) written, its artifact not."""
+    return any(any(shards.iterdir()) for shards in (store / "artifacts" / "difficulty").glob("*/_shards")) and (
+        committed(store, "difficulty") == 0
+    )
+
+
+def kill_a_rank(
+    root: Path, forks: ForkServer, victim: str, moment: Callable[[Path], bool] = after_three_updates
+) -> Path:
+    """A store whose two-rank run was SIGKILLed in `victim` (rank 0: the run's own process) once `moment` held
+    (by default after its third committed update), checked to have ended as it should: within 30 s, with one line
+    naming a killed rank 1, and leaving no rank process behind."""
     mark = f"rank-faults-{root.name}"
     env = {**forks.env, "RLVR_TEST_MARK": mark}  # the server's environment, marked for rank_processes
     store = root / "s"
     proc = start(forks, store, env)
     deadline = time.monotonic() + 600
-    with FolderChanges() as changes:  # checked as each manifest is committed: a tiny step is over in a blink
-        changes.watch(store_folders(store))
-        while committed(store, "train_steps") < 3:
+    difficulty = store / "artifacts" / "difficulty"
+    with FolderChanges() as changes:  # checked as each manifest or shard is written: a tiny step is over in a blink
+        changes.watch(store_folders(store, "difficulty"))
+        while not moment(store):
             assert proc.poll() is None, proc.stderr_text()[-3000:]
-            assert time.monotonic() < deadline, "three committed updates never came"
+            assert time.monotonic() < deadline, f"{moment.__name__} never held"
             changes.wait(every=0.05)
-            changes.watch(store_folders(store))
+            changes.watch([*store_folders(store, "difficulty"), *difficulty.glob("*"), *difficulty.glob("*/_shards")])
     (worker,) = rank_processes(mark, parent=proc.pid)
     killed_at = time.monotonic()
     os.kill(worker if victim == "rank 1" else proc.pid, signal.SIGKILL)
@@ -177,4 +198,22 @@ def test_a_killed_rank_ends_the_run_and_resume_gives_the_uninterrupted_artifacts
     assert artifact_ids(store) == artifact_ids(uninterrupted)
     if resume_ranks == 2:
         assert final_weights(store) == final_weights(uninterrupted)
+    wait_for(lambda: not rank_processes(mark), 10, "no rank process left after the resumed run")
+
+
+@pytest.mark.parametrize("moment", [in_the_warm_start, between_difficulty_shards], ids=lambda m: m.__name__)
+def test_a_rank_killed_in_a_sharded_stage_resumes_to_the_uninterrupted_artifacts(
+    tmp_path, monkeypatch, rlvr_forks, uninterrupted, moment
+):
+    """Rank 1 SIGKILLed while the ranks train the warm start, or decode the difficulty estimate's shards: the run
+    ends as above, and a resume at 2 ranks (in this process) gives the uninterrupted run's ids and final weights."""
+    from rlvr.flows.runs import resume
+
+    store = kill_a_rank(tmp_path, rlvr_forks, "rank 1", moment)
+    assert committed(store, "train_steps") == 0
+    mark = f"rank-faults-{tmp_path.name}-resumed"
+    monkeypatch.setenv("RLVR_TEST_MARK", mark)
+    resume(str(store), RUN_ID, ["train.data_parallel=2"])
+    assert artifact_ids(store) == artifact_ids(uninterrupted)
+    assert final_weights(store) == final_weights(uninterrupted)
     wait_for(lambda: not rank_processes(mark), 10, "no rank process left after the resumed run")
