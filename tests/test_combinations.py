@@ -92,9 +92,8 @@ FACTORS: dict[str, tuple[Level, ...]] = {
         Level("dr_grpo", ("train.grpo.aggregation=token-sum", "train.grpo.advantage_scale=none")),
     ),
     "async": (Level("0"), Level("1", ("flow.async_level=1", "flow.sampler=thread"))),
-    # without a warm start, as a pretrained model runs: the ranks adopt the initial checkpoint by slices and the
-    # first evaluation runs on them (with one, the warm start trains whole on rank 0: tests/test_rank_faults.py)
-    "ranks": (Level("1"), Level("2", ("train.data_parallel=2", "train.sharding=fsdp", "warmstart.steps=0"))),
+    # the ranks adopt the initial checkpoint by slices; the first evaluation and the warm start run on them
+    "ranks": (Level("1"), Level("2", ("train.data_parallel=2", "train.sharding=fsdp"))),
     "engine": (
         Level("transformers"),
         Level(
