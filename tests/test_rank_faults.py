@@ -4,9 +4,9 @@ gives exactly the artifact ids (and, at the same rank count, final weights) of t
 resumed at another rank count.
 
 Both runs share seed, config and run id in different stores, as in tests/test_kill_resume.py; the kill lands
-after the third RL step's update is committed (and, in two more runs, in rank 1 while the ranks train the warm
-start or decode the difficulty estimate's shards, each resumed at 2 ranks), and states are stored every second step, so the resume replays
-step 3 from step 2's sharded state. One run is killed in each rank; each of its two resumes starts from a copy of
+after the third RL step's update is committed, and states are stored every second step, so the resume replays
+step 3 from step 2's sharded state (one more run is killed in rank 1 while the ranks train the warm start, and its
+resume while they decode the difficulty estimate's shards). One run is killed in each rank; each of its two resumes starts from a copy of
 its store.
 
 The kills are of `rlvr run` processes (forked by the worker's ForkServer, tests/fork_server.py). The uninterrupted
@@ -120,15 +120,19 @@ def between_difficulty_shards(store: Path) -> bool:
 
 
 def kill_a_rank(
-    root: Path, forks: ForkServer, victim: str, moment: Callable[[Path], bool] = after_three_updates
+    root: Path,
+    forks: ForkServer,
+    victim: str,
+    moment: Callable[[Path], bool] = after_three_updates,
+    resumed: bool = False,
 ) -> Path:
-    """A store whose two-rank run was SIGKILLed in `victim` (rank 0: the run's own process) once `moment` held
-    (by default after its third committed update), checked to have ended as it should: within 30 s, with one line
-    naming a killed rank 1, and leaving no rank process behind."""
+    """A store whose two-rank run (`resumed`: its `rlvr resume` at 2 ranks) was SIGKILLed in `victim` (rank 0: the
+    run's own process) once `moment` held (by default after its third committed update), checked to have ended as
+    it should: within 30 s, with one line naming a killed rank 1, and leaving no rank process behind."""
     mark = f"rank-faults-{root.name}"
     env = {**forks.env, "RLVR_TEST_MARK": mark}  # the server's environment, marked for rank_processes
     store = root / "s"
-    proc = start(forks, store, env)
+    proc = start(forks, store, env, 2 if resumed else None)
     deadline = time.monotonic() + 600
     difficulty = store / "artifacts" / "difficulty"
     with FolderChanges() as changes:  # checked as each manifest or shard is written: a tiny step is over in a blink
@@ -201,16 +205,18 @@ def test_a_killed_rank_ends_the_run_and_resume_gives_the_uninterrupted_artifacts
     wait_for(lambda: not rank_processes(mark), 10, "no rank process left after the resumed run")
 
 
-@pytest.mark.parametrize("moment", [in_the_warm_start, between_difficulty_shards], ids=lambda m: m.__name__)
-def test_a_rank_killed_in_a_sharded_stage_resumes_to_the_uninterrupted_artifacts(
-    tmp_path, monkeypatch, rlvr_forks, uninterrupted, moment
+def test_a_rank_killed_in_each_sharded_stage_resumes_to_the_uninterrupted_artifacts(
+    tmp_path, monkeypatch, rlvr_forks, uninterrupted
 ):
-    """Rank 1 SIGKILLed while the ranks train the warm start, or decode the difficulty estimate's shards: the run
-    ends as above, and a resume at 2 ranks (in this process) gives the uninterrupted run's ids and final weights."""
+    """Rank 1 SIGKILLed while the ranks train the warm start, then, in the `rlvr resume` that follows, while they
+    decode the difficulty estimate's shards: each time the run ends as above, and a last resume at 2 ranks (in
+    this process) gives the uninterrupted run's ids and final weights."""
     from rlvr.flows.runs import resume
 
-    store = kill_a_rank(tmp_path, rlvr_forks, "rank 1", moment)
-    assert committed(store, "train_steps") == 0
+    store = kill_a_rank(tmp_path, rlvr_forks, "rank 1", in_the_warm_start)
+    assert committed(store, "warmstart") == 0
+    kill_a_rank(tmp_path, rlvr_forks, "rank 1", between_difficulty_shards, resumed=True)
+    assert committed(store, "warmstart") == 1 and committed(store, "train_steps") == 0
     mark = f"rank-faults-{tmp_path.name}-resumed"
     monkeypatch.setenv("RLVR_TEST_MARK", mark)
     resume(str(store), RUN_ID, ["train.data_parallel=2"])
