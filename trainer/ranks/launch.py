@@ -382,7 +382,7 @@ class RankGroup:
         return self._hold(sharded, optimizer, static)
 
     def _reading(
-        self, dtype: torch.dtype, store_root: str, artifact_id: str, lr: float, weight_decay: float
+        self, dtype: torch.dtype, store_root: str, artifact_id: str, lr: float | None, weight_decay: float
     ) -> dict[str, Any]:
         """The header of an operation in which every rank builds the policy and reads its shards from the store."""
         header = {"dtype": str(dtype).removeprefix("torch."), "lr": lr, "weight_decay": weight_decay}
