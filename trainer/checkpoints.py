@@ -432,7 +432,7 @@ def kl_reference(store: Store, policy_ref: str, *, device: torch.device, group: 
     holds it)."""
     if group is None or not one_weights_file(store, policy_ref):
         return reference_policy(store, policy_ref, device=device)
-    if group.reference_id != policy_ref:
+    if group.reference_id != policy_ref:  # checked (hashed) once a run, not at every step
         static, dtype = checked_weights_file(store, policy_ref)
         group.read_reference(static, dtype, str(store.root), policy_ref)
     return None

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from rlvr.trainer.streamed_weights import header_bytes
+from rlvr.trainer.streamed_weights import header_bytes, safetensors_order
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -57,7 +57,7 @@ def stored_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         if id(tensor) not in seen:
             seen.add(id(tensor))
             found.append((name, tensor))
-    return sorted(found, key=lambda item: (-item[1].element_size(), item[0]))
+    return safetensors_order(found)
 
 
 def weights_chunks(model: torch.nn.Module, directory: Path, dtype: torch.dtype) -> Iterator[bytes] | None:

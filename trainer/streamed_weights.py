@@ -25,7 +25,11 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
 def file_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The model's state tensors (sharded ones as DTensors), each shared tensor once under its first name, in the
     order safetensors lays them out."""
-    found = list(first_names(model.state_dict()).items())
+    return safetensors_order(list(first_names(model.state_dict()).items()))
+
+
+def safetensors_order(found: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors in the order safetensors lays them out: largest element first, then by name."""
     sizes = {t.dtype: t.element_size() for _, t in found}
     if len({(sizes[dtype], dtype) for dtype in sizes}) != len({sizes[dtype] for dtype in sizes}):
         raise ValueError(f"weights of two dtypes of one size ({sorted(map(str, sizes))}): not streamed")
