@@ -31,7 +31,7 @@ from typing import Any
 from tests.cli_helpers import REPO
 
 # argv[1]: "module:function" called in the server before the imports ("" for none); argv[2]: "module:function"
-# called in each child with its spec before `rlvr` runs ("" for none).
+# called in each child with its spec before `rlvr` runs ("" for none); then the spec's own "hook", if it names one.
 SERVER = """
 import importlib, json, os, select, sys
 
@@ -88,6 +88,7 @@ if spec["env"] is not None:
     os.environ.clear()
     os.environ.update(spec["env"])
 call(sys.argv[2], spec)
+call(spec.get("hook", ""), spec)
 sys.argv = ["-c", *spec["args"]]
 main()
 """
@@ -142,7 +143,7 @@ class ForkServer:
     ) -> Forked:
         """A new process running `rlvr ARGS` in `cwd` with `env` (the server's when None). Its stdout and stderr go
         to files: new ones in the server's folder unless named, one file for both when the two are the same.
-        `extra` goes to the child hook in its spec."""
+        `extra` goes to the child hooks in its spec; `hook="module:function"` there is called in this child alone."""
         if env is not None:
             differ = sorted(k for k in {*env, *self.env} if k.startswith("PREFECT_") and env.get(k) != self.env.get(k))
             assert not differ, f"the fork server's imports read {differ} already; start this command as a process"

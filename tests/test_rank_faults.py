@@ -5,9 +5,10 @@ resumed at another rank count.
 
 Both runs share seed, config and run id in different stores, as in tests/test_kill_resume.py; the kill lands
 after the third RL step's update is committed, and states are stored every second step, so the resume replays
-step 3 from step 2's sharded state (one more run is killed in rank 1 while the ranks train the warm start, and its
-resume while they decode the difficulty estimate's shards). One run is killed in each rank; each of its two resumes starts from a copy of
-its store.
+step 3 from step 2's sharded state. One run is killed in each rank; each of its two resumes starts from a copy of
+its store. One more run is killed in rank 1 in each stage the ranks share, one kill in each resume of it: a hook in
+the forked process (`kill_rank_1_in_op`) places the kill inside the named operation, and the run's stop line names
+that operation.
 
 The kills are of `rlvr run` processes (forked by the worker's ForkServer, tests/fork_server.py). The uninterrupted
 run and three of the four resumes run in this process (`execute`, `resume`: what `rlvr run` and `rlvr resume` call;
@@ -19,11 +20,14 @@ started to pass."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -50,15 +54,18 @@ OVERRIDES = [
 ]
 
 
-def start(forks: ForkServer, store: Path, env: dict[str, str], resume_ranks: int | None = None) -> Forked:
-    """`rlvr run`, or with `resume_ranks` `rlvr resume` on that many ranks: a process forked by `forks`."""
+def start(
+    forks: ForkServer, store: Path, env: dict[str, str], resume_ranks: int | None = None, **hook: object
+) -> Forked:
+    """`rlvr run`, or with `resume_ranks` `rlvr resume` on that many ranks: a process forked by `forks` (`hook`:
+    a child hook and its arguments, tests/fork_server.py)."""
     if resume_ranks is None:
         args, sets = ["run", "--store", str(store), "--run-id", RUN_ID], OVERRIDES
     else:
         args, sets = ["resume", RUN_ID, "--store", str(store)], [f"train.data_parallel={resume_ranks}"]
     for item in sets:
         args += ["--set", item]
-    return forks.start(args, env=env)
+    return forks.start(args, env=env, **hook)
 
 
 def rank_processes(mark: str, parent: int | None = None) -> list[int]:
@@ -107,11 +114,6 @@ def after_three_updates(store: Path) -> bool:
     return committed(store, "train_steps") >= 3
 
 
-def in_the_warm_start(store: Path) -> bool:
-    """The first evaluation committed, the warm start's checkpoint not: the ranks are training it (sft)."""
-    return committed(store, "evals") >= 1 and committed(store, "warmstart") == 0
-
-
 def between_difficulty_shards(store: Path) -> bool:
     """Some shards of the difficulty stage (decoded on the ranks in lockstep) written, its artifact not."""
     return any(any(shards.iterdir()) for shards in (store / "artifacts" / "difficulty").glob("*/_shards")) and (
@@ -119,46 +121,77 @@ def between_difficulty_shards(store: Path) -> bool:
     )
 
 
+def kill_rank_1_in_op(spec: dict) -> None:
+    """A child hook (tests/fork_server.py): SIGKILL rank 1 as rank 0 begins its share of the spec's `kill_op`, the
+    `kill_nth` of that name in this process, so the kill lands inside that operation, every rank in it."""
+    from rlvr.trainer.ranks import launch
+
+    announce = launch.RankGroup.op
+    seen = itertools.count(1)
+
+    @contextmanager
+    def op(group: launch.RankGroup, name: str, header: dict | None = None, *blobs: bytes) -> Iterator[None]:
+        with announce(group, name, header, *blobs):
+            if name == spec["kill_op"] and next(seen) == spec["kill_nth"]:
+                os.kill(group.workers[0].pid, signal.SIGKILL)
+            yield
+
+    launch.RankGroup.op = op  # type: ignore[method-assign]
+
+
 def kill_a_rank(
     root: Path,
     forks: ForkServer,
     victim: str,
-    moment: Callable[[Path], bool] = after_three_updates,
+    moment: Callable[[Path], bool] | tuple[str, int] = after_three_updates,
     resumed: bool = False,
 ) -> Path:
     """A store whose two-rank run (`resumed`: its `rlvr resume` at 2 ranks) was SIGKILLed in `victim` (rank 0: the
-    run's own process) once `moment` held (by default after its third committed update), checked to have ended as
-    it should: within 30 s, with one line naming a killed rank 1, and leaving no rank process behind."""
+    run's own process) once `moment` held (by default after its third committed update), or, when `moment` is
+    (operation, n), in rank 1 inside the run's n-th operation of that name (`kill_rank_1_in_op`); checked to have
+    ended as it should: within 30 s, with one line naming a killed rank 1, and leaving no rank process behind."""
     mark = f"rank-faults-{root.name}"
     env = {**forks.env, "RLVR_TEST_MARK": mark}  # the server's environment, marked for rank_processes
     store = root / "s"
-    proc = start(forks, store, env, 2 if resumed else None)
+    if isinstance(moment, tuple):
+        assert victim == "rank 1", "the hook kills rank 1"
+        hook = {"hook": "tests.test_rank_faults:kill_rank_1_in_op", "kill_op": moment[0], "kill_nth": moment[1]}
+        proc = start(forks, store, env, 2 if resumed else None, **hook)
+        killed_at, during = time.monotonic(), f" during operation {moment[0]!r}"
+    else:
+        proc = start(forks, store, env, 2 if resumed else None)
+        watch_until(store, proc, moment)
+        (worker,) = rank_processes(mark, parent=proc.pid)
+        killed_at, during = time.monotonic(), r"( during operation '\w+')?"
+        os.kill(worker if victim == "rank 1" else proc.pid, signal.SIGKILL)
+    code = proc.wait(timeout=600 if isinstance(moment, tuple) else 30)
+    if victim == "rank 1":
+        stderr = proc.stderr_text()
+        lines = [line for line in stderr.splitlines() if "data-parallel rank 1" in line]
+        assert len(lines) == 1, stderr
+        lost = rf"run 'ranks' stopped: data-parallel rank 1 \(pid \d+\) was killed by SIGKILL{during}; "
+        assert re.search(lost, lines[0]), lines[0]
+        assert "Traceback" not in stderr
+        assert code != 0
+    else:
+        wait_for(lambda: worker not in rank_processes(mark), 30, "the worker rank to exit after rank 0 died")
+    assert isinstance(moment, tuple) or time.monotonic() - killed_at < 30
+    wait_for(lambda: not rank_processes(mark), 10, "no rank process left")
+    return store
+
+
+def watch_until(store: Path, proc: Forked, moment: Callable[[Path], bool]) -> None:
+    """Return as soon as `moment` holds of the run's store (checked as each manifest or shard is written: a tiny
+    step is over in a blink)."""
     deadline = time.monotonic() + 600
     difficulty = store / "artifacts" / "difficulty"
-    with FolderChanges() as changes:  # checked as each manifest or shard is written: a tiny step is over in a blink
+    with FolderChanges() as changes:
         changes.watch(store_folders(store, "difficulty"))
         while not moment(store):
             assert proc.poll() is None, proc.stderr_text()[-3000:]
             assert time.monotonic() < deadline, f"{moment.__name__} never held"
             changes.wait(every=0.05)
             changes.watch([*store_folders(store, "difficulty"), *difficulty.glob("*"), *difficulty.glob("*/_shards")])
-    (worker,) = rank_processes(mark, parent=proc.pid)
-    killed_at = time.monotonic()
-    os.kill(worker if victim == "rank 1" else proc.pid, signal.SIGKILL)
-    if victim == "rank 1":
-        code = proc.wait(timeout=30)
-        stderr = proc.stderr_text()
-        lines = [line for line in stderr.splitlines() if "data-parallel rank 1" in line]
-        assert len(lines) == 1, stderr
-        assert f"run 'ranks' stopped: data-parallel rank 1 (pid {worker}) was killed by SIGKILL; " in lines[0]
-        assert "Traceback" not in stderr
-        assert code != 0
-    else:
-        proc.wait(timeout=30)
-        wait_for(lambda: worker not in rank_processes(mark), 30, "the worker rank to exit after rank 0 died")
-    assert time.monotonic() - killed_at < 30
-    wait_for(lambda: not rank_processes(mark), 10, "no rank process left")
-    return store
 
 
 @pytest.fixture(scope="module")
@@ -208,15 +241,23 @@ def test_a_killed_rank_ends_the_run_and_resume_gives_the_uninterrupted_artifacts
 def test_a_rank_killed_in_each_sharded_stage_resumes_to_the_uninterrupted_artifacts(
     tmp_path, monkeypatch, rlvr_forks, uninterrupted
 ):
-    """Rank 1 SIGKILLed while the ranks train the warm start, then, in the `rlvr resume` that follows, while they
-    decode the difficulty estimate's shards: each time the run ends as above, and a last resume at 2 ranks (in
-    this process) gives the uninterrupted run's ids and final weights."""
+    """Rank 1 SIGKILLed in each stage the ranks share, one after another, each in the `rlvr resume` of the run the
+    kill before ended: the first evaluation (its episodes), the warm start (sft), between two of the difficulty
+    estimate's shards, the first sharded training state (save_state, after step 2) and the last checkpoint, written
+    from the shards (write_weights). Each time the run ends as `kill_a_rank` checks, and a last resume at 2 ranks
+    (in this process) gives the uninterrupted run's ids and final weights."""
     from rlvr.flows.runs import resume
 
-    store = kill_a_rank(tmp_path, rlvr_forks, "rank 1", in_the_warm_start)
-    assert committed(store, "warmstart") == 0
+    store = kill_a_rank(tmp_path, rlvr_forks, "rank 1", ("episodes", 1))
+    assert committed(store, "evals") == 0
+    kill_a_rank(tmp_path, rlvr_forks, "rank 1", ("sft", 1), resumed=True)
+    assert committed(store, "evals") == 1 and committed(store, "warmstart") == 0
     kill_a_rank(tmp_path, rlvr_forks, "rank 1", between_difficulty_shards, resumed=True)
     assert committed(store, "warmstart") == 1 and committed(store, "train_steps") == 0
+    kill_a_rank(tmp_path, rlvr_forks, "rank 1", ("save_state", 1), resumed=True)
+    assert committed(store, "difficulty") == 1 and committed(store, "train_steps") == 1  # step 2 commits with its state
+    kill_a_rank(tmp_path, rlvr_forks, "rank 1", ("write_weights", 1), resumed=True)
+    assert committed(store, "train_steps") == 5 and committed(store, "checkpoints") == 2  # the initial, the warm start's
     mark = f"rank-faults-{tmp_path.name}-resumed"
     monkeypatch.setenv("RLVR_TEST_MARK", mark)
     resume(str(store), RUN_ID, ["train.data_parallel=2"])

@@ -494,10 +494,14 @@ def test_sampler_debiasing_is_once_per_problem_and_policy(tmp_path, prefect_api,
 
 @pytest.mark.slow
 def test_killed_rlpr_run_resumes_to_the_uninterrupted_one(tmp_path, rlvr_forks):
+    """A two-rank RLPR run killed three times: its rank 0 once the debiasing terms of two steps are committed, rank 1
+    inside the ranks' scoring pass (the `rlpr` operation, placed by tests/test_rank_faults.py's hook), rank 0 again
+    once three steps' filtered groups are: resumed, it equals the uninterrupted run (ids, weights, rewards)."""
     from tests.cli_helpers import committed
     from tests.test_kill_resume import final_weights, kill_when
 
     overrides = [
+        "train.data_parallel=2",
         "train.steps=4",
         "select.batch_size=4",
         "allocate.n=4",
@@ -513,12 +517,12 @@ def test_killed_rlpr_run_resumes_to_the_uninterrupted_one(tmp_path, rlvr_forks):
         "filter.std.warmup_steps=1",
     ]
 
-    def start(command: str, store: Path) -> Forked:
+    def start(command: str, store: Path, **hook: object) -> Forked:
         if command == "run":
             args = ["run", "--store", str(store), "--run-id", "k", *[a for o in overrides for a in ("--set", o)]]
         else:
             args = ["resume", "k", "--store", str(store)]
-        return rlvr_forks.start(args)  # a process of its own, forked by the worker's ForkServer
+        return rlvr_forks.start(args, **hook)  # a process of its own, forked by the worker's ForkServer
 
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     # the uninterrupted run in this process (`execute`, what `rlvr run` calls): a third interpreter's imports spared
@@ -527,9 +531,15 @@ def test_killed_rlpr_run_resumes_to_the_uninterrupted_one(tmp_path, rlvr_forks):
 
     execute(str(reference), load_config(None, ["run_id=k", *overrides]))
     proc = start("run", killed)
-    for moment in (lambda: committed(killed, "rlpr_debias") >= 2, lambda: committed(killed, "filtered_groups") >= 3):
-        assert kill_when(proc, moment, killed), proc.stderr_text()[-1000:]
-        proc = start("resume", killed)
+    assert kill_when(proc, lambda: committed(killed, "rlpr_debias") >= 2, killed), proc.stderr_text()[-1000:]
+    hook = {"hook": "tests.test_rank_faults:kill_rank_1_in_op", "kill_op": "rlpr", "kill_nth": 1}
+    proc = start("resume", killed, **hook)
+    assert proc.wait(timeout=600) != 0
+    assert "data-parallel rank 1 (pid" in proc.stderr_text()
+    assert "was killed by SIGKILL during operation 'rlpr'" in proc.stderr_text()
+    proc = start("resume", killed)
+    assert kill_when(proc, lambda: committed(killed, "filtered_groups") >= 3, killed), proc.stderr_text()[-1000:]
+    proc = start("resume", killed)
     assert proc.wait(timeout=600) == 0, proc.stderr_text()
 
     ids = lambda root: sorted(m.artifact_id for m in Store.open(str(root)).manifests())  # noqa: E731

@@ -124,6 +124,7 @@ class RankGroup:
         self.broken = False  # an operation failed part way: the ranks are out of step
         self.closing = False  # the ranks are being stopped: their exits are expected
         self.reference_id: str | None = None  # the checkpoint the group's KL reference was read from
+        self.current: str | None = None  # the operation the ranks are in (named when one of them dies)
         self._losing = threading.Lock()
         self._in_op = threading.local()
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -158,7 +159,7 @@ class RankGroup:
             broadcast_bytes(json.dumps({"op": name, **(header or {})}).encode(), self.device)
             for blob in blobs:
                 broadcast_bytes(blob, self.device)
-            self._in_op.active = True
+            self._in_op.active, self.current = True, name
             yield
         except Stopped:
             self.broken = True  # the ranks may be anywhere in the operation: no further collective can match
@@ -171,7 +172,7 @@ class RankGroup:
             self._lose(died, signal_run=False)
             raise RankLost(died) from None
         finally:
-            self._in_op.active = False
+            self._in_op.active, self.current = False, None
         self._check()
 
     @property
@@ -201,7 +202,8 @@ class RankGroup:
                 code = worker.poll()
                 if code is not None and not self.closing:
                     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-                    return f"stopped: data-parallel rank {rank} (pid {worker.pid}) {how}"
+                    during = f" during operation {self.current!r}" if self.current else ""
+                    return f"stopped: data-parallel rank {rank} (pid {worker.pid}) {how}{during}"
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
