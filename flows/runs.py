@@ -358,14 +358,18 @@ def resumable_run(store: Store, run_id: str) -> dict[str, Any]:
 
 def accuracy_summary(store: Store, run_id: str) -> dict[str, Any]:
     """Held-out accuracy at init, after the warm start and after the last RL step; the final checkpoint."""
-    sql = f"SELECT phase, step, accuracy FROM evals WHERE run_id = {sql_string(run_id)} ORDER BY step"
+    sql = f"SELECT * FROM evals WHERE run_id = {sql_string(run_id)} ORDER BY step"  # * : a store before mean@k
     rows = query(store, sql).to_pylist()
     by_phase = last_by_phase(rows)
+    sampled = [row for row in rows if row.get("mean_at_k") is not None]
     return {
         "accuracy_init": by_phase.get("init"),
         "accuracy_warmstart": by_phase.get("warmstart"),
         "accuracy_final": by_phase.get("rl"),
-        "evals": rows,
+        "sampled_final": {k: sampled[-1][k] for k in ("samples", "mean_at_k", "mean_at_k_low", "mean_at_k_high")}
+        if sampled
+        else None,
+        "evals": [{k: row[k] for k in ("phase", "step", "accuracy")} for row in rows],
         "final_checkpoint": final_checkpoint(store, run_id),
     }
 

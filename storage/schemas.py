@@ -294,6 +294,12 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("accuracy", _f),
             ("correct", _i),
             ("n", _i),
+            # evaluate.samples = k > 0: k sampled answers a problem, mean@k and its Wilson 95% interval (else null)
+            ("samples", _i),
+            ("sampled_correct", _i),
+            ("mean_at_k", _f),
+            ("mean_at_k_low", _f),
+            ("mean_at_k_high", _f),
         ]
     ),
     "checkpoints": pa.schema(

@@ -33,13 +33,16 @@ class EvaluateConfig(BaseModel):
     every: int = Field(50, ge=1, description="RL steps between evaluations (the last step always gets one)")
     split: str = "test"
     max_new_tokens: int = Field(3, ge=1)
+    samples: int = Field(
+        0, ge=0, description="k answers sampled a problem beside the greedy one, scored as mean@k (0: greedy only)"
+    )
+    temperature: float = Field(1.0, gt=0, description="the sampled answers' temperature (top_p 1)")
 
 
 def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
     """params: `phase` (init, warmstart, rl), `verifier` (the label section: how answers are scored),
     `device` (the run's policy.device) and, when the run samples through another engine than transformers,
     `rollout` (that engine's config: the answers come from it, as the rollouts do)."""
-    verifier: VerifierConfig = ctx.params["verifier"]
     problems = [p for p in inputs.rows("problems") if p["split"] == cfg.split]
     if not problems:
         raise ValueError(f"evaluation split {cfg.split!r} has no problems")
@@ -49,28 +52,66 @@ def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
     environment = EnvConfig() if env is None else EnvConfig.model_validate(env)
     answers, given = greedy_episodes(policy, environment, problems, cfg, engine)
     ctx.usage.update(usage(policy.model))
-    missing = [i for i, verdict in enumerate(given) if verdict is None]  # scored by the problem's verifier
-    pairs = [(answers[i], problems[i]["reference"]) for i in missing]
-    names, questions = [problems[i]["verifier"] for i in missing], [problems[i]["prompt"] for i in missing]
-    scores, _, _ = score_cached(ctx.store, verifier, pairs, names, questions=questions)
-    scorer = [str(ctx.params.get("environment"))] * len(problems)  # what gave each verdict
-    for i, score in zip(missing, scores):
-        given[i], scorer[i] = score, verifier.verifier_of(problems[i]["verifier"])
-    verdicts = [{"status": v.status, "reason": v.reason or "", "verifier": who} for v, who in zip(given, scorer) if v]
     max_error_rate = float(ctx.params.get("max_error_rate", DEFAULT_MAX_ERROR_RATE))
-    check_error_share(verdicts, f"answers of the {ctx.params['phase']} evaluation", max_error_rate)
-    correct = sum(solved(who, v.status) is True for v, who in zip(given, scorer) if v)
+    phase = ctx.params["phase"]
+    correct = count_solved(ctx, problems, answers, given, f"answers of the {phase} evaluation", max_error_rate)
     row = {
         "run_id": ctx.run_id,
         "step": ctx.step,
-        "phase": ctx.params["phase"],
+        "phase": phase,
         "split": cfg.split,
         "policy_id": inputs.id("policy"),
         "accuracy": correct / len(problems),
         "correct": correct,
         "n": len(problems),
     }
+    if cfg.samples:
+        seed = ctx.derive_seed("evaluate", ctx.step, phase)
+        answers, given = sampled_episodes(policy, environment, problems, cfg, seed, engine)
+        each = [p for p in problems for _ in range(cfg.samples)]
+        what = f"sampled answers of the {phase} evaluation"
+        row |= mean_at_k(count_solved(ctx, each, answers, given, what, max_error_rate), len(problems), cfg.samples)
     return Built(rows_to_table("evals", [row]))
+
+
+def count_solved(
+    ctx: StageContext,
+    problems: list[dict[str, Any]],
+    answers: list[str],
+    given: list[Score | None],
+    what: str,
+    max_error_rate: float,
+) -> int:
+    """How many of `answers` (one a problem of `problems`, in order) are solved: by the environment's verdict where
+    `given` has one, else by the problem's verifier (through the run's cache); past `max_error_rate` failed
+    verdicts the run stops, naming `what`."""
+    verifier: VerifierConfig = ctx.params["verifier"]
+    missing = [i for i, verdict in enumerate(given) if verdict is None]  # scored by the problem's verifier
+    pairs = [(answers[i], problems[i]["reference"]) for i in missing]
+    names, questions = [problems[i]["verifier"] for i in missing], [problems[i]["prompt"] for i in missing]
+    scores, _, _ = score_cached(ctx.store, verifier, pairs, names, questions=questions)
+    verdicts, scorer = list(given), [str(ctx.params.get("environment"))] * len(problems)  # what gave each verdict
+    for i, score in zip(missing, scores):
+        verdicts[i], scorer[i] = score, verifier.verifier_of(problems[i]["verifier"])
+    rows = [{"status": v.status, "reason": v.reason or "", "verifier": who} for v, who in zip(verdicts, scorer) if v]
+    check_error_share(rows, what, max_error_rate)
+    return sum(solved(who, v.status) is True for v, who in zip(verdicts, scorer) if v)
+
+
+def mean_at_k(solved_answers: int, problems: int, k: int) -> dict[str, Any]:
+    """mean@k of `k` sampled answers to each of `problems` problems, `solved_answers` of them right, with its Wilson
+    95% interval (every answer a Bernoulli trial: the interval of the pooled proportion)."""
+    from scipy.stats import binomtest  # only when sampled answers are asked for: scipy is slow to import
+
+    trials = problems * k
+    interval = binomtest(solved_answers, trials).proportion_ci(confidence_level=0.95, method="wilson")
+    return {
+        "samples": k,
+        "sampled_correct": solved_answers,
+        "mean_at_k": solved_answers / trials,
+        "mean_at_k_low": float(interval.low),
+        "mean_at_k_high": float(interval.high),
+    }
 
 
 def run_engine(policy: Policy, policy_ref: str, ctx: StageContext) -> RolloutEngine | None:
@@ -107,6 +148,27 @@ def greedy_episodes(
     return [t.response for t in trajectories], [t.verdict for t in trajectories]
 
 
+def sampled_episodes(
+    policy: Policy,
+    env: EnvConfig,
+    problems: list[dict[str, Any]],
+    cfg: EvaluateConfig,
+    seed: int,
+    engine: RolloutEngine | None = None,
+) -> tuple[list[str], list[Score | None]]:
+    """`cfg.samples` episodes a problem at `cfg.temperature`, problem by problem (all of the first problem's, then
+    the next's): each one's last answer and the environment's verdict where it gave one. Keyed by the problems'
+    places and `seed`, as rollouts are (rollout.seeding=row), so data-parallel ranks draw what one process draws."""
+    budgets = episode_budgets(env, cfg.max_new_tokens)
+    settings = {"temperature": cfg.temperature, "top_p": 1.0, "seed": seed}
+    counts, keys = [cfg.samples] * len(problems), list(range(len(problems)))
+    trajectories = play_episodes(
+        policy, env, problems, counts, budgets=budgets, settings=settings, row_keys=keys, engine=engine
+    )
+    trajectories = sorted(trajectories, key=lambda t: (t.prompt_index, t.sample_index))
+    return [t.response for t in trajectories], [t.verdict for t in trajectories]
+
+
 def identity(cfg: EvaluateConfig, params: Mapping[str, Any]) -> dict[str, Any]:
     """How often evaluations run does not change one, and only the verifiers matter, not their pool; the
     engine counts when it is not transformers (its greedy decoding may differ in the last bits)."""
@@ -116,6 +178,7 @@ def identity(cfg: EvaluateConfig, params: Mapping[str, Any]) -> dict[str, Any]:
         "max_new_tokens": cfg.max_new_tokens,
         **verifier_identity(params["verifier"]),
         "phase": params["phase"],
+        **({"samples": cfg.samples, "temperature": cfg.temperature} if cfg.samples else {}),
         **engine,
         **({"env": params["env"], "environment": params["environment"]} if params.get("env") is not None else {}),
     }

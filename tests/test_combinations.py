@@ -106,9 +106,10 @@ NAMES = tuple(FACTORS)
 
 # Every row's size: 2 RL steps of 4 prompts x 4 samples over 12 three-term sums (whose worked solutions have two
 # steps, so GHPO has something to hint), a short warm start, one difficulty sample a problem, evaluations at the
-# start, after the warm start and at step 2.
+# start, after the warm start and at step 2, each with two sampled answers a problem beside the greedy one (mean@2).
 SMALL = [
     "train.steps=2",
+    "evaluate.samples=2",
     "select.batch_size=4",
     "allocate.n=4",
     "warmstart.steps=10",
@@ -391,3 +392,6 @@ def test_a_row_runs_and_its_store_keeps_every_invariant(row, servers, tmp_path, 
     assert (one("SELECT count(*) AS x FROM selections WHERE hint_ratio > 0") > 0) == (values["hints"] == "on")
     assert (one("SELECT count(*) AS x FROM rollouts WHERE staleness > 0") > 0) == (values["async"] == "1")
     assert (one("SELECT count(*) AS x FROM filtered_groups") > 0) == (values["filter"] == "on")
+    sampled = "SELECT samples, sampled_correct AS c, n, mean_at_k_low <= mean_at_k AND mean_at_k <= mean_at_k_high AS w"
+    for e in query(store, f"{sampled} FROM evals").to_pylist():  # every evaluation's mean@2, in every combination
+        assert e["samples"] == 2 and 0 <= e["c"] <= 2 * e["n"] and e["w"], e

@@ -257,3 +257,47 @@ def test_over_data_parallel_ranks_a_grouped_call_is_keyed_by_the_problems_places
     with pytest.raises(ValueError, match=r"^a grouped draw \(row_keys=None\) samples from one torch stream"):
         settings = {"temperature": 1.0, "top_p": 1.0, "seed": 0}
         play_episodes(policy, EnvConfig(), tasks, COUNTS, budgets=budgets, settings=settings, row_keys=None)
+
+
+def test_mean_at_k_is_the_pooled_share_with_its_wilson_interval():
+    from rlvr.tasks.evaluate import mean_at_k
+
+    row = mean_at_k(7, 5, 4)  # 7 of 20 sampled answers right
+    assert (row["samples"], row["sampled_correct"], row["mean_at_k"]) == (4, 7, 0.35)
+    assert row["mean_at_k_low"] == pytest.approx(0.181192, abs=1e-6)  # Wilson: (p + z²/2n ± z√(p(1-p)/n + z²/4n²))
+    assert row["mean_at_k_high"] == pytest.approx(0.567146, abs=1e-6)  # / (1 + z²/n), z = 1.95996
+    none = mean_at_k(0, 5, 4)
+    assert none["mean_at_k"] == 0.0 == none["mean_at_k_low"] and 0.0 < none["mean_at_k_high"] < 0.17
+
+
+def test_a_sampled_evaluation_scores_k_answers_a_problem_with_the_problems_verifier(policy, steps):
+    """evaluate.samples = 3: after the greedy answers, three sampled a problem (at evaluate.temperature, seeded by
+    the step), each scored against its own problem's reference; the row's mean@k is their share, the same on a
+    second evaluation, and an evaluation without samples leaves the columns null and its identity as before."""
+    from rlvr.tasks.evaluate import identity
+    from rlvr.verifiers.registry import get_verifier
+
+    references = ["45", "18", "3", "18", "8731"]
+    table = problems("test").set_column(2, "reference", pa.array(references))
+    cfg = EvaluateConfig(split="test", max_new_tokens=5, samples=3)
+    params = {"verifier": VerifierConfig(workers=0), "phase": "rl"}
+
+    def evaluate() -> dict[str, Any]:
+        built = EVALUATE.build(Inputs.given(policy=policy, problems=table), cfg, context("evaluate", params))
+        return built.table.to_pylist()[0]
+
+    row = evaluate()
+    greedy_answers, sampled = steps[: len(PROMPTS)], steps[len(PROMPTS) :]
+    assert greedy_answers == greedy(policy, PROMPTS, max_new_tokens=5) and len(sampled) == 3 * len(PROMPTS)
+    arithmetic = get_verifier("arithmetic")
+    right = [arithmetic.score(a, references[i // 3]).status == "ok" for i, a in enumerate(sampled)]
+    assert 0 < sum(right) < len(right)  # the references were picked so that some are right, some wrong
+    assert row["samples"] == 3 and row["sampled_correct"] == sum(right) and row["n"] == len(PROMPTS)
+    assert row["mean_at_k"] == sum(right) / 15 and row["mean_at_k_low"] <= row["mean_at_k"] <= row["mean_at_k_high"]
+    assert evaluate() == row and steps[-15:] == sampled  # seeded: the same draw again
+    plain = EvaluateConfig(split="test", max_new_tokens=5)
+    assert "samples" not in identity(plain, params) and identity(cfg, params)["samples"] == 3
+    built = EVALUATE.build(Inputs.given(policy=policy, problems=table), plain, context("evaluate", params))
+    assert {k: v for k, v in built.table.to_pylist()[0].items() if "k" in k or "sample" in k} == {
+        "samples": None, "sampled_correct": None, "mean_at_k": None, "mean_at_k_low": None, "mean_at_k_high": None
+    }

@@ -167,6 +167,11 @@ def _print_summary(s: dict[str, Any]) -> None:
         f"held-out greedy accuracy (test split): before {_fmt(s['accuracy_init'])}"
         f" -> after warm start {_fmt(s['accuracy_warmstart'])} -> after RL {_fmt(s['accuracy_final'])}"
     )
+    if (sampled := s.get("sampled_final")) is not None:
+        out.print(
+            f"held-out mean@{sampled['samples']} (sampled answers, last evaluation): {sampled['mean_at_k']:.3f}"
+            f" (95% interval {sampled['mean_at_k_low']:.3f}-{sampled['mean_at_k_high']:.3f})"
+        )
     out.print(f"run id: {run_id}\nstore:  {root}")
     out.print("query it, e.g.:")
     out.print(
