@@ -286,7 +286,7 @@ def render_page(store_root: str, pages: Sequence[RunPage], figures: Sequence[Fig
         f"made by <code>rlvr report {_e(' '.join(runs))}</code> from the store's DuckDB views</p>",
         "</header>",
         '<main class="plots">',
-        *(_figure_html(f) for f in figures),
+        *(figure_html(f) for f in figures),
         "</main>",
         _lineage_html(store_root, pages),
         _config_html(pages),
@@ -365,7 +365,7 @@ def _header_table(pages: Sequence[RunPage]) -> str:
     return f'<table class="runs">{head}{"".join(rows)}</table>'
 
 
-def _figure_html(figure: Figure) -> str:
+def figure_html(figure: Figure) -> str:
     classes = "plot wide" if figure.wide else "plot"
     if figure.svg is None:
         body = f'<p class="no-data">{"<br>".join(_e(n) for n in figure.notes)}</p>'

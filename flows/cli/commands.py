@@ -534,6 +534,7 @@ def report(
 def _register_module_commands() -> None:
     """The commands that live in modules of their own."""
     import rlvr.flows.cli.check_command as check_command  # not through the package's face, which imports this
+    import rlvr.flows.cli.compare_command as compare_command
     import rlvr.flows.cli.data_commands as data_commands
     import rlvr.flows.cli.plan_command as plan_command
     import rlvr.flows.cli.serve_command as serve_command
@@ -544,6 +545,7 @@ def _register_module_commands() -> None:
     app.command()(check_command.check)
     app.command(name="serve-rm")(serve_command.serve_rm)
     app.command()(plan_command.plan)
+    app.command()(compare_command.compare)
 
 
 _register_module_commands()

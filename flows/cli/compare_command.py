@@ -1,0 +1,91 @@
+"""`rlvr compare`: a config under several methods and seeds, as real runs in one store, then the figures read back
+(flows/compare.py). Registered in flows/cli/commands.py. Exit status 1 when a run failed (run the same command
+again to resume the comparison)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from rlvr.errors import UserError
+from rlvr.flows.cli.common import StoreOption, store_root
+
+out = Console(soft_wrap=True)
+
+
+def compare(
+    config: Path | None = typer.Option(None, "--config", help="the run config every method starts from"),
+    methods: str = typer.Option(
+        "uniform,sec,knapsack", "--methods", help="comma-separated: uniform, sec, knapsack, sec+knapsack, dynamic, clpo, ..."
+    ),
+    seeds: int = typer.Option(3, "--seeds", min=1, help="seeds 0 .. N-1, each method once a seed"),
+    name: str = typer.Option("compare", "--name", help="the comparison's name: its runs are NAME-METHOD-sSEED"),
+    store: str | None = StoreOption,
+    target: float | None = typer.Option(None, "--target", help="report rollouts to reach this held-out metric"),
+    samples: int = typer.Option(8, "--samples", min=1, help="sampled answers a held-out problem: the metric is mean@k"),
+    parallel: int = typer.Option(2, "--parallel", min=1, help="runs at a time (Dask workers or Ray CPUs)"),
+    executor: str = typer.Option("threads", "--executor", help="threads (here), processes, dask or ray"),
+    address: str | None = typer.Option(None, "--address", help="a Dask scheduler or Ray cluster to run on"),
+    set_: list[str] = typer.Option([], "--set", help="override a config key for every run"),
+    page: Path | None = typer.Option(None, "--page", help="write the HTML page here (default ./NAME.html)"),
+) -> None:
+    """Compare curricula and rollout budgets: each method on each seed is a real run (resumed where a run stopped);
+    prints each method's figures with bootstrap 95% intervals, and stores them with an HTML page."""
+    from rlvr.flows.compare import CompareSpec, check_configs, run_comparison
+
+    spec = CompareSpec(
+        name=name,
+        config=None if config is None else str(config),
+        methods=[m.strip() for m in methods.split(",") if m.strip()],
+        seeds=list(range(seeds)),
+        overrides=list(set_),
+        target=target,
+        samples=samples,
+        parallel=parallel,
+        executor=executor,
+        address=address,
+    )
+    spec.check()
+    check_configs(spec)
+    root = store_root(store)
+    from rlvr.flows.ui import point_prefect_at_store, ui_url_of
+    from rlvr.storage.store import open_store
+
+    target_server = point_prefect_at_store(open_store(root, create=True), need_server=True)
+    server = target_server.start(started_by=f"rlvr compare {name}")
+    out.print(f"{len(spec.methods) * seeds} runs in {root}; Prefect: {ui_url_of(target_server.api_url or '')}")
+    try:
+        ended = run_comparison(root, spec, out.print)
+    finally:
+        if server is not None:
+            server.stop()
+    failed = [e for e in ended if e["outcome"].startswith("failed")]
+    for e in failed:
+        out.print(f"[red]{e['run_id']} {e['outcome']}[/red]; its log: {e['log']}\n  " + "\n  ".join(e["tail"]))
+    if failed:
+        raise UserError(f"{len(failed)} run(s) failed; run the same command again to resume the comparison")
+    _report(root, spec, page or Path(f"{name}.html"))
+
+
+def _report(root: str, spec: object, page_path: Path) -> None:
+    from rlvr.flows.compare import CompareSpec, commit_comparison, read_figures
+    from rlvr.flows.compare_page import headers, render, table_rows
+
+    assert isinstance(spec, CompareSpec)
+    metric, methods = read_figures(root, spec)
+    notes = [f"{m.method}: {note}" for m in methods for note in m.notes]
+    page = render(spec.name, spec.command(), metric, methods, notes)
+    aid = commit_comparison(root, spec, metric, methods, page)
+    page_path.write_text(page)
+    table = Table(title=f"{spec.name}: means over {len(spec.seeds)} seeds, bootstrap 95% intervals")
+    for header in headers(metric):
+        table.add_column(header)
+    for row in table_rows(methods):
+        table.add_row(*row)
+    out.print(table)
+    for note in notes:
+        out.print(f"note: {note}")
+    out.print(f"stored as {aid} (SELECT * FROM comparisons); page: {page_path}")

@@ -1,0 +1,93 @@
+"""`rlvr compare` (flows/compare.py, compare_figures.py, compare_page.py): two methods on two seeds of three steps are
+four real runs in one store (processes of their own, on the session's Prefect server); the figures stored and drawn
+are the runs' own, read again here with plain SQL; a second invocation resumes nothing and stores the same artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rlvr.flows.cli import app
+from rlvr.storage.store import Store
+from rlvr.storage.views import query
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "train.steps=3",
+    "evaluate.every=1",
+    "select.batch_size=8",
+    "allocate.n=4",
+    "warmstart.steps=5",
+    "synthesize.source.per_category=4",
+    "difficulty.k=1",
+]
+RUNS = {f"cmp-{method}-s{seed}" for method in ("uniform", "knapsack") for seed in (0, 1)}
+
+
+def compare(store: Path, page: Path, methods: str = "uniform,knapsack") -> object:
+    args = ["compare", "--store", str(store), "--name", "cmp", "--methods", methods, "--seeds", "2", "--samples", "2"]
+    args += ["--target", "0.05", "--page", str(page)]
+    for item in SMALL:
+        args += ["--set", item]
+    return CliRunner().invoke(app, args)
+
+
+def rows(store: Store, sql: str) -> list[dict]:
+    return query(store, sql).to_pylist()
+
+
+def test_a_two_method_two_seed_comparison_stores_the_runs_figures_and_page(tmp_path, monkeypatch, prefect_api):
+    monkeypatch.setenv("PREFECT_API_URL", prefect_api)  # the runs, processes of their own, record their flows there
+    root, page = tmp_path / "store", tmp_path / "cmp.html"
+    result = compare(root, page)
+    assert result.exit_code == 0, result.output
+    store = Store.open(str(root))
+    assert {r["run_id"] for r in store.list_runs()} == RUNS
+    assert all(r["status"] == "completed" for r in store.list_runs())
+
+    per_run = {r["run_id"]: r for r in rows(store, "SELECT * FROM comparison_runs")}
+    assert per_run.keys() == RUNS
+    for run_id, run in per_run.items():  # each figure is the run's own, read again here
+        last = rows(store, f"SELECT mean_at_k FROM evals WHERE run_id = '{run_id}' AND phase = 'rl' ORDER BY step")
+        assert run["metric"] == "mean@2" and run["final"] == last[-1]["mean_at_k"]
+        rewarded = rows(store, f"SELECT count(*) AS n FROM rewards WHERE run_id = '{run_id}'")[0]["n"]
+        assert run["rollouts"] == rewarded == run["curve_rollouts"][-1] == sum(run["budget_rollouts"])
+        assert run["curve_steps"] == [0, 1, 2, 3] and run["curve_rollouts"][0] == 0
+
+    methods = {r["method"]: r for r in rows(store, "SELECT * FROM comparisons")}
+    assert methods.keys() == {"uniform", "knapsack"}
+    for method, m in methods.items():
+        finals = [per_run[f"cmp-{method}-s{seed}"]["final"] for seed in (0, 1)]
+        assert m["seeds"] == 2 and m["final"] == pytest.approx(sum(finals) / 2)
+        assert m["final_low"] <= m["final"] <= m["final_high"]
+        assert min(finals) <= m["final_low"] and m["final_high"] <= max(finals)
+    uniform = methods["uniform"]
+    assert uniform["at_uniform_budget"] == pytest.approx(uniform["final"])  # its own budget: its last evaluation
+    assert uniform["compute_equivalence"] is None or uniform["compute_equivalence"] <= 1.0 + 1e-9
+
+    (summary,) = store.manifests(kind="comparisons")
+    (runs_artifact,) = summary.parents
+    lasts = {m.run_id: max(store.manifests(kind="evals", run_id=m.run_id), key=lambda e: e.step or 0).artifact_id for m in store.manifests(kind="config")}
+    assert set(store.manifest(runs_artifact).parents) == set(lasts.values())
+    html = page.read_text()
+    assert store.read_file(summary.artifact_id, "comparison.html").decode() == html
+    assert html.count("<svg") == 3 and "mean@2 at uniform&#x27;s budget" in html and ">knapsack</td>" in html
+    assert "knapsack" in result.output and "bootstrap 95% intervals" in result.output
+
+    again = compare(root, page)
+    assert again.exit_code == 0, again.output
+    assert again.output.count("completed before") == 4
+    assert [m.artifact_id for m in Store.open(str(root)).manifests(kind="comparisons")] == [summary.artifact_id]
+
+
+def test_an_unknown_method_is_refused_in_one_line_before_any_run(tmp_path):
+    result = compare(tmp_path / "store", tmp_path / "p.html", methods="uniform,spiral")
+    assert result.exit_code != 0
+    assert "unknown method(s) spiral; known: uniform, sec, knapsack" in str(result.exception) + result.output
+    assert not (tmp_path / "store").exists()
