@@ -33,32 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-METHODS: dict[str, list[str]] = {
-    "uniform": ["select.type=uniform", "allocate.type=uniform"],
-    "sec": ["select.type=sec", "allocate.type=uniform"],
-    # Knapsack with its difficulty-stage prior for prompts without outcomes: what the published tables measured
-    # (the default became the paper's allocate.unknown=uniform on 2026-11-26)
-    "knapsack": ["select.type=uniform", "allocate.type=knapsack", "allocate.unknown=prior"],
-    "sec+knapsack": ["select.type=sec", "allocate.type=knapsack", "allocate.unknown=prior"],
-    "dynamic sampling": ["select.type=uniform", "allocate.type=uniform", "filter.enabled=true"],
-    "clpo": ["select.type=uniform", "allocate.type=uniform", "restructure.enabled=true"],
-    # the paper's CLPO: kept rewrites train in the step that made them, within its budget
-    "clpo same-step": [
-        "select.type=uniform",
-        "allocate.type=uniform",
-        "restructure.enabled=true",
-        "restructure.join=same_step",
-    ],
-    "ghpo": ["select.type=uniform", "allocate.type=uniform", "select.hints.enabled=true"],
-    # SEED-GRPO: each group's advantages scaled by the semantic entropy of its answers (alpha 0.5)
-    "seed-grpo": ["select.type=uniform", "allocate.type=uniform", "train.grpo.semantic_entropy=0.5"],
-    # the band-pass filter verl users asked for: groups whose pass rate lies outside [0.2, 0.8] are dropped and
-    # refilled, as dynamic sampling drops all-equal ones
-    "band-pass": ["select.type=uniform", "allocate.type=uniform", "filter.enabled=true", "filter.band=[0.2,0.8]"],
-    # uniform with each step sampled by the policy one step behind, beside the trainer (flow.async_level=1):
-    # what staleness costs in learning
-    "async-1": ["select.type=uniform", "allocate.type=uniform", "flow.async_level=1"],
-}
+from rlvr.flows.compare import METHODS  # the methods `rlvr compare` runs, by the same names
 
 
 def run_one(
@@ -160,7 +135,7 @@ def audit(root: Path, method: str, seed: int) -> dict[str, str]:
     if "knapsack" in method:
         cases = ask('SELECT "case", sum(n_rollouts) AS n FROM allocations GROUP BY 1 ORDER BY 1')
         found["knapsack rollouts by case"] = ", ".join(f"{c['case']} {c['n']}" for c in cases)
-    if method == "dynamic sampling":
+    if method == "dynamic":
         groups = ask("SELECT reason, count(*) AS n FROM filtered_groups GROUP BY 1 ORDER BY 1")
         rounds = ask("SELECT count(DISTINCT (step, round)) AS n FROM filtered_groups")[0]["n"]
         found["groups (filter)"] = ", ".join(f"{g['reason']} {g['n']}" for g in groups) + f"; {rounds} rounds"

@@ -97,7 +97,9 @@ class CompareSpec:
     def check(self) -> None:
         """One-line errors for what cannot run, before any work."""
         if not NAME_RE.match(self.name):
-            raise UserError(f"comparison name {self.name!r}: letters, digits, '_' and '-', at most 64, first a letter or digit")
+            raise UserError(
+                f"comparison name {self.name!r}: letters, digits, '_' and '-', at most 64, first a letter or digit"
+            )
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise UserError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
@@ -105,6 +107,8 @@ class CompareSpec:
             raise UserError("name each method once, at least one")
         if not self.seeds:
             raise UserError("--seeds must be at least 1")
+        if self.executor not in ("threads", "processes", "dask", "ray"):
+            raise UserError(f"--executor {self.executor!r}: threads, processes, dask or ray")
         if self.config is not None and not Path(self.config).is_file():
             raise UserError(f"no config file {self.config}")
 
@@ -115,9 +119,16 @@ def run_id_of(name: str, method: str, seed: int) -> str:
 
 def jobs_of(spec: CompareSpec) -> list[Job]:
     """Every (method, seed) run, seed by seed (so a stopped comparison has whole seeds first)."""
-    samples = [] if any(o.startswith("evaluate.samples=") for o in spec.overrides) else [f"evaluate.samples={spec.samples}"]
+    samples = (
+        [] if any(o.startswith("evaluate.samples=") for o in spec.overrides) else [f"evaluate.samples={spec.samples}"]
+    )
     return [
-        Job(method, seed, run_id_of(spec.name, method, seed), [*samples, *spec.overrides, *METHODS[method], f"seed={seed}"])
+        Job(
+            method,
+            seed,
+            run_id_of(spec.name, method, seed),
+            [*samples, *spec.overrides, *METHODS[method], f"seed={seed}"],
+        )
         for seed in spec.seeds
         for method in spec.methods
     ]
@@ -162,7 +173,9 @@ def logs_folder(store_root: str, name: str) -> Path:
     from rlvr.storage.store import open_store
 
     local = open_store(store_root).local_root
-    folder = Path(local) / "_compare" / name if local is not None else Path(tempfile.gettempdir()) / f"rlvr-compare-{name}"
+    folder = (
+        Path(local) / "_compare" / name if local is not None else Path(tempfile.gettempdir()) / f"rlvr-compare-{name}"
+    )
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
@@ -198,11 +211,13 @@ def run_comparison(store_root: str, spec: CompareSpec, say: Callable[[str], None
 
     folder = logs_folder(store_root, spec.name)
     jobs = jobs_of(spec)
-    units = [{"job": j, "store": store_root, "config": spec.config, "log": str(folder / f"{j.run_id}.log")} for j in jobs]
+    units: list[dict[str, Any]] = [
+        {"job": j, "store": store_root, "config": spec.config, "log": str(folder / f"{j.run_id}.log")} for j in jobs
+    ]
     if spec.executor == "threads":
         runner: Any = ThreadPoolTaskRunner(max_workers=spec.parallel)
     else:
-        runner = task_runner(ExecutorConfig(type=spec.executor, address=spec.address, workers=spec.parallel))  # type: ignore[arg-type]
+        runner = task_runner(ExecutorConfig.model_validate(executor_settings(spec)))
     one = task(name="compare-run", task_run_name="{run_id}", cache_policy=NONE)(_task_body)
 
     @flow(name="rlvr-compare", flow_run_name=spec.name, task_runner=runner, validate_parameters=False)
@@ -216,6 +231,10 @@ def run_comparison(store_root: str, spec: CompareSpec, say: Callable[[str], None
         return ended
 
     return compare()
+
+
+def executor_settings(spec: CompareSpec) -> dict[str, Any]:
+    return {"type": spec.executor, "address": spec.address, "workers": spec.parallel}
 
 
 def _task_body(run_id: str, unit: dict[str, Any]) -> dict[str, Any]:
@@ -249,7 +268,13 @@ def commit_comparison(store_root: str, spec: CompareSpec, metric: str, methods: 
     store = open_store(store_root)
     run_id = f"compare-{spec.name}"
     parents = [last_evaluation(store, run.run_id) for m in methods for run in m.runs]
-    identity = {"name": spec.name, "methods": spec.methods, "seeds": spec.seeds, "target": spec.target, "metric": metric}
+    identity = {
+        "name": spec.name,
+        "methods": spec.methods,
+        "seeds": spec.seeds,
+        "target": spec.target,
+        "metric": metric,
+    }
     per_run = pa.Table.from_pylist([run_row(spec.name, metric, run) for m in methods for run in m.runs])
     runs_id = artifact_id("comparison_runs", "compare", COMPARE_VERSION, identity, parents, run_id)
     common = dict(run_id=run_id, stage="compare", code_version=COMPARE_VERSION, config=identity)

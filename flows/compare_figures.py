@@ -161,7 +161,7 @@ def difficulty_bin(p_hat: float | None) -> str:
         return DIFFICULTY_BINS[0]
     if p_hat >= 1:
         return DIFFICULTY_BINS[5]
-    return DIFFICULTY_BINS[1 + min(int(math.ceil(p_hat * 4)) - 1, 3)]
+    return DIFFICULTY_BINS[min(math.ceil(p_hat * 4), 4)]
 
 
 def estimate(values: Sequence[float], seed: int = 0) -> Estimate:

@@ -127,7 +127,7 @@ def render(name: str, command: str, metric: str, methods: Sequence[MethodFigures
     title = f"rlvr compare: {name}"
     parts = [
         f"<header><h1>{html.escape(title)}</h1>",
-        f'<p class="meta">made by <code>{html.escape(command)}</code>; means over seeds with bootstrap 95% intervals</p>',
+        f'<p class="meta">made by <code>{html.escape(command)}</code>; means over seeds, bootstrap 95% intervals</p>',
         f'<table class="runs"><tr>{head}</tr>{body}</table>',
         f'<ul class="notes">{listed}</ul>' if listed else "",
         "</header>",

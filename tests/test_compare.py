@@ -5,8 +5,6 @@ are the runs' own, read again here with plain SQL; a second invocation resumes n
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
 import pytest
@@ -73,7 +71,10 @@ def test_a_two_method_two_seed_comparison_stores_the_runs_figures_and_page(tmp_p
 
     (summary,) = store.manifests(kind="comparisons")
     (runs_artifact,) = summary.parents
-    lasts = {m.run_id: max(store.manifests(kind="evals", run_id=m.run_id), key=lambda e: e.step or 0).artifact_id for m in store.manifests(kind="config")}
+    lasts = {
+        m.run_id: max(store.manifests(kind="evals", run_id=m.run_id), key=lambda e: e.step or 0).artifact_id
+        for m in store.manifests(kind="config")
+    }
     assert set(store.manifest(runs_artifact).parents) == set(lasts.values())
     html = page.read_text()
     assert store.read_file(summary.artifact_id, "comparison.html").decode() == html

@@ -299,5 +299,9 @@ def test_a_sampled_evaluation_scores_k_answers_a_problem_with_the_problems_verif
     assert "samples" not in identity(plain, params) and identity(cfg, params)["samples"] == 3
     built = EVALUATE.build(Inputs.given(policy=policy, problems=table), plain, context("evaluate", params))
     assert {k: v for k, v in built.table.to_pylist()[0].items() if "k" in k or "sample" in k} == {
-        "samples": None, "sampled_correct": None, "mean_at_k": None, "mean_at_k_low": None, "mean_at_k_high": None
+        "samples": None,
+        "sampled_correct": None,
+        "mean_at_k": None,
+        "mean_at_k_low": None,
+        "mean_at_k_high": None,
     }

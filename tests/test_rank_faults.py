@@ -257,7 +257,9 @@ def test_a_rank_killed_in_each_sharded_stage_resumes_to_the_uninterrupted_artifa
     kill_a_rank(tmp_path, rlvr_forks, "rank 1", ("save_state", 1), resumed=True)
     assert committed(store, "difficulty") == 1 and committed(store, "train_steps") == 1  # step 2 commits with its state
     kill_a_rank(tmp_path, rlvr_forks, "rank 1", ("write_weights", 1), resumed=True)
-    assert committed(store, "train_steps") == 5 and committed(store, "checkpoints") == 2  # the initial, the warm start's
+    assert (
+        committed(store, "train_steps") == 5 and committed(store, "checkpoints") == 2
+    )  # the initial, the warm start's
     mark = f"rank-faults-{tmp_path.name}-resumed"
     monkeypatch.setenv("RLVR_TEST_MARK", mark)
     resume(str(store), RUN_ID, ["train.data_parallel=2"])

@@ -19,7 +19,9 @@ out = Console(soft_wrap=True)
 def compare(
     config: Path | None = typer.Option(None, "--config", help="the run config every method starts from"),
     methods: str = typer.Option(
-        "uniform,sec,knapsack", "--methods", help="comma-separated: uniform, sec, knapsack, sec+knapsack, dynamic, clpo, ..."
+        "uniform,sec,knapsack",
+        "--methods",
+        help="comma-separated: uniform, sec, knapsack, sec+knapsack, dynamic, clpo, ...",
     ),
     seeds: int = typer.Option(3, "--seeds", min=1, help="seeds 0 .. N-1, each method once a seed"),
     name: str = typer.Option("compare", "--name", help="the comparison's name: its runs are NAME-METHOD-sSEED"),
