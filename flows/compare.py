@@ -309,7 +309,12 @@ def run_row(name: str, metric: str, run: RunFigures) -> dict[str, Any]:
         "curve_values": [p[2] for p in run.curve],
         "budget_bins": list(run.budget),
         "budget_rollouts": list(run.budget.values()),
+        **{f"late_{outcome}": _number(share) for outcome, share in run.late.items()},
     }
+
+
+def _number(value: float) -> float | None:
+    return None if math.isnan(value) else value
 
 
 def method_row(name: str, metric: str, m: MethodFigures) -> dict[str, Any]:
@@ -320,11 +325,13 @@ def method_row(name: str, metric: str, m: MethodFigures) -> dict[str, Any]:
         "rollouts_to_target": m.rollouts_to_target,
         "effective_ratio": m.effective_ratio,
         "compute_equivalence": m.compute_equivalence,
+        "late_all_right": m.late_all_right,
+        "late_all_wrong": m.late_all_wrong,
     }
     for key, found in figures.items():
         for part in ("mean", "low", "high"):
             value = None if found is None else getattr(found, part)
-            row[f"{key}_{part}" if part != "mean" else key] = None if value is None or math.isnan(value) else value
+            row[f"{key}_{part}" if part != "mean" else key] = None if value is None else _number(value)
     row["target_reached_seeds"] = None if m.rollouts_to_target is None else m.rollouts_to_target.seeds
     row["notes"] = "; ".join(m.notes)
     return row

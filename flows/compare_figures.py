@@ -44,6 +44,7 @@ class RunFigures:
     rollouts: int
     effective: list[tuple[int, float]]  # (step, effective ratio)
     budget: dict[str, int]  # rollouts allotted per difficulty bin
+    late: dict[str, float]  # the outcome mix of the last quarter of steps' groups: all_right, all_wrong, mixed
 
     @property
     def final(self) -> float:
@@ -89,6 +90,8 @@ class MethodFigures:
     rollouts_to_target: Estimate | None  # None: no target given; seeds < len(runs): not reached on every seed
     effective_ratio: Estimate
     compute_equivalence: Estimate | None  # None: no uniform runs
+    late_all_right: Estimate
+    late_all_wrong: Estimate
     notes: list[str] = field(default_factory=list)
 
 
@@ -122,9 +125,27 @@ def run_figures(store: Store, run_id: str, method: str, seed: int) -> RunFigures
     curve += [(e["step"], cumulative.get(e["step"], total), float(e[column])) for e in rl]
     effective = [(step, float(np.mean([g["mixed"] for g in gs]))) for step, gs in sorted(per_step.items())]
     k = evals[-1].get("samples") if sampled and evals else None
-    return RunFigures(
-        run_id, method, seed, f"mean@{k}" if k else "greedy accuracy", curve, total, effective, budget(store, run_id)
+    metric = f"mean@{k}" if k else "greedy accuracy"
+    return RunFigures(run_id, method, seed, metric, curve, total, effective, budget(store, run_id), late_mix(store, run_id))
+
+
+def late_mix(store: Store, run_id: str) -> dict[str, float]:
+    """The share of groups (a step's rollouts of one slot) in the last quarter of the run's steps that every rollout
+    solved, that none solved, and the rest: the papers' regime has about 40% and 20% late in uniform training."""
+    rows = _rows(
+        store,
+        "WITH g AS (SELECT r.step, o.slot, count(*) AS n, count(*) FILTER (WHERE r.status = 'ok') AS solved "
+        "FROM rewards r JOIN rollouts o ON o.rollout_id = r.rollout_id AND o.run_id = r.run_id "
+        f"WHERE r.run_id = {sql_string(run_id)} GROUP BY r.step, o.slot) "
+        "SELECT count(*) AS groups, count(*) FILTER (WHERE solved = n) AS all_right, "
+        "count(*) FILTER (WHERE solved = 0) AS all_wrong FROM g "
+        "WHERE step > (SELECT max(step) FROM g) * 3 / 4",
     )
+    found = rows[0]
+    if not found["groups"]:
+        return {"all_right": math.nan, "all_wrong": math.nan, "mixed": math.nan}
+    right, wrong = found["all_right"] / found["groups"], found["all_wrong"] / found["groups"]
+    return {"all_right": right, "all_wrong": wrong, "mixed": 1.0 - right - wrong}
 
 
 def rewrite_checks(store: Store, run_id: str) -> dict[int, int]:
@@ -260,6 +281,8 @@ def method_figures(runs: dict[str, list[RunFigures]], target: float | None) -> l
                 to_target,
                 estimate([run.effective_ratio for run in own]),
                 ratio,
+                estimate([run.late["all_right"] for run in own]),
+                estimate([run.late["all_wrong"] for run in own]),
                 notes,
             )
         )

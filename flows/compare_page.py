@@ -25,6 +25,7 @@ COLUMNS = (
     "rollouts to target",
     "effective ratio",
     "compute equivalence",
+    "late groups all right / all wrong",
 )
 
 
@@ -39,6 +40,7 @@ def table_rows(methods: Sequence[MethodFigures]) -> list[list[str]]:
             _to_target(m),
             m.effective_ratio.text(),
             "-" if m.compute_equivalence is None else m.compute_equivalence.text(2) + "x",
+            f"{m.late_all_right.mean:.2f} / {m.late_all_wrong.mean:.2f}",
         ]
         for m in methods
     ]

@@ -57,6 +57,14 @@ def test_a_two_method_two_seed_comparison_stores_the_runs_figures_and_page(tmp_p
         rewarded = rows(store, f"SELECT count(*) AS n FROM rewards WHERE run_id = '{run_id}'")[0]["n"]
         assert run["rollouts"] == rewarded == run["curve_rollouts"][-1] == sum(run["budget_rollouts"])
         assert run["curve_steps"] == [0, 1, 2, 3] and run["curve_rollouts"][0] == 0
+        # step 3 is the last quarter's: its groups' outcomes, counted here from the rewards
+        groups = rows(
+            store,
+            "SELECT count(*) FILTER (WHERE status = 'ok') AS ok, count(*) AS n FROM rewards r JOIN rollouts o "
+            f"USING (rollout_id) WHERE r.run_id = '{run_id}' AND r.step = 3 GROUP BY o.slot",
+        )
+        assert run["late_all_right"] == sum(g["ok"] == g["n"] for g in groups) / len(groups)
+        assert run["late_all_wrong"] == sum(g["ok"] == 0 for g in groups) / len(groups)
 
     methods = {r["method"]: r for r in rows(store, "SELECT * FROM comparisons")}
     assert methods.keys() == {"uniform", "knapsack"}
