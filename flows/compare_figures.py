@@ -126,7 +126,9 @@ def run_figures(store: Store, run_id: str, method: str, seed: int) -> RunFigures
     effective = [(step, float(np.mean([g["mixed"] for g in gs]))) for step, gs in sorted(per_step.items())]
     k = evals[-1].get("samples") if sampled and evals else None
     metric = f"mean@{k}" if k else "greedy accuracy"
-    return RunFigures(run_id, method, seed, metric, curve, total, effective, budget(store, run_id), late_mix(store, run_id))
+    return RunFigures(
+        run_id, method, seed, metric, curve, total, effective, budget(store, run_id), late_mix(store, run_id)
+    )
 
 
 def late_mix(store: Store, run_id: str) -> dict[str, float]:
