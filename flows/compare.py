@@ -21,7 +21,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -200,37 +200,58 @@ def bring_to_end(unit: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_comparison(store_root: str, spec: CompareSpec, say: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Bring every job's run to its end, `spec.parallel` at a time, as the tasks of one Prefect flow; say each as it
-    ends. Prefect is configured by the caller."""
-    from prefect import flow, task
-    from prefect.cache_policies import NONE
-    from prefect.futures import as_completed
+    """Bring every job's run to its end, `spec.parallel` at a time, as the tasks of one Prefect flow (on a thread
+    pool here, or on the workers of `spec.executor` through the stages' own fan-out, flows/executors.py); say each
+    as it ends. Prefect is configured by the caller."""
+    from prefect import flow
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    from rlvr.flows.executors import ExecutorConfig, task_runner
-
     folder = logs_folder(store_root, spec.name)
-    jobs = jobs_of(spec)
     units: list[dict[str, Any]] = [
-        {"job": j, "store": store_root, "config": spec.config, "log": str(folder / f"{j.run_id}.log")} for j in jobs
+        {"job": j, "store": store_root, "config": spec.config, "log": str(folder / f"{j.run_id}.log")}
+        for j in jobs_of(spec)
     ]
-    if spec.executor == "threads":
-        runner: Any = ThreadPoolTaskRunner(max_workers=spec.parallel)
-    else:
-        runner = task_runner(ExecutorConfig.model_validate(executor_settings(spec)))
-    one = task(name="compare-run", task_run_name="{run_id}", cache_policy=NONE)(_task_body)
-
-    @flow(name="rlvr-compare", flow_run_name=spec.name, task_runner=runner, validate_parameters=False)
-    def compare() -> list[dict[str, Any]]:
-        futures = [one.submit(unit["job"].run_id, unit) for unit in units]
-        ended = []
-        for future in as_completed(futures):
-            result = future.result()
-            ended.append(result)
-            say(f"[{len(ended)}/{len(units)}] {result['run_id']}: {result['outcome']}")
+    runner: Any = ThreadPoolTaskRunner(max_workers=spec.parallel)
+    # a module-level function, its progress through a module global: a worker backend pickles the flow's context,
+    # which must hold no closure (a console's lock)
+    compare = flow(name="rlvr-compare", flow_run_name=spec.name, task_runner=runner, validate_parameters=False)
+    _PROGRESS[:] = [say]
+    try:
+        ended: list[dict[str, Any]] = compare(_compare_flow)(store_root, units, executor_settings(spec))
         return ended
+    finally:
+        _PROGRESS.clear()
 
-    return compare()
+
+_PROGRESS: list[Callable[[str], None]] = []
+
+
+def _compare_flow(store_root: str, units: list[dict[str, Any]], executor: dict[str, Any]) -> list[dict[str, Any]]:
+    """The comparison's flow: every unit's run to its end, said as each ends."""
+    from prefect import task
+    from prefect.cache_policies import NONE
+    from prefect.futures import as_completed
+
+    from rlvr.flows.executors import ExecutorConfig, use_executor
+
+    if executor["type"] == "threads":
+        one = task(name="compare-run", task_run_name="{run_id}", cache_policy=NONE)(_task_body)
+        results: Iterator[dict[str, Any]] = (
+            f.result() for f in as_completed([one.submit(u["job"].run_id, u) for u in units])
+        )
+    else:  # one unit a worker process at a time: `parallel` workers, `parallel` runs
+        results = _fanned_out(use_executor(ExecutorConfig.model_validate(executor), store_root), units)
+    ended: list[dict[str, Any]] = []
+    for result in results:
+        ended.append(result)
+        for say in _PROGRESS:
+            say(f"[{len(ended)}/{len(units)}] {result['run_id']}: {result['outcome']}")
+    return ended
+
+
+def _fanned_out(executor: Any, units: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    with executor as fan_out:
+        yield from fan_out(bring_to_end, units)
 
 
 def executor_settings(spec: CompareSpec) -> dict[str, Any]:
