@@ -5,10 +5,11 @@ method table, in one self-contained HTML file drawn as `rlvr report` draws (inli
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import matplotlib as mpl
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure as MplFigure
 from matplotlib.ticker import MaxNLocator
 
@@ -59,13 +60,22 @@ def headers(metric: str) -> list[str]:
     return [column.format(metric=metric) for column in COLUMNS]
 
 
+def _drawn(fig_id: str, title: str, draw: Callable[[Axes], None]) -> str:
+    """A figure of one axis drawn by `draw`, with its legend, as inline SVG in the report's style."""
+    with mpl.rc_context(PLOT_STYLE):
+        fig = MplFigure(figsize=HALF, layout="constrained")
+        ax = fig.add_subplot()
+        draw(ax)
+        ax.legend(loc="best")
+        return to_svg(fig, fig_id, title)
+
+
 def accuracy_figure(methods: Sequence[MethodFigures], metric: str) -> Figure:
     """Each method's metric against cumulative rollouts: the mean over seeds (evaluation by evaluation) as a line,
     every seed's curve faint behind it."""
     fig_id, title = "compare-accuracy", f"Held-out {metric} against rollouts"
-    with mpl.rc_context(PLOT_STYLE):
-        fig = MplFigure(figsize=HALF, layout="constrained")
-        ax = fig.add_subplot()
+
+    def draw(ax: Axes) -> None:
         for i, m in enumerate(methods):
             color = RUN_COLORS[i % len(RUN_COLORS)]
             for run in m.runs:
@@ -76,17 +86,15 @@ def accuracy_figure(methods: Sequence[MethodFigures], metric: str) -> Figure:
             ax.plot(xs, ys, color=color, lw=1.8, marker="o", markersize=3, label=m.method)
         ax.set_xlabel("rollouts sampled (cumulative)")
         ax.set_ylabel(f"held-out {metric}")
-        ax.legend(loc="best")
-        svg = to_svg(fig, fig_id, title)
+
     caption = f"Mean over seeds (thick) and each seed (faint) of the held-out {metric} at every evaluation."
-    return Figure(fig_id, title, caption, svg)
+    return Figure(fig_id, title, caption, _drawn(fig_id, title, draw))
 
 
 def effective_figure(methods: Sequence[MethodFigures]) -> Figure:
     fig_id, title = "compare-effective", "Effective-gradient ratio against step"
-    with mpl.rc_context(PLOT_STYLE):
-        fig = MplFigure(figsize=HALF, layout="constrained")
-        ax = fig.add_subplot()
+
+    def draw(ax: Axes) -> None:
         for i, m in enumerate(methods):
             steps = sorted({step for run in m.runs for step, _ in run.effective})
             means = [np.mean([r for run in m.runs for s, r in run.effective if s == step]) for step in steps]
@@ -95,18 +103,16 @@ def effective_figure(methods: Sequence[MethodFigures]) -> Figure:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("share of groups with reward variance")
         ax.set_ylim(-0.02, 1.02)
-        ax.legend(loc="best")
-        svg = to_svg(fig, fig_id, title)
+
     caption = "Mean over seeds of each step's share of groups whose rewards are not all equal."
-    return Figure(fig_id, title, caption, svg)
+    return Figure(fig_id, title, caption, _drawn(fig_id, title, draw))
 
 
 def budget_figure(methods: Sequence[MethodFigures]) -> Figure:
     fig_id, title = "compare-budget", "Where the rollouts went, by difficulty"
-    with mpl.rc_context(PLOT_STYLE):
-        fig = MplFigure(figsize=HALF, layout="constrained")
-        ax = fig.add_subplot()
-        width = 0.8 / max(len(methods), 1)
+    width = 0.8 / max(len(methods), 1)
+
+    def draw(ax: Axes) -> None:
         for i, m in enumerate(methods):
             totals = np.array([sum(run.budget[b] for run in m.runs) for b in DIFFICULTY_BINS], dtype=float)
             shares = totals / totals.sum() if totals.sum() else totals
@@ -114,10 +120,9 @@ def budget_figure(methods: Sequence[MethodFigures]) -> Figure:
             ax.bar(xs, shares, width, color=RUN_COLORS[i % len(RUN_COLORS)], label=m.method)
         ax.set_xticks(np.arange(len(DIFFICULTY_BINS)) + 0.4 - width / 2, DIFFICULTY_BINS, rotation=20, ha="right")
         ax.set_ylabel("share of the method's rollouts")
-        ax.legend(loc="best")
-        svg = to_svg(fig, fig_id, title)
+
     caption = "Rollouts allotted by the estimate p̂ the allocator decided on (allocations.p_hat), all seeds together."
-    return Figure(fig_id, title, caption, svg)
+    return Figure(fig_id, title, caption, _drawn(fig_id, title, draw))
 
 
 def render(name: str, command: str, metric: str, methods: Sequence[MethodFigures], notes: Sequence[str]) -> str:
