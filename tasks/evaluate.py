@@ -33,10 +33,16 @@ class EvaluateConfig(BaseModel):
     every: int = Field(50, ge=1, description="RL steps between evaluations (the last step always gets one)")
     split: str = "test"
     max_new_tokens: int = Field(3, ge=1)
+    # Both left out of dumps at their defaults (`exclude_if`), so the config ids of runs from before them stay.
     samples: int = Field(
-        0, ge=0, description="k answers sampled a problem beside the greedy one, scored as mean@k (0: greedy only)"
+        0,
+        ge=0,
+        description="k answers sampled a problem beside the greedy one, scored as mean@k (0: greedy only)",
+        exclude_if=lambda value: value == 0,
     )
-    temperature: float = Field(1.0, gt=0, description="the sampled answers' temperature (top_p 1)")
+    temperature: float = Field(
+        1.0, gt=0, description="the sampled answers' temperature (top_p 1)", exclude_if=lambda value: value == 1.0
+    )
 
 
 def build(inputs: Inputs, cfg: EvaluateConfig, ctx: StageContext) -> Built:
