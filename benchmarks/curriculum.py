@@ -81,37 +81,18 @@ def rows(root: Path, method: str, seed: int, sql: str) -> list[dict]:
 
 
 def figures(root: Path, method: str, seed: int, budget: int | None, target: float) -> dict:
-    """The method's figures from its store (see the module docstring)."""
-    groups = rows(
-        root,
-        method,
-        seed,
-        "SELECT r.step, o.slot, count(*) AS n, min(r.score) <> max(r.score) AS mixed "
-        "FROM rewards r JOIN rollouts o USING (rollout_id) GROUP BY r.step, o.slot",
-    )
-    per_step = {}
-    for g in groups:
-        per_step[g["step"]] = per_step.get(g["step"], 0) + g["n"]
-    config = json.loads(rows(root, method, seed, "SELECT config_json FROM config")[0]["config_json"])
-    # a rewrite's check samples: extra with join next_step; with same_step a kept one's are rollouts already
-    same_step = config["restructure"].get("join") == "same_step"
-    counted = "count(rewrite_accuracy) FILTER (WHERE NOT kept)" if same_step else "count(rewrite_accuracy)"
-    checks = rows(root, method, seed, f"SELECT step, {counted} AS n FROM restructured GROUP BY step")
-    rollouts_per_check = config["allocate"]["n"] if same_step else config["restructure"]["rollouts"]
-    for c in checks:
-        per_step[c["step"]] = per_step.get(c["step"], 0) + c["n"] * rollouts_per_check
-    cumulative, total = {}, 0
-    for step in sorted(per_step):
-        total += per_step[step]
-        cumulative[step] = total
-    evals = rows(root, method, seed, "SELECT step, accuracy FROM evals WHERE phase = 'rl' ORDER BY step")
-    within = [e for e in evals if budget is None or cumulative.get(e["step"], 0) <= budget]
-    reached = next((cumulative[e["step"]] for e in within if e["accuracy"] >= target), None)
+    """The method's figures from its store (see the module docstring), counted as `rlvr compare` counts them
+    (rlvr.flows.compare_figures): the metric is mean@k when the runs sampled answers, else greedy accuracy."""
+    from rlvr.flows.compare_figures import run_figures
+    from rlvr.storage.store import Store
+
+    run = run_figures(Store.open(str(store_path(root, method, seed))), "bench", method, seed)
+    reached = run.rollouts_to(target)
     return {
-        "effective_ratio": sum(g["mixed"] for g in groups) / len(groups),
-        "rollouts": total,
-        "rollouts_to_target": reached,
-        "accuracy": within[-1]["accuracy"] if within else None,
+        "effective_ratio": run.effective_ratio,
+        "rollouts": run.rollouts,
+        "rollouts_to_target": None if reached is None or (budget is not None and reached > budget) else reached,
+        "accuracy": run.final if budget is None else run.at_budget(budget),
     }
 
 

@@ -117,11 +117,11 @@ def run_id_of(name: str, method: str, seed: int) -> str:
     return f"{name}-{method.replace('+', '-')}-s{seed}"
 
 
-def jobs_of(spec: CompareSpec) -> list[Job]:
-    """Every (method, seed) run, seed by seed (so a stopped comparison has whole seeds first)."""
-    samples = (
-        [] if any(o.startswith("evaluate.samples=") for o in spec.overrides) else [f"evaluate.samples={spec.samples}"]
-    )
+def jobs_of(spec: CompareSpec, configured: int = 0) -> list[Job]:
+    """Every (method, seed) run, seed by seed (so a stopped comparison has whole seeds first); each evaluates with
+    `spec.samples` sampled answers unless `--set` or the config (`configured` > 0) says how many."""
+    given = configured > 0 or any(o.startswith("evaluate.samples=") for o in spec.overrides)
+    samples = [] if given else [f"evaluate.samples={spec.samples}"]
     return [
         Job(
             method,
@@ -139,11 +139,18 @@ def check_configs(spec: CompareSpec) -> None:
     line naming the method, not after the first runs)."""
     from rlvr.flows.config import load_config
 
-    for job in jobs_of(spec)[: len(spec.methods)]:
+    for job in jobs_of(spec, config_samples(spec))[: len(spec.methods)]:
         try:
             load_config(spec.config, [*job.overrides, f"run_id={job.run_id}"])
         except UserError as error:
             raise UserError(f"method {job.method}: {error}") from None
+
+
+def config_samples(spec: CompareSpec) -> int:
+    """The sampled answers a problem the config file asks for (0 when it asks for none, or there is no file)."""
+    from rlvr.flows.config import load_config
+
+    return 0 if spec.config is None else load_config(spec.config, []).evaluate.samples
 
 
 def job_command(store_root: str, config: str | None, job: Job, status: str | None) -> list[str]:
@@ -187,8 +194,9 @@ def bring_to_end(unit: dict[str, Any]) -> dict[str, Any]:
     status = run_status_in(unit["store"], job.run_id)
     if status == "completed":
         return {"run_id": job.run_id, "outcome": "completed before"}
-    if status == "running":
-        raise UserError(f"run {job.run_id} is running already (another `rlvr compare` of this name?)")
+    if status == "running":  # its process is alive (a dead one's run reads as failed)
+        why = "running already, in another process (another `rlvr compare` of this name?)"
+        return {"run_id": job.run_id, "outcome": f"failed: {why}", "tail": [], "log": unit["log"]}
     log = Path(unit["log"])
     env = {**os.environ, "PREFECT_LOGGING_LEVEL": "ERROR"}
     with log.open("a") as out:
@@ -209,7 +217,7 @@ def run_comparison(store_root: str, spec: CompareSpec, say: Callable[[str], None
     folder = logs_folder(store_root, spec.name)
     units: list[dict[str, Any]] = [
         {"job": j, "store": store_root, "config": spec.config, "log": str(folder / f"{j.run_id}.log")}
-        for j in jobs_of(spec)
+        for j in jobs_of(spec, config_samples(spec))
     ]
     runner: Any = ThreadPoolTaskRunner(max_workers=spec.parallel)
     # a module-level function, its progress through a module global: a worker backend pickles the flow's context,
@@ -311,7 +319,7 @@ COMPARE_VERSION = "1"
 
 
 def last_evaluation(store: Store, run_id: str) -> str:
-    evals = [m for m in store.manifests(kind="evals", run_id=run_id)]
+    evals = store.manifests(kind="evals", run_id=run_id)
     return max(evals, key=lambda m: (m.step or 0, m.created_at)).artifact_id
 
 

@@ -13,7 +13,8 @@ Per method, over its seeds: the final metric, the metric at uniform's budget (th
 has spent what uniform spent on that seed), rollouts to the target (when every seed reached it), the mean effective
 ratio, and the compute-equivalence ratio: the rollouts uniform's mean curve needs to reach the method's final metric,
 over the method's own rollouts (above 1: the method matches uniform with fewer rollouts). Intervals are percentile
-bootstraps over seeds (scipy.stats.bootstrap, two samples resampled independently for the ratio)."""
+bootstraps over seeds (scipy.stats.bootstrap for a mean; for the ratio, the method's and uniform's seeds are
+resampled independently by hand, since a resample where uniform never reaches the method has no value)."""
 
 from __future__ import annotations
 

@@ -5,16 +5,16 @@ are the runs' own, read again here with plain SQL; a second invocation resumes n
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from rlvr.flows.cli import app
+from rlvr.flows.compare_figures import RunFigures
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
-
-pytestmark = pytest.mark.slow
 
 SMALL = [
     "train.steps=3",
@@ -40,6 +40,7 @@ def rows(store: Store, sql: str) -> list[dict]:
     return query(store, sql).to_pylist()
 
 
+@pytest.mark.slow
 def test_a_two_method_two_seed_comparison_stores_the_runs_figures_and_page(tmp_path, monkeypatch, prefect_api):
     monkeypatch.setenv("PREFECT_API_URL", prefect_api)  # the runs, processes of their own, record their flows there
     root, page = tmp_path / "store", tmp_path / "cmp.html"
@@ -100,3 +101,67 @@ def test_an_unknown_method_is_refused_in_one_line_before_any_run(tmp_path):
     assert result.exit_code != 0
     assert "unknown method(s) spiral; known: uniform, sec, knapsack" in str(result.exception) + result.output
     assert not (tmp_path / "store").exists()
+
+
+def curve_run(method: str, seed: int, values: list[float], per_step: int = 100) -> RunFigures:
+    from rlvr.flows.compare_figures import DIFFICULTY_BINS
+
+    curve = [(step, step * per_step, value) for step, value in enumerate(values)]
+    late = {"all_right": 0.0, "all_wrong": 0.0, "mixed": 1.0}
+    return RunFigures(
+        f"{method}-{seed}",
+        method,
+        seed,
+        "mean@2",
+        curve,
+        curve[-1][1],
+        [(1, 0.5)],
+        dict.fromkeys(DIFFICULTY_BINS, 0),
+        late,
+    )
+
+
+def test_the_compute_equivalence_ratio_reads_uniforms_mean_curve_by_hand():
+    """Uniform's seeds average to 0.1, 0.3, 0.5 at 0, 100, 200 rollouts; a method that ends at 0.4 after 100
+    rollouts needs 150 of uniform's (halfway from 0.3 to 0.5): 1.5x. One that ends above uniform's best has none."""
+    from rlvr.flows.compare_figures import equivalence, method_figures, uniform_rollouts_for
+
+    uniform = [curve_run("uniform", 0, [0.0, 0.2, 0.4]), curve_run("uniform", 1, [0.2, 0.4, 0.6])]
+    assert uniform_rollouts_for(uniform, 0.4) == pytest.approx(150.0)
+    assert uniform_rollouts_for(uniform, 0.1) == 0.0  # reached before any rollout
+    fast = [curve_run("fast", 0, [0.1, 0.4], per_step=100), curve_run("fast", 1, [0.1, 0.4], per_step=100)]
+    assert equivalence(fast, uniform) == pytest.approx(1.5)
+    assert math.isnan(equivalence([curve_run("best", 0, [0.1, 0.7])], uniform))
+    found = {m.method: m for m in method_figures({"uniform": uniform, "fast": fast}, target=0.4)}
+    assert found["fast"].compute_equivalence.mean == pytest.approx(1.5)
+    assert found["fast"].rollouts_to_target.mean == 100.0 and found["fast"].rollouts_to_target.seeds == 2
+    assert found["uniform"].rollouts_to_target.seeds == 2  # seed 0 at 200, seed 1 at 100
+    assert found["uniform"].rollouts_to_target.mean == 150.0
+    assert found["fast"].at_uniform_budget.mean == pytest.approx(0.4)  # its last evaluation within 200 rollouts
+    final = found["uniform"].final
+    assert final.mean == pytest.approx(0.5) and 0.4 <= final.low <= final.high <= 0.6
+
+
+def test_an_estimate_of_equal_values_is_that_value_and_of_one_value_has_no_interval():
+    from rlvr.flows.compare_figures import estimate
+
+    same = estimate([0.3, 0.3, 0.3])
+    assert (same.mean, same.low, same.high, same.seeds) == (0.3, 0.3, 0.3, 3)
+    one = estimate([0.7, math.nan])
+    assert one.mean == 0.7 and one.seeds == 1 and math.isnan(one.low) and one.text() == "0.700"
+
+
+def test_the_runs_evaluate_with_the_asked_samples_unless_the_config_or_a_set_says_how_many(tmp_path):
+    from rlvr.flows.compare import CompareSpec, config_samples, jobs_of
+
+    config = tmp_path / "c.yaml"
+    config.write_text("evaluate: {samples: 4}\n")
+    spec = CompareSpec(name="c", config=str(config), methods=["uniform", "sec"], seeds=[0, 1], overrides=[])
+    assert config_samples(spec) == 4
+    assert not any(o.startswith("evaluate.samples=") for job in jobs_of(spec, 4) for o in job.overrides)
+    plain = CompareSpec(name="c", config=None, methods=["uniform"], seeds=[0], overrides=[], samples=6)
+    (job,) = jobs_of(plain, config_samples(plain))
+    assert job.overrides[0] == "evaluate.samples=6" and job.overrides[-1] == "seed=0"
+    assert job.run_id == "c-uniform-s0" and "select.type=uniform" in job.overrides
+    given = CompareSpec(name="c", config=None, methods=["uniform"], seeds=[0], overrides=["evaluate.samples=3"])
+    assert [o for o in jobs_of(given)[0].overrides if o.startswith("evaluate.samples=")] == ["evaluate.samples=3"]

@@ -5,6 +5,7 @@ again to resume the comparison)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -12,6 +13,9 @@ from rich.table import Table
 
 from rlvr.errors import UserError
 from rlvr.flows.cli.common import StoreOption, store_root
+
+if TYPE_CHECKING:
+    from rlvr.flows.compare import CompareSpec
 
 out = Console(soft_wrap=True)
 
@@ -72,11 +76,10 @@ def compare(
     _report(root, spec, page or Path(f"{name}.html"))
 
 
-def _report(root: str, spec: object, page_path: Path) -> None:
-    from rlvr.flows.compare import CompareSpec, commit_comparison, read_figures
+def _report(root: str, spec: CompareSpec, page_path: Path) -> None:
+    from rlvr.flows.compare import commit_comparison, read_figures
     from rlvr.flows.compare_page import headers, render, table_rows
 
-    assert isinstance(spec, CompareSpec)
     metric, methods = read_figures(root, spec)
     notes = [f"{m.method}: {note}" for m in methods for note in m.notes]
     page = render(spec.name, spec.command(), metric, methods, notes)
