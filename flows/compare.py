@@ -14,7 +14,6 @@ Unless the config or `--set` says otherwise, every run evaluates with `evaluate.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shlex
@@ -22,12 +21,22 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlvr.errors import UserError
 from rlvr.flows.compare_figures import MethodFigures, RunFigures, method_figures, run_figures
+from rlvr.flows.compare_runs_file import (
+    add_to_runs_file,
+    figures_of_row,
+    figures_row,
+    identity_in_store,
+    identity_of,
+    made_with,
+    number_or_none,
+    read_runs_file,
+)
 
 if TYPE_CHECKING:
     from rlvr.storage.store import Store
@@ -83,6 +92,8 @@ class CompareSpec:
     parallel: int = 2
     executor: str = "threads"
     address: str | None = None
+    runs_file: str | None = None  # finished runs shared with other stores (flows/compare_runs_file.py)
+    start_runs: bool = True  # False: read what has finished, start nothing
 
     def command(self) -> str:
         """The `rlvr compare` command line that makes this comparison."""
@@ -92,6 +103,7 @@ class CompareSpec:
         parts += [] if self.target is None else ["--target", f"{self.target:g}"]
         for item in self.overrides:
             parts += ["--set", item]
+        parts += [] if self.runs_file is None else ["--runs-file", self.runs_file]
         return shlex.join(parts)
 
     def check(self) -> None:
@@ -215,15 +227,22 @@ def run_comparison(store_root: str, spec: CompareSpec, say: Callable[[str], None
     from prefect.task_runners import ThreadPoolTaskRunner
 
     folder = logs_folder(store_root, spec.name)
+    jobs = jobs_of(spec, config_samples(spec))
+    in_file = rows_for_jobs(spec, jobs, read_runs_file(_path(spec.runs_file)))
     units: list[dict[str, Any]] = [
         {"job": j, "store": store_root, "config": spec.config, "log": str(folder / f"{j.run_id}.log")}
-        for j in jobs_of(spec, config_samples(spec))
+        for j in jobs
+        if j.run_id not in in_file
     ]
+    if in_file:
+        say(f"{len(in_file)} run(s) taken from {spec.runs_file}")
     runner: Any = ThreadPoolTaskRunner(max_workers=spec.parallel)
     # a module-level function, its progress through a module global: a worker backend pickles the flow's context,
     # which must hold no closure (a console's lock)
     compare = flow(name="rlvr-compare", flow_run_name=spec.name, task_runner=runner, validate_parameters=False)
-    _PROGRESS[:] = [say]
+    _PROGRESS[:] = [lambda text, result: say(text)]
+    if spec.runs_file is not None:
+        _PROGRESS.append(lambda text, result: _add_when_done(store_root, spec, jobs, result))
     try:
         ended: list[dict[str, Any]] = compare(_compare_flow)(store_root, units, executor_settings(spec))
         return ended
@@ -231,7 +250,20 @@ def run_comparison(store_root: str, spec: CompareSpec, say: Callable[[str], None
         _PROGRESS.clear()
 
 
-_PROGRESS: list[Callable[[str], None]] = []
+_PROGRESS: list[Callable[[str, dict[str, Any]], None]] = []
+
+
+def _path(runs_file: str | None) -> Path | None:
+    return None if runs_file is None else Path(runs_file)
+
+
+def _add_when_done(store_root: str, spec: CompareSpec, jobs: list[Job], result: dict[str, Any]) -> None:
+    """Add a run that ended well to the runs file."""
+    from rlvr.storage.store import open_store
+
+    if not result["outcome"].startswith("failed"):
+        job = next(j for j in jobs if j.run_id == result["run_id"])
+        add_to_runs_file(Path(str(spec.runs_file)), [store_row(open_store(store_root), spec, job)])
 
 
 def _compare_flow(store_root: str, units: list[dict[str, Any]], executor: dict[str, Any]) -> list[dict[str, Any]]:
@@ -252,8 +284,8 @@ def _compare_flow(store_root: str, units: list[dict[str, Any]], executor: dict[s
     ended: list[dict[str, Any]] = []
     for result in results:
         ended.append(result)
-        for say in _PROGRESS:
-            say(f"[{len(ended)}/{len(units)}] {result['run_id']}: {result['outcome']}")
+        for told in _PROGRESS:
+            told(f"[{len(ended)}/{len(units)}] {result['run_id']}: {result['outcome']}", result)
     return ended
 
 
@@ -271,14 +303,58 @@ def _task_body(run_id: str, unit: dict[str, Any]) -> dict[str, Any]:
     return bring_to_end(unit)
 
 
-def read_figures(store_root: str, spec: CompareSpec) -> tuple[str, list[MethodFigures]]:
-    """The metric the runs share and each method's figures, from the store (every job's run completed)."""
+def rows_for_jobs(spec: CompareSpec, jobs: list[Job], rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The file's rows of these jobs, each checked against its job's config identity (one line when one differs)."""
+    taken = {}
+    for job in jobs:
+        row = rows.get(job.run_id)
+        if row is None:
+            continue
+        if row["config"] != identity_of(spec.config, [*job.overrides, f"run_id={job.run_id}"]):
+            raise UserError(
+                f"--runs-file has run {job.run_id} under another config than this comparison gives it "
+                f"(read by {row['origin']}): compare it under its own config and --set, or use another file"
+            )
+        taken[job.run_id] = row
+    return taken
+
+
+def store_row(store: Store, spec: CompareSpec, job: Job) -> dict[str, Any]:
+    """The row of a run finished in the store, to add to the runs file."""
+    run = replace(run_figures(store, job.run_id, job.method, job.seed), origin=made_with())
+    return figures_row(run, spec.name, identity_in_store(store, job.run_id))
+
+
+def save_finished(store_root: str, spec: CompareSpec) -> int:
+    """Add every run of the comparison completed in the store to the runs file; how many."""
     from rlvr.storage.store import open_store
 
     store = open_store(store_root)
+    done = [j for j in jobs_of(spec, config_samples(spec)) if run_status_in(store_root, j.run_id) == "completed"]
+    if done:
+        add_to_runs_file(Path(str(spec.runs_file)), [store_row(store, spec, job) for job in done])
+    return len(done)
+
+
+def read_figures(store_root: str, spec: CompareSpec) -> tuple[str, list[MethodFigures]]:
+    """The metric the runs share and each method's figures: a run completed in the store is read from it, else
+    from the runs file; with `start_runs` off, a run in neither is left out (and a method without runs)."""
+    from rlvr.storage.store import open_store
+
+    store = open_store(store_root)
+    jobs = jobs_of(spec, config_samples(spec))
+    in_file = rows_for_jobs(spec, jobs, read_runs_file(_path(spec.runs_file)))
     runs: dict[str, list[RunFigures]] = {method: [] for method in spec.methods}
-    for job in jobs_of(spec):
-        runs[job.method].append(run_figures(store, job.run_id, job.method, job.seed))
+    for job in jobs:
+        if run_status_in(store_root, job.run_id) == "completed":
+            runs[job.method].append(run_figures(store, job.run_id, job.method, job.seed))
+        elif job.run_id in in_file:
+            runs[job.method].append(figures_of_row(in_file[job.run_id]))
+        elif spec.start_runs:
+            raise UserError(f"run {job.run_id} has not completed in {store_root}")
+    runs = {method: own for method, own in runs.items() if own}
+    if not runs:
+        raise UserError(f"no run of comparison {spec.name!r} has completed in {store_root} or the runs file")
     metrics = {run.metric for own in runs.values() for run in own}
     if len(metrics) > 1:
         raise UserError(f"the runs were evaluated differently ({', '.join(sorted(metrics))}): compare like with like")
@@ -296,7 +372,7 @@ def commit_comparison(store_root: str, spec: CompareSpec, metric: str, methods: 
 
     store = open_store(store_root)
     run_id = f"compare-{spec.name}"
-    parents = [last_evaluation(store, run.run_id) for m in methods for run in m.runs]
+    parents = [last_evaluation(store, run.run_id) for m in methods for run in m.runs if run.origin == "store"]
     identity = {
         "name": spec.name,
         "methods": spec.methods,
@@ -304,7 +380,7 @@ def commit_comparison(store_root: str, spec: CompareSpec, metric: str, methods: 
         "target": spec.target,
         "metric": metric,
     }
-    per_run = pa.Table.from_pylist([run_row(spec.name, metric, run) for m in methods for run in m.runs])
+    per_run = pa.Table.from_pylist([run_row(store, spec.name, run) for m in methods for run in m.runs])
     runs_id = artifact_id("comparison_runs", "compare", COMPARE_VERSION, identity, parents, run_id)
     common = dict(run_id=run_id, stage="compare", code_version=COMPARE_VERSION, config=identity)
     store.write_artifact("comparison_runs", runs_id, per_run, parents=parents, **common)  # type: ignore[arg-type]
@@ -315,7 +391,7 @@ def commit_comparison(store_root: str, spec: CompareSpec, metric: str, methods: 
     return aid
 
 
-COMPARE_VERSION = "1"
+COMPARE_VERSION = "2"  # 2: comparison_runs has the runs file's columns (the effective ratio step by step, origin)
 
 
 def last_evaluation(store: Store, run_id: str) -> str:
@@ -323,27 +399,10 @@ def last_evaluation(store: Store, run_id: str) -> str:
     return max(evals, key=lambda m: (m.step or 0, m.created_at)).artifact_id
 
 
-def run_row(name: str, metric: str, run: RunFigures) -> dict[str, Any]:
-    return {
-        "comparison": name,
-        "method": run.method,
-        "seed": run.seed,
-        "run_id": run.run_id,
-        "metric": metric,
-        "rollouts": run.rollouts,
-        "final": run.final,
-        "effective_ratio": run.effective_ratio,
-        "curve_steps": [p[0] for p in run.curve],
-        "curve_rollouts": [p[1] for p in run.curve],
-        "curve_values": [p[2] for p in run.curve],
-        "budget_bins": list(run.budget),
-        "budget_rollouts": list(run.budget.values()),
-        **{f"late_{outcome}": _number(share) for outcome, share in run.late.items()},
-    }
-
-
-def _number(value: float) -> float | None:
-    return None if math.isnan(value) else value
+def run_row(store: Store, name: str, run: RunFigures) -> dict[str, Any]:
+    """A run's row of `comparison_runs`: the runs file's row (its config identity from the store or the file)."""
+    identity = identity_in_store(store, run.run_id) if run.origin == "store" else ""
+    return figures_row(run, name, identity)
 
 
 def method_row(name: str, metric: str, m: MethodFigures) -> dict[str, Any]:
@@ -360,7 +419,7 @@ def method_row(name: str, metric: str, m: MethodFigures) -> dict[str, Any]:
     for key, found in figures.items():
         for part in ("mean", "low", "high"):
             value = None if found is None else getattr(found, part)
-            row[f"{key}_{part}" if part != "mean" else key] = None if value is None else _number(value)
+            row[f"{key}_{part}" if part != "mean" else key] = None if value is None else number_or_none(value)
     row["target_reached_seeds"] = None if m.rollouts_to_target is None else m.rollouts_to_target.seeds
     row["notes"] = "; ".join(m.notes)
     return row

@@ -46,6 +46,7 @@ class RunFigures:
     effective: list[tuple[int, float]]  # (step, effective ratio)
     budget: dict[str, int]  # rollouts allotted per difficulty bin
     late: dict[str, float]  # the outcome mix of the last quarter of steps' groups: all_right, all_wrong, mixed
+    origin: str = "store"  # or, for a run read from a --runs-file, the commit of the code that read it there
 
     @property
     def final(self) -> float:

@@ -28,12 +28,12 @@ SMALL = [
 RUNS = {f"cmp-{method}-s{seed}" for method in ("uniform", "knapsack") for seed in (0, 1)}
 
 
-def compare(store: Path, page: Path, methods: str = "uniform,knapsack") -> object:
+def compare(store: Path, page: Path, methods: str = "uniform,knapsack", extra: list[str] | None = None) -> object:
     args = ["compare", "--store", str(store), "--name", "cmp", "--methods", methods, "--seeds", "2", "--samples", "2"]
     args += ["--target", "0.05", "--page", str(page)]
     for item in SMALL:
         args += ["--set", item]
-    return CliRunner().invoke(app, args)
+    return CliRunner().invoke(app, args + (extra or []))
 
 
 def rows(store: Store, sql: str) -> list[dict]:
@@ -94,6 +94,38 @@ def test_a_two_method_two_seed_comparison_stores_the_runs_figures_and_page(tmp_p
     assert again.exit_code == 0, again.output
     assert again.output.count("completed before") == 4
     assert [m.artifact_id for m in Store.open(str(root)).manifests(kind="comparisons")] == [summary.artifact_id]
+    the_runs_file_carries_the_comparison_to_another_store(tmp_path, root, methods)
+
+
+def the_runs_file_carries_the_comparison_to_another_store(tmp_path: Path, root: Path, methods: dict) -> None:
+    """`--report-only --runs-file F` saves the store's finished runs to F; another store reads the same figures
+    from F alone, starts none of F's runs, and refuses F under another config in one line."""
+    runs_file = tmp_path / "shared" / "runs.parquet"
+    saved = compare(root, tmp_path / "p1.html", extra=["--runs-file", str(runs_file), "--report-only"])
+    assert saved.exit_code == 0, saved.output
+    assert f"4 run(s) of {root} added to {runs_file}" in saved.output
+
+    other = tmp_path / "other"
+    read = compare(other, tmp_path / "p2.html", extra=["--runs-file", str(runs_file), "--report-only"])
+    assert read.exit_code == 0, read.output
+    store = Store.open(str(other))
+    assert store.list_runs() == [] or {r["run_id"] for r in store.list_runs()} == {"compare-cmp"}
+    again = {r["method"]: r for r in rows(store, "SELECT * FROM comparisons")}
+    for method, m in methods.items():  # the same figures, intervals included, from the file as from the runs
+        for key in ("final", "final_low", "final_high", "effective_ratio", "compute_equivalence", "at_uniform_budget"):
+            assert again[method][key] == m[key], (method, key)
+    origins = {r["origin"] for r in rows(store, "SELECT origin FROM comparison_runs")}
+    assert len(origins) == 1 and origins != {"store"}  # the commit that read them
+
+    ran = compare(other, tmp_path / "p3.html", extra=["--runs-file", str(runs_file)])
+    assert ran.exit_code == 0, ran.output
+    assert "4 run(s) taken from" in ran.output and "completed" not in ran.output
+    assert {r["run_id"] for r in Store.open(str(other)).list_runs()} <= {"compare-cmp"}
+
+    refused = compare(other, tmp_path / "p4.html", extra=["--runs-file", str(runs_file), "--set", "allocate.n=2"])
+    assert refused.exit_code != 0
+    message = str(refused.exception) + refused.output
+    assert "--runs-file has run cmp-uniform-s0 under another config than this comparison gives it" in message
 
 
 def test_an_unknown_method_is_refused_in_one_line_before_any_run(tmp_path):
@@ -165,3 +197,33 @@ def test_the_runs_evaluate_with_the_asked_samples_unless_the_config_or_a_set_say
     assert job.run_id == "c-uniform-s0" and "select.type=uniform" in job.overrides
     given = CompareSpec(name="c", config=None, methods=["uniform"], seeds=[0], overrides=["evaluate.samples=3"])
     assert [o for o in jobs_of(given)[0].overrides if o.startswith("evaluate.samples=")] == ["evaluate.samples=3"]
+
+
+def test_a_runs_file_row_gives_the_run_back_whole_and_a_foreign_file_is_refused_in_one_line(tmp_path):
+    from dataclasses import replace
+
+    from rlvr.errors import UserError
+    from rlvr.flows.compare_runs_file import add_to_runs_file, figures_of_row, figures_row, read_runs_file
+
+    run = replace(curve_run("sec", 3, [0.1, 0.25, 0.5]), effective=[(1, 0.5), (2, 0.25)], origin="abc1234")
+    run.late.update(all_right=math.nan)  # a run too short for a late quarter keeps its nan
+    path = tmp_path / "runs.parquet"
+    add_to_runs_file(path, [figures_row(run, "c", "{}")])
+    add_to_runs_file(path, [figures_row(replace(run, run_id="sec-4", seed=4), "c", "{}")])
+    back = read_runs_file(path)
+    assert sorted(back) == ["sec-3", "sec-4"]
+    again = figures_of_row(back["sec-3"])
+    assert again.curve == run.curve and again.effective == run.effective and again.budget == run.budget
+    assert (again.run_id, again.seed, again.metric, again.rollouts, again.origin) == (
+        "sec-3",
+        3,
+        "mean@2",
+        200,
+        "abc1234",
+    )
+    assert math.isnan(again.late["all_right"]) and again.late["mixed"] == 1.0
+    assert not list(tmp_path.glob(".*.part"))
+
+    (tmp_path / "notes.parquet").write_text("not parquet")
+    with pytest.raises(UserError, match=r"^--runs-file .*notes.parquet: not a comparison's runs file \("):
+        read_runs_file(tmp_path / "notes.parquet")

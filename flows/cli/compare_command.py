@@ -37,6 +37,15 @@ def compare(
     address: str | None = typer.Option(None, "--address", help="a Dask scheduler or Ray cluster to run on"),
     set_: list[str] = typer.Option([], "--set", help="override a config key for every run"),
     page: Path | None = typer.Option(None, "--page", help="write the HTML page here (default ./NAME.html)"),
+    runs_file: Path | None = typer.Option(
+        None,
+        "--runs-file",
+        help="a Parquet file of finished runs shared between stores: its runs are not run again, each run finished "
+        "here is added to it",
+    ),
+    report_only: bool = typer.Option(
+        False, "--report-only", help="start no run: the figures of the runs finished so far (in the store or file)"
+    ),
 ) -> None:
     """Compare curricula and rollout budgets: each method on each seed is a real run (resumed where a run stopped);
     prints each method's figures with bootstrap 95% intervals, and stores them with an HTML page."""
@@ -53,10 +62,21 @@ def compare(
         parallel=parallel,
         executor=executor,
         address=address,
+        runs_file=None if runs_file is None else str(runs_file),
+        start_runs=not report_only,
     )
     spec.check()
     check_configs(spec)
     root = store_root(store)
+    if report_only:
+        from rlvr.flows.compare import save_finished
+        from rlvr.storage.store import open_store
+
+        open_store(root, create=True)
+        if spec.runs_file is not None:
+            out.print(f"{save_finished(root, spec)} run(s) of {root} added to {spec.runs_file}")
+        _report(root, spec, page or Path(f"{name}.html"))
+        return
     from rlvr.flows.ui import point_prefect_at_store, ui_url_of
     from rlvr.storage.store import open_store
 
@@ -85,7 +105,9 @@ def _report(root: str, spec: CompareSpec, page_path: Path) -> None:
     page = render(spec.name, spec.command(), metric, methods, notes)
     aid = commit_comparison(root, spec, metric, methods, page)
     page_path.write_text(page)
-    table = Table(title=f"{spec.name}: means over {len(spec.seeds)} seeds, bootstrap 95% intervals")
+    seeds = sorted({len(m.runs) for m in methods})
+    over = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]}"
+    table = Table(title=f"{spec.name}: means over {over} seeds, bootstrap 95% intervals")
     for header in headers(metric):
         table.add_column(header)
     for row in table_rows(methods):
