@@ -62,6 +62,15 @@ def _rlpr(cfg: Any) -> bool:
     return bool(cfg.label.reward == "rlpr")
 
 
+def _unbounded_reward(cfg: Any) -> str | None:
+    """What makes the config's rewards leave [0, 1] (a game's payoffs, DAPO's overlong penalty), or None."""
+    if cfg.env.type in ("gym", "textarena"):
+        return f"env.type={cfg.env.type} (a game's payoffs: -0.1 for an unreadable move, -1 for a lost game)"
+    if cfg.train.grpo.overlong == "penalty":
+        return "train.grpo.overlong=penalty (down to -1 at the length limit)"
+    return None
+
+
 def _ranks(cfg: Any) -> bool:
     return bool(cfg.train.data_parallel > 1)
 
@@ -156,6 +165,24 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "DisCO on ranks",
+        ("train.grpo.objective", "train.data_parallel"),
+        lambda cfg: _ranks(cfg) and cfg.train.grpo.objective == "disco",
+        lambda cfg: (
+            "train.grpo.objective=disco couples a group's rows and the minibatch's KL, which ranks holding parts of a "
+            "minibatch cannot: use train.data_parallel=1 with it"
+        ),
+    ),
+    Rule(
+        "BNPO on rewards outside [0, 1]",
+        ("train.grpo.advantage_scale", "env.type", "train.grpo.overlong"),
+        lambda cfg: cfg.train.grpo.advantage_scale == "beta" and _unbounded_reward(cfg) is not None,
+        lambda cfg: (
+            f"train.grpo.advantage_scale=beta (BNPO) reads each group's mean reward as a pass rate in [0, 1], and "
+            f"{_unbounded_reward(cfg)} pays outside it; use another advantage_scale"
+        ),
+    ),
+    Rule(
         "hints the tiny model cannot read",
         ("select.hints.template", "policy.model"),
         lambda cfg: (
@@ -198,5 +225,11 @@ EXAMPLES: dict[str, list[str]] = {
     "async sampling on ranks": ["flow.async_level=1", "train.data_parallel=2"],
     "episodes sent as text": ["env.type=retry", "rollout.type=openai", "rollout.prompt_as=text"],
     "vLLM on ranks": ["rollout.type=vllm", "train.data_parallel=2"],
+    "DisCO on ranks": ["train.grpo.objective=disco", "train.data_parallel=2"],
+    "BNPO on rewards outside [0, 1]": [
+        "train.grpo.advantage_scale=beta",
+        "train.grpo.overlong=penalty",
+        "train.grpo.overlong_buffer=1",
+    ],
     "batch seeding on ranks": ["rollout.seeding=batch", "train.data_parallel=2"],
 }

@@ -191,6 +191,8 @@ def generate(
         behaviour = cfg.train.grpo.model_dump(include={"temperature", "autocast", "micro_batch_tokens"})
         policy = sampler.policy_ref
         sampling = {**sampling, "behaviour": behaviour, "staleness": sampler.staleness, "logprobs": "sampling"}
+    elif cfg.train.grpo.correction != "none":  # the sampler's own log-probs, for the correction to weigh against
+        sampling = {**sampling, "logprobs": "sampling", "logprob_temperature": cfg.train.grpo.temperature}
     count = prompts_to_draw(batch, cfg.filter)
     while True:
         rounds = {"round": refills, "count": count, "first_slot": drawn} if cfg.filter.enabled else {}

@@ -281,6 +281,13 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("compute_seconds", _f),
             ("device", _s),
             ("peak_memory_bytes", _i),
+            # rollouts carrying their sampler's log-probs (async, train.grpo.correction): |log π_sampler - log
+            # π_trainer| mean and max over the sampled tokens, the k3 KL(sampler ‖ trainer), the share of tokens a
+            # correction truncated, rejected or zeroed (else null)
+            ("mismatch_mean", _f),
+            ("mismatch_max", _f),
+            ("mismatch_kl", _f),
+            ("corrected_share", _f),
         ]
     ),
     "train_state": pa.schema([("run_id", _s), ("step", _i), ("optimizer_steps", _i), ("n_params", _i)]),

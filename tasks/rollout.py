@@ -52,8 +52,9 @@ def build(inputs: Inputs, cfg: EngineConfig, ctx: StageContext) -> dict[str, Bui
     first_slot = min((s["slot"] for s in slots), default=0)  # > 0 for a refill round of dynamic sampling
     seed = ctx.derive_seed("rollout", ctx.step, first_slot) if first_slot else ctx.derive_seed("rollout", ctx.step)
     sampling = cfg.sampling(seed)
-    if behaviour is not None and ctx.params.get("logprobs") == "sampling":
-        sampling = replace(sampling, logprob_temperature=behaviour["temperature"])
+    if ctx.params.get("logprobs") == "sampling":  # recorded as drawn, at the trainer's temperature
+        temperature = behaviour["temperature"] if behaviour is not None else ctx.params["logprob_temperature"]
+        sampling = replace(sampling, logprob_temperature=temperature)
     env = ctx.params.get("env")  # None: the one-turn default, whose completions the label stage scores
     environment = EnvConfig() if env is None else EnvConfig.model_validate(env)
     tasks = slot_tasks(inputs, slots, prompts)

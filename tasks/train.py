@@ -110,6 +110,7 @@ def step_row(
         "updates": int(stats["updates"]),
         "compute_seconds": compute_seconds,
         **ctx.usage,
+        **{name: stats.get(name) for name in ("mismatch_mean", "mismatch_max", "mismatch_kl", "corrected_share")},
     }
 
 

@@ -76,7 +76,7 @@ def test_stored_logprobs_are_the_old_ones():
 @pytest.mark.slow
 def test_async_level_1_samples_one_step_behind_and_stores_what_it_sampled_with(tmp_path, rlvr_forks):
     store_root = tmp_path / "store"
-    sets = [arg for o in (*TINY_OVERRIDES, "flow.async_level=1") for arg in ("--set", o)]
+    sets = [arg for o in (*TINY_OVERRIDES, "flow.async_level=1", "allocate.n=8") for arg in ("--set", o)]
     done = rlvr("run", "--store", str(store_root), "--run-id", "a", *sets, forks=rlvr_forks)
     assert done.returncode == 0, done.stderr
     store = Store.open(str(store_root))
@@ -106,6 +106,15 @@ def test_async_level_1_samples_one_step_behind_and_stores_what_it_sampled_with(t
     cfg = load_config(None, ["run_id=a", *TINY_OVERRIDES]).train.grpo
     again = behaviour_logprobs(sampler, [p for _, p in prompts], samples, cfg)
     assert again == [pytest.approx(list(r["logprobs"]), abs=1e-6) for r in rows]
+    # every step's rollouts carry their sampler's log-probs: a step that updates records their mismatch with the
+    # trainer's own (8 rollouts a prompt give groups with signal at steps 4 and 5); one that does not, none. At step
+    # 4 the sampler's policy is the trainer's (no update since): only decoding's numerics differ
+    figures = query(store, "SELECT step, updates, mismatch_mean, mismatch_max, corrected_share FROM train_steps")
+    by_step = {f["step"]: f for f in figures.to_pylist()}
+    assert {s for s, f in by_step.items() if f["updates"]} == {4, 5}
+    assert all(f["mismatch_mean"] is None for f in by_step.values() if not f["updates"])
+    assert by_step[4]["mismatch_max"] < 1e-5 and by_step[5]["mismatch_mean"] > 0.01
+    assert by_step[4]["corrected_share"] == by_step[5]["corrected_share"] == 0.0
 
 
 def test_token_weights_scale_each_tokens_objective():

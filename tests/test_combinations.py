@@ -81,8 +81,9 @@ FACTORS: dict[str, tuple[Level, ...]] = {
     "grpo": (
         Level("grpo"),
         Level(
-            "dapo",
+            "dapo_cispo",
             (
+                "train.grpo.objective=cispo",
                 "train.grpo.aggregation=token-mean",
                 "train.grpo.clip_high=0.28",
                 "train.grpo.overlong=penalty",
@@ -90,6 +91,16 @@ FACTORS: dict[str, tuple[Level, ...]] = {
             ),
         ),
         Level("dr_grpo", ("train.grpo.aggregation=token-sum", "train.grpo.advantage_scale=none")),
+        Level(
+            "gspo_bnpo",
+            (
+                "train.grpo.objective=gspo",
+                "train.grpo.clip_low=3e-4",
+                "train.grpo.clip_high=4e-4",
+                "train.grpo.advantage_scale=beta",
+            ),
+        ),
+        Level("disco", ("train.grpo.objective=disco",)),
     ),
     "async": (Level("0"), Level("1", ("flow.async_level=1", "flow.sampler=thread"))),
     # the ranks adopt the initial checkpoint by slices; the first evaluation and the warm start run on them
@@ -262,14 +273,17 @@ def test_every_pair_is_covered_by_a_row_or_refused_alone_by_a_rule() -> None:
         print(f"  {row_id(index, row)}")
     assert ARRAY.uncoverable == [], [f"{value_name(a)} + {value_name(b)}" for a, b in ARRAY.uncoverable]
     assert covered.isdisjoint(refused)
-    assert len(covered) + len(refused) == len(ARRAY.pairs) == 301
+    assert len(covered) + len(refused) == len(ARRAY.pairs) == 347
     # what the rules say today: a model's reward (judge, reward model, RLPR) is for one-turn rollouts only (9), GHPO
-    # changes a prompt the GEM game never shows, RLPR does not take GHPO, nor does async sampling take ranks
+    # changes a prompt the GEM game never shows, RLPR does not take GHPO, nor does async sampling take ranks, DisCO
+    # does not take ranks, and BNPO does not take a game's payoffs
     assert by_rule == {
         "environment with a model-given reward": 9,
         "hints or rewrites on an environment that hides the prompt": 1,
         "RLPR with GHPO": 1,
         "async sampling on ranks": 1,
+        "DisCO on ranks": 1,
+        "BNPO on rewards outside [0, 1]": 1,
     }
 
 

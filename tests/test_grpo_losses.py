@@ -313,6 +313,10 @@ VARIANTS = {
     "advantage-clip": {"advantage_clip": 2.0},
     "gdpo": {"advantage_components": {"correct": 1.0, "format": 1.0}},
     "overlong-mask": {"overlong": "mask"},
+    "gspo": {"objective": "gspo", "clip_low": 3e-4, "clip_high": 4e-4},
+    "cispo": {"objective": "cispo", "aggregation": "token-mean", "clip_high": 0.28},
+    "disco": {"objective": "disco"},
+    "bnpo": {"advantage_scale": "beta"},
 }
 
 
@@ -336,7 +340,8 @@ def test_tiny_task_learns_with_each_variant(warm_policy, variant):
     rollouts (temperature 1, 3 new tokens, lr 1e-3, 2 minibatches) raise held-out accuracy by at least 0.20
     (6 problems) with every variant. Measured 2026-11 on the 2-core machine: 0.20 -> 0.80 GRPO (seq-mean-token-mean),
     0.73 KL to the warm start (k3, beta 0.05), 0.83 ratio cap 2, 0.80 token-mean+clip-higher,
-    0.83 token-sum, 0.70 dual-clip, 0.70 batch-std, 0.83 advantage-clip, 0.50 GDPO, 0.83 overlong-mask; 6-10 s each.
+    0.83 token-sum, 0.70 dual-clip, 0.70 batch-std, 0.83 advantage-clip, 0.50 GDPO, 0.83 overlong-mask; 6-10 s each. Added 2026-12-04: 0.70 GSPO
+    (clip 3e-4/4e-4), 0.80 CISPO (token-mean, clip_high 0.28), 0.67 DisCO (logL, τ 10), 0.73 BNPO.
     GDPO gets 80 steps: on another machine of the same kind (2026-11-29, other float rounding, so other samples) it
     stood at 0.13, 0.07, 0.13, 0.17, 0.30 after 10-50 steps and 0.57, 0.63, 0.60 after 60-80 (GRPO: 0.77 at 50).
 

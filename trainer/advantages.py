@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-AdvantageScale = Literal["std", "batch", "none"]
+AdvantageScale = Literal["std", "batch", "none", "beta"]
 
 
 def group_advantages(
@@ -21,7 +21,8 @@ def group_advantages(
     eps: float = 1e-6,
 ) -> Tensor:
     """A_i = (r_i - mean_g) / (std_g + eps) for the group g of sample i; scale="batch": divided by the std
-    of every reward of the batch instead (Lite PPO: robust when a group's std is tiny); "none": r_i - mean_g.
+    of every reward of the batch instead (Lite PPO: robust when a group's std is tiny); "none": r_i - mean_g;
+    "beta": divided by a Beta density at the group's pass rate (BNPO, `beta_scale`; rewards in [0, 1]).
 
     Stds are population stds (divide by the count, not count - 1): every group's advantages then have
     unit variance whatever its size, which keeps ragged groups on one scale; a group of one gets 0. Groups
@@ -37,8 +38,37 @@ def group_advantages(
         return centered.to(torch.float32)
     if scale == "batch":
         return (centered / (rewards.std(correction=0) + eps)).to(torch.float32)
+    if scale == "beta":
+        if bool(((rewards < 0) | (rewards > 1)).any()):
+            outside = float(rewards[(rewards < 0) | (rewards > 1)][0])
+            raise ValueError(f"advantage_scale=beta (BNPO) needs rewards in [0, 1]; this batch has {outside:g}")
+        return (centered / beta_scale(means, sizes)[group_index]).to(torch.float32)
     variances = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, centered**2) / sizes.clamp(min=1)
     return (centered / (variances.sqrt()[group_index] + eps)).to(torch.float32)
+
+
+BNPO_PRIOR = 1.5  # Beta(1.5, 1.5): where the batch's pass rates give no moments; BNPO's scale is then GRPO's (x π/8)
+
+
+def beta_scale(pass_rates: Tensor, sizes: Tensor) -> Tensor:
+    """BNPO's divisor for each group (Xiao et al. 2025; docs/methods.md#bnpo): the density f(p_g; a, b) of
+    Beta(a, b) at the group's pass rate p_g, with a = 1 + α/3 and b = 1 + β/3, where Beta(α, β) is fitted by moments
+    to the batch's pass rates (mean m, population variance v: α = m c, β = (1 - m) c, c = m(1 - m)/v - 1), as the
+    paper's variance-minimising choice for binary rewards. α = β = 1.5 gives f ∝ √(p(1-p)), GRPO's std: GRPO is the
+    special case, and it is the fallback when the moments do not define a Beta (equal pass rates, c ≤ 0). A group
+    at p 0 or 1 gets divisor 1 (its rewards equal its mean: advantage 0). Groups of size 0 are left out of the
+    moments. float64 [G]."""
+    present = sizes > 0
+    rates = pass_rates[present]
+    mean, variance = rates.mean(), rates.var(correction=0) if rates.numel() > 1 else torch.tensor(0.0)
+    common = mean * (1 - mean) / variance - 1 if variance > 0 else torch.tensor(-1.0)
+    alpha, beta = (mean * common, (1 - mean) * common) if common > 0 else (BNPO_PRIOR, BNPO_PRIOR)
+    a, b = 1 + float(alpha) / 3, 1 + float(beta) / 3
+    inside = (pass_rates > 0) & (pass_rates < 1)
+    density = torch.ones_like(pass_rates)
+    beta_dist = torch.distributions.Beta(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64))
+    density[inside] = beta_dist.log_prob(pass_rates[inside]).exp()
+    return density
 
 
 def semantic_entropy_scale(

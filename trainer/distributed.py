@@ -128,12 +128,12 @@ def _no_grad_logprobs(
             prompt_ids, completion_ids = rows.prompt_ids[part], rows.completion_ids[part]
             if with_entropy:
                 logp[part], entropy[part] = completion_logprobs_and_entropy(
-                    model, prompt_ids, completion_ids, pad_id, cfg.temperature, cfg.fused_head
+                    model, prompt_ids, completion_ids, pad_id, cfg.temperature, cfg.fused_head, cfg.fp32_head
                 )
             else:
                 mask = rows.mask[part].to(torch.float32)
                 logp[part] = completion_logprobs(
-                    model, prompt_ids, completion_ids, pad_id, mask, cfg.temperature, cfg.fused_head
+                    model, prompt_ids, completion_ids, pad_id, mask, cfg.temperature, cfg.fused_head, cfg.fp32_head
                 )[0]
     return logp, entropy
 

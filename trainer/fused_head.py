@@ -164,9 +164,11 @@ def fused_logprobs_and_entropy(
     pad_id: int,
     temperature: float,
     with_entropy: bool,
+    fp32_head: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """log π(completion token) [R, T] (differentiable in the decoder and the head when gradients are on) and,
-    with `with_entropy`, each position's entropy [R, T]; the numbers of `completion_logprobs(_and_entropy)`."""
+    with `with_entropy`, each position's entropy [R, T]; the numbers of `completion_logprobs(_and_entropy)`.
+    `fp32_head`: each block's matmul in float32 under autocast, not the autocast dtype."""
     parts = head_parts(model)
     if parts is None:
         raise ValueError(f"the fused LM head needs one of {sorted(FUSABLE)}, got {type(model).__name__}")
@@ -177,6 +179,8 @@ def fused_logprobs_and_entropy(
         hidden = completion_hidden(decoder, prompt_ids, completion_ids, pad_id)
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    if fp32_head and dtype is not None:
+        dtype = torch.float32
     logp, entropy = _FusedSelectiveLogSoftmax.apply(
         hidden, head.weight, completion_ids, temperature, dtype, with_entropy
     )

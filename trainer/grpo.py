@@ -15,6 +15,7 @@ pieces it uses live by concern and are importable from here too: trainer/advanta
 on) and trainer/micro_batches.py (micro-batches and their memory budget).
 """
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -57,6 +58,8 @@ from rlvr.trainer.micro_batches import micro_batches as micro_batches
 from rlvr.trainer.micro_batches import token_bytes as token_bytes
 from rlvr.trainer.micro_batches import tokens_that_fit as tokens_that_fit
 from rlvr.trainer.micro_batches import unallocated_update_bytes as unallocated_update_bytes
+from rlvr.trainer.mismatch import correction_weights, mismatch_stats
+from rlvr.trainer.objectives import cispo_loss, disco_loss, sequence_surrogate_loss
 from rlvr.trainer.policy import Policy
 
 
@@ -154,9 +157,11 @@ def _clipped_updates(
     updates = min(cfg.minibatches, rows.active_groups.numel())
     entropy: Tensor | None = None
     old_logp: Tensor | None
-    if cfg.decoupled and rows.old_logp is not None:  # stale samples: clip around π_prox, weight by π_prox / π_b
-        old_logp, entropy, ref_logp = rollout_logprobs(policy, rows, cfg, reference)
-        rows = replace(rows, behaviour_weight=behaviour_weights(old_logp, rows.old_logp, rows.mask, cfg.ratio_cap))
+    measured: dict[str, float] = {}
+    if rows.old_logp is not None:  # the sampler's log-probs: the trainer's own π_old beside them, and the mismatch
+        trainer_logp, entropy, ref_logp = rollout_logprobs(policy, rows, cfg, reference)
+        measured = mismatch_stats(trainer_logp, rows.old_logp, rows.mask)
+        rows, old_logp, measured["corrected_share"] = corrected_rows(rows, trainer_logp, cfg)
     elif rows.old_logp is None and updates > 1:
         old_logp, entropy, ref_logp = rollout_logprobs(policy, rows, cfg, reference)
     else:
@@ -172,7 +177,26 @@ def _clipped_updates(
     averages = {name: value / updates for name, value in totals.items()}
     if entropy is not None:
         averages["entropy"] = float((entropy * rows.mask).sum() / rows.mask.sum().clamp(min=1))
-    return {**averages, "updates": float(updates)}
+    return {**averages, **measured, "updates": float(updates)}
+
+
+def corrected_rows(rows: TrainingRows, trainer_logp: Tensor, cfg: GRPOConfig) -> tuple[TrainingRows, Tensor, float]:
+    """The rows, π_old and the share of tokens a correction changed, for rows that carry their sampler's log-probs
+    (`rows.old_logp`) beside the trainer's (`trainer_logp`). `decoupled`: π_old is the trainer's (π_prox) and each
+    token weighs π_prox / π_behaviour, capped at ratio_cap; `correction`: the same centre, the weight and kept tokens
+    of trainer/mismatch.py; neither: π_old stays the sampler's, unchanged."""
+    assert rows.old_logp is not None
+    if cfg.decoupled:
+        weight = behaviour_weights(trainer_logp, rows.old_logp, rows.mask, cfg.ratio_cap)
+        cut = rows.mask & (torch.exp(trainer_logp - rows.old_logp) > (cfg.ratio_cap or math.inf))
+        share = float(cut.sum() / rows.mask.sum().clamp(min=1))
+        return replace(rows, behaviour_weight=weight), trainer_logp, share
+    if cfg.correction == "none":
+        return rows, rows.old_logp, 0.0
+    weight, kept, share = correction_weights(
+        trainer_logp, rows.old_logp, rows.mask, cfg.correction, cfg.correction_level, cfg.correction_bounds
+    )
+    return replace(rows, behaviour_weight=weight, mask=kept), trainer_logp, share
 
 
 def behaviour_logprobs(
@@ -211,6 +235,7 @@ def reference_logprobs(policy: Policy, rows: TrainingRows, cfg: GRPOConfig, refe
                 rows.mask[part],
                 cfg.temperature,
                 cfg.fused_head,
+                cfg.fp32_head,
             )[0]
     return ref_logp
 
@@ -228,7 +253,13 @@ def rollout_logprobs(
     with torch.no_grad():
         for part in micro_batches(rows, everything, micro_batch_budget(policy.model, cfg)):
             old_logp[part], entropy[part] = completion_logprobs_and_entropy(
-                policy.model, rows.prompt_ids[part], rows.completion_ids[part], pad_id, cfg.temperature, cfg.fused_head
+                policy.model,
+                rows.prompt_ids[part],
+                rows.completion_ids[part],
+                pad_id,
+                cfg.temperature,
+                cfg.fused_head,
+                cfg.fp32_head,
             )
     ref_logp = reference_logprobs(policy, rows, cfg, reference) if reference is not None else None
     return old_logp, entropy, ref_logp
@@ -255,32 +286,77 @@ def minibatch_loss(
     entropy_sum = 0.0
     if with_entropy:
         logp, entropy = completion_logprobs_and_entropy(
-            model, prompt_ids, completion_ids, pad_id, temperature, cfg.fused_head
+            model, prompt_ids, completion_ids, pad_id, temperature, cfg.fused_head, cfg.fp32_head
         )
         entropy_sum = float((entropy * token_mask).sum())
     else:
-        logp = completion_logprobs(model, prompt_ids, completion_ids, pad_id, token_mask, temperature, cfg.fused_head)[
-            0
-        ]
+        logp = completion_logprobs(
+            model, prompt_ids, completion_ids, pad_id, token_mask, temperature, cfg.fused_head, cfg.fp32_head
+        )[0]
     old = logp.detach() if old_logp is None else old_logp[selected]
-    loss, loss_stats = clipped_surrogate_loss(
-        logp,
-        old,
-        rows.advantages[selected],
-        token_mask,
-        clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high,
-        aggregation=cfg.aggregation,
-        dual_clip=cfg.dual_clip,
-        ratio_cap=None if rows.behaviour_weight is not None else cfg.ratio_cap,  # decoupled: it caps the weight
-        max_length=max_length,
-        token_weight=None if rows.behaviour_weight is None else rows.behaviour_weight[selected],
-    )
+    loss, loss_stats = policy_loss(cfg, rows, selected, logp, old, token_mask, max_length)
     loss_stats["entropy_sum"] = entropy_sum
     if ref_logp is None:
         return loss, None, loss_stats
     kl_term = reference_kl(logp, ref_logp[selected], token_mask, rows.kl_weights[selected], cfg.aggregation, max_length)
     return loss + cfg.kl_beta * kl_term, kl_term, loss_stats
+
+
+def policy_loss(
+    cfg: GRPOConfig,
+    rows: TrainingRows,
+    selected: Tensor,
+    logp: Tensor,
+    old: Tensor,
+    token_mask: Tensor,
+    max_length: int | None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The `selected` rows' policy loss under `cfg.objective` (trainer/objectives.py) and its stats; a per-token
+    weight (decoupled PPO's) applies where the objective has tokens to weigh."""
+    advantages = rows.advantages[selected]
+    token_weight = None if rows.behaviour_weight is None else rows.behaviour_weight[selected]
+    if cfg.objective == "gspo":
+        return sequence_surrogate_loss(
+            logp,
+            old,
+            advantages,
+            token_mask,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            aggregation=cfg.aggregation,
+            max_length=max_length,
+            token_weight=token_weight,
+        )
+    if cfg.objective == "cispo":
+        return cispo_loss(
+            logp,
+            old,
+            advantages,
+            token_mask,
+            clip_high=cfg.clip_high,
+            aggregation=cfg.aggregation,
+            max_length=max_length,
+            token_weight=token_weight,
+        )
+    if cfg.objective == "disco":
+        d = cfg.disco
+        groups = rows.groups[selected]
+        return disco_loss(
+            logp, old, advantages, token_mask, groups, score=d.score, tau=d.tau, delta=d.delta, beta=d.beta
+        )
+    return clipped_surrogate_loss(
+        logp,
+        old,
+        advantages,
+        token_mask,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        aggregation=cfg.aggregation,
+        dual_clip=cfg.dual_clip,
+        ratio_cap=None if cfg.decoupled else cfg.ratio_cap,  # decoupled: it caps the behaviour weight instead
+        max_length=max_length,
+        token_weight=token_weight,
+    )
 
 
 def accumulate_gradients(

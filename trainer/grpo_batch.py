@@ -21,10 +21,29 @@ from rlvr.trainer.advantages import (
 )
 from rlvr.trainer.generation import Sample
 from rlvr.trainer.grpo_loss import Aggregation
+from rlvr.trainer.mismatch import Correction, CorrectionLevel
+from rlvr.trainer.objectives import DiscoScore, Objective
 from rlvr.trainer.policy import Policy
 from rlvr.trainer.turn_credit import token_advantages, turn_returns
 
 Overlong = Literal["none", "mask", "penalty"]
+
+
+class DiscoConfig(BaseModel):
+    """DisCO's settings (trainer/objectives.py `disco_loss`); the defaults are the paper's for its logL score."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    score: DiscoScore = Field(default="logL", description="logL: token-mean log π_θ; Lratio: token-mean π_θ / π_old")
+    tau: float | None = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "τ of the log-mean-exp over wrong answers (the paper: 10 for logL, 1 for Lratio); None: DisCO-b's mean"
+        ),
+    )
+    delta: float = Field(default=1e-4, ge=0, description="δ: the KL(π_old ‖ π_θ) the penalty allows")
+    beta: float = Field(default=1e3, ge=0, description="β of the squared hinge on KL above δ")
 
 
 class GRPOConfig(BaseModel):
@@ -128,6 +147,44 @@ class GRPOConfig(BaseModel):
         ),
     )
 
+    objective: Objective = Field(
+        default="grpo",
+        exclude_if=lambda value: value == "grpo",  # left out of dumps (so of ids) at the default
+        description=(
+            "the policy loss (trainer/objectives.py): grpo (the clipped token surrogate), gspo (one clipped ratio a "
+            "sequence; the paper clips at 3e-4/4e-4), cispo (every token's gradient, its weight clipped above at "
+            "1 + clip_high and detached) or disco (right answers' scores against wrong ones', under a KL hinge)"
+        ),
+    )
+    disco: DiscoConfig = Field(
+        default_factory=lambda: DiscoConfig(),
+        exclude_if=lambda value: value == DiscoConfig(),
+        description="DisCO's score, τ, δ and β (objective=disco)",
+    )
+    correction: Correction = Field(
+        default="none",
+        exclude_if=lambda value: value == "none",
+        description=(
+            "when rollouts carry their sampler's log-probs (flow.async_level, another engine): clip around the "
+            "trainer's own π_old and weight each token by w = π_trainer / π_sampler, truncated (tis), with tokens "
+            "outside the bounds rejected (mis) or zeroed (icepop) (trainer/mismatch.py)"
+        ),
+    )
+    correction_level: CorrectionLevel = Field(
+        default="token",
+        exclude_if=lambda value: value == "token",
+        description="token: a weight a token; sequence: one a sequence, the product of its tokens'",
+    )
+    correction_bounds: tuple[float, float] | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,
+        description="(low, high) of the weight; None: tis (-, 2), mis (0.5, 2), icepop (0.5, 5)",
+    )
+    fp32_head: bool = Field(
+        default=False,
+        exclude_if=lambda value: value is False,
+        description="the policy's log-probs with the LM head in float32 under bf16 autocast (the fused head too)",
+    )
     turn_credit: Literal["trajectory", "return_to_go"] = Field(
         default="trajectory",
         exclude_if=lambda value: value == "trajectory",  # left out of dumps (so of ids) at the default
@@ -146,6 +203,25 @@ class GRPOConfig(BaseModel):
             raise ValueError(f"ratio_cap must exceed 1 + clip_high = {1.0 + self.clip_high}")
         if self.overlong == "penalty" and self.overlong_buffer is None:
             raise ValueError('overlong="penalty" needs overlong_buffer (tokens of the linear ramp)')
+        if self.objective in ("gspo", "disco") and self.turn_credit != "trajectory":
+            raise ValueError(f"objective={self.objective} scores whole sequences: it needs turn_credit=trajectory")
+        if self.objective == "disco" and self.micro_batch_tokens is not None:
+            raise ValueError(
+                "objective=disco couples a group's rows and the minibatch's KL: each minibatch goes through one pass, "
+                "so micro_batch_tokens cannot be set (use more minibatches for less memory)"
+            )
+        if self.correction != "none" and self.decoupled:
+            raise ValueError(
+                "decoupled is the tis correction with ratio_cap as its bound: set correction or decoupled, not both"
+            )
+        if self.correction_bounds is not None and not 0 <= self.correction_bounds[0] < self.correction_bounds[1]:
+            raise ValueError(f"correction_bounds {list(self.correction_bounds)}: need 0 <= low < high")
+        if self.objective == "disco" and self.correction != "none":
+            raise ValueError("objective=disco has no per-token weight for a mismatch correction: set correction=none")
+        if self.objective == "disco" and self.decoupled:
+            raise ValueError("objective=disco has no per-token weight for decoupled PPO: turn decoupled off")
+        if self.objective != "grpo" and (self.dual_clip is not None or self.ratio_cap is not None):
+            raise ValueError(f"dual_clip and ratio_cap belong to the grpo objective, not {self.objective}")
         return self
 
     @property

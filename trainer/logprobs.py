@@ -15,7 +15,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlvr.trainer.fused_head import causal_inputs, fused_logprobs_and_entropy, use_fused
+from rlvr.trainer.fused_head import (
+    FUSABLE,
+    causal_inputs,
+    completion_hidden,
+    fused_logprobs_and_entropy,
+    head_parts,
+    use_fused,
+)
 from rlvr.trainer.vocab_blocks import block_log_probs, block_positions, position_blocks
 
 
@@ -123,6 +130,7 @@ def completion_logprobs(
     completion_mask: Tensor | None = None,
     temperature: float = 1.0,
     fused: bool | None = None,
+    fp32_head: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """log π(completion token | prompt, earlier tokens) per position, and which positions are real.
 
@@ -132,14 +140,15 @@ def completion_logprobs(
     sampler's. The mask defaults to
     `completion_ids != pad_id`; pass `completion_mask` when a pad id can be a real token (a model whose
     pad token is its eos, or a sampled pad), as `grpo_step` does. `fused`: the LM head block by block, never
-    the whole logits (trainer/fused_head.py); None: on CUDA for the architectures it supports.
+    the whole logits (trainer/fused_head.py); None: on CUDA for the architectures it supports. `fp32_head`: the
+    head's matmul in float32 under autocast (the decoder stays in the autocast dtype).
     """
     if completion_mask is None:
         completion_mask = completion_ids != pad_id
     if use_fused(model, fused):
-        logp = fused_logprobs_and_entropy(model, prompt_ids, completion_ids, pad_id, temperature, False)[0]
+        logp = fused_logprobs_and_entropy(model, prompt_ids, completion_ids, pad_id, temperature, False, fp32_head)[0]
     else:
-        logits = next_token_logits(model, prompt_ids, completion_ids, pad_id)
+        logits = head_logits(model, prompt_ids, completion_ids, pad_id, fp32_head)
         logp = selective_log_softmax(logits, completion_ids, temperature)
     return logp, completion_mask.to(logp.dtype)
 
@@ -151,13 +160,31 @@ def completion_logprobs_and_entropy(
     pad_id: int,
     temperature: float,
     fused: bool | None = None,
+    fp32_head: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """`completion_logprobs` (same numbers; differentiable when gradients are on) and the entropy -Σ_v π log π of
     the next-token distribution at each completion position [R, T] (no gradient), from one forward pass; entropy
     collapse is GRPO's best-known failure."""
     if use_fused(model, fused):
-        logp, entropy = fused_logprobs_and_entropy(model, prompt_ids, completion_ids, pad_id, temperature, True)
+        logp, entropy = fused_logprobs_and_entropy(
+            model, prompt_ids, completion_ids, pad_id, temperature, True, fp32_head
+        )
         assert entropy is not None
         return logp, entropy
-    logits = next_token_logits(model, prompt_ids, completion_ids, pad_id)
+    logits = head_logits(model, prompt_ids, completion_ids, pad_id, fp32_head)
     return log_probs_and_entropy(logits, completion_ids, temperature)
+
+
+def head_logits(model: torch.nn.Module, prompt_ids: Tensor, completion_ids: Tensor, pad_id: int, fp32: bool) -> Tensor:
+    """`next_token_logits`; with `fp32` the decoder's hidden states go through the LM head in float32 with autocast
+    off (prime-rl's and AReaL's FP32 head: under bf16 the head's rounding is the largest share of the log-probs'
+    error). Needs a model whose logits are its head on the decoder's output (trainer/fused_head.py `head_parts`)."""
+    if not fp32:
+        return next_token_logits(model, prompt_ids, completion_ids, pad_id)
+    parts = head_parts(model)
+    if parts is None:
+        raise ValueError(f"train.grpo.fp32_head needs one of {sorted(FUSABLE)}, got {type(model).__name__}")
+    decoder, head = parts
+    hidden = completion_hidden(decoder, prompt_ids, completion_ids, pad_id)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return torch.nn.functional.linear(hidden.float(), head.weight.float())

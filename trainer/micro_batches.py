@@ -63,9 +63,11 @@ def micro_batch_budget(
 ) -> int | None:
     """`cfg.micro_batch_tokens` when set. Unset: on CUDA, the padded tokens that fit in `MEMORY_SHARE` of the free
     GPU memory (the caching allocator's unused reserve counts as free) after what the update will still allocate,
-    at `token_bytes` each; elsewhere None (the whole minibatch, as the CPU always did)."""
+    at `token_bytes` each; elsewhere, and for DisCO, None (the whole minibatch, as the CPU always did)."""
     if cfg.micro_batch_tokens is not None:
         return cfg.micro_batch_tokens
+    if cfg.objective == "disco":  # its loss couples the minibatch's rows: one pass (GRPOConfig refuses a budget)
+        return None
     device = next(model.parameters()).device
     if device.type != "cuda":
         return None
