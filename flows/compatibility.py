@@ -174,6 +174,15 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "mismatch correction on ranks",
+        ("train.grpo.correction", "train.data_parallel"),
+        lambda cfg: _ranks(cfg) and cfg.train.grpo.correction != "none",
+        lambda cfg: (
+            f"train.grpo.correction={cfg.train.grpo.correction} weighs the sampler's log-probs against the trainer's, "
+            "which the ranks recompute for themselves: use train.data_parallel=1 with it"
+        ),
+    ),
+    Rule(
         "BNPO on rewards outside [0, 1]",
         ("train.grpo.advantage_scale", "env.type", "train.grpo.overlong"),
         lambda cfg: cfg.train.grpo.advantage_scale == "beta" and _unbounded_reward(cfg) is not None,
@@ -226,6 +235,7 @@ EXAMPLES: dict[str, list[str]] = {
     "episodes sent as text": ["env.type=retry", "rollout.type=openai", "rollout.prompt_as=text"],
     "vLLM on ranks": ["rollout.type=vllm", "train.data_parallel=2"],
     "DisCO on ranks": ["train.grpo.objective=disco", "train.data_parallel=2"],
+    "mismatch correction on ranks": ["train.grpo.correction=tis", "train.data_parallel=2"],
     "BNPO on rewards outside [0, 1]": [
         "train.grpo.advantage_scale=beta",
         "train.grpo.overlong=penalty",

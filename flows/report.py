@@ -131,7 +131,8 @@ def load_run(store: Store, con: duckdb.DuckDBPyConnection, run_id: str, record: 
         config=config,
         steps=_rows(
             con,
-            "SELECT step, mean_reward, effective_ratio, rollouts FROM train_steps WHERE run_id = ? ORDER BY step",
+            "SELECT step, mean_reward, effective_ratio, rollouts, mismatch_mean, mismatch_max, corrected_share "
+            "FROM train_steps WHERE run_id = ? ORDER BY step",
             run_id,
         ),
         evals=_rows(

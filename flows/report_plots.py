@@ -67,7 +67,8 @@ class RunData:
     kind: str  # "rl" or "data"
     status: str
     config: dict[str, Any]
-    steps: list[dict[str, Any]] = field(default_factory=list)  # train_steps: step, mean_reward, effective_ratio
+    # train_steps: step, mean_reward, effective_ratio, rollouts, mismatch_mean, mismatch_max, corrected_share
+    steps: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)  # step, phase, split, accuracy
     curriculum: list[dict[str, Any]] = field(default_factory=list)  # step, arm, probability, q_after
     budgets: list[int] = field(default_factory=list)  # rollouts per prompt, every step's allocations
@@ -636,6 +637,38 @@ def judge_figure(runs: Sequence[RunData]) -> Figure | None:
     return Figure(fig_id, title, caption, to_svg(fig, fig_id, title), notes)
 
 
+def mismatch_figure(runs: Sequence[RunData]) -> Figure | None:
+    """The sampler-trainer mismatch of each step that measured it (rollouts carrying their sampler's log-probs);
+    None when no run measured one."""
+    points = {r.run_id: [s for s in r.steps if is_number(s.get("mismatch_mean"))] for r in runs}
+    if not any(points.values()):
+        return None
+    fig_id, title = "mismatch", "Sampler-trainer mismatch"
+    caption = (
+        "Mean (solid) and largest (dashed) |log π_sampler − log π_trainer| over each step's sampled tokens "
+        "(train_steps.mismatch_mean, mismatch_max; log scale): another engine or precision, or a stale sampler "
+        "(flow.async_level). A label gives the share of tokens train.grpo.correction changed, when above 0."
+    )
+    present, notes = _split(runs, lambda r: bool(points[r.run_id]), lambda r: "no step measured it")
+    colors = run_colors(runs)
+    fig = _new_figure(HALF)
+    ax = fig.add_subplot()
+    for run in present:
+        rows, color = points[run.run_id], colors[run.run_id]
+        steps = [p["step"] for p in rows]
+        ax.plot(steps, [max(p["mismatch_mean"], 1e-12) for p in rows], color=color, marker="o", ms=3, label=run.run_id)
+        ax.plot(steps, [max(p["mismatch_max"], 1e-12) for p in rows], color=color, lw=0.8, ls="--")
+        shares = [p.get("corrected_share") or 0.0 for p in rows]
+        if any(shares):
+            _label_points(ax, steps, [p["mismatch_max"] for p in rows], [f"{x:.0%}" for x in shares], color)
+    ax.set_yscale("log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("|log-prob difference|")
+    ax.legend(loc="best")
+    return Figure(fig_id, title, caption, to_svg(fig, fig_id, title), notes)
+
+
 FIGURES: tuple[Callable[[Sequence[RunData]], Figure | None], ...] = (
     reward_figure,
     accuracy_figure,
@@ -648,6 +681,7 @@ FIGURES: tuple[Callable[[Sequence[RunData]], Figure | None], ...] = (
     stop_reason_figure,
     tool_call_figure,
     judge_figure,
+    mismatch_figure,
 )
 
 

@@ -133,3 +133,24 @@ def test_blocks_are_larger_on_a_gpu_where_each_one_costs_a_pass_over_the_heads_w
     assert len(position_blocks(*micro_batch, block_positions(qwen_vocab))) == 32 * 5
     assert len(position_blocks(*micro_batch, block_positions(qwen_vocab, "cuda"))) == 32  # a whole row each
     assert block_positions(10**9, "cuda") == 1
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_fp32_head_under_bf16_autocast_is_the_float32_head_on_the_bf16_decoders_output(fused) -> None:
+    """`fp32_head`: the decoder runs under bf16 autocast, the head's matmul in float32. Its log-probs are exactly the
+    float32 head applied by hand to the bf16 decoder's hidden states, on both paths, and nearer the float32 model's
+    than the all-bf16 ones. Mutation that fails it: the head's matmul left to autocast (bf16)."""
+    from rlvr.trainer.fused_head import completion_hidden
+
+    m = model(tied=False)
+    prompts, completions = batch()
+    with torch.no_grad():
+        exact = completion_logprobs(m, prompts, completions, PAD, fused=False)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16 = completion_logprobs(m, prompts, completions, PAD, fused=fused)[0]
+            head32 = completion_logprobs(m, prompts, completions, PAD, fused=fused, fp32_head=True)[0]
+            hidden = completion_hidden(m.model, prompts, completions, PAD)
+        logits = hidden.float() @ m.lm_head.weight.float().t()
+        by_hand = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(head32, by_hand, rtol=0, atol=1e-5)
+    assert (head32 - exact).abs().mean() < (bf16 - exact).abs().mean()

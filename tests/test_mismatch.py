@@ -100,3 +100,14 @@ def test_correction_settings_are_refused_in_one_line_where_they_cannot_apply():
     with pytest.raises(ValidationError, match="objective=disco has no per-token weight for a mismatch correction"):
         GRPOConfig(correction="icepop", objective="disco")
     assert "correction" not in GRPOConfig().model_dump(mode="json")
+
+
+def test_the_report_draws_the_mismatch_only_for_runs_that_measured_it():
+    from rlvr.flows.report_plots import RunData, mismatch_figure
+
+    plain = RunData("plain", "rl", "completed", {}, steps=[{"step": 1, "mismatch_mean": None}])
+    assert mismatch_figure([plain]) is None
+    measured = [{"step": s, "mismatch_mean": 0.1 * s, "mismatch_max": 0.5 * s, "corrected_share": 0.25} for s in (1, 2)]
+    figure = mismatch_figure([plain, RunData("async", "rl", "completed", {}, steps=measured)])
+    assert figure is not None and figure.svg is not None and 'aria-label="Sampler-trainer mismatch"' in figure.svg
+    assert figure.notes == ["plain: no data: no step measured it"]
