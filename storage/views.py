@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -556,7 +556,7 @@ def _lock_down(con: duckdb.DuckDBPyConnection, store: Store) -> None:
     con.execute("SET lock_configuration = true")
 
 
-def connect(store: Store, sql: str | None = None) -> duckdb.DuckDBPyConnection:
+def connect(store: Store, sql: str | None = None, run_ids: Collection[str] | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with one view per artifact kind plus `artifacts`, `lineage`, `stage_runs` and `runs`.
 
     It is a snapshot: artifacts committed after this call appear on the next `connect`. What the manifests
@@ -565,6 +565,9 @@ def connect(store: Store, sql: str | None = None) -> duckdb.DuckDBPyConnection:
     will run, only the views and catalog tables that statement reads are made (a view over the others would
     cost a read of every file in the store, a request each on object storage).
 
+    `run_ids`: only these runs' artifacts are in the views (a reader of one run of a store of many then reads the
+    footers of that run's files alone).
+
     The connection is locked down (`_lock_down`): it reads only the store's artifacts and its settings
     cannot change. It does not check statements: run untrusted SQL through `query` or `check_read_only`.
     """
@@ -572,6 +575,8 @@ def connect(store: Store, sql: str | None = None) -> duckdb.DuckDBPyConnection:
     wanted = _tables_named(con, sql) if sql is not None else None
     named = lambda name: wanted is None or name in wanted  # noqa: E731
     rows = catalog.committed(store)
+    if run_ids is not None:
+        rows = rows.filter(pc.is_in(rows.column("run_id"), value_set=pa.array(sorted(run_ids), pa.string())))
     kind_column = rows.column("kind")
     for kind in sorted(set(SCHEMAS) | set(pc.unique(kind_column).to_pylist())):
         if not named(kind):

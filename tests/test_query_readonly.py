@@ -441,10 +441,11 @@ def test_a_store_on_s3_reads_its_artifacts_and_nothing_else(outside: str, monkey
 def test_a_store_written_before_a_column_existed_answers_queries_that_name_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`train_steps.device` and `peak_memory_bytes` came later; artifacts written before them read as nulls, and
-    the columns they have keep their values."""
+    """`train_steps.device` and `peak_memory_bytes` came later, and the mismatch columns after them; artifacts
+    written before them read as nulls, and the columns they have keep their values."""
     declared = SCHEMAS["train_steps"]
-    before = pa.schema([f for f in declared if f.name not in ("device", "peak_memory_bytes")])
+    later = ("device", "peak_memory_bytes", "mismatch_mean", "mismatch_max", "mismatch_kl", "corrected_share")
+    before = pa.schema([f for f in declared if f.name not in later])
     values = {"run_id": ["r", "r"], "step": [1, 2], "loss": [0.5, 0.25]}
     old = pa.table({f.name: values.get(f.name, [None, None]) for f in before}, schema=before)
     store = Store.open(str(tmp_path / "store"), create=True)
