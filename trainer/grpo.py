@@ -19,6 +19,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -315,47 +316,21 @@ def policy_loss(
     weight (decoupled PPO's) applies where the objective has tokens to weigh."""
     advantages = rows.advantages[selected]
     token_weight = None if rows.behaviour_weight is None else rows.behaviour_weight[selected]
-    if cfg.objective == "gspo":
-        return sequence_surrogate_loss(
-            logp,
-            old,
-            advantages,
-            token_mask,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            aggregation=cfg.aggregation,
-            max_length=max_length,
-            token_weight=token_weight,
-        )
-    if cfg.objective == "cispo":
-        return cispo_loss(
-            logp,
-            old,
-            advantages,
-            token_mask,
-            clip_high=cfg.clip_high,
-            aggregation=cfg.aggregation,
-            max_length=max_length,
-            token_weight=token_weight,
-        )
     if cfg.objective == "disco":
-        d = cfg.disco
-        groups = rows.groups[selected]
+        d, groups = cfg.disco, rows.groups[selected]
         return disco_loss(
             logp, old, advantages, token_mask, groups, score=d.score, tau=d.tau, delta=d.delta, beta=d.beta
         )
+    shared: dict[str, Any] = dict(aggregation=cfg.aggregation, max_length=max_length, token_weight=token_weight)
+    if cfg.objective == "cispo":
+        return cispo_loss(logp, old, advantages, token_mask, clip_high=cfg.clip_high, **shared)
+    clips: dict[str, Any] = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    if cfg.objective == "gspo":
+        return sequence_surrogate_loss(logp, old, advantages, token_mask, **clips, **shared)
+    # decoupled PPO caps its behaviour weight with ratio_cap instead of the unclipped term
+    cap = None if cfg.decoupled else cfg.ratio_cap
     return clipped_surrogate_loss(
-        logp,
-        old,
-        advantages,
-        token_mask,
-        clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high,
-        aggregation=cfg.aggregation,
-        dual_clip=cfg.dual_clip,
-        ratio_cap=None if cfg.decoupled else cfg.ratio_cap,  # decoupled: it caps the behaviour weight instead
-        max_length=max_length,
-        token_weight=token_weight,
+        logp, old, advantages, token_mask, dual_clip=cfg.dual_clip, ratio_cap=cap, **clips, **shared
     )
 
 
