@@ -5,7 +5,10 @@ the RL phase, and commits the one-process run's artifact ids.
 
 Tolerances as in tests/test_distributed.py: the ranks sum the same float32 terms in another order, so the losses
 agree to ~1e-6 and, through AdamW (whose 1/sqrt(v) turns float noise in a ~0 gradient into a visible step), the
-weights to a few 1e-3 x lr; 2e-2 x lr is allowed."""
+weights to a few 1e-3 x lr; 2e-2 x lr is allowed. Where a gradient is float noise (|g| near AdamW's eps), the step
+itself flips with the rounding: on an AMD EPYC host (2026-12-04) one element of 16,384 moved 0.089 x lr apart on both
+shardings, at the same index. So `close_to_one_process` allows that for at most 0.1% of a tensor's elements, never
+beyond 0.2 x lr."""
 
 from __future__ import annotations
 
@@ -39,6 +42,14 @@ def _train_twice(policy: Policy) -> list[float]:
     a fresh AdamW as the warm start makes it."""
     losses = sft_steps(policy, make_optimizer(policy, LR, 0.0), SEQUENCES, steps=3, batch_size=5, seed=7)
     return losses + sft_steps(policy, make_optimizer(policy, LR, 0.0), SEQUENCES, steps=2, batch_size=1, seed=8)
+
+
+def close_to_one_process(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within 2e-2 x lr, but for at most 0.1% of the elements, which stay within 0.2 x lr (the module docstring)."""
+    apart = (got - want).abs()
+    beyond = int((apart > 2e-2 * LR).sum())
+    assert beyond <= max(1, apart.numel() // 1000), f"{name}: {beyond} of {apart.numel()} elements beyond 2e-2 x lr"
+    assert float(apart.max()) <= 0.2 * LR, f"{name}: {float(apart.max()):.3g} apart, beyond 0.2 x lr"
 
 
 @pytest.mark.parametrize("sharding", SHARDINGS)
@@ -77,7 +88,7 @@ def test_sft_steps_on_two_ranks_are_one_process_steps_one_unit_whole_at_a_time(s
     trained = single.model.state_dict()
     assert max(float((trained[name] - initial[name]).abs().max()) for name in trained) > 100 * 2e-2 * LR
     for name, tensor in trained.items():
-        torch.testing.assert_close(gathered[name], tensor, atol=2e-2 * LR, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+        close_to_one_process(name, gathered[name], tensor)
     assert len(whole_layers) == 4 * 5  # every layer in every step's forward (idle passes too)
     assert max(whole_layers) <= 2
 
