@@ -49,7 +49,7 @@ def compare(
 ) -> None:
     """Compare curricula and rollout budgets: each method on each seed is a real run (resumed where a run stopped);
     prints each method's figures with bootstrap 95% intervals, and stores them with an HTML page."""
-    from rlvr.flows.compare import CompareSpec, check_configs, run_comparison
+    from rlvr.flows.compare import CompareSpec, check_configs
 
     spec = CompareSpec(
         name=name,
@@ -69,20 +69,32 @@ def compare(
     check_configs(spec)
     root = store_root(store)
     if report_only:
-        from rlvr.flows.compare import save_finished
-        from rlvr.storage.store import open_store
+        _save_finished(root, spec)
+    else:
+        _run_all(root, spec)
+    _report(root, spec, page or Path(f"{name}.html"))
 
-        open_store(root, create=True)
-        if spec.runs_file is not None:
-            out.print(f"{save_finished(root, spec)} run(s) of {root} added to {spec.runs_file}")
-        _report(root, spec, page or Path(f"{name}.html"))
-        return
+
+def _save_finished(root: str, spec: CompareSpec) -> None:
+    """`--report-only`: start no run; with `--runs-file`, add the store's finished runs to it."""
+    from rlvr.flows.compare import save_finished
+    from rlvr.storage.store import open_store
+
+    open_store(root, create=True)
+    if spec.runs_file is not None:
+        out.print(f"{save_finished(root, spec)} run(s) of {root} added to {spec.runs_file}")
+
+
+def _run_all(root: str, spec: CompareSpec) -> None:
+    """Every run of the comparison to its end on the store's Prefect server; one line when any failed."""
+    from rlvr.flows.compare import run_comparison
     from rlvr.flows.ui import point_prefect_at_store, ui_url_of
     from rlvr.storage.store import open_store
 
     target_server = point_prefect_at_store(open_store(root, create=True), need_server=True)
-    server = target_server.start(started_by=f"rlvr compare {name}")
-    out.print(f"{len(spec.methods) * seeds} runs in {root}; Prefect: {ui_url_of(target_server.api_url or '')}")
+    server = target_server.start(started_by=f"rlvr compare {spec.name}")
+    runs = len(spec.methods) * len(spec.seeds)
+    out.print(f"{runs} runs in {root}; Prefect: {ui_url_of(target_server.api_url or '')}")
     try:
         ended = run_comparison(root, spec, out.print)
     finally:
@@ -93,7 +105,6 @@ def compare(
         out.print(f"[red]{e['run_id']} {e['outcome']}[/red]; its log: {e['log']}\n  " + "\n  ".join(e["tail"]))
     if failed:
         raise UserError(f"{len(failed)} run(s) failed; run the same command again to resume the comparison")
-    _report(root, spec, page or Path(f"{name}.html"))
 
 
 def _report(root: str, spec: CompareSpec, page_path: Path) -> None:
