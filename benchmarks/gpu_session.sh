@@ -4,7 +4,8 @@
 #     ../shared/gpu/bundle.sh . gpu --with-trl
 # There, from the checkout's root with `gpu` carried (device tool: carry ["gpu"]):
 #     bash benchmarks/gpu_session.sh [part ...]      parts: vs-trl graph-vs-trl throughput ours graph async1 async2
-#                                                    thread1 graph-thread1 logits static gpu-tests
+#                                                    thread1 graph-thread1 logits static gpu-tests bf16 resume
+#                                                    checks (gpu-tests and resume at once)
 #                                                    (default: vs-trl throughput)
 # Not measured yet on a GPU (2026-11-27), in the order to run them, one call (run's timeout_s 600; the parts'
 # limits add up to 11.9 min, but whole vs-trl and async runs took 2.5-3.3 min on the H100 and H200):
@@ -22,6 +23,9 @@
 # so its kernels can run beside the trainer's rather than take turns with another process's);
 # graph-vs-trl / graph / graph-thread1: vs-trl / ours / thread1 with rollout.cache=graph (our decoding loop over a
 # static key/value cache, each token step replayed as a CUDA graph: trainer/graph_decoding.py);
+# bf16: graph with policy.dtype=bfloat16 (bf16 weights, no float32 master copy);
+# resume: benchmarks/gpu_resume.py (a tiny-model run SIGKILLed at its 4th train step and resumed, against an
+# uninterrupted one, both on cuda);
 # gpu-tests: the tests marked gpu (pytest -m gpu; those files only), skipped where there is no CUDA device.
 # Output lands in $OUT: one .txt per part, smi.csv, and the runs' logs packed into logs.tgz after each part (the
 # device tool brings back at most 8 files).
@@ -82,6 +86,15 @@ for part in "${parts[@]}"; do
             --set flow.sampler=thread
         ;;
     static) vs_trl static 400 --warmup 1 --steps 2 --no-trl --set rollout.cache=static ;;
+    bf16) vs_trl bf16 200 --warmup 1 --steps 2 --no-trl --set rollout.cache=graph --set policy.dtype=bfloat16 ;;
+    resume) timeout -k 10 150 python3 benchmarks/gpu_resume.py --device cuda 2>&1 | tee "$OUT/resume.txt" ;;
+    checks) # gpu-tests and resume side by side: neither is timed, so they may share the device
+        (timeout -k 10 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_device.py \
+            tests/test_grpo_memory.py tests/test_graph_decoding.py 2>&1 | tail -40 >"$OUT/gpu-tests.txt") &
+        timeout -k 10 150 python3 benchmarks/gpu_resume.py --device cuda 2>&1 | tee "$OUT/resume.txt"
+        wait
+        cat "$OUT/gpu-tests.txt"
+        ;;
     *) echo "unknown part $part" ;;
     esac
 done
