@@ -136,3 +136,31 @@ def committed(store: Path, kind: str = "") -> int:
     except FileNotFoundError:
         return 0
     return sum(1 for name in names if name.startswith(f"{kind}-" if kind else "") and name.endswith(".json"))
+
+
+def rank_processes(mark: str, parent: int | None = None) -> list[int]:
+    """Pids of live data-parallel ranks (trainer/ranks/launch.py names each `rlvr-rank-N`) started by runs whose
+    environment holds `mark`; with `parent`, only those of the run with that pid (a rank is the child of the run's
+    rank zygote, trainer/ranks/zygote.py, itself the run's child)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            name = (entry / "comm").read_text().strip()
+            environment = (entry / "environ").read_bytes()
+            state, ppid = (entry / "stat").read_text().split(") ")[-1].split()[:2]
+        except OSError:
+            continue
+        if not name.startswith("rlvr-rank-") or mark.encode() not in environment or state == "Z":
+            continue
+        if parent is None or _parent_of(int(ppid)) == parent:
+            found.append(int(entry.name))
+    return found
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().split(") ")[-1].split()[1])
+    except OSError:
+        return None

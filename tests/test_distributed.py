@@ -451,26 +451,11 @@ def test_a_rank_dead_after_the_last_operation_lets_the_group_close(monkeypatch):
     assert worker.returncode == -signal.SIGKILL
 
 
-def _rank_processes(mark: str) -> list[int]:
-    """Pids of live worker ranks (their command line names the module) of runs whose environment holds `mark`:
-    this test's own, not another job's on the same machine."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            command = (entry / "cmdline").read_bytes()
-            environment = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if entry.name.isdigit() and b"rlvr.trainer.ranks.launch" in command and mark.encode() in environment:
-            found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.slow
 def test_a_data_parallel_run_keeps_one_rank_process_and_leaves_none(tmp_path, prefect_api):
     """A whole `rlvr run` with `train.data_parallel=2` trains every step through its worker rank, and leaves no
     rank process behind when it ends."""
-    from tests.cli_helpers import cli_env, rlvr
+    from tests.cli_helpers import cli_env, rank_processes, rlvr
 
     mark = f"RLVR_TEST_MARK=dp-{tmp_path.name}"
     sets = ["train.steps=3", "train.data_parallel=2", "warmstart.steps=5", "difficulty.k=2", "evaluate.every=3"]
@@ -486,7 +471,7 @@ def test_a_data_parallel_run_keeps_one_rank_process_and_leaves_none(tmp_path, pr
 
     rows = query(Store.open(str(tmp_path / "s")), "SELECT step, updates FROM train_steps ORDER BY step").to_pylist()
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert _rank_processes(mark) == []
+    assert rank_processes(mark) == []
 
 
 def _whole_copies(shapes: set[tuple[int, ...]]) -> set[int]:

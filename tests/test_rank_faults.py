@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from rlvr.storage.store import Store
-from tests.cli_helpers import FolderChanges, committed, store_folders, wait_for
+from tests.cli_helpers import FolderChanges, committed, rank_processes, store_folders, wait_for
 from tests.fork_server import Forked, ForkServer
 
 pytestmark = pytest.mark.slow
@@ -66,27 +66,6 @@ def start(
     for item in sets:
         args += ["--set", item]
     return forks.start(args, env=env, **hook)
-
-
-def rank_processes(mark: str, parent: int | None = None) -> list[int]:
-    """Pids of live rank processes (their command line names the module) started by this test's runs (their
-    environment holds `mark`), of `parent`'s when given."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes()
-            environment = (entry / "environ").read_bytes()
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.split(") ")[-1].split()
-        if b"rlvr.trainer.ranks.launch" not in command or mark.encode() not in environment or fields[0] == "Z":
-            continue
-        if parent is None or int(fields[1]) == parent:
-            found.append(int(entry.name))
-    return found
 
 
 def artifact_ids(store: Path) -> list[str]:

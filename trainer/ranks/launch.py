@@ -18,8 +18,9 @@ bytes it announces), then does its own share like any rank. Operations:
 - `whole_files`: the whole model as a Hugging Face directory, on rank 0.
 - `save_state`, `load_state`: the sharded weights and optimizer state with torch.distributed.checkpoint.
 
-Where the ranks come from. Alone, the run starts ranks 1..N-1 itself (`python -m rlvr.trainer.ranks.launch`),
-which live until it ends and exit within a second of its death. Under torchrun (RANK and WORLD_SIZE set,
+Where the ranks come from. Alone, the run starts ranks 1..N-1 itself, forked from a warm interpreter that imported
+what a rank needs once (zygote.py; `python -m rlvr.trainer.ranks.launch` starts one rank as a fresh process), and
+they live until it ends and exit within a second of its death. Under torchrun (RANK and WORLD_SIZE set,
 any number of machines), torchrun started every rank: rank 0 runs the flow and the others serve
 (`serve_torchrun`). A rank that dies ends the run: rank 0's watchdog names it on one line and stops the run,
 then ends the process if a collective keeps it waiting.
@@ -68,6 +69,7 @@ from rlvr.trainer.ranks.serve import serve
 from rlvr.trainer.ranks.sft import sft_share
 from rlvr.trainer.ranks.state import adopt_share, load_share, reference_share, save_share, write_weights_share
 from rlvr.trainer.ranks.transport import broadcast_bytes, gather_bytes, pack_files
+from rlvr.trainer.ranks.zygote import RankProcess, start_rank
 from rlvr.trainer.rlpr import ReferenceProbability
 from rlvr.trainer.sft import SftSequence
 from rlvr.trainer.sharding import DecodeWeights, Sharding, full_state, held_bytes, plain_optimizer_state
@@ -119,7 +121,7 @@ class RankGroup:
     def __init__(self, world_size: int, sharding: Sharding, device: torch.device, threads: int = 1) -> None:
         self.world_size, self.device = world_size, device
         self.state = RankState(device, sharding, threads)
-        self.workers: list[subprocess.Popen[bytes]] = []
+        self.workers: list[RankProcess] = []
         self.lost: str | None = None
         self.broken = False  # an operation failed part way: the ranks are out of step
         self.closing = False  # the ranks are being stopped: their exits are expected
@@ -141,10 +143,8 @@ class RankGroup:
         else:
             init = f"tcp://127.0.0.1:{_free_port()}"
             me = [str(os.getpid()), str(start_time(os.getpid()) or 0)]
-            for rank in range(1, world_size):
-                command = [sys.executable, "-m", "rlvr.trainer.ranks.launch", init, str(rank), str(world_size)]
-                command += [str(threads), device.type, *me]
-                self.workers.append(subprocess.Popen(command))
+            for rank in range(1, world_size):  # forked by the process's warm zygote: no imports to wait for
+                self.workers.append(start_rank([init, str(rank), str(world_size), str(threads), device.type, *me]))
             dist.init_process_group(backend, init_method=init, rank=0, world_size=world_size, timeout=TIMEOUT)
             threading.Thread(target=self._watch, name="rlvr-rank-watchdog", daemon=True).start()
 
@@ -497,6 +497,14 @@ def _free_port() -> int:
 # --- a rank's process ----------------------------------------------------------------------------------------
 
 
+def name_process(name: str) -> None:
+    """The name `ps -o comm`, top and /proc/PID/comm show for this process (Linux; at most 15 bytes), so that a
+    rank forked from the zygote, whose command line is the zygote's, says what it is."""
+    if sys.platform.startswith("linux"):
+        pr_set_name = 15
+        ctypes.CDLL(None).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)
+
+
 def main(argv: Sequence[str]) -> int:
     """A rank the run started: python -m rlvr.trainer.ranks.launch INIT RANK WORLD THREADS DEVICE PID START."""
     parser = argparse.ArgumentParser(prog="python -m rlvr.trainer.ranks.launch", description="one data-parallel rank")
@@ -509,6 +517,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"data-parallel rank {rank}: rank 0 (pid {args.parent_pid}) is gone; exiting", file=sys.stderr)
 
     exit_when_gone(int(args.parent_pid), int(args.parent_start) or None, before_exit=gone)
+    name_process(f"rlvr-rank-{rank}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
