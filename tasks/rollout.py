@@ -125,14 +125,15 @@ def play_episodes(
     group for vllm and openai."""
     budgets = episode_budgets(env, sampling.max_new_tokens)
     settings: dict[str, Any] = dict(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
+    settings["logprob_temperature"] = sampling.logprob_temperature
     counts = [s["n_rollouts"] for s in slots]
     keys: list[int] | None = [s["slot"] for s in slots] if env.multi_turn else None
-    if not isinstance(engine, TransformersEngine):
+    if not isinstance(engine, TransformersEngine):  # vllm, openai: log-probs where the engine gives them
         return play(policy, env, tasks, counts, budgets=budgets, settings=settings, row_keys=keys, engine=engine)
     own = engine.settings()
     if keys is None and own.seeding == "row":
         keys = list(range(len(slots)))
-    settings |= dict(cache=own.cache, precision=own.precision, logprob_temperature=sampling.logprob_temperature)
+    settings |= dict(cache=own.cache, precision=own.precision)
     return play(policy, env, tasks, counts, budgets=budgets, settings=settings, row_keys=keys)
 
 

@@ -16,7 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rlvr.trainer.generation import _generate_ids
+from rlvr.trainer.logprobs import completion_logprobs
 from rlvr.trainer.policy import Policy, policy_from_files
 from rlvr.trainer.prompts import prompt_ids
 from rlvr.trainer.rng import seeded_rng
@@ -35,6 +38,7 @@ class ServerState:
     delay_s: float = 0.0
     token_ids: bool = True
     api_key: str | None = None
+    logprob_shift: float = 0.0  # added to every log-prob it gives: another engine's numerics, by a known amount
     requests: list[dict[str, Any]] = field(default_factory=list)
     failed: int = 0
     in_flight: int = 0
@@ -67,8 +71,21 @@ def completions_answer(state: ServerState, body: dict[str, Any]) -> dict[str, An
         choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": "stop" if stopped else "length"}
         if state.token_ids and body.get("return_token_ids"):
             choice["token_ids"] = ids
+        if body.get("logprobs") is not None:  # the sampled tokens' log-probs of the raw logits, as vLLM's server
+            choice["logprobs"] = {"token_logprobs": _token_logprobs(policy, row, ids, state.logprob_shift)}
         choices.append(choice)
     return {"object": "text_completion", "model": "tiny", "choices": choices[::-1]}  # any order: index says
+
+
+def _token_logprobs(policy: Policy, prompt: list[int], ids: list[int], shift: float) -> list[float]:
+    if not ids:
+        return []
+    with torch.no_grad():
+        device = policy.model.device
+        logp, _ = completion_logprobs(
+            policy.model, torch.tensor([prompt], device=device), torch.tensor([ids], device=device), -1
+        )
+    return [float(v) + shift for v in logp[0]]
 
 
 def reload_answer(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:

@@ -9,9 +9,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
+import torch
 
 from rlvr.environments.registry import EnvConfig
 from rlvr.errors import UserError
@@ -96,6 +98,51 @@ def test_samples_are_the_servers_grouped_by_prompt(server, policy) -> None:
         assert (s.finish_reason == "stop") == (s.completion_ids[-1] == policy.tokenizer.eos_token_id)
         assert s.text == policy.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
     assert engine_at(url, policy).generate(PROMPTS, counts, SAMPLING) == samples  # same seed, same samples
+
+
+def test_samples_carry_the_servers_log_probs_asked_at_temperature_1_and_none_at_another(server, policy) -> None:
+    """An engine's log-probs are of the raw logits (vLLM's and its server's default): asked for at temperature 1
+    (`logprobs: 0`, the sampled token's alone) they are the server's, here the policy's own shifted by a known
+    amount; at another temperature they are not asked for, and the rollout stage computes them."""
+    from rlvr.trainer.logprobs import completion_logprobs
+
+    url, state = server
+    state.logprob_shift = -0.25
+    samples = engine_at(url, policy).generate(PROMPTS, [3, 0, 2, 1], replace(SAMPLING, logprob_temperature=1.0))
+    assert {r["logprobs"] for r in state.requests} == {0}
+    for s in samples:
+        row = policy.tokenizer(PROMPTS[s.prompt_index])["input_ids"]
+        own, _ = completion_logprobs(policy.model, torch.tensor([row]), torch.tensor([s.completion_ids]), -1)
+        assert s.logprobs is not None and len(s.logprobs) == s.n_tokens
+        assert s.logprobs == pytest.approx([v - 0.25 for v in own[0].tolist()], abs=1e-5)
+    state.requests.clear()
+    for temperature in (0.7, None):
+        samples = engine_at(url, policy).generate(
+            PROMPTS, [2, 0, 0, 0], replace(SAMPLING, logprob_temperature=temperature)
+        )
+        assert all(s.logprobs is None for s in samples) and all("logprobs" not in r for r in state.requests)
+
+
+@pytest.mark.slow
+def test_a_run_on_a_server_measures_its_log_probs_against_the_trainers(server, tmp_path, prefect_api) -> None:
+    """rollout.type=openai with a correction (train.grpo.correction=tis) and the server given each new policy
+    (sync=reload): the rollouts store the server's log-probs, and each step's mismatch is exactly the server's shift
+    (its weights are the trainer's), below tis's bound, so no token is truncated."""
+    url, state = server
+    state.logprob_shift = -0.05
+    overrides = [*TINY_OVERRIDES, "train.steps=3", "evaluate.every=3", "allocate.n=8", "rollout.type=openai"]
+    overrides += [f"rollout.base_url={url}", "rollout.sync=reload", f"rollout.sync_dir={tmp_path / 'sync'}"]
+    overrides += ["train.grpo.correction=tis", "warmstart.steps=60"]  # a policy that solves some: groups that train
+    run_here(str(tmp_path / "store"), ["run_id=m", *overrides])
+    store = Store.open(str(tmp_path / "store"))
+    stored = query(store, "SELECT count(*) AS n, count(logprobs) AS given FROM rollouts").to_pylist()[0]
+    assert stored["n"] == stored["given"] == 3 * 4 * 8
+    sql = "SELECT mismatch_mean, mismatch_max, corrected_share FROM train_steps WHERE updates > 0"
+    steps = query(store, sql).to_pylist()
+    assert steps, "no step trained"
+    for step in steps:
+        assert step["mismatch_mean"] == pytest.approx(0.05, abs=1e-4)
+        assert step["mismatch_max"] == pytest.approx(0.05, abs=1e-4) and step["corrected_share"] == 0.0
 
 
 def test_prompt_as_text_sends_the_prompt_text(server, policy) -> None:
@@ -303,7 +350,7 @@ def run_here(store: str, overrides: list[str]) -> dict[str, Any]:
 def test_evaluation_and_difficulty_sample_through_the_runs_engine(server, tmp_path, prefect_api) -> None:
     """A run with rollout.type=openai: its evaluations ask the server for greedy answers, its difficulty pass
     for difficulty.k samples a problem at difficulty.temperature; nothing samples on the side. With
-    flow.async_level=1 the server gives no log-probs: the rollout stage computes the sampling policy's."""
+    flow.async_level=1 the rollouts a step behind store log-probs (the server's, asked at temperature 1)."""
     url, state = server
     overrides = [*TINY_OVERRIDES, "train.steps=3", "rollout.type=openai", f"rollout.base_url={url}"]
     overrides.append("difficulty.temperature=0.7")  # 3 RL steps, not the tiny run's 6: one evaluation after them

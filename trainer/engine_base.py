@@ -52,6 +52,20 @@ def request_seed(seed: int, prompt_index: int) -> int:
     return random.Random(f"{seed}:{prompt_index}").getrandbits(31)
 
 
+def gives_raw_logprobs(sampling: SamplingParams) -> bool:
+    """Whether an engine whose log-probs are of the raw logits (vLLM's default `raw_logprobs`, a vLLM server's) has
+    what `sampling.logprob_temperature` asks: only at temperature 1; at another the rollout stage computes them."""
+    return sampling.logprob_temperature == 1.0
+
+
+def matching_logprobs(values: Sequence[float] | None, ids: Sequence[int]) -> list[float] | None:
+    """An engine's log-probs of a completion when there is one for each of its `ids` (an eos the engine did not
+    count, appended by `with_eos`, leaves them unusable: None)."""
+    if values is None or len(values) != len(ids) or any(not isinstance(v, (int, float)) for v in values):
+        return None
+    return [float(v) for v in values]
+
+
 def check_rows(rows: Sequence[Sequence[int]], budgets: Sequence[int], seeds: Sequence[int]) -> None:
     """`continue_rows`' arguments: one budget (>= 1) and one seed a non-empty row."""
     if not len(rows) == len(budgets) == len(seeds):

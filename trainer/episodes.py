@@ -155,6 +155,7 @@ class _Episode:
     completion_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    logprobs_whole: bool = True  # every sampled token's log-prob was given (an engine's keyed turn gives none)
     turns: list[Turn] = field(default_factory=list)
     replies: list[Reply] = field(default_factory=list)
     response: str = ""
@@ -167,6 +168,7 @@ class _Episode:
         self.completion_ids += ids
         self.loss_mask += [mask] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.logprobs_whole &= logprobs is not None or mask == 0 or not ids
         return start, len(self.completion_ids)
 
     def fault(self, role: str, problem: BaseException | str, seconds: float) -> None:
@@ -187,7 +189,7 @@ class _Episode:
             prompt_ids=self.prompt_ids,
             completion_ids=self.completion_ids,
             loss_mask=self.loss_mask,
-            logprobs=self.logprobs if with_logprobs else None,
+            logprobs=self.logprobs if with_logprobs and self.logprobs_whole else None,
             turns=self.turns,
             response=self.response,
             reward=reward if reward is not None and math.isfinite(reward) else None,
@@ -317,8 +319,9 @@ def run_episodes(
     With `logprob_temperature`, the sampled tokens' log-probs (`TokenLogprobs`), 0.0 on environment tokens.
     `temperature` 0: greedy decoding (evaluations), the same tokens whatever the keys.
 
-    `engine`: decode each turn through it (`EngineDecoding`: `cache`, `precision` and `logprob_temperature` are
-    then unused and trajectories carry no log-probs); None: on `policy` itself (`PolicyDecoding`). The policy
+    `engine`: decode each turn through it (`EngineDecoding`: `cache` and `precision` are then unused, and a
+    trajectory carries log-probs only when the engine gave every one of its sampled tokens'); None: on `policy`
+    itself (`PolicyDecoding`). The policy
     always renders the messages (its tokenizer) and names the eos.
     """
     _check_arguments(policy, factories, tasks, counts, row_keys, temperature, environment_threads, engine)
@@ -326,7 +329,7 @@ def run_episodes(
     decoding: TurnDecoding = (
         PolicyDecoding(policy, temperature, top_p, seed, cache, precision, logprob_temperature)
         if engine is None
-        else EngineDecoding(engine, temperature, top_p, seed)
+        else EngineDecoding(engine, temperature, top_p, seed, logprob_temperature)
     )
     keys = list(range(len(tasks))) if row_keys is None else list(row_keys)
     resets = [environment_seed(row_key(seed, key, 0)) for key in keys]

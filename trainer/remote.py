@@ -50,6 +50,8 @@ from rlvr.trainer.engine_base import (
     RolloutEngine,
     SamplingParams,
     check_rows,
+    gives_raw_logprobs,
+    matching_logprobs,
     request_seed,
     with_eos,
 )
@@ -215,7 +217,8 @@ class OpenAIEngine(RolloutEngine):
         self, prompt_index: int, prompt: list[int] | str, count: int, sampling: SamplingParams
     ) -> list[Sample]:
         seed = request_seed(sampling.seed, prompt_index)
-        choices = self._choices(prompt, count, sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed)
+        limits = (sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed)
+        choices = self._choices(prompt, count, *limits, logprobs=gives_raw_logprobs(sampling))
         return [self._sample(prompt_index, index, choice) for index, choice in enumerate(choices)]
 
     def continue_rows(
@@ -249,9 +252,17 @@ class OpenAIEngine(RolloutEngine):
             return list(pool.map(one, rows, budgets, seeds))
 
     def _choices(
-        self, prompt: list[int] | str, count: int, max_tokens: int, temperature: float, top_p: float, seed: int
+        self,
+        prompt: list[int] | str,
+        count: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        logprobs: bool = False,
     ) -> list[dict[str, Any]]:
-        """The server's `count` completions of one prompt, in sample order."""
+        """The server's `count` completions of one prompt, in sample order; with `logprobs`, each with its sampled
+        tokens' log-probs (the completions API's `logprobs: 0`)."""
         body: dict[str, Any] = {
             "model": self._model,
             "prompt": prompt,
@@ -263,6 +274,8 @@ class OpenAIEngine(RolloutEngine):
         }
         if self.cfg.request_token_ids:
             body["return_token_ids"] = True
+        if logprobs:
+            body["logprobs"] = 0
         if self.cfg.policy_sampling:
             body.update(POLICY_SAMPLING)
         answer = self._request("POST", f"{self.cfg.base_url.rstrip('/')}/completions", body)
@@ -273,7 +286,9 @@ class OpenAIEngine(RolloutEngine):
 
     def _sample(self, prompt_index: int, sample_index: int, choice: dict[str, Any]) -> Sample:
         ids, reason, text = self._finished(choice)
-        return Sample(prompt_index, sample_index, ids, text, len(ids), reason)
+        given = choice.get("logprobs")
+        logprobs = matching_logprobs(given.get("token_logprobs") if isinstance(given, dict) else None, ids)
+        return Sample(prompt_index, sample_index, ids, text, len(ids), reason, logprobs=logprobs)
 
     def _finished(self, choice: dict[str, Any]) -> tuple[list[int], Literal["stop", "length"], str]:
         """A choice's ids (ending with the eos when it stopped), why it ended, and its text."""

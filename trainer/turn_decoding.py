@@ -133,16 +133,19 @@ class EngineDecoding:
     turn is one `continue_rows` call, each row with a seed made from its turn key; a grouped first turn is one
     `generate` call, the engine's own draw of `counts[i]` samples of each opening (one request a group), each opening
     sent as a chat prompt (its messages), which every engine renders to the opening's ids (trainer/prompts.py).
-    Such engines give no log-probs (the rollout stage computes the sampling policy's when a run needs them)."""
+    With `logprob_temperature`, a grouped turn asks the engine for its tokens' log-probs (`SamplingParams`); an
+    engine gives them only at temperature 1 (vLLM's and a server's are of the raw logits), and a keyed turn never,
+    so an episode that has a turn without them carries none (the rollout stage computes the sampling policy's)."""
 
     engine: RolloutEngine
     temperature: float
     top_p: float
     seed: int
+    logprob_temperature: float | None = None
 
     @property
     def records_logprobs(self) -> bool:
-        return False
+        return self.logprob_temperature is not None
 
     def turn(self, rows: list[list[int]], keys: list[int], budgets: list[int]) -> list[Draw]:
         seeds = [engine_seed(key) for key in keys]
@@ -158,9 +161,11 @@ class EngineDecoding:
                 raise ValueError("a grouped first turn (row_keys=None) needs a task's episodes to open alike")
             first += count
         prompts = [_as_prompt(opening) if count else "" for opening, count in zip(openings, counts)]
-        sampling = SamplingParams(budget, self.temperature, self.top_p, self.seed)
+        sampling = SamplingParams(budget, self.temperature, self.top_p, self.seed, self.logprob_temperature)
         return [
-            Draw(s.completion_ids[:budget], None, s.text, s.finish_reason)
+            Draw(
+                s.completion_ids[:budget], None if s.logprobs is None else s.logprobs[:budget], s.text, s.finish_reason
+            )
             for s in self.engine.generate(prompts, counts, sampling)
         ]
 

@@ -38,6 +38,8 @@ from rlvr.trainer.engine_base import (
     RolloutEngine,
     SamplingParams,
     check_rows,
+    gives_raw_logprobs,
+    matching_logprobs,
     request_seed,
     with_eos,
 )
@@ -159,6 +161,7 @@ class VLLMEngine(RolloutEngine):
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 seed=request_seed(sampling.seed, index),
+                logprobs=0 if gives_raw_logprobs(sampling) else None,  # the sampled token's alone
             )
             for index in jobs
         ]
@@ -213,7 +216,10 @@ class VLLMEngine(RolloutEngine):
         samples = []
         for completion in sorted(output.outputs, key=lambda completion: completion.index):
             ids, reason, text = self._finished(completion)
-            samples.append(Sample(prompt_index, completion.index, ids, text, len(ids), reason))
+            given = completion.logprobs
+            values = None if not given else [step[token].logprob for step, token in zip(given, completion.token_ids)]
+            logprobs = matching_logprobs(values, ids)
+            samples.append(Sample(prompt_index, completion.index, ids, text, len(ids), reason, logprobs=logprobs))
         return samples
 
     def _finished(self, completion: Any) -> tuple[list[int], Literal["stop", "length"], str]:

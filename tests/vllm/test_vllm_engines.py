@@ -18,10 +18,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 vllm = pytest.importorskip("vllm", reason="vllm is not installed here; `make test-vllm` runs these in .venv-vllm")
 
@@ -32,6 +34,7 @@ from rlvr.trainer.engine_base import SamplingParams  # noqa: E402
 from rlvr.trainer.episodes import Budgets, Trajectory, play_episodes, turn_key  # noqa: E402
 from rlvr.trainer.generation import greedy  # noqa: E402
 from rlvr.trainer.grpo import GRPOConfig, RolloutBatch, grpo_step  # noqa: E402
+from rlvr.trainer.logprobs import completion_logprobs  # noqa: E402
 from rlvr.trainer.lora import LoraSettings, add_lora  # noqa: E402
 from rlvr.trainer.policy import (  # noqa: E402
     Policy,
@@ -87,6 +90,18 @@ def test_vllm_engine_after_a_weight_sync_decodes_like_transformers() -> None:
             assert (s.finish_reason == "stop") == (s.completion_ids[-1] == trained.tokenizer.eos_token_id)
             assert s.text == trained.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
         assert engine.generate(PROMPTS[:4], [3, 0, 5, 2], sampling) == samples  # same seed, same samples
+        assert all(s.logprobs is None for s in samples)  # none asked for
+
+        # Asked at temperature 1, each sample carries vLLM's log-probs of its tokens: the raw logits', as the
+        # trainer's own at temperature 1 (float32 both); at another temperature vLLM's are not those, so none.
+        given = engine.generate(PROMPTS[:4], [3, 0, 5, 2], replace(sampling, logprob_temperature=1.0))
+        assert [s.completion_ids for s in given] == [s.completion_ids for s in samples]
+        for s in given:
+            row = trained.tokenizer(PROMPTS[s.prompt_index])["input_ids"]
+            own, _ = completion_logprobs(trained.model, torch.tensor([row]), torch.tensor([s.completion_ids]), -1)
+            assert s.logprobs == pytest.approx(own[0].tolist(), abs=1e-3)
+        hotter = engine.generate(PROMPTS[:4], [3, 0, 5, 2], replace(sampling, logprob_temperature=0.7))
+        assert all(s.logprobs is None for s in hotter)
 
         adapted = lora_policy(trained)
         engine.update_weights(adapted, "lora")  # peft names in training; vLLM gets plain names, adapters merged
