@@ -179,6 +179,7 @@ def _serve(replies: int, parent: int) -> dict:
 
 def main(argv: Sequence[str]) -> None:
     replies, parent = int(argv[0]), int(argv[1])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; the zygote goes when it does
     import importlib
 
     from rlvr.trainer.ranks import launch
@@ -187,6 +188,7 @@ def main(argv: Sequence[str]) -> None:
         importlib.import_module(module)  # the built-in model's and SmolLM2's architectures
     request = _serve(replies, parent)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a rank takes Ctrl-C as a fresh interpreter would
     os.environ.clear()
     os.environ.update(request["env"])
     code = 1
