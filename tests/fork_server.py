@@ -33,7 +33,7 @@ from tests.cli_helpers import REPO
 # argv[1]: "module:function" called in the server before the imports ("" for none); argv[2]: "module:function"
 # called in each child with its spec before `rlvr` runs ("" for none); then the spec's own "hook", if it names one.
 SERVER = """
-import importlib, json, os, select, sys
+import importlib, os, sys
 
 
 def call(target, *args):
@@ -50,33 +50,8 @@ from rlvr.startup_objects import freeze_after_run_imports
 freeze_after_run_imports()  # as `rlvr run` does: the children's collections skip what the imports made
 
 
-def serve():
-    pending = b""
-    while True:
-        ready = select.select([0], [], [], 0.1)[0]
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            os.write(1, f"exited {pid} {os.waitstatus_to_exitcode(status)}\\n".encode())
-        if not ready:
-            continue
-        data = os.read(0, 1 << 16)
-        if not data:
-            os._exit(0)
-        pending += data
-        while b"\\n" in pending:
-            line, pending = pending.split(b"\\n", 1)
-            pid = os.fork()
-            if pid == 0:
-                return json.loads(line)
-            os.write(1, f"forked {pid}\\n".encode())
-
-
-spec = serve()
+from rlvr.fork_requests import serve_forks
+spec = serve_forks(1)
 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
 for fd, path in ((1, spec["stdout"]), (2, spec["stderr"])):
     if fd == 2 and path == spec["stdout"]:

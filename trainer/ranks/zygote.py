@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import traceback
 from collections.abc import Sequence
 
 from rlvr.child_guard import is_running, start_time
+from rlvr.fork_requests import serve_forks
 
 START_TIMEOUT_S = 120.0  # the zygote's imports, on a busy machine
 
@@ -142,41 +142,6 @@ def start_rank(argv: Sequence[str]) -> RankProcess:
 # --- the zygote's process ------------------------------------------------------------------------------------
 
 
-def _report(replies: int, text: str) -> None:
-    os.write(replies, f"{text}\n".encode())
-
-
-def _serve(replies: int, parent: int) -> dict:
-    """Fork a child per request line on stdin and report the children's exits; return the request in the child.
-    Exits when stdin closes (rank 0 is done with it, or gone) or rank 0 is no longer its parent."""
-    pending = b""
-    while True:
-        ready = select.select([0], [], [], 0.1)[0]
-        if os.getppid() != parent:
-            os._exit(0)
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            _report(replies, f"exited {pid} {os.waitstatus_to_exitcode(status)}")
-        if not ready:
-            continue
-        data = os.read(0, 1 << 20)
-        if not data:
-            os._exit(0)
-        pending += data
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            pid = os.fork()
-            if pid == 0:
-                os.close(replies)
-                return json.loads(line)
-            _report(replies, f"forked {pid}")
-
-
 def main(argv: Sequence[str]) -> None:
     replies, parent = int(argv[0]), int(argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; the zygote goes when it does
@@ -186,7 +151,8 @@ def main(argv: Sequence[str]) -> None:
 
     for module in ("transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama"):
         importlib.import_module(module)  # the built-in model's and SmolLM2's architectures
-    request = _serve(replies, parent)
+    request = serve_forks(replies, parent)
+    os.close(replies)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a rank takes Ctrl-C as a fresh interpreter would
     os.environ.clear()
