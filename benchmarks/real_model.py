@@ -10,13 +10,19 @@ README and docs/real-model.md report seeds 1, 2 and 3 (the default).
 
     python benchmarks/real_model.py [--seeds 1 2 3] [--config examples/smollm2-arithmetic.yaml]
         [--parallel 1] [--out DIR] [--set key=value ...]
+
+With `--out DIR` kept from an interrupted command, a seed whose run completed there is read as it is, and one that
+stopped part way is resumed (`rlvr resume`): the same command again finishes the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +70,24 @@ def spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {deviation:.3f}"
 
 
+def finished_seed(root: Path, seed: int, overrides: list[str], config: str) -> float:
+    """The seed's run in `root`, run (or resumed, when a run there stopped part way: `--out` kept it) to its end;
+    its wall seconds (those of this command's part, for a run completed or resumed before)."""
+    from rlvr.storage.store import Store
+
+    store = root / f"seed-{seed}"
+    record = Store.open(str(store)).read_run("demo") if store.exists() else None
+    if record is None:
+        return run_seed(root, seed, overrides, config=config)
+    started = time.monotonic()
+    if record.get("status") != "completed":
+        command = [sys.executable, "-m", "rlvr.flows.cli", "resume", "demo", "--store", str(store)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"seed {seed} failed to resume: {result.stderr[-2000:]}")
+    return time.monotonic() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -75,7 +99,7 @@ def main() -> None:
     root = args.out or Path(tempfile.mkdtemp(prefix="rlvr-real-model-"))
     overrides = args.overrides
     with ThreadPoolExecutor(args.parallel) as pool:
-        seconds = list(pool.map(lambda s: run_seed(root, s, overrides, config=args.config), args.seeds))
+        seconds = list(pool.map(lambda s: finished_seed(root, s, overrides, args.config), args.seeds))
     results = {seed: seed_result(root, seed, s) for seed, s in zip(args.seeds, seconds)}
     print(f"config {args.config}; stores in {root}")
     print(f"{'seed':>4}{'held-out':>10}{'before':>8}{'after':>8}{'change':>8}{'rollouts/s':>12}{'minutes':>9}")
