@@ -5,6 +5,7 @@ method table, in one self-contained HTML file drawn as `rlvr report` draws (inli
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Callable, Sequence
 
 import matplotlib as mpl
@@ -13,7 +14,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure as MplFigure
 from matplotlib.ticker import MaxNLocator
 
-from rlvr.flows.compare_figures import DIFFICULTY_BINS, MethodFigures
+from rlvr.flows.compare_figures import DIFFICULTY_BINS, Estimate, MethodFigures
 from rlvr.flows.report import STYLE, figure_html
 from rlvr.flows.report_plots import HALF, RUN_COLORS, Figure, to_svg
 from rlvr.flows.report_plots import STYLE as PLOT_STYLE
@@ -40,11 +41,19 @@ def table_rows(methods: Sequence[MethodFigures]) -> list[list[str]]:
             "-" if m.at_uniform_budget is None else m.at_uniform_budget.text(),
             _to_target(m),
             m.effective_ratio.text(),
-            "-" if m.compute_equivalence is None else m.compute_equivalence.text(2) + "x",
+            "-" if m.compute_equivalence is None else ratio_text(m.compute_equivalence),
             f"{m.late_all_right.mean:.2f} / {m.late_all_wrong.mean:.2f}",
         ]
         for m in methods
     ]
+
+
+def ratio_text(ratio: Estimate) -> str:
+    """A ratio to uniform's as "0.69x [0.42, 0.91]" (n/a when no seed gave one)."""
+    if math.isnan(ratio.mean):
+        return "n/a"
+    interval = "" if math.isnan(ratio.low) else f" [{ratio.low:.2f}, {ratio.high:.2f}]"
+    return f"{ratio.mean:.2f}x{interval}"
 
 
 def _to_target(m: MethodFigures) -> str:

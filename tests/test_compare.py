@@ -227,3 +227,12 @@ def test_a_runs_file_row_gives_the_run_back_whole_and_a_foreign_file_is_refused_
     (tmp_path / "notes.parquet").write_text("not parquet")
     with pytest.raises(UserError, match=r"^--runs-file .*notes.parquet: not a comparison's runs file \("):
         read_runs_file(tmp_path / "notes.parquet")
+
+
+def test_a_ratio_reads_as_a_ratio_with_its_interval_and_none_is_n_a():
+    from rlvr.flows.compare_figures import Estimate
+    from rlvr.flows.compare_page import ratio_text
+
+    assert ratio_text(Estimate(0.69, 0.42, 0.914, 5)) == "0.69x [0.42, 0.91]"
+    assert ratio_text(Estimate(1.0, math.nan, math.nan, 1)) == "1.00x"
+    assert ratio_text(Estimate(math.nan, math.nan, math.nan, 0)) == "n/a"
