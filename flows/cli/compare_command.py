@@ -4,6 +4,7 @@ again to resume the comparison)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ from rlvr.flows.cli.common import StoreOption, store_root
 if TYPE_CHECKING:
     from rlvr.flows.compare import CompareSpec
 
-out = Console(soft_wrap=True)
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 170)  # a log or a pipe: a figure a line
 
 
 def compare(
