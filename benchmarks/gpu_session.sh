@@ -7,10 +7,12 @@
 #                                                    thread1 graph-thread1 logits static gpu-tests bf16 resume
 #                                                    checks (gpu-tests and resume at once)
 #                                                    (default: vs-trl throughput)
-# Not measured yet on a GPU (2026-11-27), in the order to run them, one call (run's timeout_s 600; the parts'
-# limits add up to 11.9 min, but whole vs-trl and async runs took 2.5-3.3 min on the H100 and H200):
-#     bash benchmarks/gpu_session.sh graph-vs-trl gpu-tests graph-thread1
-# then, in a second call if time is left: `vs-trl thread1` (the shared-prompt cache, as measured before).
+# Not measured yet on a GPU (2026-11-27), in the order to run them, one call (the device tool's timeout_s about 580
+# of a session's 900 s; the parts' limits add up to 11.5 min, but whole vs-trl runs took 2.5 min on the H100 and
+# H200, ours alone 2.3, and checks runs the GPU tests beside a tiny kill-and-resume):
+#     bash benchmarks/gpu_session.sh graph-vs-trl ours checks
+# graph against TRL and against the shared-prompt cache with every other change, the GPU tests and a GPU resume;
+# then, in a second call if time is left: `graph-thread1 bf16`.
 # vs-trl: benchmarks/gpu_vs_trl.py (whole rlvr run against TRL GRPOTrainer, the 0.5B shape, 64 x 8 x 256 tokens);
 # throughput: benchmarks/gpu_throughput.py with the transformers engine, shared-prompt cache and graph loop (vLLM
 # cannot be carried there);
