@@ -2,7 +2,7 @@
 
 A fresh rank process pays its imports (torch, transformers, the trainer: about 5 CPU-seconds) before it can join
 the group. The run's process starts one zygote the first time it needs ranks: `python -m
-rlvr.trainer.ranks.zygote`, which imports what a rank imports, then forks a rank for each request and reports
+rlvr.trainer.ranks.zygote_main`, which imports what a rank imports, then forks a rank for each request and reports
 the ranks' exits. Every later rank (of the same group, or of a group started again at another shape or after a
 lost one) is a fork that starts at once. `RankProcess` is the handle rank 0 keeps, with what `RankGroup` uses of
 subprocess.Popen.
@@ -23,11 +23,9 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 
 from rlvr.child_guard import is_running, start_time
-from rlvr.fork_requests import serve_forks
 
 START_TIMEOUT_S = 120.0  # the zygote's imports, on a busy machine
 
@@ -71,7 +69,7 @@ class Zygote:
 
     def __init__(self) -> None:
         replies_r, replies_w = os.pipe()
-        command = [sys.executable, "-m", "rlvr.trainer.ranks.zygote", str(replies_w), str(os.getpid())]
+        command = [sys.executable, "-m", "rlvr.trainer.ranks.zygote_main", str(replies_w), str(os.getpid())]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(replies_w,))
         os.close(replies_w)
         self._replies = os.fdopen(replies_r, "r")
@@ -137,38 +135,3 @@ def start_rank(argv: Sequence[str]) -> RankProcess:
             _zygote = Zygote()
         zygote = _zygote
     return zygote.start(argv)
-
-
-# --- the zygote's process ------------------------------------------------------------------------------------
-
-
-def main(argv: Sequence[str]) -> None:
-    replies, parent = int(argv[0]), int(argv[1])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; the zygote goes when it does
-    import importlib
-
-    from rlvr.trainer.ranks import launch
-
-    for module in ("transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama"):
-        importlib.import_module(module)  # the built-in model's and SmolLM2's architectures
-    request = serve_forks(replies, parent)
-    os.close(replies)
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a rank takes Ctrl-C as a fresh interpreter would
-    os.environ.clear()
-    os.environ.update(request["env"])
-    code = 1
-    try:
-        code = launch.main(request["argv"])
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
