@@ -305,24 +305,18 @@ def run_episodes(
 
     Each turn: every running episode samples at most min(max_new_tokens, what max_tokens leaves) tokens, all in
     one batch; then their environments step, side by side. An episode ends when a turn did not end with eos
-    ("token_budget", unless the reply ends it on a fault: "tool_timeout", "error"), when a reply is done (its
-    stop reason, "done" by default), after
-    `max_turns` ("max_turns"), when the reply's rendered messages would leave no token of `max_tokens`
-    ("token_budget"), or on a fault of its environment's, recorded in a turn of its own while the others play on:
-    "env_timeout" when a reset or step ran past its limit (EnvironmentTimeout), "error" when the factory, reset or
-    step raised, or gave what cannot be used (a reward that is not a finite number, a message whose role is not one
-    of ROLES or whose content is not a string, messages the chat template refuses). The environment steps
-    on every sampled turn, a cut one too, so a verifier's one-turn episode scores what `sample` would give it.
-    Each trajectory carries its verdict (`_Episode.verdict`); `solved_at` overrides the environments' own
-    threshold for an episode rewarded without a verdict (the run's env.solved_at).
-    `environment_threads`: resets and steps running at once (env.parallel_steps); 0: one after another, in place.
-    With `logprob_temperature`, the sampled tokens' log-probs (`TokenLogprobs`), 0.0 on environment tokens.
-    `temperature` 0: greedy decoding (evaluations), the same tokens whatever the keys.
-
-    `engine`: decode each turn through it (`EngineDecoding`: `cache` and `precision` are then unused, and a
-    trajectory carries log-probs only when the engine gave every one of its sampled tokens'); None: on `policy`
-    itself (`PolicyDecoding`). The policy
-    always renders the messages (its tokenizer) and names the eos.
+    ("token_budget", unless the reply ends it on a fault: "tool_timeout", "error"), when a reply is done (its stop
+    reason, "done" by default), after `max_turns` ("max_turns"), when the reply's rendered messages would leave no
+    token of `max_tokens` ("token_budget"), or on a fault of its environment's, in a turn of its own while the others
+    play on: "env_timeout" when a reset or step ran past its limit, "error" when the factory, reset or step raised,
+    or gave what cannot be used (a reward not finite, a message of an unknown role or not text, messages the chat
+    template refuses). The environment steps on every sampled turn, a cut one too, so a verifier's one-turn episode
+    scores what `sample` would give it. Each
+    trajectory carries its verdict (`_Episode.verdict`); `solved_at` overrides the environments' threshold for an
+    episode rewarded without one (the run's env.solved_at). `environment_threads`: resets and steps at once. With
+    `logprob_temperature`, the sampled tokens' log-probs (0.0 on environment tokens); `temperature` 0: greedy.
+    `engine`: decode through it (a trajectory carries log-probs only when the engine gave all its tokens'); None:
+    on `policy`, which always renders messages and names the eos.
     """
     _check_arguments(policy, factories, tasks, counts, row_keys, temperature, environment_threads, engine)
     rendering = ChatRendering(policy.tokenizer, _eos_ids(policy))
@@ -336,8 +330,7 @@ def run_episodes(
     episodes = [
         _Episode(i, j, row_key(seed, keys[i], j), resets[i]) for i, count in enumerate(counts) for j in range(count)
     ]
-    threads = environment_threads or None  # 0: in place
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="environment") if threads else None
+    pool = ThreadPoolExecutor(environment_threads, "environment") if environment_threads else None  # 0: in place
     with pool or contextlib.nullcontext():
         try:
             _open_all(episodes, factories, tasks, rendering, pool)
