@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow
 
 RUN_ID = "killme"
 OVERRIDES = [
-    "train.steps=12",
+    "train.steps=8",
     "select.batch_size=4",
     "allocate.n=4",
     "warmstart.steps=20",
@@ -146,6 +146,7 @@ SYNC_WITH_HINTS_AND_REWRITES = (
     "synthesize.source.terms=3",
     "synthesize.source.count=80",
     "select.hints.enabled=true",
+    "select.hints.from_difficulty=true",  # hinted from a problem's first draw: 8 steps draw few problems twice
     "select.hints.template={prompt}{hint}",  # text the tiny model reads (flows/compatibility.py)
     "restructure.enabled=true",
     "restructure.join=same_step",
