@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlvr.storage.errors import ArtifactNotFound
 from rlvr.storage.store import Store
 
 
@@ -29,8 +30,14 @@ def train_state_of(store: Store, train_steps_id: str) -> str:
 
 
 def holds_weights(store: Store, artifact_id: str) -> bool:
-    """Whether `artifact_id` (a train_state or checkpoint) is stored with its weights."""
-    return store.exists(artifact_id) and store.manifest(artifact_id).extra.get("weights", True) is not False
+    """Whether `artifact_id` (a train_state or checkpoint) is stored with its weights. A state deleted between
+    the two reads (the run's commits prune the trainer states a newer one replaced, in the background, while
+    the next step's train stage and the sampler process ask) holds none: SmolLM2 at flow.async_level=2 failed
+    on it once with ArtifactNotFound."""
+    try:
+        return store.exists(artifact_id) and store.manifest(artifact_id).extra.get("weights", True) is not False
+    except ArtifactNotFound:
+        return False
 
 
 def state_every(store: Store, train_steps_id: str) -> int:

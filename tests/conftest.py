@@ -62,7 +62,8 @@ def shared_prefect(prefect_api: str) -> Iterator[str]:
         os.environ.pop("PREFECT_API_URL", None)
 
 
-# The files that take a minute or more on 2 cores. `make test` hands whole files to two pytest-xdist workers in
+# The files that take 25 worker-seconds or more on 2 cores, longest first (by the fresh clone of 9be3087's
+# build/test-reports/parallel.xml, summed by file). `make test` hands whole files to the pytest-xdist workers in
 # collection order (`--no-loadscope-reorder`; xdist would sort them by their number of tests), each worker holding
 # the file it runs and the next. With these first, the short files fill in behind them instead of one long file
 # running alone at the end. Order only: every file still runs whole, in one process.
@@ -70,31 +71,39 @@ LONG_FILES = (
     "test_kill_resume.py",
     "test_combinations.py",
     "test_rank_faults.py",
+    "test_compare.py",
+    "test_distributed.py",
+    "test_schedule.py",
+    "test_backends.py",
+    "test_run_signals.py",
+    "test_rlpr.py",
+    "test_s3_store.py",
+    "test_ui.py",
+    "test_grpo_losses.py",
+    "test_env_runs.py",
     "test_judge_runs.py",
     "test_store_damage.py",
-    "test_schedule.py",
-    "test_run_signals.py",
-    "test_distributed.py",
-    "test_real_model.py",
-    "test_env_runs.py",
-    "test_sampler_process.py",
-    "test_concurrent_runs.py",
-    "test_s3_store.py",
-    "test_turns_audit.py",
-    "test_rlpr.py",
-    "test_backends.py",
     "test_engines.py",
-    "test_ui.py",
-    "test_data_stage.py",
-    "test_grpo_losses.py",
-    "test_cli.py",
+    "test_sampler_process.py",
+    "test_real_model.py",
     "test_multi_node.py",
-    "test_state_every.py",
-    "test_api_no_main_guard.py",
-    "test_fencing.py",
-    "test_graph_decoding.py",
     "test_reward_server.py",
+    "test_fencing.py",
+    "test_concurrent_runs.py",
+    "test_api_no_main_guard.py",
+    "test_cli.py",
+    "test_data_stage.py",
+    "test_row_sampling.py",
+    "test_graph_decoding.py",
+    "test_report.py",
+    "test_turns_audit.py",
+    "test_async_steps.py",
+    "test_query_readonly.py",
+    "test_gpu_vs_trl_smoke.py",
     "test_env_hostile.py",
+    "test_namespace.py",
+    "test_hints.py",
+    "test_state_every.py",
     "test_semantics.py",
 )
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr.storage.policy_chain import PolicyChain, policy_chain, weights_needed
+from rlvr.storage.policy_chain import PolicyChain, holds_weights, policy_chain, weights_needed
 from rlvr.storage.stage import _replace_transient, prune_transient, rows_to_table
 from rlvr.storage.store import Store
 from tests.cli_helpers import FolderChanges, committed, store_folders
@@ -68,6 +68,20 @@ def test_a_step_that_stored_every_time_cannot_be_replayed_once_its_state_is_gone
     store.delete_artifact("train_state-00000000000000000001")
     assert policy_chain(store, one) is None  # state_every 1: its weights were stored, and are gone
     assert policy_chain(store, two) == PolicyChain(base=two)
+
+
+def test_a_state_deleted_while_its_chain_is_read_holds_no_weights(tmp_path, monkeypatch):
+    """The run's background commit deletes a replaced trainer state between `exists` and the manifest's read
+    (here: `exists` still says yes after the delete): the chain replays past it instead of failing."""
+    store = Store.open(str(tmp_path / "s"), create=True)
+    _write(store, "checkpoints-00000000000000000000", "checkpoints", 0)
+    one = _train_step(store, 1, "checkpoints-00000000000000000000", every=10, stored=False)
+    two = _train_step(store, 2, one, every=10, stored=False)
+    store.delete_artifact("train_state-00000000000000000001")
+    store._manifest_cache.pop("train_state-00000000000000000001", None)
+    monkeypatch.setattr(store, "exists", lambda artifact_id: True)  # the answer read just before the delete
+    assert holds_weights(store, "train_state-00000000000000000001") is False
+    assert policy_chain(store, two) == PolicyChain(base="checkpoints-00000000000000000000", replay=(one, two))
 
 
 def test_replacing_the_trainer_state_keeps_what_the_newest_needs(tmp_path):
