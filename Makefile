@@ -70,7 +70,7 @@ envs: $(ENVS_STAMP)
 # 16 CPU-seconds); tests/conftest.py refuses a serial test whose file does not say so in those words.
 # One worker more than the 2-core machine's cores: a worker waiting (on a subprocess's start, a kill's poll, a
 # server) leaves its core to the others. The whole parallel part in one checkout, back to back (2026-12-03):
-# 1,404 s on 2 workers, 1,317 s on 3 (docs/architecture.md, "Testing").
+# 1,404 s on 2 workers, 1,317 s on 3; on 2026-12-04, 890 s on 3 and 945 s on 4 (docs/architecture.md, "Testing").
 TEST_WORKERS ?= 3
 SERIAL_FILES = $(shell grep -l "pytest.mark.serial" tests/test_*.py)
 
