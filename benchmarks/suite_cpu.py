@@ -58,7 +58,9 @@ def read_process(pid: int) -> tuple[int, float, str] | None:
             name = handle.read().strip()
     except OSError:
         return None
-    fields = stat[stat.rfind(")") + 2 :].split()
+    fields = stat[
+        stat.rfind(")") + 2 :
+    ].split()  # a zombie counts too (its times are final): not child_guard.start_time
     return int(fields[19]), (int(fields[11]) + int(fields[12])) / TICKS, name
 
 

@@ -315,8 +315,8 @@ def run_episodes(
     trajectory carries its verdict (`_Episode.verdict`); `solved_at` overrides the environments' threshold for an
     episode rewarded without one (the run's env.solved_at). `environment_threads`: resets and steps at once. With
     `logprob_temperature`, the sampled tokens' log-probs (0.0 on environment tokens); `temperature` 0: greedy.
-    `engine`: decode through it (a trajectory carries log-probs only when the engine gave all its tokens'); None:
-    on `policy`, which always renders messages and names the eos.
+    `engine`: decode through it (`cache` and `precision` unused; a trajectory carries log-probs only when the engine
+    gave all its tokens'); None: on `policy`, which always renders messages and names the eos.
     """
     _check_arguments(policy, factories, tasks, counts, row_keys, temperature, environment_threads, engine)
     rendering = ChatRendering(policy.tokenizer, _eos_ids(policy))
