@@ -17,11 +17,18 @@ venv: $(STAMP)
 MAIN_EXTRAS := ".[test,lint,docs]"
 ENV_EXTRAS := ".[gem,textarena]"
 PIP_FIND_LINKS_SET = $(shell $(PYTHON) -m pip config list 2>/dev/null | sed -n "s/^[^=]*find-links='\(.*\)'$$/\1/p" | sort -u)
-# uv compiles what it installs to bytecode as pip does (it does not by default): where PYTHONDONTWRITEBYTECODE is set
-# (this machine's image sets it), nothing would ever be compiled, and every process would compile transformers,
-# Prefect and the rest again on import: 8.1 CPU-s for a run's imports instead of 4.4 (docs/architecture.md, Testing).
-install = $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python --native-tls \
+install = $(BIN)/uv pip install --quiet --python $(BIN)/python --native-tls \
 	$(foreach links,$(PIP_FIND_LINKS_SET),--find-links $(links)) $(1) || $(BIN)/python -m pip install --quiet $(1)
+# Bytecode for what a run imports, compiled once by importing it with bytecode writing on. Where
+# PYTHONDONTWRITEBYTECODE is set (this machine's image sets it) nothing would ever be compiled, and every process
+# would compile transformers, Prefect and the rest again on import: 8.1 CPU-s for a run's imports instead of 4.4.
+# Compiling all 26,000 files of the venv instead (`uv pip install --compile-bytecode`) took 45 of the install's
+# 57 s on 2 cores; these two imports compile the 4,600 a run and Prefect's server import in 14 s, and `make test`
+# and `make demo` write what else their processes import (docs/architecture.md, Testing). The second also
+# migrates the Prefect database every new store starts from (flows/prefect_template.py).
+WARM_IMPORTS = PYTHONDONTWRITEBYTECODE= $(BIN)/python -c "import rlvr.trainer.policy, rlvr.flows.step_loop" & warm=$$!; \
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -c "import uvicorn, rlvr.flows.cli, rlvr.flows.rl_run, rlvr.flows.runs" && \
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m rlvr.flows.prefect_template && wait $$warm
 
 $(STAMP): pyproject.toml
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
@@ -30,8 +37,10 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet uv==0.13.9
 	$(call install,torch==2.13.0 -e $(MAIN_EXTRAS))
+	$(WARM_IMPORTS)
 	touch $(STAMP)
 
+demo: export PYTHONDONTWRITEBYTECODE =
 demo: $(STAMP)
 	$(BIN)/rlvr run --store $(STORE)
 
@@ -59,7 +68,7 @@ $(ENVS_STAMP): $(STAMP)
 envs: $(ENVS_STAMP)
 
 # Two parts: the suite on TEST_WORKERS pytest-xdist workers (a file stays on one worker, so its fixtures start
-# once; files go out in tests/conftest.py's order, longest first), then the tests marked `serial` alone.
+# once; files go out in tests/conftest.py's order, longest first), then the tests marked `serial`, with nothing else.
 # `make lint docs` runs beside the first part, its output in build/checks.log (printed when it fails): its cold mypy
 # holds one core for 45-90 s, and two workers left about an eighth of the two cores idle (docs/architecture.md,
 # "Testing"); it ends long before the serial part, which runs alone. tests/conftest.py hands out
@@ -72,10 +81,15 @@ envs: $(ENVS_STAMP)
 # server) leaves its core to the others. The whole parallel part in one checkout, back to back (2026-12-03):
 # 1,404 s on 2 workers, 1,317 s on 3; on 2026-12-04, 890 s on 3 and 945 s on 4 (docs/architecture.md, "Testing").
 TEST_WORKERS ?= 3
+# The serial tests hold wall-clock limits, so they run after the others, without the runs beside them. They mostly
+# wait (for a limit to pass, a process to go: the cores were 33% busy over them), so three workers share the two
+# cores: 36 s instead of 59 (2026-12-04, docs/architecture.md, "Testing").
+SERIAL_WORKERS ?= 3
 SERIAL_FILES = $(shell grep -l "pytest.mark.serial" tests/test_*.py)
 
 # The suite starts hundreds of Python processes: they may write bytecode caches (ignored by git) for the project's
-# own modules and pytest's rewritten test files, whatever PYTHONDONTWRITEBYTECODE says outside.
+# own modules, pytest's rewritten test files and the venv's modules the install did not compile, whatever
+# PYTHONDONTWRITEBYTECODE says outside.
 test: export PYTHONDONTWRITEBYTECODE =
 test: $(STAMP) $(SMOLLM2_STAMP) $(ENVS_STAMP)
 	@mkdir -p build
@@ -84,7 +98,8 @@ test: $(STAMP) $(SMOLLM2_STAMP) $(ENVS_STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "not serial" \
 		--junitxml=build/test-reports/parallel.xml tests || status=1; \
 	if wait $$checks; then echo "make lint docs: passed"; else cat build/checks.log; echo "make lint docs: failed"; status=1; fi; \
-	$(BIN)/python -m pytest -m serial --junitxml=build/test-reports/serial.xml $(SERIAL_FILES) || status=1; \
+	$(BIN)/python -m pytest -n $(SERIAL_WORKERS) --dist loadfile -m serial --junitxml=build/test-reports/serial.xml \
+		$(SERIAL_FILES) || status=1; \
 	exit $$status
 
 # The docs site: the README is its home page (its links into docs/ made relative), docs/ the rest.

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rlvr.child_guard import guard_prefect_server
 from rlvr.errors import UserError
+from rlvr.flows.prefect_template import DATABASE_NAME, seed_database
 from rlvr.storage.store import Store
 
 
@@ -44,8 +45,10 @@ def configure_prefect(store: Store) -> Path:
     os.environ.setdefault("PREFECT_LOGGING_SERVER_LEVEL", "CRITICAL")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     os.environ.setdefault("HF_HOME", str(home.parent / "_hf"))
-    if not os.environ.get("PREFECT_API_URL") and (problem := prefect_database_problem(store)) is not None:
-        raise UserError(problem)  # else Prefect's temporary server hangs on it, then times out
+    if not os.environ.get("PREFECT_API_URL"):
+        if (problem := prefect_database_problem(store)) is not None:
+            raise UserError(problem)  # else Prefect's temporary server hangs on it, then times out
+        seed_database(home / DATABASE_NAME)  # a new store's database starts migrated (prefect_template.py)
     return home
 
 
@@ -68,7 +71,7 @@ def prefect_database_problem(store: Store) -> str | None:
     moving it away loses nothing a run needs.
     """
     base = Path(store.local_root) if store.local_root is not None else remote_store_home(store.root)
-    path = base / "_prefect" / "prefect.db"
+    path = base / "_prefect" / DATABASE_NAME
     if not path.is_file() or path.stat().st_size == 0:
         return None
     try:

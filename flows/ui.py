@@ -32,6 +32,7 @@ from typing import Any
 
 from rlvr.errors import UserError
 from rlvr.flows.prefect_env import configure_prefect
+from rlvr.flows.prefect_template import DATABASE_NAME, seed_database
 from rlvr.storage.processes import pid_alive
 from rlvr.storage.store import Store
 
@@ -93,6 +94,7 @@ def start_server(
     """Start `prefect server start` (UI, scheduler and the other services on) over the database in `home`."""
     if not port_free(host, port):
         raise UserError(f"port {port} on {host} is in use; choose another with --port")
+    seed_database(home / DATABASE_NAME)  # a new store's database starts migrated (prefect_template.py)
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)]
     with open(home / LOG_FILE, "ab") as log:
         process = subprocess.Popen(

@@ -32,10 +32,24 @@ def prefect_api() -> Iterator[str]:
     can share it). One server in the controller for both workers was tried and measured slower: its start (about
     30 s on one core) comes before any worker starts, and a subset of six run-heavy files took 300 s and 411 CPU-s
     with it against 256 s and 376 with one server a worker (2026-12-02, docs/architecture.md "Testing")."""
+    from unittest import mock
+
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=90):
+    from rlvr.flows.prefect_template import seed_database
+
+    def seeded_folder() -> str:
+        """The harness's database folder, its database copied from `make venv`'s migrated one (about 5.5 CPU-s
+        of migrations less a server; Prefect migrates as usual where there is no template or another name)."""
+        folder = tempfile.mkdtemp(prefix="rlvr-prefect-server-")
+        seed_database(Path(folder) / "prefect-test.db")
+        return folder
+
+    with (
+        mock.patch("prefect.testing.utilities.mkdtemp", seeded_folder),
+        prefect_test_harness(server_startup_timeout=90),
+    ):
         yield PREFECT_API_URL.value()
 
 
