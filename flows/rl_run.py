@@ -46,7 +46,8 @@ def rl_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
 def _whole_run(store: str, cfg: RunConfigBase) -> dict[str, Any]:
     from rlvr.flows.data_run import estimate_difficulty, initial_policy
     from rlvr.flows.rl_step import StepRefs, evaluate
-    from rlvr.flows.step_loop import rl_steps, stop_sampler_worker
+    from rlvr.flows.sampling_server import stop_sampler_worker
+    from rlvr.flows.step_loop import rl_steps
     from rlvr.tasks.warmstart import WARMSTART
 
     assert cfg.run_id is not None

@@ -8,9 +8,6 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NONE
-
 from rlvr.curricula.filtering import prompts_to_draw
 from rlvr.environments.registry import environment_label
 from rlvr.flows.config import RunConfigBase, engine_param
@@ -68,8 +65,7 @@ class Generated:
         return self.groups[-1] if self.groups else before
 
 
-@task(name="rl-step", cache_policy=NONE)
-def rl_step(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> tuple[StepRefs, dict[str, Any]]:
+def run_step(store: str, cfg: RunConfigBase, step: int, refs: StepRefs) -> tuple[StepRefs, dict[str, Any]]:
     """One RL step; returns the refs for the next step and the step's train_steps row.
 
     The step's artifacts are committed as one group (`Store.batch`), in the background while the next
@@ -357,8 +353,9 @@ def after_step(store: str, cfg: RunConfigBase, step: int, refs: StepRefs, metric
         run(CHECKPOINT, cfg.checkpoint, run_context(store, cfg, step), inputs={"policy": refs.policy_ref})
 
 
-@task(name="rl-generate", cache_policy=NONE)
-def rl_generate(store: str, cfg: RunConfigBase, step: int, refs: StepRefs, sampler: Sampler) -> tuple[Generated, str]:
+def generate_ahead(
+    store: str, cfg: RunConfigBase, step: int, refs: StepRefs, sampler: Sampler
+) -> tuple[Generated, str]:
     """The sampling half of a step under flow.async_level with flow.sampler=thread, on a worker thread beside
     the trainer: its rounds (sampled by `sampler`) and the selection state after their outcomes, committed
     as one group. On a GPU its kernels go to a stream of their own (`own_stream`), beside the trainer's."""

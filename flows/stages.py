@@ -16,10 +16,6 @@ from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NONE
-from prefect.context import TaskRunContext
-
 from rlvr.storage.stage import InputRef, Stage, StageRun, run_stage
 from rlvr.storage.store import open_store
 
@@ -60,12 +56,18 @@ def run(
 ) -> StageRun:
     """Run `stage` through the runner (skipped when committed), as a Prefect task unless inside one (or in a
     process that runs stages in place, `stages_in_place`)."""
-    if _in_place.get() or TaskRunContext.get() is not None:
+    if _in_place.get() or _in_task_run():
         store = open_store(at.store)
         return run_stage(store, stage, cfg, run_id=at.run_id, seed=at.seed, step=at.step, inputs=inputs, params=params)
     _stages[stage.name] = stage
     task = _task_of(stage.name)
     return task(at.store, stage.name, cfg, at.run_id, at.seed, at.step, dict(inputs or {}), dict(params or {}))
+
+
+def _in_task_run() -> bool:
+    from prefect.context import TaskRunContext  # here: a process that runs its stages in place never imports Prefect
+
+    return TaskRunContext.get() is not None
 
 
 _stages: dict[str, Stage[Any]] = {}
@@ -87,6 +89,8 @@ def stages_in_place() -> Iterator[None]:
 @cache
 def _task_of(name: str) -> Any:
     """One Prefect task per stage name (the task run's name in the UI is the stage's)."""
+    from prefect import task
+    from prefect.cache_policies import NONE
 
     def run_as_task(
         store: str,

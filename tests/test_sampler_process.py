@@ -5,6 +5,7 @@ ahead with the staleness bound held on every row."""
 
 from __future__ import annotations
 
+import ast
 import signal
 import subprocess
 import sys
@@ -120,6 +121,41 @@ def test_weights_reload_in_place_and_refuse_what_they_do_not_cover():
     partial = {name: t for name, t in weights.items() if "layers.0.mlp" not in name}
     assert not _load_in_place(target.model, partial)
     assert not _load_in_place(target.model, {**weights, "extra.weight": torch.zeros(1)})
+
+
+def module_level_imports(path) -> set[str]:
+    """The modules a file imports when it is imported (its top-level import statements; those inside functions
+    run later, if ever)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_the_sampler_processs_module_imports_no_prefect():
+    """Everything importing flows/sampling_server.py imports, followed through the package's modules (and the
+    packages' faces): no Prefect, which the process never uses (it runs its stages in place) and which costs
+    about 1.7 CPU-s a sampler process."""
+    from tests.test_import_contract import modules
+
+    files = {name: path for name, (_, path) in modules().items()}
+    seen, todo, outside = set(), ["rlvr.flows.sampling_server"], set()
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        for module in (".".join(parts[:i]) for i in range(2, len(parts) + 1)):  # rlvr.flows, rlvr.flows.x, ...
+            if module in files and module not in seen:
+                seen.add(module)
+                imported = module_level_imports(files[module])
+                todo += [n for n in imported if n.startswith("rlvr.")]
+                outside |= {n.split(".")[0] for n in imported if not n.startswith("rlvr")}
+    assert "rlvr.flows.rl_step" in seen and "rlvr.flows.stages" in seen  # the stages it runs
+    assert "prefect" not in outside, sorted(
+        m for m in seen if any(n.startswith("prefect") for n in module_level_imports(files[m]))
+    )
 
 
 def test_a_process_sampler_needs_a_store_another_process_can_open():

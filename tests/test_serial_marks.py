@@ -42,4 +42,4 @@ def test_a_serial_test_whose_file_the_grep_would_miss_is_refused_in_one_line(tmp
 def test_the_makefile_greps_for_the_mark_the_conftest_checks():
     makefile = (REPO / "Makefile").read_text(encoding="utf-8")
     assert f'SERIAL_FILES = $(shell grep -l "{SERIAL_MARK}" tests/test_*.py)' in makefile
-    assert "-m serial --junitxml=build/test-reports/serial.xml $(SERIAL_FILES)" in makefile
+    assert "-m serial --junitxml=build/test-reports/serial.xml \\\n\t\t$(SERIAL_FILES)" in makefile
