@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from prefect.exceptions import TerminationSignal
 
-from rlvr.child_guard import EXIT_PARENT_GONE, guarded_command
+from rlvr.child_guard import EXIT_PARENT_GONE, guarded_command, start_time
 from rlvr.errors import Stopped
 from rlvr.flows.runs import _sigterm_raises_stopped
 from rlvr.verifiers import sandbox
@@ -203,6 +203,34 @@ def test_busy_pool_worker_exits_when_the_run_is_killed(tmp_path):
     time.sleep(1.0)  # the call is running
     _kill(parent)
     _assert_all_gone(family, within=5.0)
+
+
+def test_sampler_worker_exits_when_the_run_is_killed():
+    """SIGKILL the process that started a sampler worker (flows/sampler_process.py): the worker is gone within 30 s
+    (its pipe closes)."""
+    script = (
+        "import sys, time\n"
+        "from rlvr.flows.sampler_process import WorkerProcess\n"
+        "from tests.sampler_jobs import Doubler\n"
+        "if __name__ == '__main__':\n"
+        "    worker = WorkerProcess(Doubler, (0,), name='test-worker')\n"
+        "    worker.submit('pid')\n"
+        "    print(worker.result(), flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    run = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pid = int(run.stdout.readline())
+        started = start_time(worker_pid)
+        assert started is not None
+        run.send_signal(signal.SIGKILL)
+        run.wait(timeout=10)
+        deadline = time.monotonic() + 30  # seconds when idle; 10 were once not enough on 2 cores running 3 jobs
+        while start_time(worker_pid) == started and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert start_time(worker_pid) != started, "the worker outlived the killed run"
+    finally:
+        run.kill()
 
 
 @pytest.mark.parametrize("isolation", ["bubblewrap", "rlimits"])
