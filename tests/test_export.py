@@ -4,6 +4,7 @@ GRPOTrainer reward call (dataset columns repeated per generation)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,8 +13,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import reasoning_gym
-from datasets import load_dataset
 
 from rlvr.data.export import EXPORT_FORMATS, chat_messages, export_problems
 from rlvr.errors import UserError
@@ -28,7 +27,16 @@ MATH_CHAT = json.dumps(
         {"role": "user", "content": "Write one half as a fraction."},
     ]
 )
-GCD = [json.loads(json.dumps(entry)) for entry in reasoning_gym.create_dataset("gcd", size=2, seed=1)]
+
+
+@functools.cache
+def gcd_entries() -> list[dict[str, Any]]:
+    """Two reasoning-gym GCD entries (imported here, not at collection: every xdist worker collects this file)."""
+    import reasoning_gym
+
+    return [json.loads(json.dumps(entry)) for entry in reasoning_gym.create_dataset("gcd", size=2, seed=1)]
+
+
 # problem_id -> (a correct completion, a wrong one)
 ANSWERS = {
     "p1-gcd": ("<answer>1</answer>", "<answer>7</answer>"),
@@ -63,17 +71,20 @@ def _problem(problem_id: str, split: str, verifier: str, prompt: str, reference:
 
 def problems_table(chat_math: bool = False) -> pa.Table:
     """Four problems over three verifiers, listed out of problem_id order; train: p1, p3; test: p2, p4."""
-    gcd_reference = [json.dumps({"dataset": "gcd", "entry": entry}) for entry in GCD]
+    gcd = gcd_entries()
+    gcd_reference = [json.dumps({"dataset": "gcd", "entry": entry}) for entry in gcd]
     rows = [
         _problem("p3-arith", "train", "arithmetic", "2+3=", "5", "5"),
-        _problem("p4-gcd", "test", "reasoning_gym", GCD[1]["question"], gcd_reference[1], GCD[1]["answer"]),
+        _problem("p4-gcd", "test", "reasoning_gym", gcd[1]["question"], gcd_reference[1], gcd[1]["answer"]),
         _problem("p2-math", "test", "math", MATH_CHAT if chat_math else "One half?", "\\frac{1}{2}", "1/2"),
-        _problem("p1-gcd", "train", "reasoning_gym", GCD[0]["question"], gcd_reference[0], GCD[0]["answer"]),
+        _problem("p1-gcd", "train", "reasoning_gym", gcd[0]["question"], gcd_reference[0], gcd[0]["answer"]),
     ]
     return pa.Table.from_pylist(rows, schema=PROBLEMS_SCHEMA)
 
 
 def load(path: Path, tmp_path: Path) -> list[dict[str, Any]]:
+    from datasets import load_dataset
+
     builder = "json" if path.suffix == ".jsonl" else "parquet"
     dataset = load_dataset(builder, data_files=str(path), split="train", cache_dir=str(tmp_path / "hf-cache"))
     return list(dataset)
@@ -109,7 +120,7 @@ def test_verl_layout_types_and_scores(tmp_path):
     assert [row["extra_info"]["problem_id"] for row in train_rows] == ["p1-gcd", "p3-arith"]
     assert [row["extra_info"]["index"] for row in train_rows] == [0, 1]
     assert train_rows[1]["prompt"] == [{"role": "user", "content": "2+3="}]
-    assert json.loads(train_rows[0]["reward_model"]["ground_truth"]) == {"dataset": "gcd", "entry": GCD[0]}
+    assert json.loads(train_rows[0]["reward_model"]["ground_truth"]) == {"dataset": "gcd", "entry": gcd_entries()[0]}
     for row in test_rows + train_rows:
         right, wrong = ANSWERS[row["extra_info"]["problem_id"]]
         args = (row["reward_model"]["ground_truth"], row["extra_info"])
@@ -118,7 +129,7 @@ def test_verl_layout_types_and_scores(tmp_path):
 
 
 def test_verl_compute_score_takes_a_reasoning_gym_json_ground_truth():
-    ground_truth = json.dumps({"dataset": "gcd", "entry": GCD[1]})
+    ground_truth = json.dumps({"dataset": "gcd", "entry": gcd_entries()[1]})
     assert compute_score("reasoning_gym", "The GCD is\n<answer>2</answer>", ground_truth, {"index": 0}) == 1.0
     assert compute_score("reasoning_gym", "<answer>1</answer>", ground_truth, None) == 0.0
 

@@ -8,7 +8,6 @@ import sqlite3
 from typing import Any
 
 import pytest
-import reasoning_gym
 
 from rlvr.verifiers.base import MISSING_REFERENCE, Score, Verifier
 from rlvr.verifiers.registry import get_verifier, registered
@@ -109,6 +108,8 @@ def test_math_rejects_references_it_cannot_use(reference, expected):
 
 @pytest.fixture(scope="module")
 def gcd_references() -> list[dict[str, Any]]:
+    import reasoning_gym  # here, not at collection: every xdist worker collects this file
+
     dataset = reasoning_gym.create_dataset("gcd", size=3, seed=1)
     return [{"dataset": "gcd", "entry": json.loads(json.dumps(entry, default=str))} for entry in dataset]
 
@@ -144,6 +145,8 @@ def test_reasoning_gym_rejects_bad_references(reference, expected):
 
 def test_reasoning_gym_flags_an_entry_its_scorer_rejects(gcd_references):
     """rearc compares the answer's grid with metadata tuples, which a JSON round trip turns into lists."""
+    import reasoning_gym
+
     entry = json.loads(json.dumps(reasoning_gym.create_dataset("rearc", size=1, seed=1)[0], default=str))
     assert get_verifier("reasoning_gym").reference_error({"dataset": "rearc", "entry": entry}) == (
         "the entry's own answer is not rewarded (wrong: rearc: scorer gave 0.05; only 1.0 is rewarded)"
