@@ -31,13 +31,17 @@ def template_path() -> Path:
     return Path(sys.prefix) / "share" / "rlvr" / f"prefect-{version}.db"
 
 
+DATABASE_SETTINGS = ("PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL")
+
+
 def seed_database(path: Path, template: Path | None = None) -> bool:
-    """Copy the template to `path` when no database is there yet; True when copied.
+    """Copy the template to `path` when no database is there yet; True when copied. Nothing is copied when the
+    environment names a database of its own (Postgres, say): Prefect would not use the file.
 
     The copy lands whole or not at all, and never over a database another process made first (a hard link of a
     finished copy: two runs starting on one new store both see one database)."""
     template = template or template_path()
-    if path.exists() or not template.is_file():
+    if path.exists() or not template.is_file() or any(os.environ.get(name) for name in DATABASE_SETTINGS):
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.partial")

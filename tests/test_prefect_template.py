@@ -38,6 +38,12 @@ def test_a_new_home_gets_a_whole_copy_and_an_existing_database_is_kept(tmp_path,
     assert sorted(p.name for p in target.parent.iterdir()) == ["prefect.db"]  # no partial copy left
 
 
+def test_a_database_named_by_the_environment_gets_no_copy(tmp_path, template, monkeypatch):
+    monkeypatch.setenv("PREFECT_SERVER_DATABASE_CONNECTION_URL", "postgresql+asyncpg://prefect@db/prefect")
+    assert seed_database(tmp_path / "home" / "prefect.db", template) is False
+    assert not (tmp_path / "home").exists()
+
+
 def test_runs_starting_together_on_a_new_store_see_one_database(tmp_path, template):
     target = tmp_path / "home" / "prefect.db"
     results: list[bool] = []
