@@ -22,9 +22,10 @@ asks). A script is the turns it writes, its last repeated:
 
 Run it with `env.type=tests.env_fixtures:ScriptedToolEnvironment`; tests/test_env_hostile.py does.
 
-Below it, for the rollout loop's own limits (tests/test_multi_turn.py): `HangingGym`, a gym-style game whose step
-loops forever or sleeps (`env.step_timeout_s`, `env.isolation`), and `ConcurrencyProbe`, an environment that counts
-how many of its calls run at once (`env.parallel_steps`).
+Below it, for the rollout loop's own limits (tests/test_multi_turn.py, tests/test_episode_limits.py): `HangingGym`, a
+gym-style game whose step loops forever or sleeps (`env.step_timeout_s`, `env.isolation`), `ConcurrencyProbe`, an
+environment that counts how many of its calls run at once (`env.parallel_steps`), and `eos_bias`, which makes the
+tiny model end its turns soon or never.
 """
 
 from __future__ import annotations
@@ -184,3 +185,16 @@ class ConcurrencyProbe(Environment):
         time.sleep(0.3)
         with cls.lock:
             cls.running -= 1
+
+
+def eos_bias(policy: Any, bias: float) -> None:
+    """Add `bias` to the tiny model's eos logit (a hook on its LM head): turns end soon (> 0) or never (< 0).
+    torch is imported here, not with this module: the serial part's workers collect test_episode_limits.py, which
+    imports this module, without torch."""
+    import torch
+
+    from rlvr.trainer.tiny_model import EOS, VOCAB
+
+    shift = torch.zeros(len(VOCAB))
+    shift[VOCAB.index(EOS)] = bias
+    policy.model.lm_head.register_forward_hook(lambda module, inputs, output: output + shift)

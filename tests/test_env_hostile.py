@@ -9,13 +9,12 @@ import re
 from typing import Any
 
 import pytest
-import torch
 
 from rlvr.environments.registry import EnvConfig, environment_factory
 from rlvr.storage.store import Store
 from rlvr.storage.views import query
 from tests.cli_helpers import SMALL_RUN
-from tests.env_fixtures import FLOOD_BYTES, SCRIPTS, ScriptedOptions, script_of
+from tests.env_fixtures import FLOOD_BYTES, SCRIPTS, ScriptedOptions, eos_bias, script_of
 
 pytestmark = pytest.mark.slow
 
@@ -195,12 +194,10 @@ def test_a_hang_on_a_turn_its_budget_cut_is_a_tool_timeout_timed_on_that_turn() 
     hanging call still names the stop (not "token_budget") and its seconds (fails without either fix)."""
     from rlvr.trainer.episodes import Budgets, run_episodes
     from rlvr.trainer.policy import PolicyConfig, init_policy
-    from rlvr.trainer.tiny_model import EOS, VOCAB, TinyModelConfig
+    from rlvr.trainer.tiny_model import TinyModelConfig
 
     policy = init_policy(PolicyConfig(tiny=TinyModelConfig(max_positions=1024)), seed=0)
-    never_ends = torch.zeros(len(VOCAB))
-    never_ends[VOCAB.index(EOS)] = -100.0
-    policy.model.lm_head.register_forward_hook(lambda module, inputs, output: output + never_ends)
+    eos_bias(policy, -100.0)  # never ends a turn
     config = EnvConfig(type=SCRIPTED, max_turns=MAX_TURNS, tool_timeout_s=TIMEOUT_S, options={"scripts": ["hang"]})
     task = {"problem_id": "p-hang", "prompt": "123*45=", "reference": "5535"}
     budgets = Budgets(max_turns=MAX_TURNS, max_tokens=64, max_new_tokens=4, max_tool_output_tokens=OUTPUT_TOKENS)

