@@ -28,9 +28,9 @@ A failed check is `LeaseLost`, one line naming the run and its new owner; from t
 at once, and a temp file written before the failed check is removed.
 Manifests and the run record carry the lease number they were written under (`lease`). The heartbeat thread
 that finds the run taken stops the run's main thread (flows/runs.py), which exits with status 2 without
-writing its record or releasing a lease that is no longer its own. What is left: a write already inside its
-publishing call when the process froze (one rename, or one PUT) completes when it thaws, and data files written
-before a failed check stay behind uncommitted, for the new owner's cleanup.
+writing its record or releasing a lease that is no longer its own. What is left: a write already past its
+check when the process froze (the one rename, or PUT, that follows the check) completes when it thaws, and data
+files written before a failed check stay behind uncommitted, for the new owner's cleanup.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import pytest
 from rlvr.storage.ids import canonical_json
 from rlvr.storage.leases import LeaseLost, claim_run, lease_path, newest_lease_number, owning
 from rlvr.storage.manifest import Manifest
-from rlvr.storage.processes import TMP_RE
+from rlvr.storage.processes import TMP_MARK, TMP_RE
 from rlvr.storage.store import Store
 from tests.cli_helpers import FolderChanges, cli_env, committed, store_folders, wait_for
 from tests.fork_server import ForkServer, fork_server
@@ -438,14 +438,21 @@ def test_a_run_taken_over_halfway_through_a_step_writes_nothing_after(
 def in_flight(calls: list[list[str]], early: list[list[str]], pid: int) -> bool:
     """Whether one thread's writes after the freeze are what a freeze can leave in flight past the lease check before
     them, touching no committed file: a new artifact folder's `_owner.json` whose folder it made before the freeze
-    (the lease was checked before both); or its own temp file, opened or not yet, removed once the check at the thaw
-    failed (the check before the rename)."""
+    (the lease was checked before both); its own temp file, opened or not yet, removed once the check at the thaw
+    failed (the check before the rename); or the rename of the temp file it wrote last before the freeze, when the
+    freeze fell between the check and the rename (storage/leases.py: a publishing call in flight completes)."""
     if {int(c[1]) for c in calls} != {pid}:
         return False
     names = [c[3] for c in calls]
     paths = {c[4] for c in calls}
     if names == ["open"] and calls[0][4].endswith("/_owner.json"):
         return ["os.mkdir", os.path.dirname(calls[0][4])] in [w[3:] for w in early]
+    if names == ["os.replace"]:
+        thread = [w for w in early if w[1:3] == calls[0][1:3]]
+        last = thread[-1] if thread else None
+        return last is not None and last[3] == "open" and last[4].startswith(calls[0][4] + TMP_MARK) and (
+            temp_writer(Path(last[4]).name) == pid
+        )
     own_temp = len(paths) == 1 and temp_writer(Path(paths.pop()).name) == pid
     return own_temp and names in (["os.remove"], ["os.unlink"], ["open", "os.remove"], ["open", "os.unlink"])
 
@@ -480,3 +487,10 @@ def test_what_a_thawed_thread_may_have_left_in_flight() -> None:
     assert not in_flight(late(("open", tmp), ("os.replace", "/s/runs/raced.json")), early, 7)  # published
     assert not in_flight(late(("open", owner)), [], 7)  # its folder was not made before the freeze
     assert not in_flight(late(("os.remove", tmp)), early, 8)  # another process's temp file
+    opened = [["1.5", "7", "1", "open", tmp]]
+    assert in_flight(late(("os.replace", "/s/runs/raced.json")), early + opened, 7)  # frozen after its check
+    assert not in_flight(late(("os.replace", "/s/runs/raced.json")), opened + early, 7)  # not its last write
+    assert not in_flight(late(("os.replace", "/s/runs/other.json")), early + opened, 7)  # another file
+    assert not in_flight(late(("os.replace", "/s/runs/raced.json")), [["1.5", "7", "2", "open", tmp]], 7)  # thread
+    two = late(("os.replace", "/s/runs/raced.json"), ("os.replace", "/s/runs/raced.json"))
+    assert not in_flight(two, early + opened, 7)  # a second write after the thaw
