@@ -449,10 +449,10 @@ def in_flight(calls: list[list[str]], early: list[list[str]], pid: int) -> bool:
         return ["os.mkdir", os.path.dirname(calls[0][4])] in [w[3:] for w in early]
     if names == ["os.replace"]:
         thread = [w for w in early if w[1:3] == calls[0][1:3]]
-        last = thread[-1] if thread else None
-        return last is not None and last[3] == "open" and last[4].startswith(calls[0][4] + TMP_MARK) and (
-            temp_writer(Path(last[4]).name) == pid
-        )
+        if not thread or thread[-1][3] != "open":
+            return False
+        temp = thread[-1][4]
+        return temp.startswith(calls[0][4] + TMP_MARK) and temp_writer(Path(temp).name) == pid
     own_temp = len(paths) == 1 and temp_writer(Path(paths.pop()).name) == pid
     return own_temp and names in (["os.remove"], ["os.unlink"], ["open", "os.remove"], ["open", "os.unlink"])
 
