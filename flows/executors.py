@@ -40,8 +40,10 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import cache
+from importlib import metadata
 from typing import Any, Literal, TypeVar
 
+from packaging.version import Version
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlvr.errors import UserError
@@ -216,6 +218,27 @@ def current_fan_out() -> FanOut:
     return _current.get() or FanOut(ExecutorConfig())
 
 
+# The task runner package of each backend, and its first release written for Prefect 3: an install resolved beside
+# other pins once took prefect-ray 0.3 (Prefect 2's), whose import failed in the middle of a run's first stage.
+RUNNER_PACKAGES = {"dask": ("prefect_dask", "prefect-dask", "0.3.7"), "ray": ("prefect_ray", "prefect-ray", "0.6")}
+
+
+def check_runner_package(kind: str) -> None:
+    """A one-line UserError, before any unit runs, unless backend `kind`'s task runner package is installed at
+    a release for Prefect 3."""
+    if kind not in RUNNER_PACKAGES:
+        return
+    module, package, floor = RUNNER_PACKAGES[kind]
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"flow.executor.type={kind} needs {module}: pip install 'rlvr-pipeline[{kind}]'")
+    installed = metadata.version(package)
+    if Version(installed) < Version(floor):
+        raise UserError(
+            f"flow.executor.type={kind} needs {package} {floor} or newer ({installed} is installed, a release for "
+            f"Prefect 2): pip install --upgrade '{package}>={floor}'"
+        )
+
+
 @contextmanager
 def use_executor(cfg: ExecutorConfig, store_root: str) -> Iterator[FanOut]:
     """Make `cfg`'s backend the current fan-out for the duration (a flow's body); stop it after."""
@@ -224,9 +247,7 @@ def use_executor(cfg: ExecutorConfig, store_root: str) -> Iterator[FanOut]:
             f"flow.executor.type={cfg.type} needs a store its workers can open; {store_root} lives in this "
             "process's memory: use a local path or an object-store URL (s3://...)"
         )
-    runner_module = {"dask": "prefect_dask", "ray": "prefect_ray"}.get(cfg.type)
-    if runner_module and importlib.util.find_spec(runner_module) is None:
-        raise UserError(f"flow.executor.type={cfg.type} needs {runner_module}: pip install 'rlvr-pipeline[{cfg.type}]'")
+    check_runner_package(cfg.type)
     fan_out = FanOut(cfg)
     token = _current.set(fan_out)
     try:

@@ -22,7 +22,7 @@ import pytest
 
 from rlvr.errors import ConfigError, UserError
 from rlvr.flows.config import CONFIG, load_config
-from rlvr.flows.executors import RAY_TOKEN_SETTINGS, ExecutorConfig, FanOut, use_executor
+from rlvr.flows.executors import RAY_TOKEN_SETTINGS, ExecutorConfig, FanOut, check_runner_package, use_executor
 from rlvr.storage.store import Store
 from rlvr.verifiers.base import Score
 from rlvr.verifiers.cache import VerifierConfig, cache_key, reward_cache, score_rollouts, text_hash, version_of
@@ -186,6 +186,33 @@ def test_workers_cannot_reach_a_memory_store():
         dask.__enter__()
     with use_executor(ExecutorConfig(), "memory://scratch") as fan_out:  # threads: units in place
         assert list(fan_out(abs, [-1, 2, -3])) == [1, 2, 3]
+
+
+def test_a_runner_package_missing_or_written_for_prefect_2_is_refused_in_one_line(monkeypatch):
+    """prefect-ray 0.3.1 (what a resolver once installed) would fail at its import in the middle of the first stage;
+    it is refused when the executor starts, as a missing package is. The releases installed here pass."""
+    import importlib.metadata
+    import importlib.util
+
+    check_runner_package("ray")
+    check_runner_package("dask")
+    check_runner_package("threads")
+    real_version, real_find = importlib.metadata.version, importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "0.3.1" if name == "prefect-ray" else real_version(name)
+    )
+    with pytest.raises(UserError) as old, use_executor(ExecutorConfig(type="ray"), "./store"):
+        pytest.fail("the flow's body ran")
+    assert str(old.value) == (
+        "flow.executor.type=ray needs prefect-ray 0.6 or newer (0.3.1 is installed, a release for Prefect 2): "
+        "pip install --upgrade 'prefect-ray>=0.6'"
+    )
+    check_runner_package("dask")  # its own version, not prefect-ray's
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "prefect_dask" else real_find(name))
+    with pytest.raises(
+        UserError, match=r"^flow.executor.type=dask needs prefect_dask: pip install 'rlvr-pipeline\[dask\]'$"
+    ):
+        check_runner_package("dask")
 
 
 def test_a_fan_out_shipped_to_a_worker_runs_units_in_place():
