@@ -231,7 +231,10 @@ def check_runner_package(kind: str) -> None:
     module, package, floor = RUNNER_PACKAGES[kind]
     if importlib.util.find_spec(module) is None:
         raise UserError(f"flow.executor.type={kind} needs {module}: pip install 'rlvr-pipeline[{kind}]'")
-    installed = metadata.version(package)
+    try:
+        installed = metadata.version(package)
+    except metadata.PackageNotFoundError:  # importable without a distribution (a source tree on the path)
+        return
     if Version(installed) < Version(floor):
         raise UserError(
             f"flow.executor.type={kind} needs {package} {floor} or newer ({installed} is installed, a release for "
