@@ -218,14 +218,15 @@ def current_fan_out() -> FanOut:
     return _current.get() or FanOut(ExecutorConfig())
 
 
-# The task runner package of each backend, and its first release written for Prefect 3: an install resolved beside
-# other pins once took prefect-ray 0.3 (Prefect 2's), whose import failed in the middle of a run's first stage.
+# The task runner package of each backend and pyproject's floor for it (tests/test_backends.py holds them equal): an
+# install resolved beside other pins once took prefect-ray 0.3.1, a release for Prefect 2, whose import failed in the
+# middle of a run's first stage.
 RUNNER_PACKAGES = {"dask": ("prefect_dask", "prefect-dask", "0.3.7"), "ray": ("prefect_ray", "prefect-ray", "0.6")}
 
 
 def check_runner_package(kind: str) -> None:
     """A one-line UserError, before any unit runs, unless backend `kind`'s task runner package is installed at
-    a release for Prefect 3."""
+    pyproject's floor or newer."""
     if kind not in RUNNER_PACKAGES:
         return
     module, package, floor = RUNNER_PACKAGES[kind]
@@ -237,8 +238,8 @@ def check_runner_package(kind: str) -> None:
         return
     if Version(installed) < Version(floor):
         raise UserError(
-            f"flow.executor.type={kind} needs {package} {floor} or newer ({installed} is installed, a release for "
-            f"Prefect 2): pip install --upgrade '{package}>={floor}'"
+            f"flow.executor.type={kind} needs {package} {floor} or newer ({installed} is installed): "
+            f"pip install --upgrade '{package}>={floor}'"
         )
 
 

@@ -19,10 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.version import Version
 
 from rlvr.errors import ConfigError, UserError
 from rlvr.flows.config import CONFIG, load_config
-from rlvr.flows.executors import RAY_TOKEN_SETTINGS, ExecutorConfig, FanOut, check_runner_package, use_executor
+from rlvr.flows.executors import (
+    RAY_TOKEN_SETTINGS,
+    RUNNER_PACKAGES,
+    ExecutorConfig,
+    FanOut,
+    check_runner_package,
+    use_executor,
+)
 from rlvr.storage.store import Store
 from rlvr.verifiers.base import Score
 from rlvr.verifiers.cache import VerifierConfig, cache_key, reward_cache, score_rollouts, text_hash, version_of
@@ -204,8 +212,7 @@ def test_a_runner_package_missing_or_written_for_prefect_2_is_refused_in_one_lin
     with pytest.raises(UserError) as old, use_executor(ExecutorConfig(type="ray"), "./store"):
         pytest.fail("the flow's body ran")
     assert str(old.value) == (
-        "flow.executor.type=ray needs prefect-ray 0.6 or newer (0.3.1 is installed, a release for Prefect 2): "
-        "pip install --upgrade 'prefect-ray>=0.6'"
+        "flow.executor.type=ray needs prefect-ray 0.6 or newer (0.3.1 is installed): pip install --upgrade 'prefect-ray>=0.6'"
     )
     check_runner_package("dask")  # its own version, not prefect-ray's
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "prefect_dask" else real_find(name))
@@ -213,6 +220,20 @@ def test_a_runner_package_missing_or_written_for_prefect_2_is_refused_in_one_lin
         UserError, match=r"^flow.executor.type=dask needs prefect_dask: pip install 'rlvr-pipeline\[dask\]'$"
     ):
         check_runner_package("dask")
+
+
+def test_the_runner_floors_are_pyprojects_and_make_test_floors():
+    """RUNNER_PACKAGES, pyproject's dask and ray extras and constraints/floor.txt name one floor for each package."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pinned = dict(
+        line.split("==") for line in (root / "constraints" / "floor.txt").read_text().splitlines() if "==" in line
+    )
+    for kind, (_, package, floor) in RUNNER_PACKAGES.items():
+        assert f"{package}>={floor}" in extras[kind]
+        assert Version(pinned[package]) == Version(floor)
 
 
 def test_a_fan_out_shipped_to_a_worker_runs_units_in_place():

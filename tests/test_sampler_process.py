@@ -90,16 +90,16 @@ def test_weights_reload_in_place_and_refuse_what_they_do_not_cover():
     assert not _load_in_place(target.model, {**weights, "extra.weight": torch.zeros(1)})
 
 
-def module_level_imports(path) -> set[str]:
-    """The modules a file imports when it is imported (its top-level import statements; those inside functions
-    run later, if ever)."""
-    names: set[str] = set()
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
-    return names
+def module_level_imports(name: str, path) -> set[str]:
+    """The modules a file imports when it is imported: what its top-level import statements name (the import
+    contract's reading of them); those inside functions or under `if TYPE_CHECKING:` run later, if ever."""
+    from tests.test_import_contract import imported_names
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = ast.Module(
+        body=[node for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)], type_ignores=[]
+    )
+    return imported_names(top, name, path.name == "__init__.py")
 
 
 def test_the_sampler_processs_module_imports_no_prefect():
@@ -116,12 +116,12 @@ def test_the_sampler_processs_module_imports_no_prefect():
         for module in (".".join(parts[:i]) for i in range(2, len(parts) + 1)):  # rlvr.flows, rlvr.flows.x, ...
             if module in files and module not in seen:
                 seen.add(module)
-                imported = module_level_imports(files[module])
+                imported = module_level_imports(module, files[module])
                 todo += [n for n in imported if n.startswith("rlvr.")]
                 outside |= {n.split(".")[0] for n in imported if not n.startswith("rlvr")}
     assert "rlvr.flows.rl_step" in seen and "rlvr.flows.stages" in seen  # the stages it runs
     assert "prefect" not in outside, sorted(
-        m for m in seen if any(n.startswith("prefect") for n in module_level_imports(files[m]))
+        m for m in seen if any(n.startswith("prefect") for n in module_level_imports(m, files[m]))
     )
 
 
